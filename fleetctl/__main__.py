@@ -1,0 +1,5 @@
+"""`python -m fleetctl` runs the command line."""
+
+from fleetctl.cli import main
+
+main()

@@ -1,0 +1,239 @@
+"""Hardware, model and quantization-format profiles: schemas, loading, and lookup by name."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from fleetctl.errors import Location, UserError, did_you_mean
+from fleetctl.resources import bundled
+from fleetctl.validation import Strict, validate
+from fleetctl.yamlsrc import load_yaml
+
+Architecture = Literal["volta", "turing", "ampere", "ada", "hopper", "blackwell"]
+ComputeDtype = Literal["fp16", "bf16", "fp8", "int8"]
+
+
+class Tflops(Strict):
+    """Dense tensor-core throughput in TFLOPS (TOPS for int8); None where the GPU lacks it."""
+
+    fp16: float
+    bf16: float | None = None
+    fp8: float | None = None
+    int8: float | None = None
+
+
+class GpuProfile(Strict):
+    name: str
+    aliases: tuple[str, ...] = ()
+    vendor: Literal["nvidia"] = "nvidia"
+    architecture: Architecture
+    compute_capability: str
+    memory_mib: int = Field(gt=0)
+    memory_type: str
+    memory_bandwidth_gb_s: float = Field(gt=0)
+    tflops: Tflops
+    form_factor: Literal["sxm", "pcie"]
+    interconnect: Literal["nvlink", "pcie"]
+    nvlink_gb_s: float | None = None
+    pcie_gen: int
+    tdp_w: int
+    decode_efficiency: float = Field(gt=0, le=1)
+    sources: tuple[str, ...] = Field(min_length=1)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_mib * 2**20
+
+    def peak_flops(self, dtype: ComputeDtype) -> float:
+        """Peak dense FLOP/s for a compute dtype, falling back to fp16 where it is missing."""
+        value = getattr(self.tflops, dtype) or self.tflops.fp16
+        return value * 1e12
+
+
+class ModelProfile(Strict):
+    name: str
+    hf_id: str | None = None
+    architecture: str
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_attention_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    tie_word_embeddings: bool = False
+    max_context: int = Field(gt=0)
+    params_total: int = Field(gt=0)
+    params_active: int = Field(gt=0)
+    num_experts: int | None = None
+    experts_per_token: int | None = None
+    torch_dtype: str = "bfloat16"
+    sources: tuple[str, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelProfile:
+        if self.params_active > self.params_total:
+            raise ValueError("params_active exceeds params_total | fix the parameter counts")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                "num_attention_heads is not a multiple of num_kv_heads | check config.json"
+            )
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def embedding_params(self) -> int:
+        """Input embeddings plus lm_head: kept in 16 bits by the weight-only formats."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+
+class VllmFlags(Strict):
+    quantization: str | None = None
+    quantization_by_architecture: dict[Architecture, str] = Field(default_factory=dict)
+    dtype: Literal["bfloat16", "float16", "auto"]
+
+
+class FormatProfile(Strict):
+    name: str
+    description: str
+    weight_bytes_per_param: float = Field(gt=0, le=4)
+    activation_dtype: Literal["bfloat16", "float16"]
+    compute: dict[Architecture, ComputeDtype]
+    vllm: VllmFlags
+    kernel_efficiency: dict[Architecture, float]
+    sources: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("kernel_efficiency")
+    @classmethod
+    def _efficiency_range(cls, v: dict[str, float]) -> dict[str, float]:
+        for arch, eff in v.items():
+            if not 0 < eff <= 1.5:
+                raise ValueError(f"kernel_efficiency for {arch} is {eff} | use a value in (0, 1.5]")
+        return v
+
+    @model_validator(mode="after")
+    def _covers(self) -> FormatProfile:
+        missing = set(self.compute) - set(self.kernel_efficiency)
+        if missing:
+            raise ValueError(
+                f"no kernel_efficiency for {', '.join(sorted(missing))} | "
+                "give one for every architecture in 'compute'"
+            )
+        return self
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        """Architectures that run this format: those with a compute dtype."""
+        return tuple(self.compute)
+
+    def runs_on(self, gpu: GpuProfile) -> bool:
+        return gpu.architecture in self.compute
+
+    def quantization_flag(self, gpu: GpuProfile) -> str | None:
+        return self.vllm.quantization_by_architecture.get(gpu.architecture, self.vllm.quantization)
+
+    @property
+    def activation_bytes(self) -> int:
+        return 2
+
+
+KINDS: dict[str, type[Strict]] = {
+    "gpus": GpuProfile,
+    "models": ModelProfile,
+    "formats": FormatProfile,
+}
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every profile known to this run, by kind and canonical name."""
+
+    gpus: dict[str, GpuProfile] = field(default_factory=dict)
+    models: dict[str, ModelProfile] = field(default_factory=dict)
+    formats: dict[str, FormatProfile] = field(default_factory=dict)
+    origin: dict[tuple[str, str], Path] = field(default_factory=dict)
+
+    def gpu(self, name: str, where: Location | None = None) -> GpuProfile:
+        """A GPU by profile name or by any alias (e.g. what nvidia-smi prints), any case."""
+        found = self.find_gpu(name)
+        if found is None:
+            raise _unknown("GPU type", name, [*self.gpus], where, "a name from profiles/gpus")
+        return found
+
+    def find_gpu(self, name: str) -> GpuProfile | None:
+        key = _norm(name)
+        for gpu in self.gpus.values():
+            if key == _norm(gpu.name) or key in {_norm(a) for a in gpu.aliases}:
+                return gpu
+        return None
+
+    def model(self, name: str, where: Location | None = None) -> ModelProfile:
+        for key, m in self.models.items():
+            if _norm(key) == _norm(name):
+                return m
+        raise _unknown("model profile", name, [*self.models], where, "a name from profiles/models")
+
+    def format(self, name: str, where: Location | None = None) -> FormatProfile:
+        for key, f in self.formats.items():
+            if _norm(key) == _norm(name):
+                return f
+        raise _unknown("quantization format", name, [*self.formats], where, "one of")
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(" ", "-")
+
+
+def _unknown(kind: str, name: str, known: list[str], where: Location | None, fix: str) -> UserError:
+    hint = did_you_mean(name, known)
+    if hint:
+        return UserError(f"unknown {kind} '{name}'", where, f"did you mean '{hint}'?")
+    listed = ", ".join(sorted(known))
+    return UserError(f"unknown {kind} '{name}'", where, f"use {fix}: {listed}")
+
+
+def profile_dirs(extra: list[Path] | None = None) -> list[Path]:
+    """Bundled profiles first, then FLEETCTL_PROFILES (os.pathsep-separated), then --profiles."""
+    dirs = [bundled("profiles")]
+    env = os.environ.get("FLEETCTL_PROFILES")
+    if env:
+        dirs += [Path(p) for p in env.split(os.pathsep) if p]
+    dirs += list(extra or [])
+    return dirs
+
+
+def load_catalog(extra: list[Path] | None = None) -> Catalog:
+    """Load every profile; a later folder overrides an earlier one's profile of the same name."""
+    cat = Catalog()
+    for folder in profile_dirs(extra):
+        if not folder.is_dir():
+            raise UserError("profiles folder not found", Location(str(folder)), "check the path")
+        for kind, cls in KINDS.items():
+            table = getattr(cat, kind)
+            for path in sorted((folder / kind).glob("*.yaml")):
+                src = load_yaml(path, "profile")
+                profile: Any = validate(cls, src)
+                for same in [k for k in table if _norm(k) == _norm(profile.name)]:
+                    del table[same]  # a user's profile overrides a bundled one by name
+                table[profile.name] = profile
+                cat.origin[(kind, profile.name)] = path
+    # Aliases must point at one GPU only, or nvidia-smi names would be ambiguous.
+    seen: dict[str, str] = {}
+    for gpu in cat.gpus.values():
+        for alias in (gpu.name, *gpu.aliases):
+            other = seen.setdefault(_norm(alias), gpu.name)
+            if other != gpu.name:
+                raise UserError(
+                    f"GPU alias '{alias}' names both {other} and {gpu.name}",
+                    Location(str(cat.origin[("gpus", gpu.name)])),
+                    "remove it from one of them",
+                )
+    return cat

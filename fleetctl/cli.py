@@ -1,0 +1,282 @@
+"""The command line: thin typer commands, one error boundary; heavy imports wait for the command."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from fleetctl.catalog import Catalog
+    from fleetctl.inventory import Inventory
+
+app = typer.Typer(
+    name="fleetctl",
+    help="Plan, apply, route and simulate vLLM serving on heterogeneous GPU fleets.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+profiles_app = typer.Typer(
+    help="List, show and import hardware and model profiles.", no_args_is_help=True
+)
+app.add_typer(profiles_app, name="profiles")
+
+EXAMPLE_PREFIX = "example:"
+
+InventoryArg = typer.Argument(
+    ...,
+    help="Inventory YAML, or example:NAME for a bundled example (see `fleetctl examples`).",
+    show_default=False,
+)
+ProfilesOpt = typer.Option(
+    None,
+    "--profiles",
+    help="Folder of extra profiles (gpus/, models/, formats/); overrides bundled ones by name. "
+    "Repeatable; FLEETCTL_PROFILES works too.",
+)
+JsonOpt = typer.Option(False, "--json", help="Print JSON instead of tables.")
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+) -> None:
+    """fleetctl: run a mixed GPU fleet serving open-weight LLMs with vLLM."""
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    # Piped output gets a wide page rather than rich's 80 columns, so tables stay on one line.
+    wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(width=wide)
+
+
+def _resolve_inventory_path(arg: str) -> Path:
+    from fleetctl.errors import UserError
+    from fleetctl.resources import examples
+
+    if arg.startswith(EXAMPLE_PREFIX):
+        name = arg[len(EXAMPLE_PREFIX) :]
+        found = examples()
+        if name not in found:
+            raise UserError(
+                f"no bundled example '{name}'",
+                None,
+                f"choose one of: {', '.join(found)}",
+            )
+        return found[name]
+    return Path(arg)
+
+
+def _load(inventory: str, profiles: list[Path] | None) -> tuple[Inventory, Catalog]:
+    from fleetctl.catalog import load_catalog
+    from fleetctl.inventory import load_inventory
+
+    catalog = load_catalog(profiles)
+    return load_inventory(_resolve_inventory_path(inventory), catalog), catalog
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+@app.command()
+def validate(
+    inventory: str = InventoryArg,
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Check an inventory and its profiles; print what it declares."""
+    inv, _ = _load(inventory, profiles)
+    gpus = sum(n.gpu_count for n in inv.nodes)
+    if as_json:
+        _print_json(
+            {
+                "inventory": str(inv.path),
+                "nodes": len(inv.nodes),
+                "gpus": gpus,
+                "models": [m.name for m in inv.models],
+            }
+        )
+        return
+    _console().print(
+        f"[green]ok[/green] {inv.path}: {len(inv.nodes)} nodes, {gpus} GPUs, "
+        f"{len(inv.models)} models"
+    )
+
+
+@app.command()
+def plan(
+    inventory: str = InventoryArg,
+    facts: Path | None = typer.Option(
+        None, "--facts", help="Probed facts JSON (default: .fleetctl/facts.json when present)."
+    ),
+    state_dir: Path | None = typer.Option(
+        None, "--state-dir", help="State folder (default: .fleetctl beside the inventory)."
+    ),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+    out: Path | None = typer.Option(
+        None, "-o", "--out", help="Write the plan as JSON to this file."
+    ),
+    explain: bool = typer.Option(False, "--explain", help="Show why each deployment is placed so."),
+) -> None:
+    """Compute which model, format and TP size runs on which GPUs, and the diff to what runs."""
+    import dataclasses
+
+    from fleetctl.facts import apply_facts, load_facts
+    from fleetctl.planner import plan_fleet
+    from fleetctl.state import load_state, write_atomic
+
+    inv, catalog = _load(inventory, profiles)
+    sdir = state_dir or inv.state_dir
+    facts_path = facts or (sdir / "facts.json")
+    notes: list[str] = []
+    if facts is not None or facts_path.is_file():
+        inv, notes = apply_facts(inv, load_facts(facts_path), catalog)
+    result = plan_fleet(inv, load_state(sdir))
+    if notes:
+        result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
+    if out is not None:
+        write_atomic(out, json.dumps(result.to_json(), indent=2) + "\n")
+    if as_json:
+        _print_json(result.to_json())
+        return
+    from fleetctl.render import render_plan
+
+    console = _console()
+    console.print(render_plan(result, explain))
+    if out is not None:
+        console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")
+
+
+@app.command()
+def examples(as_json: bool = JsonOpt) -> None:
+    """List the bundled example inventories (use them as example:NAME)."""
+    from fleetctl.resources import examples as bundled_examples
+
+    found = bundled_examples()
+    if as_json:
+        _print_json({name: str(path) for name, path in found.items()})
+        return
+    for name, path in found.items():
+        first = path.read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
+        typer.echo(f"example:{name:<22} {first}")
+
+
+@profiles_app.command("list")
+def profiles_list(profiles: list[Path] = ProfilesOpt, as_json: bool = JsonOpt) -> None:
+    """List the GPU, model and format profiles."""
+    from fleetctl.catalog import load_catalog
+
+    cat = load_catalog(profiles)
+    if as_json:
+        _print_json(
+            {
+                "gpus": {k: v.model_dump() for k, v in cat.gpus.items()},
+                "models": {k: v.model_dump() for k, v in cat.models.items()},
+                "formats": {k: v.model_dump() for k, v in cat.formats.items()},
+            }
+        )
+        return
+    from fleetctl.render import profiles_table
+
+    _console().print(profiles_table(cat))
+
+
+@profiles_app.command("show")
+def profiles_show(name: str, profiles: list[Path] = ProfilesOpt) -> None:
+    """Show one profile (GPU, model or format) by name or alias."""
+    from fleetctl.catalog import load_catalog
+    from fleetctl.errors import UserError
+
+    cat = load_catalog(profiles)
+    found: Any = cat.find_gpu(name)
+    if found is None:
+        for table in (cat.models, cat.formats):
+            found = next((v for k, v in table.items() if k.lower() == name.lower()), None)
+            if found:
+                break
+    if found is None:
+        from fleetctl.errors import did_you_mean
+
+        hint = did_you_mean(name, [*cat.gpus, *cat.models, *cat.formats])
+        raise UserError(
+            f"no profile named '{name}'",
+            None,
+            f"did you mean '{hint}'?" if hint else "see `fleetctl profiles list`",
+        )
+    _print_json(found.model_dump())
+
+
+@profiles_app.command("import-hf-config")
+def profiles_import(
+    config: Path = typer.Argument(..., help="A Hugging Face config.json."),
+    name: str = typer.Option(..., "--name", help="Profile name to create."),
+    hf_id: str | None = typer.Option(None, "--hf-id", help="The model's Hugging Face id."),
+    out: Path = typer.Option(
+        Path("profiles"), "--out", help="Profiles folder to write into (models/NAME.yaml)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing profile file."),
+) -> None:
+    """Add a model profile from a Hugging Face config.json (parameter counts computed)."""
+    import yaml
+
+    from fleetctl.catalog import ModelProfile
+    from fleetctl.errors import Location, UserError
+    from fleetctl.hfconfig import profile_from_config, read_config
+    from fleetctl.state import write_atomic
+
+    data = profile_from_config(read_config(config), name, config, hf_id)
+    try:
+        ModelProfile.model_validate(data)
+    except ValueError as e:
+        raise UserError(
+            f"the config gives an invalid profile: {e}", Location(str(config))
+        ) from None
+    target = out / "models" / f"{name}.yaml"
+    if target.exists() and not force:
+        raise UserError("profile file exists", Location(str(target)), "pass --force to overwrite")
+    header = f"# {name}: imported from {config.name} by `fleetctl profiles import-hf-config`.\n"
+    write_atomic(target, header + yaml.safe_dump(data, sort_keys=False))
+    typer.echo(
+        f"wrote {target} ({data['params_total'] / 1e9:.2f}B parameters); "
+        f"use it with --profiles {out} or FLEETCTL_PROFILES={out}"
+    )
+
+
+@app.command()
+def version() -> None:
+    """Print fleetctl's version."""
+    from fleetctl import __version__
+
+    typer.echo(f"fleetctl {__version__}")
+
+
+def main() -> None:
+    """Entry point: run the app inside the one error boundary."""
+    debug = "--debug" in sys.argv[1:] or os.environ.get("FLEETCTL_DEBUG") == "1"
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
+    except Exception as e:
+        from fleetctl.errors import FleetError
+
+        if debug:
+            raise
+        if isinstance(e, FleetError):
+            sys.stderr.write(f"error: {e}\n")
+            sys.exit(e.exit_code)
+        sys.stderr.write(
+            f"internal error: {type(e).__name__}: {e} (run with --debug for the traceback)\n"
+        )
+        sys.exit(1)

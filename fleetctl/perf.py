@@ -1,0 +1,293 @@
+"""The one performance model: weights, KV cache budget, and decode/prefill speed on a GPU group.
+
+The planner, the router's estimates and the simulator all call this module, so they never
+disagree about how much fits on a GPU or how fast it runs. Everything here is pure arithmetic.
+
+Memory model (per GPU of a tensor-parallel group), after vLLM's own start-up profiling
+(`Worker.determine_available_memory`): vLLM may use `memory x gpu_memory_utilization`; from that
+it subtracts the weights it loaded (weights / TP), the peak activation memory of a profiling
+forward pass over `max_num_batched_tokens` tokens, memory allocated outside PyTorch (CUDA
+context, cuBLAS workspaces, NCCL buffers) and, unless `--enforce-eager`, the CUDA-graph pool.
+What is left is the KV cache. We model the activation peak from the model's shapes (the MLP's
+gate/up projection dominates) plus the sampler's logits; the other two are constants in the
+ranges vLLM logs report ("non_torch_memory", "Graph capturing ... took X GiB").
+
+Speed model (roofline): a forward step reads the weights once (for MoE, only the experts the
+step's tokens touch) plus the KV cache of every sequence in the batch, and does ~2 FLOPs per
+active parameter per token plus attention. Step time is the larger of bytes / effective
+bandwidth and FLOPs / effective compute, plus tensor-parallel all-reduces. Effective bandwidth
+is the GPU's peak times its calibrated `decode_efficiency` times the format's kernel efficiency
+on that architecture (profiles/formats).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from fleetctl.catalog import FormatProfile, GpuProfile, ModelProfile
+
+GiB = 2**30
+GB = 1e9
+
+# Memory outside PyTorch's allocator per GPU: CUDA context and library workspaces; vLLM logs
+# report 0.1-0.5 GiB ("non_torch_memory"). NCCL adds its buffers under tensor parallelism.
+NON_TORCH_BYTES = int(0.4 * GiB)
+NCCL_BYTES = int(0.25 * GiB)
+# The CUDA-graph memory pool; vLLM logs "Graph capturing finished ... took 0.2-1 GiB".
+CUDA_GRAPH_BYTES = int(0.5 * GiB)
+# Fraction of peak tensor throughput reached by large GEMMs in vLLM (prefill MFU ~50-60%).
+COMPUTE_EFFICIENCY = 0.55
+# All-reduce latency per call by link kind (two all-reduces per layer under TP).
+ALLREDUCE_LATENCY_S = {"nvlink": 8e-6, "pcie": 25e-6}
+PCIE_GB_S = {3: 12.0, 4: 25.0, 5: 50.0}
+BLOCK_SIZE = 16  # vLLM's KV block size in tokens on CUDA
+
+KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2}
+
+
+def vllm_batch_defaults(gpu: GpuProfile) -> tuple[int, int]:
+    """`vllm serve`'s default (max_num_batched_tokens, max_num_seqs) on this GPU.
+
+    vLLM's EngineArgs use larger defaults on GPUs with at least 70 GiB that are not A100s.
+    """
+    big = gpu.memory_bytes >= 70 * GiB and gpu.architecture != "ampere"
+    return (8192, 1024) if big else (2048, 256)
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """Where one GPU's memory goes, in bytes, and the KV cache that is left for the group."""
+
+    usable: int  # memory x gpu_memory_utilization
+    weights: int  # this GPU's share of the weights
+    activation: int
+    non_torch: int
+    cuda_graphs: int
+    kv_per_gpu: int  # what is left for the KV cache on each GPU (may be negative)
+    kv_tokens: int  # tokens of KV the whole group holds, rounded down to whole blocks
+    tensor_parallel_size: int
+
+    @property
+    def kv_total(self) -> int:
+        return max(0, self.kv_per_gpu) * self.tensor_parallel_size
+
+    @property
+    def reserve(self) -> int:
+        return self.activation + self.non_torch + self.cuda_graphs
+
+
+def weights_bytes(model: ModelProfile, fmt: FormatProfile) -> int:
+    """Bytes of weights; quantized formats keep the embeddings and lm_head in 16 bits."""
+    body = model.params_total - model.embedding_params
+    return int(body * fmt.weight_bytes_per_param + model.embedding_params * fmt.activation_bytes)
+
+
+def kv_heads_per_gpu(model: ModelProfile, tp: int) -> int:
+    # With fewer KV heads than GPUs, vLLM replicates each head so every GPU holds one.
+    return max(1, model.num_kv_heads // tp)
+
+
+def kv_bytes_per_token(model: ModelProfile, kv_dtype_bytes: int = 2, tp: int = 1) -> int:
+    """KV bytes per token on one GPU: 2 (K and V) x layers x KV heads x head dim x dtype bytes."""
+    return 2 * model.num_layers * kv_heads_per_gpu(model, tp) * model.head_dim * kv_dtype_bytes
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, fmt: FormatProfile) -> int:
+    """Bytes per KV element; 'auto' follows the activation dtype."""
+    return KV_DTYPE_BYTES.get(kv_cache_dtype, fmt.activation_bytes)
+
+
+def activation_peak_bytes(model: ModelProfile, tp: int, batched_tokens: int, max_seqs: int) -> int:
+    """Peak activations of vLLM's profiling pass on one GPU.
+
+    Per token: the residual stream, its norm and the attention output (about 4 x hidden), and
+    the MLP's gate/up output plus the activated product (3 x intermediate / TP), in 16 bits;
+    plus the sampler's fp32 logits and probabilities for `max_seqs` rows.
+    """
+    per_token = (4 * model.hidden_size + 3 * model.intermediate_size // tp) * 2
+    logits = max_seqs * model.vocab_size * 4 * 2
+    return batched_tokens * per_token + logits
+
+
+def kv_budget(
+    gpu: GpuProfile,
+    model: ModelProfile,
+    fmt: FormatProfile,
+    tp: int = 1,
+    gpu_memory_utilization: float = 0.92,
+    kv_cache_dtype: str = "auto",
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    enforce_eager: bool = False,
+) -> KvBudget:
+    """The KV cache a tensor-parallel group of `tp` GPUs has left after weights and reserves."""
+    default_tokens, default_seqs = vllm_batch_defaults(gpu)
+    tokens = max_num_batched_tokens or default_tokens
+    seqs = max_num_seqs or default_seqs
+    usable = int(gpu.memory_bytes * gpu_memory_utilization)
+    weights = math.ceil(weights_bytes(model, fmt) / tp)
+    activation = activation_peak_bytes(model, tp, tokens, seqs)
+    non_torch = NON_TORCH_BYTES + (NCCL_BYTES if tp > 1 else 0)
+    graphs = 0 if enforce_eager else CUDA_GRAPH_BYTES
+    kv_per_gpu = usable - weights - activation - non_torch - graphs
+    per_token = kv_bytes_per_token(model, kv_dtype_bytes(kv_cache_dtype, fmt), tp)
+    blocks = max(0, kv_per_gpu) // (per_token * BLOCK_SIZE)
+    return KvBudget(
+        usable, weights, activation, non_torch, graphs, kv_per_gpu, blocks * BLOCK_SIZE, tp
+    )
+
+
+def max_sequences(kv_tokens: int, context_tokens: int) -> int:
+    """How many sequences of `context_tokens` the KV cache holds at once (whole blocks each)."""
+    blocks_per_seq = -(-context_tokens // BLOCK_SIZE)
+    return (kv_tokens // BLOCK_SIZE) // blocks_per_seq if blocks_per_seq else 0
+
+
+@dataclass(frozen=True)
+class EnginePerf:
+    """Speed of one vLLM engine (a model in a format on a TP group of one GPU type).
+
+    Built once per deployment; `step_time` is the hot path of the simulator, so the constants
+    it needs are precomputed.
+    """
+
+    gpu: GpuProfile
+    model: ModelProfile
+    fmt: FormatProfile
+    tp: int = 1
+    kv_cache_dtype: str = "auto"
+
+    @cached_property
+    def bandwidth(self) -> float:
+        """Effective bytes/s one GPU reaches reading KV cache (attention kernels)."""
+        return self.gpu.memory_bandwidth_gb_s * GB * self.gpu.decode_efficiency
+
+    @cached_property
+    def weight_bandwidth(self) -> float:
+        """Effective bytes/s reading weights: the format's GEMM kernels on this architecture."""
+        return self.bandwidth * self.fmt.kernel_efficiency.get(self.gpu.architecture, 1.0)
+
+    @cached_property
+    def flops(self) -> float:
+        """Effective FLOP/s one GPU reaches in the format's compute dtype."""
+        dtype = self.fmt.compute.get(self.gpu.architecture, "fp16")
+        return self.gpu.peak_flops(dtype) * COMPUTE_EFFICIENCY
+
+    @cached_property
+    def weights(self) -> int:
+        return weights_bytes(self.model, self.fmt)
+
+    @cached_property
+    def _expert_bytes(self) -> float:
+        """Bytes of all routed experts (MoE); zero for dense models."""
+        m = self.model
+        if not m.num_experts or not m.experts_per_token:
+            return 0.0
+        idle = m.num_experts - m.experts_per_token
+        expert_params = (m.params_total - m.params_active) * m.num_experts / idle
+        return expert_params * self.fmt.weight_bytes_per_param
+
+    @cached_property
+    def kv_token_bytes(self) -> int:
+        return kv_bytes_per_token(
+            self.model, kv_dtype_bytes(self.kv_cache_dtype, self.fmt), self.tp
+        )
+
+    @cached_property
+    def _attn_flops_per_ctx(self) -> float:
+        # QK^T and AV: 2 matmuls x 2 FLOPs x query heads x head_dim per (token, context) pair.
+        m = self.model
+        return 4.0 * m.num_layers * m.num_attention_heads * m.head_dim
+
+    @cached_property
+    def _allreduce_fixed(self) -> float:
+        if self.tp == 1:
+            return 0.0
+        kind = self.gpu.interconnect
+        return 2 * self.model.num_layers * ALLREDUCE_LATENCY_S[kind]
+
+    @cached_property
+    def _allreduce_per_token(self) -> float:
+        if self.tp == 1:
+            return 0.0
+        g = self.gpu
+        link = (
+            (g.nvlink_gb_s or 0) / 2
+            if g.interconnect == "nvlink"
+            else PCIE_GB_S.get(g.pcie_gen, 25)
+        )
+        ring = 2 * (self.tp - 1) / self.tp  # bytes moved per byte reduced in a ring all-reduce
+        per_layer = 2 * self.model.hidden_size * 2 * ring / (link * GB)
+        return self.model.num_layers * per_layer
+
+    def weight_read_bytes(self, tokens: int) -> float:
+        """Weight bytes one step reads for `tokens` tokens (MoE: the experts they touch)."""
+        if not self._expert_bytes:
+            return float(self.weights)
+        m = self.model
+        assert m.num_experts and m.experts_per_token
+        # Expected share of experts hit when each token picks k of E uniformly.
+        touched = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1)
+        return self.weights - self._expert_bytes * (1.0 - touched)
+
+    def active_params(self) -> float:
+        return float(self.model.params_active)
+
+    def step_time(self, tokens: int, kv_tokens: float, attn_pairs: float | None = None) -> float:
+        """Seconds for one engine step.
+
+        tokens: tokens computed this step (one per decoding sequence plus prefill chunk tokens);
+        kv_tokens: KV-cache tokens read (the context of every sequence in the batch);
+        attn_pairs: (query token, context token) pairs attended; defaults to `kv_tokens`,
+        which is exact for a batch of pure decodes.
+        """
+        pairs = kv_tokens if attn_pairs is None else attn_pairs
+        mem = self._memory_time(tokens, kv_tokens)
+        work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
+        compute = work / self.tp / self.flops
+        comm = self._allreduce_fixed + tokens * self._allreduce_per_token
+        return max(mem, compute) + comm
+
+    def _memory_time(self, tokens: int, kv_tokens: float) -> float:
+        weights = self.weight_read_bytes(tokens) / self.tp / self.weight_bandwidth
+        return weights + kv_tokens * self.kv_token_bytes / self.bandwidth
+
+    def decode_tok_s(self, batch: int = 1, context: int = 512) -> float:
+        """Aggregate decode tokens/s at a batch of `batch` sequences of `context` tokens each."""
+        return batch / self.step_time(batch, batch * context)
+
+    def bound_regime(self, batch: int, context: int = 512) -> str:
+        """'bandwidth' or 'compute': which roof limits a decode step at this batch."""
+        mem = self._memory_time(batch, batch * context)
+        compute = (
+            2.0 * self.model.params_active * batch + self._attn_flops_per_ctx * batch * context
+        )
+        compute /= self.tp * self.flops
+        return "compute" if compute > mem else "bandwidth"
+
+    def prefill_time(self, tokens: int, context: int = 0) -> float:
+        """Seconds to prefill `tokens` prompt tokens on top of `context` cached tokens, alone."""
+        pairs = tokens * (context + tokens / 2)
+        return self.step_time(tokens, context + tokens, pairs)
+
+    def prefill_marginal(self, tokens: int, context: int = 0) -> float:
+        """Compute seconds a prompt adds riding along a batch that reads the weights anyway."""
+        pairs = tokens * (context + tokens / 2)
+        work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
+        return work / self.tp / self.flops + tokens * self._allreduce_per_token
+
+    def capacity_rps(self, prompt: int, output: int, kv_tokens: int, max_num_seqs: int) -> float:
+        """Requests/s the engine sustains at saturation for a mean prompt and output length.
+
+        Concurrency is capped by max_num_seqs and by how many whole sequences the KV cache holds;
+        each request costs its share of the decode steps plus the compute of its prefill.
+        """
+        batch = min(max_num_seqs, max_sequences(kv_tokens, prompt + output))
+        if batch < 1:
+            return 0.0
+        mean_ctx = prompt + output / 2
+        step = self.step_time(batch, batch * mean_ctx)
+        per_request = output * step / batch + self.prefill_marginal(prompt)
+        return 1.0 / per_request

@@ -1,0 +1,261 @@
+"""Planning: which model, format and TP size runs on which GPUs, explained, and its diff."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from fleetctl.inventory import Inventory, Model
+from fleetctl.perf import GB
+from fleetctl.planner.candidates import (
+    Candidate,
+    NodeClass,
+    candidates,
+    natural_key,
+    node_classes,
+    tp_sizes,
+    why_not,
+)
+from fleetctl.planner.diff import diff
+from fleetctl.planner.expand import Placement, expand
+from fleetctl.planner.model import Deployment, ModelSummary, Plan, Unplaced
+from fleetctl.planner.optimize import demand, solve
+from fleetctl.state import State
+
+__all__ = ["plan_fleet"]
+
+
+def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
+    """The plan for `inv`, keeping what `state` runs where it is still a good answer."""
+    state = state or State()
+    classes = node_classes(inv)
+    feasible, rejected = candidates(inv, classes)
+    current = _current_counts(feasible, classes, state)
+    target = inv.spec.planner.target_utilization
+    sol = solve(
+        classes, feasible, inv.models, target, current, inv.spec.planner.warn_sequences_below
+    )
+    placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
+    deployments = sorted(
+        (_deployment(p, inv) for p in placements),
+        key=lambda d: (natural_key(d.node), d.gpu_indices),
+    )
+    by_model: dict[str, list[Deployment]] = defaultdict(list)
+    for d in deployments:
+        by_model[d.model].append(d)
+    unplaced = tuple(
+        Unplaced(m.name, _why_unplaced(m, classes, feasible, rejected))
+        for m in inv.models
+        if not by_model[m.name] and m.spec.min_replicas > 0
+    )
+    summaries = tuple(
+        ModelSummary(
+            m.name,
+            len(by_model[m.name]),
+            sum(d.tensor_parallel_size for d in by_model[m.name]),
+            sum(d.capacity_rps for d in by_model[m.name]),
+            demand(m),
+        )
+        for m in inv.models
+    )
+    warnings = _warnings(inv, deployments, summaries, classes, placements)
+    return Plan(
+        inventory=str(inv.path),
+        deployments=tuple(deployments),
+        unplaced=unplaced,
+        warnings=tuple(warnings),
+        actions=diff(deployments, state.deployments),
+        models=summaries,
+        state_serial=state.serial,
+        solver=sol.info,
+    )
+
+
+def _current_counts(feasible: list[Candidate], classes: list[NodeClass], state: State) -> list[int]:
+    class_of = {node.name: c.index for c in classes for node in c.nodes}
+    have: dict[tuple[int, str, str, int], int] = defaultdict(int)
+    for d in state.deployments:
+        if d.node in class_of:
+            have[(class_of[d.node], d.model, d.variant, d.tensor_parallel_size)] += 1
+    return [have.get((k.cls.index, *k.option), 0) for k in feasible]
+
+
+def _deployment(p: Placement, inv: Inventory) -> Deployment:
+    k = p.cand
+    node = k.cls.nodes[p.node_index]
+    model, variant, fmt = k.model, k.variant, k.variant.format
+    port = inv.spec.planner.port_base + p.gpus[0]
+    args = [
+        "serve",
+        variant.source,
+        "--served-model-name",
+        model.name,
+        "--host",
+        node.host,
+        "--port",
+        str(port),
+        "--tensor-parallel-size",
+        str(k.tp),
+        "--max-model-len",
+        str(model.spec.max_context),
+        "--gpu-memory-utilization",
+        f"{k.gpu_memory_utilization:g}",
+        "--dtype",
+        fmt.vllm.dtype,
+        "--kv-cache-dtype",
+        model.spec.kv_cache_dtype,
+        "--max-num-batched-tokens",
+        str(k.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(k.max_num_seqs),
+    ]
+    quant = fmt.quantization_flag(k.cls.gpu)
+    if quant:
+        args += ["--quantization", quant]
+    if variant.revision:
+        args += ["--revision", variant.revision]
+    if inv.spec.planner.enforce_eager:
+        args.append("--enforce-eager")
+    args += list(model.spec.vllm_args)
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, p.gpus)), **model.spec.env}
+    return Deployment(
+        node=node.name,
+        host=node.host,
+        gpu_type=k.cls.gpu.name,
+        gpu_indices=p.gpus,
+        model=model.name,
+        variant=fmt.name,
+        source=variant.source,
+        tensor_parallel_size=k.tp,
+        max_model_len=model.spec.max_context,
+        gpu_memory_utilization=k.gpu_memory_utilization,
+        kv_cache_dtype=model.spec.kv_cache_dtype,
+        max_num_batched_tokens=k.max_num_batched_tokens,
+        max_num_seqs=k.max_num_seqs,
+        kv_budget_bytes=k.budget.kv_total,
+        kv_budget_tokens=k.budget.kv_tokens,
+        max_sequences_at_max_len=k.sequences_at_max_len,
+        weights_bytes=k.perf.weights,
+        port=port,
+        vllm_args=tuple(args),
+        env=tuple(sorted(env.items())),
+        predicted_decode_tok_s=k.decode_tok_s,
+        capacity_rps=k.capacity_rps,
+        reasons=tuple(_reasons(k, inv)),
+    )
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def _reasons(k: Candidate, inv: Inventory) -> list[str]:
+    """Why this class, this format and this TP, in numbers."""
+    m, fmt, gpu = k.model, k.variant.format, k.cls.gpu
+    out = []
+    if k.tp == 1:
+        out.append(
+            f"TP=1: {_gb(k.perf.weights)} of weights fit one {gpu.memory_mib / 1024:.0f} GiB "
+            f"{gpu.name}"
+        )
+    else:
+        out.append(
+            f"TP={k.tp}: {_gb(k.perf.weights)} of weights, {_gb(k.budget.weights)} per GPU "
+            f"across {k.tp} {gpu.name} over {gpu.interconnect}"
+        )
+    out.append(
+        f"KV budget {_gb(k.budget.kv_total)} = {k.budget.kv_tokens:,} tokens: "
+        f"{k.sequences_at_max_len} sequences at max_model_len {m.spec.max_context}"
+    )
+    if len(m.variants) > 1:
+        others = [v.format.name for v in m.variants if v.format.name != fmt.name]
+        out.append(
+            f"{fmt.name} over {', '.join(others)}: {_gb(k.perf.weights)} of weights, "
+            f"kernel efficiency {fmt.kernel_efficiency.get(gpu.architecture, 1):.2f} "
+            f"on {gpu.architecture}"
+        )
+    per_gpu_rps = k.capacity_rps / k.tp
+    out.append(
+        f"on {gpu.name}: {per_gpu_rps:.2f} req/s per GPU at saturation, "
+        f"single-request decode {k.decode_tok_s:.0f} tok/s ({k.perf.bound_regime(1)}-bound)"
+    )
+    return out
+
+
+def _why_unplaced(
+    m: Model, classes: list[NodeClass], feasible: list[Candidate], rejected: list[Candidate]
+) -> str:
+    """The most useful single reason a model got no GPUs."""
+    if any(k.model is m for k in feasible):
+        return (
+            "every GPU that fits it is taken by models with a better claim: "
+            "add GPUs or lower other models' min_replicas"
+        )
+    mine = [k for k in rejected if k.model is m]
+    if not mine:
+        blockers = [
+            why_not(c, m, v, next(iter(tp_sizes(m, c.gpu_count)), None))
+            for c in classes
+            for v in m.variants
+        ]
+        text = "; ".join(sorted({b for b in blockers if b}))
+        return f"no node can run it: {text}" if text else "no node can run it"
+    best = max(mine, key=lambda k: (k.budget.kv_per_gpu * k.tp, -k.tp))
+    fmt = best.variant.format.name
+    need_kv = m.spec.min_sequences * m.spec.max_context * best.perf.kv_token_bytes * best.tp
+    if best.budget.kv_per_gpu <= 0:
+        largest = max(c.gpu_count for c in classes if c.gpu is best.cls.gpu)
+        return (
+            f"{m.name} {fmt} needs {_gb(best.perf.weights)} of weights plus runtime reserve; "
+            f"the best fit, {largest}x {best.cls.gpu.name} at TP={best.tp}, can give weights "
+            f"{_gb(best.budget.usable * best.tp - best.budget.reserve * best.tp)}: "
+            f"no node has enough GPU memory"
+        )
+    return (
+        f"{m.name} {fmt} fits its weights on {best.cls.label} at TP={best.tp} but leaves "
+        f"{_gb(best.budget.kv_total)} of KV cache; {m.spec.min_sequences} sequence(s) of "
+        f"{m.spec.max_context} tokens need {_gb(need_kv)}: lower max_context or add memory"
+    )
+
+
+def _warnings(
+    inv: Inventory,
+    deployments: list[Deployment],
+    summaries: tuple[ModelSummary, ...],
+    classes: list[NodeClass],
+    placements: list[Placement],
+) -> list[str]:
+    out = []
+    target = inv.spec.planner.target_utilization
+    for s in summaries:
+        if s.demand_rps and s.replicas and s.capacity_rps * target < s.demand_rps:
+            share = s.capacity_rps * target / s.demand_rps
+            out.append(
+                f"{s.model}: planned capacity {s.capacity_rps * target:.1f} req/s "
+                f"(at {target:.0%} utilization) covers {share:.0%} of the "
+                f"{s.demand_rps:g} req/s workload; add GPUs or lower the workload"
+            )
+    low = inv.spec.planner.warn_sequences_below
+    groups: dict[tuple[str, str, str, int], list[str]] = defaultdict(list)
+    for d in deployments:
+        if d.max_sequences_at_max_len < low:
+            groups[(d.model, d.variant, d.gpu_type, d.max_sequences_at_max_len)].append(d.node)
+    for (model, variant, gpu, seqs), nodes in sorted(groups.items()):
+        max_len = inv.model(model).spec.max_context
+        out.append(
+            f"{model} {variant} on {gpu} ({_node_list(nodes)}): the KV cache holds only {seqs} "
+            f"sequence(s) of {max_len} tokens; the weights fit but long prompts will queue "
+            f"or be preempted: lower max_context or use a larger-memory class"
+        )
+    used: dict[int, int] = defaultdict(int)
+    for p in placements:
+        used[p.cand.cls.index] += p.cand.tp
+    for c in classes:
+        idle = c.size * c.gpu_count - used[c.index]
+        if idle and inv.models:
+            out.append(f"{idle} {c.gpu.name} GPU(s) left idle: no model benefits from them")
+    return out
+
+
+def _node_list(nodes: list[str]) -> str:
+    nodes = sorted(nodes, key=natural_key)
+    return ", ".join(nodes) if len(nodes) <= 4 else f"{nodes[0]} .. {nodes[-1]}, {len(nodes)} nodes"

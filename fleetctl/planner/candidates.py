@@ -1,0 +1,170 @@
+"""Node classes and the candidate deployments each can host, with the numbers that rank them."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from fleetctl.catalog import GpuProfile
+from fleetctl.inventory import Inventory, Model, Node, Variant
+from fleetctl.perf import EnginePerf, KvBudget, kv_budget, max_sequences, vllm_batch_defaults
+
+TP_SIZES = (1, 2, 4, 8)
+# Mean request shape assumed when a model has no workload: a chat turn.
+DEFAULT_PROMPT, DEFAULT_OUTPUT = 1000, 200
+
+
+def natural_key(name: str) -> tuple[object, ...]:
+    """Sort rtx-2 before rtx-10."""
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+
+
+@dataclass(frozen=True)
+class NodeClass:
+    """Identical nodes: same GPU type and count, and the same models allowed on them."""
+
+    index: int
+    gpu: GpuProfile
+    gpu_count: int
+    nodes: tuple[Node, ...]
+    allowed: frozenset[str]  # model names whose placement rules admit these nodes
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def label(self) -> str:
+        return f"{self.gpu_count}x {self.gpu.name}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A model variant at one TP size on one node class, with its memory and speed."""
+
+    cls: NodeClass
+    model: Model
+    variant: Variant
+    tp: int
+    budget: KvBudget
+    perf: EnginePerf
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    gpu_memory_utilization: float
+    sequences_at_max_len: int
+    capacity_rps: float  # at saturation for the model's mean request
+    decode_tok_s: float  # one request, short context
+
+    @property
+    def option(self) -> tuple[str, str, int]:
+        return (self.model.name, self.variant.format.name, self.tp)
+
+
+def node_classes(inv: Inventory) -> list[NodeClass]:
+    groups: dict[tuple[str, int, frozenset[str]], list[Node]] = {}
+    for node in inv.nodes:
+        allowed = frozenset(m.name for m in inv.models if _labels_match(m, node))
+        groups.setdefault((node.gpu.name, node.gpu_count, allowed), []).append(node)
+    out = []
+    for i, ((_, count, allowed), nodes) in enumerate(sorted(groups.items(), key=_class_order)):
+        nodes.sort(key=lambda n: natural_key(n.name))
+        out.append(NodeClass(i, nodes[0].gpu, count, tuple(nodes), allowed))
+    return out
+
+
+def _class_order(item: tuple[tuple[str, int, frozenset[str]], list[Node]]) -> tuple[object, ...]:
+    (gpu, count, allowed), _ = item
+    return (gpu, count, sorted(allowed))
+
+
+def _labels_match(model: Model, node: Node) -> bool:
+    want = model.spec.placement.labels
+    have = dict(node.labels)
+    return all(have.get(k) == v for k, v in want.items())
+
+
+def request_shape(model: Model) -> tuple[int, int]:
+    w = model.spec.workload
+    if w is None:
+        return min(DEFAULT_PROMPT, model.spec.max_context // 2), DEFAULT_OUTPUT
+    return w.mean_prompt_tokens, w.mean_output_tokens
+
+
+def tp_sizes(model: Model, gpu_count: int) -> list[int]:
+    """TP sizes vLLM accepts for this model that fit in one node."""
+    p = model.profile
+    return [
+        t
+        for t in TP_SIZES
+        if t <= gpu_count
+        and p.num_attention_heads % t == 0
+        and (p.num_kv_heads % t == 0 or t % p.num_kv_heads == 0)
+    ]
+
+
+def evaluate(cls: NodeClass, model: Model, variant: Variant, tp: int, inv: Inventory) -> Candidate:
+    """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not)."""
+    planner = inv.spec.planner
+    util = model.spec.gpu_memory_utilization or planner.gpu_memory_utilization
+    tokens, seqs = vllm_batch_defaults(cls.gpu)
+    budget = kv_budget(
+        cls.gpu,
+        model.profile,
+        variant.format,
+        tp,
+        util,
+        model.spec.kv_cache_dtype,
+        tokens,
+        seqs,
+        planner.enforce_eager,
+    )
+    perf = EnginePerf(cls.gpu, model.profile, variant.format, tp, model.spec.kv_cache_dtype)
+    seq_at_max = max_sequences(budget.kv_tokens, model.spec.max_context)
+    prompt, output = request_shape(model)
+    capacity = perf.capacity_rps(prompt, output, budget.kv_tokens, seqs) if seq_at_max else 0.0
+    return Candidate(
+        cls,
+        model,
+        variant,
+        tp,
+        budget,
+        perf,
+        tokens,
+        seqs,
+        util,
+        seq_at_max,
+        capacity,
+        perf.decode_tok_s(1, 512),
+    )
+
+
+def why_not(cls: NodeClass, model: Model, variant: Variant, tp: int | None) -> str | None:
+    """Why this combination is ruled out before any memory arithmetic, or None."""
+    fmt = variant.format
+    if model.name not in cls.allowed:
+        return f"{cls.label}: excluded by the model's placement labels"
+    if model.gpu_types and cls.gpu.name not in model.gpu_types:
+        return f"{cls.label}: not in the model's placement gpu_types"
+    if not fmt.runs_on(cls.gpu):
+        archs = ", ".join(fmt.architectures)
+        return f"{cls.label}: {fmt.name} does not run on {cls.gpu.architecture} (needs {archs})"
+    if tp is None:
+        return f"{cls.label}: no TP size divides {model.profile.num_attention_heads} heads"
+    return None
+
+
+def candidates(inv: Inventory, classes: list[NodeClass]) -> tuple[list[Candidate], list[Candidate]]:
+    """(feasible, rejected) candidates; rejected ones fit no KV for min_sequences at max_context."""
+    feasible: list[Candidate] = []
+    rejected: list[Candidate] = []
+    for cls in classes:
+        for model in inv.models:
+            for variant in model.variants:
+                sizes = tp_sizes(model, cls.gpu_count)
+                if why_not(cls, model, variant, sizes[0] if sizes else None):
+                    continue
+                for tp in sizes:
+                    cand = evaluate(cls, model, variant, tp, inv)
+                    ok = cand.sequences_at_max_len >= model.spec.min_sequences
+                    (feasible if ok and cand.capacity_rps > 0 else rejected).append(cand)
+    return feasible, rejected

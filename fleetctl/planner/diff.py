@@ -1,0 +1,37 @@
+"""Terraform-like actions: what to create, replace, delete or keep to go from state to plan."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fleetctl.planner.candidates import natural_key
+from fleetctl.planner.model import Action, Deployment
+
+
+def diff(desired: Sequence[Deployment], current: Sequence[Deployment]) -> tuple[Action, ...]:
+    """Actions keyed by (node, GPUs): same slot and same flags is keep, other flags replace."""
+    have = {d.key: d for d in current}
+    want = {d.key: d for d in desired}
+    out: list[Action] = []
+    for key, d in want.items():
+        old = have.get(key)
+        if old is None:
+            out.append(Action("create", d.node, d.gpu_indices, d.model, d.variant))
+        elif old.args_hash == d.args_hash:
+            out.append(Action("keep", d.node, d.gpu_indices, d.model, d.variant))
+        else:
+            detail = _what_changed(old, d)
+            out.append(Action("replace", d.node, d.gpu_indices, d.model, d.variant, detail))
+    for key, old in have.items():
+        if key not in want:
+            out.append(Action("delete", old.node, old.gpu_indices, old.model, old.variant))
+    out.sort(key=lambda a: (natural_key(a.node), a.gpu_indices, a.op))
+    return tuple(out)
+
+
+def _what_changed(old: Deployment, new: Deployment) -> str:
+    if (old.model, old.variant) != (new.model, new.variant):
+        return f"was {old.model} {old.variant}"
+    a, b = set(old.vllm_args), set(new.vllm_args)
+    changed = sorted(x for x in b - a if x.startswith("--")) or sorted(b - a)
+    return "flags changed: " + " ".join(changed[:6]) if changed else "environment changed"

@@ -1,0 +1,215 @@
+"""Rich renderables for plans and profiles; commands print them, nothing here prints."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from fleetctl.planner.candidates import natural_key
+from fleetctl.planner.model import Action, Deployment, Plan
+
+if TYPE_CHECKING:
+    from fleetctl.catalog import Catalog
+
+OP_STYLE = {"create": "green", "replace": "yellow", "delete": "red", "keep": "dim"}
+OP_MARK = {"create": "+", "replace": "~", "delete": "-", "keep": " "}
+
+
+def compress_names(names: Iterable[str]) -> str:
+    """rtx-1 .. rtx-8 -> `rtx-[1:8]`: the inventory's own range syntax, runs kept apart."""
+    by_prefix: dict[tuple[str, str], list[int]] = defaultdict(list)
+    plain: list[str] = []
+    for name in names:
+        m = re.fullmatch(r"(.*?)(\d+)(\D*)", name)
+        if m and not m.group(2).startswith("0"):
+            by_prefix[(m.group(1), m.group(3))].append(int(m.group(2)))
+        else:
+            plain.append(name)
+    parts: list[tuple[tuple[object, ...], str]] = [(natural_key(p), p) for p in plain]
+    for (pre, post), nums in by_prefix.items():
+        nums.sort()
+        start = prev = nums[0]
+        for n in [*nums[1:], None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            text = f"{pre}{start}{post}" if start == prev else f"{pre}[{start}:{prev}]{post}"
+            parts.append((natural_key(f"{pre}{start}{post}"), text))
+            if n is not None:
+                start = prev = n
+    return ", ".join(text for _, text in sorted(parts))
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f}"
+
+
+def plan_table(plan: Plan) -> Table:
+    """One row per group of nodes that get the same deployment and action."""
+    ops = {(a.node, a.gpu_indices): a.op for a in plan.actions}
+    groups: dict[tuple[object, ...], tuple[str, Deployment, list[str]]] = {}
+    for d in plan.deployments:
+        op = ops[d.key]
+        groups.setdefault(_row_key(d, op), (op, d, []))[2].append(d.node)
+    deletes: dict[tuple[tuple[int, ...], str, str], list[str]] = defaultdict(list)
+    for a in plan.actions:
+        if a.op == "delete":
+            deletes[(a.gpu_indices, a.model, a.variant)].append(a.node)
+
+    t = Table(title="Plan", title_justify="left", header_style="bold", pad_edge=False)
+    for col, just in [
+        ("", "left"),
+        ("node", "left"),
+        ("GPUs", "left"),
+        ("model", "left"),
+        ("format", "left"),
+        ("TP", "right"),
+        ("max len", "right"),
+        ("KV tokens", "right"),
+        ("seqs@max", "right"),
+        ("tok/s", "right"),
+        ("req/s", "right"),
+    ]:
+        t.add_column(col, justify=just)  # type: ignore[arg-type]
+    for kind, d, nodes in sorted(groups.values(), key=lambda g: natural_key(g[2][0])):
+        style = OP_STYLE[kind]
+        t.add_row(
+            Text(OP_MARK[kind], style=style),
+            Text(compress_names(nodes), style=style),
+            f"{','.join(map(str, d.gpu_indices))} {d.gpu_type}",
+            d.model,
+            d.variant,
+            str(d.tensor_parallel_size),
+            str(d.max_model_len),
+            f"{d.kv_budget_tokens:,}",
+            str(d.max_sequences_at_max_len),
+            f"{d.predicted_decode_tok_s:.0f}",
+            f"{d.capacity_rps:.2f}",
+        )
+    for (gpus, model, variant), nodes in sorted(deletes.items(), key=lambda kv: str(kv[0])):
+        t.add_row(
+            Text("-", style="red"),
+            Text(compress_names(nodes), style="red"),
+            ",".join(map(str, gpus)),
+            str(model),
+            str(variant),
+            *[""] * 6,
+        )
+    return t
+
+
+def _row_key(d: Deployment, op: str) -> tuple[object, ...]:
+    return (
+        op,
+        d.gpu_type,
+        d.gpu_indices,
+        d.model,
+        d.variant,
+        d.tensor_parallel_size,
+        d.max_model_len,
+        d.kv_budget_tokens,
+        d.max_sequences_at_max_len,
+        round(d.predicted_decode_tok_s),
+        round(d.capacity_rps, 2),
+    )
+
+
+def model_table(plan: Plan) -> Table:
+    t = Table(title="Capacity", title_justify="left", header_style="bold", pad_edge=False)
+    for col in ("model", "replicas", "GPUs", "capacity req/s", "workload req/s"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for s in plan.models:
+        t.add_row(
+            s.model,
+            str(s.replicas),
+            str(s.gpus),
+            f"{s.capacity_rps:.2f}",
+            f"{s.demand_rps:g}" if s.demand_rps else "-",
+        )
+    return t
+
+
+def summary_line(actions: Iterable[Action]) -> Text:
+    counts = dict.fromkeys(("create", "replace", "delete", "keep"), 0)
+    for a in actions:
+        counts[a.op] += 1
+    return Text.assemble(
+        ("Plan: ", "bold"),
+        (f"{counts['create']} to create", "green"),
+        ", ",
+        (f"{counts['replace']} to replace", "yellow"),
+        ", ",
+        (f"{counts['delete']} to delete", "red"),
+        f", {counts['keep']} unchanged.",
+    )
+
+
+def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
+    parts: list[RenderableType] = [plan_table(plan), model_table(plan)]
+    if explain:
+        seen = set()
+        for d in plan.deployments:
+            key = (d.gpu_type, d.model, d.variant, d.tensor_parallel_size)
+            if key in seen:
+                continue
+            seen.add(key)
+            parts.append(
+                Text(
+                    f"{d.model} {d.variant} TP={d.tensor_parallel_size} on {d.gpu_type}:",
+                    style="bold",
+                )
+            )
+            parts.extend(Text(f"  - {r}") for r in d.reasons)
+    for u in plan.unplaced:
+        parts.append(Text(f"unplaced: {u.model}: {u.reason}", style="red"))
+    for w in plan.warnings:
+        parts.append(Text(f"warning: {w}", style="yellow"))
+    parts.append(summary_line(plan.actions))
+    return Group(*parts)
+
+
+def profiles_table(cat: Catalog) -> RenderableType:
+    gpus = Table(title="GPUs", title_justify="left", header_style="bold", pad_edge=False)
+    for col in ("name", "arch", "memory GiB", "GB/s", "bf16 TFLOPS", "fp8", "link"):
+        gpus.add_column(col)
+    for g in sorted(cat.gpus.values(), key=lambda g: g.name):
+        gpus.add_row(
+            g.name,
+            g.architecture,
+            f"{g.memory_mib / 1024:.1f}",
+            f"{g.memory_bandwidth_gb_s:g}",
+            f"{g.tflops.bf16 or g.tflops.fp16:g}",
+            f"{g.tflops.fp8:g}" if g.tflops.fp8 else "-",
+            g.interconnect,
+        )
+    models = Table(title="Models", title_justify="left", header_style="bold", pad_edge=False)
+    for col in ("name", "params", "active", "layers", "KV heads", "max context", "KV KiB/token"):
+        models.add_column(col)
+    for m in sorted(cat.models.values(), key=lambda m: m.name):
+        kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2 / 1024
+        models.add_row(
+            m.name,
+            f"{m.params_total / 1e9:.1f}B",
+            f"{m.params_active / 1e9:.1f}B",
+            str(m.num_layers),
+            str(m.num_kv_heads),
+            str(m.max_context),
+            f"{kv:g}",
+        )
+    formats = Table(title="Formats", title_justify="left", header_style="bold", pad_edge=False)
+    for col in ("name", "bytes/param", "architectures", "--quantization"):
+        formats.add_column(col)
+    for f in sorted(cat.formats.values(), key=lambda f: f.name):
+        formats.add_row(
+            f.name,
+            f"{f.weight_bytes_per_param:g}",
+            ", ".join(f.architectures),
+            f.vllm.quantization or "-",
+        )
+    return Group(gpus, models, formats)
