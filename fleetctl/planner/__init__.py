@@ -12,6 +12,7 @@ from fleetctl.planner.candidates import (
     candidates,
     natural_key,
     node_classes,
+    prune_dominated,
     tp_sizes,
     why_not,
 )
@@ -29,14 +30,18 @@ def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
     state = state or State()
     classes = node_classes(inv)
     feasible, rejected = candidates(inv, classes)
+    warn_below = inv.spec.planner.warn_sequences_below
+    running = _current_counts(feasible, classes, state)
+    feasible = prune_dominated(feasible, warn_below, {i for i, n in enumerate(running) if n})
     current = _current_counts(feasible, classes, state)
     target = inv.spec.planner.target_utilization
-    sol = solve(
-        classes, feasible, inv.models, target, current, inv.spec.planner.warn_sequences_below
-    )
+    sol = solve(classes, feasible, inv.models, target, current, warn_below)
     placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
+    serving: dict[str, set[str]] = defaultdict(set)
+    for p in placements:
+        serving[p.cand.cls.gpu.name].add(p.cand.model.name)
     deployments = sorted(
-        (_deployment(p, inv) for p in placements),
+        (_deployment(p, inv, feasible, serving) for p in placements),
         key=lambda d: (natural_key(d.node), d.gpu_indices),
     )
     by_model: dict[str, list[Deployment]] = defaultdict(list)
@@ -58,6 +63,12 @@ def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
         for m in inv.models
     )
     warnings = _warnings(inv, deployments, summaries, classes, placements)
+    if sol.info.get("optimal") is False:
+        warnings.insert(
+            0,
+            f"the placement solver stopped early ({sol.info['status']}): this plan is valid "
+            "but may not be the best one",
+        )
     return Plan(
         inventory=str(inv.path),
         deployments=tuple(deployments),
@@ -79,7 +90,9 @@ def _current_counts(feasible: list[Candidate], classes: list[NodeClass], state: 
     return [have.get((k.cls.index, *k.option), 0) for k in feasible]
 
 
-def _deployment(p: Placement, inv: Inventory) -> Deployment:
+def _deployment(
+    p: Placement, inv: Inventory, feasible: list[Candidate], serving: dict[str, set[str]]
+) -> Deployment:
     k = p.cand
     node = k.cls.nodes[p.node_index]
     model, variant, fmt = k.model, k.variant, k.variant.format
@@ -140,7 +153,7 @@ def _deployment(p: Placement, inv: Inventory) -> Deployment:
         env=tuple(sorted(env.items())),
         predicted_decode_tok_s=k.decode_tok_s,
         capacity_rps=k.capacity_rps,
-        reasons=tuple(_reasons(k, inv)),
+        reasons=tuple(_reasons(k, feasible, serving)),
     )
 
 
@@ -148,7 +161,7 @@ def _gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
 
 
-def _reasons(k: Candidate, inv: Inventory) -> list[str]:
+def _reasons(k: Candidate, feasible: list[Candidate], serving: dict[str, set[str]]) -> list[str]:
     """Why this class, this format and this TP, in numbers."""
     m, fmt, gpu = k.model, k.variant.format, k.cls.gpu
     out = []
@@ -178,6 +191,24 @@ def _reasons(k: Candidate, inv: Inventory) -> list[str]:
         f"on {gpu.name}: {per_gpu_rps:.2f} req/s per GPU at saturation, "
         f"single-request decode {k.decode_tok_s:.0f} tok/s ({k.perf.bound_regime(1)}-bound)"
     )
+    best_elsewhere: dict[str, Candidate] = {}
+    for other in feasible:
+        if other.model is m and other.cls.gpu.name != gpu.name:
+            prev = best_elsewhere.get(other.cls.gpu.name)
+            if prev is None or other.capacity_rps / other.tp > prev.capacity_rps / prev.tp:
+                best_elsewhere[other.cls.gpu.name] = other
+    if not best_elsewhere:
+        out.append(f"{gpu.name} is the only GPU type that fits it")
+    for name, other in sorted(best_elsewhere.items()):
+        there = other.capacity_rps / other.tp
+        text = (
+            f"vs {name}: {there:.2f} req/s per GPU there ({other.variant.format.name}, "
+            f"TP={other.tp}, {other.sequences_at_max_len} sequences at max_model_len)"
+        )
+        busy = sorted(serving.get(name, set()) - {m.name})
+        if there > per_gpu_rps and busy:
+            text += f"; its GPUs serve {', '.join(busy)}, which gain more there"
+        out.append(text)
     return out
 
 

@@ -168,3 +168,34 @@ def candidates(inv: Inventory, classes: list[NodeClass]) -> tuple[list[Candidate
                     ok = cand.sequences_at_max_len >= model.spec.min_sequences
                     (feasible if ok and cand.capacity_rps > 0 else rejected).append(cand)
     return feasible, rejected
+
+
+def prune_dominated(cands: list[Candidate], warn_below: int, keep: set[int]) -> list[Candidate]:
+    """Drop candidates another one beats on the same GPUs; `keep` holds indices to retain.
+
+    B dominates A on one class and model when B's TP size divides A's (A's GPU block splits
+    into TP_A / TP_B blocks for B), those copies of B serve at least A's capacity, and B's KV
+    headroom is no worse. Dropping A then loses no optimal plan and shrinks the MILP.
+    """
+    out = []
+    for i, a in enumerate(cands):
+        dominated = i not in keep and any(
+            _dominates(b, a, warn_below, tie_wins=j < i)
+            for j, b in enumerate(cands)
+            if j != i and b.cls is a.cls and b.model is a.model
+        )
+        if not dominated:
+            out.append(a)
+    return out
+
+
+def _dominates(b: Candidate, a: Candidate, warn_below: int, tie_wins: bool) -> bool:
+    if a.tp % b.tp:
+        return False
+    copies = a.tp // b.tp
+    cap_b, cap_a = copies * b.capacity_rps, a.capacity_rps
+    head_b = min(b.sequences_at_max_len, warn_below)
+    head_a = min(a.sequences_at_max_len, warn_below)
+    if cap_b < cap_a or head_b < head_a:
+        return False
+    return cap_b > cap_a or head_b > head_a or tie_wins
