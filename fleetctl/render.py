@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 OP_STYLE = {"create": "green", "replace": "yellow", "delete": "red", "keep": "dim"}
 OP_MARK = {"create": "+", "replace": "~", "delete": "-", "keep": " "}
+_NUMBERED = re.compile(r"(.*?)(\d+)(\D*)")
 
 
 def compress_names(names: Iterable[str]) -> str:
@@ -26,7 +27,7 @@ def compress_names(names: Iterable[str]) -> str:
     by_prefix: dict[tuple[str, str], list[int]] = defaultdict(list)
     plain: list[str] = []
     for name in names:
-        m = re.fullmatch(r"(.*?)(\d+)(\D*)", name)
+        m = _NUMBERED.fullmatch(name)
         if m and not m.group(2).startswith("0"):
             by_prefix[(m.group(1), m.group(3))].append(int(m.group(2)))
         else:
@@ -53,10 +54,15 @@ def _gb(n: float) -> str:
 def plan_table(plan: Plan) -> Table:
     """One row per group of nodes that get the same deployment and action."""
     ops = {(a.node, a.gpu_indices): a.op for a in plan.actions}
-    groups: dict[tuple[object, ...], tuple[str, Deployment, list[str]]] = {}
+    # Replicas of one planned server share its Server object. Group nodes by (action, GPUs,
+    # server), then merge groups whose nodes are the same: "rtx-[1:8] GPUs 0-7" is one row.
+    by_slot: dict[tuple[str, tuple[int, ...], int], tuple[Deployment, list[str]]] = {}
     for d in plan.deployments:
-        op = ops[d.key]
-        groups.setdefault(_row_key(d, op), (op, d, []))[2].append(d.node)
+        slot = (ops[d.key], d.gpu_indices, id(d.server))
+        by_slot.setdefault(slot, (d, []))[1].append(d.node)
+    rows: dict[tuple[str, int, tuple[str, ...]], tuple[Deployment, list[tuple[int, ...]]]] = {}
+    for (kind, gpus, server), (d, names) in by_slot.items():
+        rows.setdefault((kind, server, tuple(names)), (d, []))[1].append(gpus)
     deletes: dict[tuple[tuple[int, ...], str, str], list[str]] = defaultdict(list)
     for a in plan.actions:
         if a.op == "delete":
@@ -77,19 +83,20 @@ def plan_table(plan: Plan) -> Table:
         ("req/s", "right"),
     ]:
         t.add_column(col, justify=just)  # type: ignore[arg-type]
-    for kind, d, nodes in sorted(groups.values(), key=lambda g: natural_key(g[2][0])):
+    ordered = sorted(rows.items(), key=lambda r: (natural_key(r[0][2][0]), r[1][1][0]))
+    for (kind, _, node_names), (d, slots) in ordered:
         style = OP_STYLE[kind]
         t.add_row(
             Text(OP_MARK[kind], style=style),
-            Text(compress_names(nodes), style=style),
-            f"{','.join(map(str, d.gpu_indices))} {d.gpu_type}",
+            Text(compress_names(node_names), style=style),
+            f"{_slots(slots)} {d.gpu_type}",
             d.model,
             d.variant,
             str(d.tensor_parallel_size),
-            str(d.max_model_len),
-            f"{d.kv_budget_tokens:,}",
-            str(d.max_sequences_at_max_len),
-            f"{d.predicted_decode_tok_s:.0f}",
+            str(d.server.max_model_len),
+            f"{d.server.kv_budget_tokens:,}",
+            str(d.server.max_sequences_at_max_len),
+            f"{d.server.predicted_decode_tok_s:.0f}",
             f"{d.capacity_rps:.2f}",
         )
     for (gpus, model, variant), nodes in sorted(deletes.items(), key=lambda kv: str(kv[0])):
@@ -104,20 +111,14 @@ def plan_table(plan: Plan) -> Table:
     return t
 
 
-def _row_key(d: Deployment, op: str) -> tuple[object, ...]:
-    return (
-        op,
-        d.gpu_type,
-        d.gpu_indices,
-        d.model,
-        d.variant,
-        d.tensor_parallel_size,
-        d.max_model_len,
-        d.kv_budget_tokens,
-        d.max_sequences_at_max_len,
-        round(d.predicted_decode_tok_s),
-        round(d.capacity_rps, 2),
-    )
+def _slots(slots: list[tuple[int, ...]]) -> str:
+    """GPU slots of one row: `0-7` for eight 1-GPU servers, `0,1 2,3` for two TP=2 ones."""
+    slots = sorted(slots)
+    if all(len(s) == 1 for s in slots) and len(slots) > 1:
+        first, last = slots[0][0], slots[-1][0]
+        if last - first + 1 == len(slots):
+            return f"{first}-{last}"
+    return " ".join(",".join(map(str, s)) for s in slots)
 
 
 def model_table(plan: Plan) -> Table:
@@ -165,7 +166,7 @@ def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
                     style="bold",
                 )
             )
-            parts.extend(Text(f"  - {r}") for r in d.reasons)
+            parts.extend(Text(f"  - {r}") for r in d.server.reasons)
     for u in plan.unplaced:
         parts.append(Text(f"unplaced: {u.model}: {u.reason}", style="red"))
     for w in plan.warnings:

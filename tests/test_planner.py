@@ -46,7 +46,7 @@ def test_seed_mixed_fleet_uses_every_gpu(catalog):
     }
     a100 = next(d for d in plan.deployments if d.gpu_type == "A100-SXM4-80GB")
     rtx = next(d for d in plan.deployments if d.gpu_type == "RTX-4090")
-    assert 8.5 < a100.kv_budget_bytes / rtx.kv_budget_bytes < 9.5
+    assert 8.5 < a100.server.kv_budget_bytes / rtx.server.kv_budget_bytes < 9.5
     # The seed's lesson shows as a warning: the weights fit the 4090 but few long sequences do.
     assert any("RTX-4090" in w and "holds only" in w for w in plan.warnings)
 
@@ -216,7 +216,8 @@ def test_diff_against_state(tmp_path, catalog):
     inv = load_inventory(examples()["seed-mixed-8b"], catalog)
     first = plan_fleet(inv)
     # Pretend one server ran with other flags and one ran on a node that is gone.
-    changed = dataclasses.replace(first.deployments[0], vllm_args=("serve", "old"))
+    old_server = dataclasses.replace(first.deployments[0].server, args_tail=("--enforce-eager",))
+    changed = dataclasses.replace(first.deployments[0], server=old_server)
     ghost = dataclasses.replace(first.deployments[1], node="gone-1")
     state = State(3, (changed, ghost, *first.deployments[2:]))
     plan = plan_fleet(inv, state)
@@ -231,10 +232,10 @@ def test_diff_against_state(tmp_path, catalog):
 def test_reasons_explain_class_format_and_tp(catalog):
     plan = plan_fleet(load_inventory(examples()["seed-multi-model"], catalog))
     d70 = next(d for d in plan.deployments if d.model == "llama-3-70b")
-    text = " | ".join(d70.reasons)
+    text = " | ".join(d70.server.reasons)
     assert "TP=2" in text and "141.1 GB of weights" in text and "only GPU type" in text
     d8 = next(d for d in plan.deployments if d.model == "llama-3-8b")
-    assert any("vs A100-SXM4-80GB" in r and "its GPUs serve" in r for r in d8.reasons)
+    assert any("vs A100-SXM4-80GB" in r and "its GPUs serve" in r for r in d8.server.reasons)
 
 
 def test_vllm_args_pin_the_plan(catalog):

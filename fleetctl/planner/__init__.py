@@ -18,7 +18,7 @@ from fleetctl.planner.candidates import (
 )
 from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
-from fleetctl.planner.model import Deployment, ModelSummary, Plan, Unplaced
+from fleetctl.planner.model import Deployment, ModelSummary, Plan, Server, Unplaced
 from fleetctl.planner.optimize import demand, solve
 from fleetctl.state import State
 
@@ -40,8 +40,15 @@ def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
     serving: dict[str, set[str]] = defaultdict(set)
     for p in placements:
         serving[p.cand.cls.gpu.name].add(p.cand.model.name)
+    used = {id(p.cand): p.cand for p in placements}.values()
+    servers = {id(k): _server(k, inv, tuple(_reasons(k, feasible, serving))) for k in used}
+    base = inv.spec.planner.port_base
     deployments = sorted(
-        (_deployment(p, inv, feasible, serving) for p in placements),
+        (
+            Deployment(node.name, node.host, p.gpus, base + p.gpus[0], servers[id(p.cand)])
+            for p in placements
+            for node in (p.cand.cls.nodes[p.node_index],)
+        ),
         key=lambda d: (natural_key(d.node), d.gpu_indices),
     )
     by_model: dict[str, list[Deployment]] = defaultdict(list)
@@ -90,22 +97,10 @@ def _current_counts(feasible: list[Candidate], classes: list[NodeClass], state: 
     return [have.get((k.cls.index, *k.option), 0) for k in feasible]
 
 
-def _deployment(
-    p: Placement, inv: Inventory, feasible: list[Candidate], serving: dict[str, set[str]]
-) -> Deployment:
-    k = p.cand
-    node = k.cls.nodes[p.node_index]
+def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
+    """Everything about a candidate's servers that does not depend on the node."""
     model, variant, fmt = k.model, k.variant, k.variant.format
-    port = inv.spec.planner.port_base + p.gpus[0]
-    args = [
-        "serve",
-        variant.source,
-        "--served-model-name",
-        model.name,
-        "--host",
-        node.host,
-        "--port",
-        str(port),
+    tail = [
         "--tensor-parallel-size",
         str(k.tp),
         "--max-model-len",
@@ -123,21 +118,17 @@ def _deployment(
     ]
     quant = fmt.quantization_flag(k.cls.gpu)
     if quant:
-        args += ["--quantization", quant]
+        tail += ["--quantization", quant]
     if variant.revision:
-        args += ["--revision", variant.revision]
+        tail += ["--revision", variant.revision]
     if inv.spec.planner.enforce_eager:
-        args.append("--enforce-eager")
-    args += list(model.spec.vllm_args)
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, p.gpus)), **model.spec.env}
-    return Deployment(
-        node=node.name,
-        host=node.host,
-        gpu_type=k.cls.gpu.name,
-        gpu_indices=p.gpus,
+        tail.append("--enforce-eager")
+    tail += model.spec.vllm_args
+    return Server(
         model=model.name,
         variant=fmt.name,
         source=variant.source,
+        gpu_type=k.cls.gpu.name,
         tensor_parallel_size=k.tp,
         max_model_len=model.spec.max_context,
         gpu_memory_utilization=k.gpu_memory_utilization,
@@ -148,12 +139,12 @@ def _deployment(
         kv_budget_tokens=k.budget.kv_tokens,
         max_sequences_at_max_len=k.sequences_at_max_len,
         weights_bytes=k.perf.weights,
-        port=port,
-        vllm_args=tuple(args),
-        env=tuple(sorted(env.items())),
         predicted_decode_tok_s=k.decode_tok_s,
         capacity_rps=k.capacity_rps,
-        reasons=tuple(_reasons(k, feasible, serving)),
+        reasons=reasons,
+        args_head=("serve", variant.source, "--served-model-name", model.name),
+        args_tail=tuple(tail),
+        env=tuple(sorted(model.spec.env.items())),
     )
 
 
@@ -268,8 +259,10 @@ def _warnings(
     low = inv.spec.planner.warn_sequences_below
     groups: dict[tuple[str, str, str, int], list[str]] = defaultdict(list)
     for d in deployments:
-        if d.max_sequences_at_max_len < low:
-            groups[(d.model, d.variant, d.gpu_type, d.max_sequences_at_max_len)].append(d.node)
+        if d.server.max_sequences_at_max_len < low:
+            groups[(d.model, d.variant, d.gpu_type, d.server.max_sequences_at_max_len)].append(
+                d.node
+            )
     for (model, variant, gpu, seqs), nodes in sorted(groups.items()):
         max_len = inv.model(model).spec.max_context
         out.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -10,13 +11,15 @@ from fleetctl.inventory import Inventory, Model, Node, Variant
 from fleetctl.perf import EnginePerf, KvBudget, kv_budget, max_sequences, vllm_batch_defaults
 
 TP_SIZES = (1, 2, 4, 8)
+_DIGITS = re.compile(r"(\d+)")
 # Mean request shape assumed when a model has no workload: a chat turn.
 DEFAULT_PROMPT, DEFAULT_OUTPUT = 1000, 200
 
 
+@functools.lru_cache(maxsize=1 << 17)
 def natural_key(name: str) -> tuple[object, ...]:
-    """Sort rtx-2 before rtx-10."""
-    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name))
+    """Sort rtx-2 before rtx-10 (cached: big plans sort the same node names many times)."""
+    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,12 @@ class Candidate:
 
 def node_classes(inv: Inventory) -> list[NodeClass]:
     groups: dict[tuple[str, int, frozenset[str]], list[Node]] = {}
+    by_labels: dict[tuple[tuple[str, str], ...], frozenset[str]] = {}
     for node in inv.nodes:
-        allowed = frozenset(m.name for m in inv.models if _labels_match(m, node))
+        allowed = by_labels.get(node.labels)
+        if allowed is None:
+            allowed = frozenset(m.name for m in inv.models if _labels_match(m, node))
+            by_labels[node.labels] = allowed
         groups.setdefault((node.gpu.name, node.gpu_count, allowed), []).append(node)
     out = []
     for i, ((_, count, allowed), nodes) in enumerate(sorted(groups.items(), key=_class_order)):

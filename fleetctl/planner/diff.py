@@ -25,7 +25,8 @@ def diff(desired: Sequence[Deployment], current: Sequence[Deployment]) -> tuple[
     for key, old in have.items():
         if key not in want:
             out.append(Action("delete", old.node, old.gpu_indices, old.model, old.variant))
-    out.sort(key=lambda a: (natural_key(a.node), a.gpu_indices, a.op))
+    if have:  # with no state the actions already follow the plan's (sorted) order
+        out.sort(key=lambda a: (natural_key(a.node), a.gpu_indices, a.op))
     return tuple(out)
 
 

@@ -30,7 +30,11 @@ def expand(
         want = [(k, n) for k, n in zip(cands, counts, strict=True) if k.cls is cls and n]
         if not want:
             continue
-        placed = _keep_then_fill(cls, want, current)
+        names = {node.name for node in cls.nodes}
+        kept = [d for d in current if d.node in names]
+        placed = _keep_then_fill(cls, want, kept) if kept else None
+        if placed is None and cls.index not in shapes:
+            placed = _fill_in_order(cls, want)  # power-of-two GPUs: blocks pack exactly
         if placed is None:  # the kept servers fragment the nodes: repack the class from scratch
             placed = _pack_shapes(cls, want, shapes.get(cls.index, []))
         out.extend(placed)
@@ -87,6 +91,21 @@ def _keep_then_fill(
                 free[i][g] = False
             out.append(Placement(cand, i, block, False))
         cursor[cand.tp] = i
+    return out
+
+
+def _fill_in_order(cls: NodeClass, want: list[tuple[Candidate, int]]) -> list[Placement]:
+    """Largest TP first, node after node: aligned and gap-free when GPU counts are powers of two."""
+    out = []
+    node, offset = 0, 0
+    for cand, n in sorted(want, key=lambda item: (-item[0].tp, item[0].option)):
+        for _ in range(n):
+            if offset + cand.tp > cls.gpu_count:
+                node, offset = node + 1, 0
+            out.append(Placement(cand, node, tuple(range(offset, offset + cand.tp)), False))
+            offset += cand.tp
+    if node >= len(cls.nodes):
+        raise AssertionError("more deployments than the class's GPUs")
     return out
 
 

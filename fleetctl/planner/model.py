@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Op = Literal["create", "replace", "delete", "keep"]
+
+
+def fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields, shallow: dataclasses.asdict deep-copies and is 10x slower."""
+    return {f: getattr(obj, f) for f in obj.__dataclass_fields__}
+
 
 PLAN_FORMAT = 1
 
 
 @dataclass(frozen=True)
-class Deployment:
-    """One vLLM server: a model variant on a tensor-parallel group of GPUs of one node."""
+class Server:
+    """What one vLLM server runs and what the model predicts for it: shared by every replica
+    of the same candidate, so a plan for 10,000 nodes stores each of these once."""
 
-    node: str
-    host: str
-    gpu_type: str
-    gpu_indices: tuple[int, ...]
     model: str
     variant: str
     source: str
+    gpu_type: str
     tensor_parallel_size: int
     max_model_len: int
     gpu_memory_utilization: float
@@ -33,12 +36,23 @@ class Deployment:
     kv_budget_tokens: int
     max_sequences_at_max_len: int
     weights_bytes: int
-    port: int
-    vllm_args: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
     predicted_decode_tok_s: float
     capacity_rps: float
-    reasons: tuple[str, ...] = ()
+    reasons: tuple[str, ...]
+    args_head: tuple[str, ...]  # `vllm serve` arguments before --host/--port
+    args_tail: tuple[str, ...]  # and after
+    env: tuple[tuple[str, str], ...]  # besides CUDA_VISIBLE_DEVICES
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """One vLLM server: a Server on a tensor-parallel group of GPUs of one node."""
+
+    node: str
+    host: str
+    gpu_indices: tuple[int, ...]
+    port: int
+    server: Server
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:
@@ -46,30 +60,105 @@ class Deployment:
         return (self.node, self.gpu_indices)
 
     @property
+    def model(self) -> str:
+        return self.server.model
+
+    @property
+    def variant(self) -> str:
+        return self.server.variant
+
+    @property
+    def gpu_type(self) -> str:
+        return self.server.gpu_type
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.server.tensor_parallel_size
+
+    @property
+    def capacity_rps(self) -> float:
+        return self.server.capacity_rps
+
+    @property
+    def vllm_args(self) -> tuple[str, ...]:
+        s = self.server
+        return (*s.args_head, "--host", self.host, "--port", str(self.port), *s.args_tail)
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        devices = ("CUDA_VISIBLE_DEVICES", ",".join(map(str, self.gpu_indices)))
+        return tuple(sorted((devices, *self.server.env)))
+
+    @property
     def args_hash(self) -> str:
         """Hash of everything that, if changed, needs the server restarted."""
-        blob = json.dumps([self.vllm_args, self.env], separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+        parts = [*self.vllm_args, "\0env", *(f"{k}={v}" for k, v in self.env)]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["gpu_indices"] = list(self.gpu_indices)
-        d["vllm_args"] = list(self.vllm_args)
-        d["env"] = dict(self.env)
-        d["reasons"] = list(self.reasons)
-        d["predicted_decode_tok_s"] = round(self.predicted_decode_tok_s, 1)
-        d["capacity_rps"] = round(self.capacity_rps, 3)
-        d["args_hash"] = self.args_hash
-        return d
+        s = self.server
+        return {
+            "node": self.node,
+            "host": self.host,
+            "gpu_type": s.gpu_type,
+            "gpu_indices": list(self.gpu_indices),
+            "model": s.model,
+            "variant": s.variant,
+            "source": s.source,
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "max_model_len": s.max_model_len,
+            "gpu_memory_utilization": s.gpu_memory_utilization,
+            "kv_cache_dtype": s.kv_cache_dtype,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "max_num_seqs": s.max_num_seqs,
+            "kv_budget_bytes": s.kv_budget_bytes,
+            "kv_budget_tokens": s.kv_budget_tokens,
+            "max_sequences_at_max_len": s.max_sequences_at_max_len,
+            "weights_bytes": s.weights_bytes,
+            "port": self.port,
+            "vllm_args": list(self.vllm_args),
+            "env": dict(self.env),
+            "predicted_decode_tok_s": round(s.predicted_decode_tok_s, 1),
+            "capacity_rps": round(s.capacity_rps, 3),
+            "reasons": list(s.reasons),
+            "args_hash": self.args_hash,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Deployment:
-        fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        fields["gpu_indices"] = tuple(d["gpu_indices"])
-        fields["vllm_args"] = tuple(d["vllm_args"])
-        fields["env"] = tuple(sorted(dict(d.get("env", {})).items()))
-        fields["reasons"] = tuple(d.get("reasons", ()))
-        return cls(**fields)
+        """Read back what to_json wrote (as recorded in state.json)."""
+        args = list(d["vllm_args"])
+        # Split the arguments around --host/--port, as the planner builds them.
+        host_at = args.index("--host")
+        port_at = args.index("--port")
+        head = tuple(args[:host_at])
+        tail = tuple(args[max(host_at, port_at) + 2 :])
+        env = tuple(
+            sorted((k, v) for k, v in d.get("env", {}).items() if k != "CUDA_VISIBLE_DEVICES")
+        )
+        server = Server(
+            model=d["model"],
+            variant=d["variant"],
+            source=d["source"],
+            gpu_type=d["gpu_type"],
+            tensor_parallel_size=int(d["tensor_parallel_size"]),
+            max_model_len=int(d["max_model_len"]),
+            gpu_memory_utilization=float(d["gpu_memory_utilization"]),
+            kv_cache_dtype=d["kv_cache_dtype"],
+            max_num_batched_tokens=int(d["max_num_batched_tokens"]),
+            max_num_seqs=int(d["max_num_seqs"]),
+            kv_budget_bytes=int(d["kv_budget_bytes"]),
+            kv_budget_tokens=int(d["kv_budget_tokens"]),
+            max_sequences_at_max_len=int(d["max_sequences_at_max_len"]),
+            weights_bytes=int(d["weights_bytes"]),
+            predicted_decode_tok_s=float(d["predicted_decode_tok_s"]),
+            capacity_rps=float(d["capacity_rps"]),
+            reasons=tuple(d.get("reasons", ())),
+            args_head=head,
+            args_tail=tail,
+            env=env,
+        )
+        return cls(d["node"], d["host"], tuple(d["gpu_indices"]), int(d["port"]), server)
 
 
 @dataclass(frozen=True)
@@ -88,7 +177,7 @@ class Action:
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = fields_of(self)
         d["gpu_indices"] = list(self.gpu_indices)
         return d
 
@@ -104,7 +193,7 @@ class ModelSummary:
     demand_rps: float | None
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = fields_of(self)
         d["capacity_rps"] = round(self.capacity_rps, 3)
         return d
 
@@ -130,7 +219,7 @@ class Plan:
             "inventory": self.inventory,
             "state_serial": self.state_serial,
             "deployments": [d.to_json() for d in self.deployments],
-            "unplaced": [asdict(u) for u in self.unplaced],
+            "unplaced": [fields_of(u) for u in self.unplaced],
             "warnings": list(self.warnings),
             "actions": [a.to_json() for a in self.actions],
             "models": [m.to_json() for m in self.models],

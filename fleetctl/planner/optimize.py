@@ -1,4 +1,4 @@
-"""Placement as a mixed-integer program over node classes, solved exactly with HiGHS.
+"""Placement as a mixed-integer program over node classes, solved exactly with HiGHS (highspy).
 
 Variables: y[o], how many deployments of candidate o (a model variant at one TP size on one
 node class) to run. GPUs: on a node whose GPU count is a power of two, TP blocks (powers of
@@ -95,32 +95,76 @@ class _Program:
     def row(self, coefs: dict[int, float], lo: float, hi: float) -> None:
         self.rows.append((coefs, lo, hi))
 
-    def solve(self) -> tuple[Any, dict[str, Any]]:
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import csr_matrix
+    def solve(self) -> tuple[Solved, dict[str, Any]]:
+        import highspy
 
-        data, indices, indptr = [], [], [0]
+        inf = highspy.kHighsInf
+        index: list[int] = []
+        value: list[float] = []
+        start = [0]
         for coefs, _, _ in self.rows:
             for c, v in sorted(coefs.items()):
-                indices.append(c)
-                data.append(v)
-            indptr.append(len(indices))
-        n = len(self.lb)
-        a = csr_matrix((data, indices, indptr), shape=(len(self.rows), n))
-        lo = np.array([r[1] for r in self.rows])
-        hi = np.array([r[2] for r in self.rows])
-        res = milp(
-            np.array(self.cost),
-            constraints=LinearConstraint(a, lo, hi),
-            integrality=np.array(self.integer, dtype=int),
-            bounds=Bounds(np.array(self.lb), np.array(self.ub)),
-            options={
-                "disp": False,
-                "time_limit": SOLVER_TIME_LIMIT_S,
-                "mip_rel_gap": MIP_REL_GAP,
-            },
-        )
-        return res, {"variables": n, "constraints": len(self.rows)}
+                index.append(c)
+                value.append(v)
+            start.append(len(index))
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(self.lb)
+        lp.num_row_ = len(self.rows)
+        lp.col_cost_ = np.array(self.cost)
+        lp.col_lower_ = np.array(self.lb)
+        lp.col_upper_ = np.array(self.ub)
+        lp.row_lower_ = np.array([max(r[1], -inf) for r in self.rows])
+        lp.row_upper_ = np.array([min(r[2], inf) for r in self.rows])
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.num_col_ = lp.num_col_
+        lp.a_matrix_.num_row_ = lp.num_row_
+        lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
+        lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
+        lp.a_matrix_.value_ = np.array(value)
+        kinds = highspy.HighsVarType
+        lp.integrality_ = [kinds.kInteger if i else kinds.kContinuous for i in self.integer]
+        h = _quiet_highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("time_limit", SOLVER_TIME_LIMIT_S)
+        h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
+        h.setOptionValue("threads", 1)  # deterministic, and the problems are small
+        h.passModel(lp)
+        h.run()
+        status = h.getModelStatus()
+        solution = h.getSolution()
+        found = solution.value_valid
+        return Solved(
+            status == highspy.HighsModelStatus.kOptimal,
+            h.modelStatusToString(status),
+            list(solution.col_value) if found else None,
+            h.getInfo().mip_gap,
+        ), {"variables": lp.num_col_, "constraints": lp.num_row_}
+
+
+@dataclass
+class Solved:
+    optimal: bool
+    message: str
+    x: list[float] | None
+    mip_gap: float
+
+
+def _quiet_highs() -> Any:
+    """A HiGHS instance; its constructor prints a banner to stdout, which would corrupt --json."""
+    import os
+    import sys
+
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            return highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def solve(
@@ -211,10 +255,10 @@ def solve(
             ratios.append(cap * target_utilization / d)
     info.update(
         {
-            "solver": "HiGHS (scipy.optimize.milp)",
-            "status": str(res.message),
-            "optimal": res.status == 0,
-            "mip_gap": getattr(res, "mip_gap", None),
+            "solver": "HiGHS (highspy)",
+            "status": res.message,
+            "optimal": res.optimal,
+            "mip_gap": res.mip_gap,
             "classes": len(classes),
             "candidates": len(cands),
             "seconds": round(time.perf_counter() - started, 4),
