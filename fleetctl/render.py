@@ -167,6 +167,12 @@ def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
                 )
             )
             parts.extend(Text(f"  - {r}") for r in d.server.reasons)
+    replaced: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for a in plan.actions:
+        if a.op == "replace":
+            replaced[(a.model, a.detail)].append(a.node)
+    for (model, detail), nodes in sorted(replaced.items()):
+        parts.append(Text(f"~ {model} on {compress_names(nodes)}: {detail}", style="yellow"))
     for u in plan.unplaced:
         parts.append(Text(f"unplaced: {u.model}: {u.reason}", style="red"))
     for w in plan.warnings:

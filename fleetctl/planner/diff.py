@@ -33,6 +33,30 @@ def diff(desired: Sequence[Deployment], current: Sequence[Deployment]) -> tuple[
 def _what_changed(old: Deployment, new: Deployment) -> str:
     if (old.model, old.variant) != (new.model, new.variant):
         return f"was {old.model} {old.variant}"
-    a, b = set(old.vllm_args), set(new.vllm_args)
-    changed = sorted(x for x in b - a if x.startswith("--")) or sorted(b - a)
-    return "flags changed: " + " ".join(changed[:6]) if changed else "environment changed"
+    before, after = _flags(old.vllm_args), _flags(new.vllm_args)
+    changes = [
+        f"{flag} {before.get(flag, '(unset)')} -> {after.get(flag, '(unset)')}"
+        for flag in sorted(before.keys() | after.keys())
+        if before.get(flag) != after.get(flag)
+    ]
+    if dict(old.env) != dict(new.env):
+        changes.append("environment")
+    return "; ".join(changes[:4]) if changes else "arguments reordered"
+
+
+def _flags(args: Sequence[str]) -> dict[str, str]:
+    """`--flag value` pairs (a bare flag maps to ''), plus the positional arguments."""
+    out: dict[str, str] = {}
+    positional = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg.startswith("--"):
+            has_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+            out[arg] = args[i + 1] if has_value else ""
+            i += 2 if has_value else 1
+        else:
+            positional.append(arg)
+            i += 1
+    out["(arguments)"] = " ".join(positional)
+    return out
