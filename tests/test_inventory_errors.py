@@ -35,45 +35,179 @@ def bad(old: str, new: str) -> str:
 
 # (id, inventory text, line the error must name, words the message must contain)
 CASES = [
-    ("yaml-syntax", bad("gpus: {type: RTX-4090, count: 1}", "gpus: {type: RTX-4090, count: 1"), 9, ["YAML syntax error"]),
-    ("tab-indent", bad("    host: 10.0.2.[21:22]", "\thost: 10.0.2.[21:22]"), 7, ["YAML syntax error"]),
+    (
+        "yaml-syntax",
+        bad("gpus: {type: RTX-4090, count: 1}", "gpus: {type: RTX-4090, count: 1"),
+        9,
+        ["YAML syntax error"],
+    ),
+    (
+        "tab-indent",
+        bad("    host: 10.0.2.[21:22]", "\thost: 10.0.2.[21:22]"),
+        7,
+        ["YAML syntax error"],
+    ),
     ("not-a-mapping", "- just\n- a list\n", 1, ["must be a mapping"]),
     ("unknown-top-key", GOOD + "nodez: []\n", 16, ["unknown key 'nodez'", "did you mean 'nodes'"]),
-    ("unknown-node-key", bad("    gpus: {type: RTX-4090, count: 1}", "    gpus: {type: RTX-4090, count: 1}\n    lables: {a: b}"), 9, ["unknown key 'lables'", "did you mean 'labels'"]),
-    ("unknown-gpus-key", bad("{type: RTX-4090, count: 1}", "{type: RTX-4090, cnt: 1}"), 8, ["unknown key 'cnt'", "nodes[1].gpus.cnt"]),
+    (
+        "unknown-node-key",
+        bad(
+            "    gpus: {type: RTX-4090, count: 1}",
+            "    gpus: {type: RTX-4090, count: 1}\n    lables: {a: b}",
+        ),
+        9,
+        ["unknown key 'lables'", "did you mean 'labels'"],
+    ),
+    (
+        "unknown-gpus-key",
+        bad("{type: RTX-4090, count: 1}", "{type: RTX-4090, cnt: 1}"),
+        8,
+        ["unknown key 'cnt'", "nodes[1].gpus.cnt"],
+    ),
     ("missing-nodes", "models: []\n", 1, ["missing required key 'nodes'"]),
-    ("missing-gpus", bad("    gpus: {type: RTX-4090, count: 1}\n", ""), 6, ["missing required key 'gpus'", "nodes[1].gpus"]),
+    (
+        "missing-gpus",
+        bad("    gpus: {type: RTX-4090, count: 1}\n", ""),
+        6,
+        ["missing required key 'gpus'", "nodes[1].gpus"],
+    ),
     ("count-not-int", bad("count: 1}", "count: one}"), 8, ["expected a whole number", "'one'"]),
     ("count-zero", bad("count: 1}", "count: 0}"), 8, ["greater than or equal to 1"]),
-    ("port-range", bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, port: 70000}"), 1, ["ssh.port", "less than or equal to 65535"]),
+    (
+        "port-range",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, port: 70000}"),
+        1,
+        ["ssh.port", "less than or equal to 65535"],
+    ),
     ("backwards-range", bad("name: rtx-[1:2]", "name: rtx-[2:1]"), 6, ["runs backwards", "[1:2]"]),
     ("malformed-range", bad("name: rtx-[1:2]", "name: rtx-[1-2]"), 6, ["malformed range"]),
     ("two-ranges", bad("name: rtx-[1:2]", "name: rtx-[1:2]-[1:2]"), 6, ["more than one range"]),
-    ("range-length-mismatch", bad("host: 10.0.2.[21:22]", "host: 10.0.2.[21:23]"), 7, ["expands to 2 node(s) but host to 3"]),
-    ("duplicate-node-name", bad("name: rtx-[1:2]", "name: a100-[2:3]"), 6, ["duplicate node name 'a100-2'"]),
-    ("duplicate-address", bad("host: 10.0.2.[21:22]", "host: 10.0.1.[12:13]"), 7, ["duplicate address 10.0.1.12:22", "a100-2"]),
-    ("unknown-gpu", bad("type: RTX-4090", "type: RTX-4009"), 8, ["unknown GPU type 'RTX-4009'", "did you mean 'RTX-4090'"]),
-    ("unknown-model-profile", bad("profile: llama-3-8b", "profile: llama3-8b"), 11, ["unknown model profile 'llama3-8b'", "did you mean 'llama-3-8b'"]),
-    ("unknown-format", bad("bf16: {source", "bf61: {source"), 13, ["unknown quantization format 'bf61'", "did you mean 'bf16'"]),
-    ("variant-no-source", bad("bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}", "bf16:"), 13, ["variant 'bf16' has no source"]),
-    ("variant-empty-source", bad("{source: meta-llama/Meta-Llama-3-8B-Instruct}", "{source: ''}"), 13, ["variants.bf16.source", "at least 1 character"]),
-    ("no-variants", bad("    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n", "    variants: {}\n"), 12, ["models[0].variants", "at least 1 item"]),
-    ("context-too-long", bad("max_context: 8192", "max_context: 16384"), 14, ["exceeds llama-3-8b's 8192", "at most 8192"]),
-    ("duplicate-model", GOOD + "  - name: llama-3-8b\n    profile: llama-3-8b\n    variants: {bf16: {source: x}}\n    max_context: 4096\n", 16, ["duplicate model name 'llama-3-8b'"]),
-    ("bad-model-name", bad("  - name: llama-3-8b", "  - name: 'llama 3 8b'"), 10, ["not a valid served model name"]),
-    ("workload-negative", bad("requests_per_s: 5", "requests_per_s: -5"), 15, ["workload.requests_per_s", "greater than 0"]),
+    (
+        "range-length-mismatch",
+        bad("host: 10.0.2.[21:22]", "host: 10.0.2.[21:23]"),
+        7,
+        ["expands to 2 node(s) but host to 3"],
+    ),
+    (
+        "duplicate-node-name",
+        bad("name: rtx-[1:2]", "name: a100-[2:3]"),
+        6,
+        ["duplicate node name 'a100-2'"],
+    ),
+    (
+        "duplicate-address",
+        bad("host: 10.0.2.[21:22]", "host: 10.0.1.[12:13]"),
+        7,
+        ["duplicate address 10.0.1.12:22", "a100-2"],
+    ),
+    (
+        "unknown-gpu",
+        bad("type: RTX-4090", "type: RTX-4009"),
+        8,
+        ["unknown GPU type 'RTX-4009'", "did you mean 'RTX-4090'"],
+    ),
+    (
+        "unknown-model-profile",
+        bad("profile: llama-3-8b", "profile: llama3-8b"),
+        11,
+        ["unknown model profile 'llama3-8b'", "did you mean 'llama-3-8b'"],
+    ),
+    (
+        "unknown-format",
+        bad("bf16: {source", "bf61: {source"),
+        13,
+        ["unknown quantization format 'bf61'", "did you mean 'bf16'"],
+    ),
+    (
+        "variant-no-source",
+        bad("bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}", "bf16:"),
+        13,
+        ["variant 'bf16' has no source"],
+    ),
+    (
+        "variant-empty-source",
+        bad("{source: meta-llama/Meta-Llama-3-8B-Instruct}", "{source: ''}"),
+        13,
+        ["variants.bf16.source", "at least 1 character"],
+    ),
+    (
+        "no-variants",
+        bad(
+            "    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n",
+            "    variants: {}\n",
+        ),
+        12,
+        ["models[0].variants", "at least 1 item"],
+    ),
+    (
+        "context-too-long",
+        bad("max_context: 8192", "max_context: 16384"),
+        14,
+        ["exceeds llama-3-8b's 8192", "at most 8192"],
+    ),
+    (
+        "duplicate-model",
+        GOOD
+        + "  - name: llama-3-8b\n    profile: llama-3-8b\n    variants: {bf16: {source: x}}\n    max_context: 4096\n",
+        16,
+        ["duplicate model name 'llama-3-8b'"],
+    ),
+    (
+        "bad-model-name",
+        bad("  - name: llama-3-8b", "  - name: 'llama 3 8b'"),
+        10,
+        ["not a valid served model name"],
+    ),
+    (
+        "workload-negative",
+        bad("requests_per_s: 5", "requests_per_s: -5"),
+        15,
+        ["workload.requests_per_s", "greater than 0"],
+    ),
     ("router-listen", GOOD + "router: {listen: localhost}\n", 16, ["not HOST:PORT"]),
-    ("router-saturation", GOOD + "router: {bandwidth_saturation: 1.5}\n", 16, ["router.bandwidth_saturation"]),
-    ("planner-util", GOOD + "planner: {gpu_memory_utilization: 1.2}\n", 16, ["planner.gpu_memory_utilization"]),
-    ("duplicate-yaml-key", bad("    profile: llama-3-8b\n", "    profile: llama-3-8b\n    profile: llama-3-8b\n"), 12, ["duplicate key 'profile'"]),
-    ("max-below-min", bad("    max_context: 8192\n", "    max_context: 8192\n    min_replicas: 3\n    max_replicas: 2\n"), 16, ["max_replicas 2 is below min_replicas 3"]),
-    ("placement-gpu", bad("    max_context: 8192\n", "    max_context: 8192\n    placement: {gpu_types: [H100]}\n"), 15, ["unknown GPU type 'H100'"]),
+    (
+        "router-saturation",
+        GOOD + "router: {bandwidth_saturation: 1.5}\n",
+        16,
+        ["router.bandwidth_saturation"],
+    ),
+    (
+        "planner-util",
+        GOOD + "planner: {gpu_memory_utilization: 1.2}\n",
+        16,
+        ["planner.gpu_memory_utilization"],
+    ),
+    (
+        "duplicate-yaml-key",
+        bad("    profile: llama-3-8b\n", "    profile: llama-3-8b\n    profile: llama-3-8b\n"),
+        12,
+        ["duplicate key 'profile'"],
+    ),
+    (
+        "max-below-min",
+        bad(
+            "    max_context: 8192\n",
+            "    max_context: 8192\n    min_replicas: 3\n    max_replicas: 2\n",
+        ),
+        16,
+        ["max_replicas 2 is below min_replicas 3"],
+    ),
+    (
+        "placement-gpu",
+        bad(
+            "    max_context: 8192\n", "    max_context: 8192\n    placement: {gpu_types: [H100]}\n"
+        ),
+        15,
+        ["unknown GPU type 'H100'"],
+    ),
     ("nodes-not-list", "nodes: {a: 1}\n", 1, ["expected a list"]),
     ("empty-file", "", 1, ["must be a mapping"]),
 ]
 
 
-@pytest.mark.parametrize(("text", "line", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("text", "line", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_bad_inventory_is_one_clear_line(cli, tmp_path, text, line, words):
     path = write(tmp_path, text)
     r = cli("validate", path)

@@ -124,7 +124,8 @@ def test_tensor_parallel_costs_communication(catalog):
         one, two = EnginePerf(g, m, bf16, 1), EnginePerf(g, m, bf16, 2)
         assert 1.0 < two.decode_tok_s(1) / one.decode_tok_s(1) < 2.0
     speedup = {
-        g.name: EnginePerf(g, m, bf16, 2).decode_tok_s(1) / EnginePerf(g, m, bf16, 1).decode_tok_s(1)
+        g.name: EnginePerf(g, m, bf16, 2).decode_tok_s(1)
+        / EnginePerf(g, m, bf16, 1).decode_tok_s(1)
         for g in (nvlink, pcie)
     }
     assert speedup[nvlink.name] > speedup[pcie.name]

@@ -20,7 +20,9 @@ def plan_text(tmp_path, catalog, text, state=None):
 
 
 def placed(plan):
-    return Counter((d.gpu_type, d.model, d.variant, d.tensor_parallel_size) for d in plan.deployments)
+    return Counter(
+        (d.gpu_type, d.model, d.variant, d.tensor_parallel_size) for d in plan.deployments
+    )
 
 
 def test_seed_multi_model_assignment(catalog):
@@ -100,7 +102,11 @@ models:
 """
     plan = plan_text(tmp_path, catalog, text)
     (u,) = plan.unplaced
-    assert "fits its weights" in u.reason and "KV cache" in u.reason and "lower max_context" in u.reason
+    assert (
+        "fits its weights" in u.reason
+        and "KV cache" in u.reason
+        and "lower max_context" in u.reason
+    )
 
 
 def test_format_must_run_on_the_architecture(tmp_path, catalog):
@@ -178,7 +184,9 @@ models:
     placement: {gpu_types: [NVIDIA GeForce RTX 4090]}
 """
     plan = plan_text(tmp_path, catalog, text)
-    nodes = {m: {d.node for d in plan.deployments if d.model == m} for m in ("east-only", "rtx-only")}
+    nodes = {
+        m: {d.node for d in plan.deployments if d.model == m} for m in ("east-only", "rtx-only")
+    }
     assert nodes["east-only"] <= {"a-1", "a-2"} and nodes["east-only"]
     assert nodes["rtx-only"] <= {"r-1", "r-2"} and nodes["rtx-only"]
 
@@ -203,7 +211,9 @@ def test_adding_a_node_does_not_reshuffle(tmp_path, catalog):
     inv = load_inventory(write(tmp_path, text), catalog)
     first = plan_fleet(inv)
     state = State(1, first.deployments)
-    bigger = text.replace("name: rtx-[1:8]\n    host: 10.0.2.[21:28]", "name: rtx-[1:9]\n    host: 10.0.2.[21:29]")
+    bigger = text.replace(
+        "name: rtx-[1:8]\n    host: 10.0.2.[21:28]", "name: rtx-[1:9]\n    host: 10.0.2.[21:29]"
+    )
     assert bigger != text
     second = plan_fleet(load_inventory(write(tmp_path, bigger, "bigger.yaml"), catalog), state)
     ops = Counter(a.op for a in second.actions)
