@@ -254,6 +254,49 @@ class EnginePerf:
         weights = self.weight_read_bytes(tokens) / self.tp / self.weight_bandwidth
         return weights + kv_tokens * self.kv_token_bytes / self.bandwidth
 
+    def _decode_lines(self, batch: int) -> tuple[float, float, float, float, float]:
+        """A decode step at batch B as max(a1 + b1*kv, a2 + b2*kv) + comm, kv = tokens read."""
+        a1 = self.weight_read_bytes(batch) / self.tp / self.weight_bandwidth
+        b1 = self.kv_token_bytes / self.bandwidth
+        a2 = 2.0 * self.model.params_active * batch / self.tp / self.flops
+        b2 = self._attn_flops_per_ctx / self.tp / self.flops
+        comm = self._allreduce_fixed + batch * self._allreduce_per_token
+        return a1, b1, a2, b2, comm
+
+    def decode_span(self, batch: int, kv0: float, steps: int) -> float:
+        """Seconds for `steps` decode steps of a constant batch whose KV starts at `kv0` tokens
+        and grows by `batch` each step: the simulator's fast path, in closed form."""
+        if steps <= 0:
+            return 0.0
+        a1, b1, a2, b2, comm = self._decode_lines(batch)
+
+        def line(a: float, b: float, first: int, n: int) -> float:
+            # sum over i in [first, first + n) of a + b * (kv0 + batch * i)
+            return n * (a + b * kv0) + b * batch * (n * first + n * (n - 1) / 2)
+
+        total = comm * steps
+        if b1 == b2:
+            return total + line(max(a1, a2), b1, 0, steps)
+        # Steps before the crossover follow one roof, after it the other.
+        cross = ((a2 - a1) / (b1 - b2) - kv0) / batch
+        split = min(steps, max(0, math.ceil(cross)))
+        mem_first = (a1 + b1 * kv0) >= (a2 + b2 * kv0)
+        first_a, first_b, then_a, then_b = (a1, b1, a2, b2) if mem_first else (a2, b2, a1, b1)
+        if cross <= 0:  # one roof all the way
+            return total + line(first_a, first_b, 0, steps)
+        return total + line(first_a, first_b, 0, split) + line(then_a, then_b, split, steps - split)
+
+    def decode_steps_within(self, batch: int, kv0: float, seconds: float, most: int) -> int:
+        """How many whole decode steps (at most `most`) finish within `seconds`."""
+        lo, hi = 0, most
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.decode_span(batch, kv0, mid) <= seconds:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def decode_tok_s(self, batch: int = 1, context: int = 512) -> float:
         """Aggregate decode tokens/s at a batch of `batch` sequences of `context` tokens each."""
         return batch / self.step_time(batch, batch * context)

@@ -1,0 +1,202 @@
+"""Routing policies: a request and backend snapshots in, a backend and a reason out.
+
+Deterministic: no clock, no network; randomness only from the policy's own seeded generator.
+The daemon and the simulator call the same code. Baselines are what users would otherwise run
+(vllm-router and sgl-router's round_robin and power_of_two, least-outstanding, and the
+KV-usage scoring of production-stack and llm-d); `hardware-aware` is the seed's scheduler.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fleetctl.router.types import Backend, Decision, Pin, Request, SessionTable, precision_matches
+
+
+@dataclass
+class RoutingConfig:
+    long_context_tokens: int = 4096
+    bandwidth_saturation: float = 0.85
+    compute_saturation: float = 0.85
+    # A backend class is "large-KV" when its KV capacity is at least this share of the largest.
+    large_kv_share: float = 0.5
+    # Stay on the session's node (warm prefix cache) unless another is this much faster.
+    affinity_slack_s: float = 0.25
+
+
+class Policy:
+    """Base: which backends may serve a request at all, and which one to pick."""
+
+    name = "base"
+    admission = False  # whether the scheduler queues requests router-side (KV-derived caps)
+    uses_sessions = False
+
+    def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
+        """Backends that could ever serve `req`; an empty list comes with the reason."""
+        found = [b for b in backends if b.model == req.model and b.healthy]
+        if not found:
+            return [], f"no healthy backend serves {req.model}"
+        return found, ""
+
+    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
+        raise NotImplementedError
+
+    def placed(self, req: Request, backend: Backend) -> None:
+        """Told where a request went (for sessions)."""
+
+
+class RoundRobin(Policy):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
+        b = backends[self.turn % len(backends)]
+        self.turn += 1
+        return Decision(b, "round-robin")
+
+
+class LeastOutstanding(Policy):
+    name = "least-outstanding"
+
+    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
+        b = min(backends, key=lambda b: (b.outstanding, b.name))
+        return Decision(b, f"least-outstanding ({b.outstanding})")
+
+
+class PowerOfTwo(Policy):
+    name = "power-of-two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
+        if len(backends) == 1:
+            return Decision(backends[0], "power-of-two (only one)")
+        a, b = self.rng.sample(list(backends), 2)
+        pick = a if (a.outstanding, a.name) <= (b.outstanding, b.name) else b
+        return Decision(pick, "power-of-two")
+
+
+class KvAware(Policy):
+    name = "kv-aware"
+
+    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
+        b = min(backends, key=lambda b: (b.kv_usage, b.waiting, b.outstanding, b.name))
+        return Decision(b, f"kv-aware (usage {b.kv_usage:.2f})")
+
+
+class HardwareAware(Policy):
+    """The seed's scheduler: precision, session affinity to a node class, length class, and
+    an estimate of time to first token that knows each GPU's speed, KV budget and saturation."""
+
+    name = "hardware-aware"
+    admission = True
+    uses_sessions = True
+
+    def __init__(self, config: RoutingConfig | None = None, sessions: SessionTable | None = None):
+        self.config = config or RoutingConfig()
+        self.sessions = sessions if sessions is not None else SessionTable()
+
+    def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
+        found, why = super().eligible(req, backends)
+        if not found or not req.precision:
+            return found, why
+        match = [b for b in found if precision_matches(req.precision, b.variant)]
+        if req.strict and not match:
+            formats = ", ".join(sorted({b.variant for b in found}))
+            return [], f"no backend serves {req.model} in {req.precision} (it runs {formats})"
+        return (match or found), ""
+
+    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
+        cfg = self.config
+        notes: list[str] = []
+        pool = list(backends)
+        if req.precision and not req.strict:
+            match = [b for b in pool if precision_matches(req.precision, b.variant)]
+            notes.append("precision:prefer" if match else "precision:unavailable")
+            pool = match or pool
+        elif req.precision:
+            notes.append("precision:strict")
+        pin = self.sessions.get(req.session) if req.session else None
+        if pin is not None:
+            same = [b for b in pool if b.node_class == pin.node_class]
+            if same:
+                pool = same
+                notes.append("affinity:class")
+            else:
+                notes.append("affinity:class-gone")
+        long = req.total_tokens > cfg.long_context_tokens
+        if long and (pin is None or "affinity:class-gone" in notes):
+            top = max(b.kv_tokens for b in pool)
+            large = [b for b in pool if b.kv_tokens >= cfg.large_kv_share * top]
+            if len(large) < len(pool):
+                notes.append("length:long->large-kv")
+            pool = large
+        else:
+            notes.append("length:long" if long else "length:short")
+        scored = sorted((self.estimate(b, req), b.name, b) for b in pool)
+        best_s, _, best = scored[0]
+        if pin is not None:
+            home = next((b for b in pool if b.node == pin.node), None)
+            near = home is not None and self.estimate(home, req) <= best_s + cfg.affinity_slack_s
+            if home is not None and home is not best and near:
+                best = home
+                notes.append("affinity:node")
+        notes.append(f"ttft~{self.estimate(best, req):.3f}s")
+        return Decision(best, "hardware-aware " + " ".join(notes))
+
+    def estimate(self, b: Backend, req: Request) -> float:
+        """Seconds until `req` would see its first token on `b`, with saturation penalties."""
+        cfg = self.config
+        perf = b.perf
+        if perf is None:  # no model of this GPU: fall back to capacity-normalized load
+            return b.outstanding / max(1, b.max_num_seqs)
+        # Prompt tokens ahead of ours, and ours, at the GPU's prefill speed.
+        wait = perf.prefill_marginal(b.pending_prefill + req.prompt_tokens)
+        # The decode batch this request joins; its per-step time slows our prefill steps too.
+        batch = max(1, b.outstanding)
+        step = perf.step_time(batch, batch * max(1, req.total_tokens // 2))
+        # KV: if what is in flight plus this request overflows the cache, it waits for room
+        # (or forces preemptions): about one request's decode per overflowing request.
+        over = (b.reserved_tokens + req.total_tokens) / max(1, b.kv_tokens)
+        if over > 1.0:
+            wait += (over - 1.0) * max(1, b.outstanding) * req.output_tokens * step
+        # Memory-bandwidth saturation: more work there adds latency but little throughput.
+        if b.bandwidth_util > cfg.bandwidth_saturation:
+            excess = (b.bandwidth_util - cfg.bandwidth_saturation) / (1 - cfg.bandwidth_saturation)
+            wait += excess * req.output_tokens * step
+        # Compute saturation (large batches on compute-rich GPUs): same reasoning.
+        if b.compute_util > cfg.compute_saturation:
+            excess = (b.compute_util - cfg.compute_saturation) / (1 - cfg.compute_saturation)
+            wait += excess * req.output_tokens * step
+        return wait + step
+
+    def placed(self, req: Request, backend: Backend) -> None:
+        if req.session is None:
+            return
+        pin = self.sessions.get(req.session)
+        if pin is None or pin.node_class != backend.node_class or pin.node != backend.node:
+            self.sessions.set(req.session, Pin(backend.node_class, backend.node))
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "round-robin": RoundRobin,
+    "least-outstanding": LeastOutstanding,
+    "power-of-two": PowerOfTwo,
+    "kv-aware": KvAware,
+    "hardware-aware": HardwareAware,
+}
+
+
+def make_policy(name: str, seed: int = 0, config: RoutingConfig | None = None) -> Policy:
+    if name == "power-of-two":
+        return PowerOfTwo(seed)
+    if name == "hardware-aware":
+        return HardwareAware(config)
+    if name not in POLICIES:
+        raise KeyError(name)
+    return POLICIES[name]()

@@ -1,0 +1,192 @@
+"""The admission queue: priority classes, KV-derived per-backend caps, and aging.
+
+Pure: time is passed in. A request waits router-side when every backend that may serve it is
+at its cap, so priorities mean something: classes are served strictly in order, except that a
+request that has waited longer than `factor` x the median TTFT of the last `window_s` seconds
+is boosted to the top class (the seed's aging rule), so low-priority requests cannot starve.
+Within a class, requests go in arrival order; a request that cannot be placed does not stop
+others of its class (they may fit other backends), but it does stop lower classes.
+Baseline policies (no admission) forward everything at once, as the peer routers do.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fleetctl.router.policy import Policy
+from fleetctl.router.types import Backend, Decision, Request
+
+TOP = 0
+
+
+@dataclass
+class Aging:
+    factor: float = 2.0
+    window_s: float = 60.0
+    enabled: bool = True
+
+
+class RollingMedian:
+    """Median of the values observed in the last `window` seconds."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.events: deque[tuple[float, float]] = deque()
+        self.sorted: list[float] = []
+
+    def add(self, now: float, value: float) -> None:
+        self.events.append((now, value))
+        bisect.insort(self.sorted, value)
+        self.expire(now)
+
+    def expire(self, now: float) -> None:
+        while self.events and self.events[0][0] < now - self.window:
+            _, v = self.events.popleft()
+            del self.sorted[bisect.bisect_left(self.sorted, v)]
+
+    def median(self, now: float) -> float | None:
+        self.expire(now)
+        n = len(self.sorted)
+        if not n:
+            return None
+        mid = n // 2
+        return self.sorted[mid] if n % 2 else (self.sorted[mid - 1] + self.sorted[mid]) / 2
+
+
+@dataclass
+class Dispatch:
+    request: Request
+    decision: Decision
+
+
+@dataclass
+class Scheduler:
+    policy: Policy
+    aging: Aging = field(default_factory=Aging)
+    kv_overcommit: float = 1.0
+    boosts: int = 0
+
+    def __post_init__(self) -> None:
+        self.ttft = RollingMedian(self.aging.window_s)
+        # One FIFO per priority class; the top class is kept sorted by arrival because
+        # boosted requests join it from below.
+        self.classes: dict[int, deque[Request]] = {}
+
+    @property
+    def queue(self) -> list[Request]:
+        return [r for prio in sorted(self.classes) for r in self.classes[prio]]
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.classes.values())
+
+    def submit(self, req: Request) -> None:
+        prio = TOP if req.boosted else max(TOP, req.priority)
+        q = self.classes.setdefault(prio, deque())
+        if q and q[-1].arrival > req.arrival:
+            bisect.insort(q, req, key=lambda r: r.arrival)
+        else:
+            q.append(req)
+
+    def observe_ttft(self, now: float, ttft: float) -> None:
+        self.ttft.add(now, ttft)
+
+    def aging_threshold(self, now: float) -> float | None:
+        """Seconds of waiting after which a request is boosted, or None (no TTFT seen yet)."""
+        if not self.aging.enabled:
+            return None
+        median = self.ttft.median(now)
+        return None if median is None else self.aging.factor * median
+
+    def _age(self, now: float) -> None:
+        """Move requests that waited past the threshold into the top class (oldest first)."""
+        threshold = self.aging_threshold(now)
+        if threshold is None:
+            return
+        for prio in sorted(p for p in self.classes if p > TOP):
+            q = self.classes[prio]
+            while q and now - q[0].arrival > threshold:
+                req = q.popleft()
+                req.boosted = True
+                self.boosts += 1
+                self.submit(req)
+
+    def has_room(self, b: Backend, req: Request) -> bool:
+        if not self.policy.admission:
+            return True
+        if b.outstanding >= b.max_num_seqs:
+            return False
+        # Always admit into an empty backend, or a request bigger than the cache never runs.
+        fits = b.reserved_tokens + req.total_tokens <= b.kv_tokens * self.kv_overcommit
+        return fits or b.outstanding == 0
+
+    def dispatch(
+        self, now: float, backends: Sequence[Backend]
+    ) -> tuple[list[Dispatch], list[Dispatch]]:
+        """Place what can be placed now: (dispatched, rejected). Each dispatched request is
+        already accounted on its backend (outstanding, reserved tokens, pending prefill)."""
+        sent: list[Dispatch] = []
+        rejected: list[Dispatch] = []
+        if not self.classes:
+            return sent, rejected
+        self._age(now)
+        for prio in sorted(self.classes):
+            q = self.classes[prio]
+            keep: deque[Request] = deque()
+            blocked = False
+            # A request that found no room rules out later ones that are no smaller and ask
+            # for the same thing, so a long queue is not re-examined request by request.
+            no_room: dict[tuple[object, ...], int] = {}
+            while q:
+                if self.policy.admission and not any(
+                    b.outstanding < b.max_num_seqs for b in backends
+                ):
+                    blocked = True
+                    break
+                req = q.popleft()
+                sig = (req.model, req.precision, req.strict, req.session)
+                if req.total_tokens >= no_room.get(sig, 1 << 62):
+                    keep.append(req)
+                    continue
+                pool, why = self.policy.eligible(req, backends)
+                if not pool:
+                    rejected.append(Dispatch(req, Decision(None, why, reject=True)))
+                    continue
+                room = [b for b in pool if self.has_room(b, req)]
+                if not room:
+                    blocked = True
+                    no_room[sig] = min(no_room.get(sig, 1 << 62), req.total_tokens)
+                    keep.append(req)
+                    continue
+                decision = self.policy.choose(req, room)
+                assert decision.backend is not None
+                self.policy.placed(req, decision.backend)
+                account(decision.backend, req)
+                sent.append(Dispatch(req, decision))
+            keep.extend(q)
+            if keep:
+                self.classes[prio] = keep
+            else:
+                del self.classes[prio]
+            if blocked:
+                break  # strict priority: lower classes wait while this one is blocked
+        return sent, rejected
+
+
+def account(b: Backend, req: Request) -> None:
+    b.outstanding += 1
+    b.reserved_tokens += req.total_tokens
+    b.pending_prefill += req.prompt_tokens
+
+
+def first_token(b: Backend, req: Request) -> None:
+    b.pending_prefill -= req.prompt_tokens
+
+
+def release(b: Backend, req: Request, first_token_seen: bool = True) -> None:
+    b.outstanding -= 1
+    b.reserved_tokens -= req.total_tokens
+    if not first_token_seen:
+        b.pending_prefill -= req.prompt_tokens

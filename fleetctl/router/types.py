@@ -1,0 +1,99 @@
+"""What routing decides over: a request, a backend snapshot, and a decision with its reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleetctl.perf import EnginePerf
+
+# Precision hints name a format or a family of formats.
+PRECISION_FAMILIES = {
+    "int4": ("gptq-int4", "awq-int4"),
+    "int8": ("int8",),
+    "fp8": ("fp8",),
+    "bf16": ("bf16",),
+    "fp16": ("fp16",),
+    "16bit": ("bf16", "fp16"),
+}
+
+
+def precision_matches(hint: str, variant: str) -> bool:
+    hint = hint.lower()
+    return variant == hint or variant in PRECISION_FAMILIES.get(hint, ())
+
+
+@dataclass(slots=True)
+class Request:
+    """A request as routing sees it; times are seconds on the caller's clock."""
+
+    id: int | str
+    model: str
+    prompt_tokens: int
+    output_tokens: int  # max_tokens, or the model's estimate when the client gave none
+    priority: int = 0  # as vLLM's `priority`: lower is more urgent; 0 is the top class
+    session: str | None = None
+    precision: str | None = None
+    strict: bool = False
+    arrival: float = 0.0
+    boosted: bool = False  # aging raised it to the top class
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(slots=True)
+class Backend:
+    """One vLLM server with what the router knows of it right now."""
+
+    name: str
+    node: str
+    gpu_type: str
+    model: str
+    variant: str
+    kv_tokens: int
+    max_num_seqs: int = 256
+    perf: EnginePerf | None = None
+    healthy: bool = True
+    # Scraped from the server's /metrics (or read from the simulated engine).
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    bandwidth_util: float = 0.0
+    compute_util: float = 0.0
+    # Kept by the router for what it sent there.
+    outstanding: int = 0
+    reserved_tokens: int = 0  # prompt + expected output of everything in flight
+    pending_prefill: int = 0  # prompt tokens in flight that have not produced a token yet
+
+    @property
+    def node_class(self) -> str:
+        """Servers of a class answer alike: same GPU type and same weight format."""
+        return f"{self.gpu_type}/{self.variant}"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    backend: Backend | None
+    reason: str
+    reject: bool = False  # the request can never be served as asked (a client error)
+
+
+@dataclass
+class Pin:
+    node_class: str
+    node: str
+
+
+@dataclass
+class SessionTable:
+    """Session -> the class (and node) that served its first turn. In memory; the daemon can
+    keep it in Redis so that several router replicas agree."""
+
+    pins: dict[str, Pin] = field(default_factory=dict)
+
+    def get(self, session: str) -> Pin | None:
+        return self.pins.get(session)
+
+    def set(self, session: str, pin: Pin) -> None:
+        self.pins[session] = pin

@@ -1,0 +1,415 @@
+"""A discrete-event model of one vLLM engine: continuous batching over a paged KV cache.
+
+It follows vLLM V1's scheduler: each step has a token budget (max_num_batched_tokens); running
+sequences go first (one token for a decode, a chunk for a prefill), then waiting ones in
+arrival order while the budget, max_num_seqs and free KV blocks allow (chunked prefill).
+When a sequence needs a KV block and none is free, the most recently admitted running
+sequence is preempted by recompute: its blocks are freed and it waits again at the front.
+Step time comes from the shared performance model (`fleetctl.perf.EnginePerf`).
+
+Speed: decoding sequences are not touched one by one each step. Each remembers the engine's
+decode-step counter when it started decoding, so its context is `base + (D - d0)`; a heap
+says when each finishes, and counts by context length modulo the block size say how many
+need a new KV block at each step. A step then costs O(prefills + events), and while the
+batch is all decodes, `k` identical steps are applied at once in closed form. Time is passed
+in; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetctl.perf import BLOCK_SIZE, COMPUTE_EFFICIENCY, EnginePerf
+
+WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
+class Seq:
+    """One request inside an engine."""
+
+    __slots__ = (
+        "admitted",
+        "base_c",
+        "base_g",
+        "blocks",
+        "computed",
+        "d0",
+        "epoch",
+        "finished_at",
+        "first_token_at",
+        "generated",
+        "output",
+        "preemptions",
+        "prompt",
+        "req",
+        "residue",
+        "state",
+        "target",
+    )
+
+    def __init__(self, req: Any, prompt: int, output: int):
+        self.req = req  # the caller's handle, given back when it finishes
+        self.prompt = prompt
+        self.output = max(1, output)
+        self.state = WAITING
+        self.computed = 0  # while prefilling: tokens whose KV is in the cache
+        self.generated = 0  # while prefilling or waiting: tokens generated so far
+        self.target = prompt  # tokens to prefill: prompt (+ generated, after a preemption)
+        self.blocks = 0  # while prefilling
+        self.base_c = self.base_g = self.d0 = self.residue = 0  # while decoding
+        self.epoch = 0
+        self.admitted = 0
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.preemptions = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters in the spirit of vLLM's /metrics."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    read_bytes: float = 0.0  # estimated HBM bytes read per GPU
+    busy_s: float = 0.0
+    steps: int = 0
+
+
+@dataclass
+class Engine:
+    """One vLLM server: `perf` for speed, `kv_tokens` of cache, vLLM's batching limits."""
+
+    perf: EnginePerf
+    kv_tokens: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    name: str = ""
+    clock: float = 0.0  # end of the last applied step
+    stats: EngineStats = field(default_factory=EngineStats)
+    first_tokens: list[Seq] = field(default_factory=list)  # since the caller last drained it
+
+    def __post_init__(self) -> None:
+        # Every decoding sequence takes one token of the step's budget.
+        self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
+        self.total_blocks = self.kv_tokens // BLOCK_SIZE
+        self.free_blocks = self.total_blocks
+        self.waiting: deque[Seq] = deque()
+        self.running: dict[Seq, None] = {}  # admission order: the last is preempted first
+        self.prefilling: list[Seq] = []
+        self.steps_done = 0  # D: decode steps so far
+        self.n_decode = 0
+        self.ctx_offset = 0  # sum over decoding seqs of (base_c - d0): context sum = this + n*D
+        self.residues = [0] * BLOCK_SIZE  # decoding seqs by (base_c - d0) mod BLOCK_SIZE
+        self.finishes: list[tuple[int, int, int, Seq]] = []  # (D at finish, admitted, epoch)
+        self.span: tuple[float, int] | None = None  # planned: (start, k decode steps; 0 = mixed)
+        self._admissions = 0
+
+    # --- queries -------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use, as vllm:kv_cache_usage_perc reports it."""
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
+
+    def decode_context(self) -> int:
+        return self.ctx_offset + self.n_decode * self.steps_done
+
+    def utilization(self) -> tuple[float, float]:
+        """(memory-bandwidth, compute) utilization of the current decode batch, 0..1.
+
+        The router reads the same quantity live from the rate of
+        vllm:estimated_read_bytes_per_gpu_total over the GPU's bandwidth.
+        """
+        batch = self.n_decode
+        if not batch:
+            return 0.0, 0.0
+        p = self.perf
+        kv = self.decode_context()
+        step = p.step_time(batch, kv)
+        read = p.weight_read_bytes(batch) / p.tp + kv * p.kv_token_bytes
+        flops = (2.0 * p.model.params_active * batch + p._attn_flops_per_ctx * kv) / p.tp
+        peak_bw = p.gpu.memory_bandwidth_gb_s * 1e9
+        peak_flops = p.flops / COMPUTE_EFFICIENCY
+        return min(1.0, read / step / peak_bw), min(1.0, flops / step / peak_flops)
+
+    # --- driving -------------------------------------------------------------------------
+
+    def add(self, seq: Seq, now: float) -> list[Seq]:
+        """A request arrives and joins at the next step boundary. Returns the sequences that
+        finished while the engine was brought up to `now`."""
+        done = self.sync(now)
+        if self.idle:
+            self.clock = max(self.clock, now)
+        self.waiting.append(seq)
+        self.span = None  # the planned step did not know about this request
+        return done
+
+    def next_event(self) -> float | None:
+        """When this engine next changes state on its own (a step or span ends), or None."""
+        if self.span is None:
+            self._plan()
+        if self.span is None:
+            return None
+        start, k = self.span
+        if not k:
+            return start  # a mixed step is applied at its start; its results carry its end time
+        return start + self.perf.decode_span(self.n_decode, self.decode_context(), k)
+
+    def advance(self, until: float) -> list[Seq]:
+        """Apply every step that ends at or before `until`; return the sequences that finished."""
+        done: list[Seq] = []
+        while True:
+            t = self.next_event()
+            if t is None or t > until:
+                return done
+            done.extend(self._apply())
+
+    def sync(self, now: float) -> list[Seq]:
+        """Bring the engine to the first step boundary at or after `now`: steps finished by then
+        are applied, and a run of decode steps in progress is cut after its current step."""
+        done = self.advance(now)
+        if self.span is not None and self.span[1] and self.span[0] < now:
+            start, k = self.span
+            ran = self.perf.decode_steps_within(
+                self.n_decode, self.decode_context(), now - start, k
+            )
+            self.span = (start, min(k, ran + 1))
+            done.extend(self._apply())
+        return done
+
+    # --- planning --------------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        if self.idle:
+            self.span = None
+            return
+        if self.n_decode and not self.prefilling and not self._waiting_can_join():
+            k = self._identical_steps()
+            if k > 1:
+                self.span = (self.clock, k)
+                return
+        self.span = (self.clock, 0)
+
+    def _blocks_needed(self, d: int) -> int:
+        """New blocks the decoding sequences need for decode step number `d`."""
+        return self.residues[-d % BLOCK_SIZE]
+
+    def _waiting_can_join(self) -> bool:
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        budget = self.max_num_batched_tokens - self.n_decode
+        return budget > 0 and self.free_blocks > self._blocks_needed(self.steps_done)
+
+    def _next_finish(self) -> int:
+        heap = self.finishes
+        while heap and (heap[0][3].epoch != heap[0][2] or heap[0][3].state != DECODE):
+            heapq.heappop(heap)
+        return heap[0][0]
+
+    def _allocations(self, k: int) -> int:
+        """Blocks the decoding sequences take over the next `k` steps."""
+        full, rest = divmod(k, BLOCK_SIZE)
+        d = self.steps_done
+        return full * self.n_decode + sum(self._blocks_needed(d + j) for j in range(rest))
+
+    def _identical_steps(self) -> int:
+        """Decode steps before a sequence finishes or the KV blocks run out."""
+        lo, hi = 0, self._next_finish() - self.steps_done
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._allocations(mid) <= self.free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    # --- applying ----------------------------------------------------------------------------
+
+    def _apply(self) -> list[Seq]:
+        assert self.span is not None
+        _, k = self.span
+        self.span = None
+        return self._apply_span(k) if k else self._apply_step()
+
+    def _apply_span(self, k: int) -> list[Seq]:
+        p = self.perf
+        n, kv0 = self.n_decode, self.decode_context()
+        elapsed = p.decode_span(n, kv0, k)
+        self.free_blocks -= self._allocations(k)
+        self.steps_done += k
+        st = self.stats
+        st.generation_tokens += n * k
+        st.read_bytes += k * p.weight_read_bytes(n) / p.tp
+        st.read_bytes += (k * kv0 + n * k * (k - 1) / 2) * p.kv_token_bytes
+        st.busy_s += elapsed
+        st.steps += k
+        self.clock += elapsed
+        return self._collect_finished(self.clock)
+
+    def _apply_step(self) -> list[Seq]:
+        """One step of decodes plus prefill chunks, scheduled as vLLM V1 does."""
+        preempted = False
+        # Decodes first: each takes one token, some need a new block.
+        if self.n_decode:
+            while self._blocks_needed(self.steps_done) > self.free_blocks and self.running:
+                self._preempt(next(reversed(self.running)))
+                preempted = True
+            self.free_blocks -= self._blocks_needed(self.steps_done)
+        budget = self.max_num_batched_tokens - self.n_decode
+        chunks: list[tuple[Seq, int]] = []
+        for s in list(self.prefilling):
+            if budget <= 0 or s.state != PREFILL:
+                continue
+            n = min(s.target - s.computed, budget)
+            need = blocks_for(s.computed + n) - s.blocks
+            while need > self.free_blocks and s.state == PREFILL:
+                self._preempt(next(reversed(self.running)))
+                preempted = True
+            if s.state != PREFILL:
+                continue  # it was the victim
+            s.blocks += need
+            self.free_blocks -= need
+            chunks.append((s, n))
+            budget -= n
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            s = self.waiting[0]
+            n = min(s.target - s.computed, budget)
+            need = blocks_for(s.computed + n) - s.blocks
+            if need > self.free_blocks:
+                break
+            self.waiting.popleft()
+            self._admissions += 1
+            s.admitted = self._admissions
+            s.state = PREFILL
+            self.running[s] = None
+            self.prefilling.append(s)
+            s.blocks += need
+            self.free_blocks -= need
+            chunks.append((s, n))
+            budget -= n
+        # Preemption may have taken some chunks' sequences away.
+        chunks = [(s, n) for s, n in chunks if s.state == PREFILL]
+        n_dec = self.n_decode
+        if not n_dec and not chunks:
+            if self.waiting and not self.running and not preempted:
+                head = self.waiting[0]
+                raise ValueError(
+                    f"{self.name}: a request of {head.target} tokens can never fit the "
+                    f"{self.kv_tokens}-token KV cache (callers must respect max_model_len)"
+                )
+            return []
+        p = self.perf
+        dec_ctx = self.decode_context()
+        tokens = n_dec + sum(n for _, n in chunks)
+        kv = dec_ctx + n_dec + sum(s.computed + n for s, n in chunks)
+        pairs = dec_ctx + n_dec + sum(n * (s.computed + (n + 1) / 2) for s, n in chunks)
+        elapsed = p.step_time(tokens, kv, pairs)
+        self.clock += elapsed
+        st = self.stats
+        st.read_bytes += p.weight_read_bytes(tokens) / p.tp + kv * p.kv_token_bytes
+        st.busy_s += elapsed
+        st.steps += 1
+        st.generation_tokens += n_dec
+        if n_dec:
+            self.steps_done += 1
+        done = self._collect_finished(self.clock)
+        for s, n in chunks:
+            s.computed += n
+            st.prompt_tokens += n
+            if s.computed < s.target:
+                continue
+            # The step that completes a prefill samples a token.
+            s.generated += 1
+            st.generation_tokens += 1
+            if s.first_token_at is None:
+                s.first_token_at = self.clock
+                self.first_tokens.append(s)
+            self.prefilling.remove(s)
+            if s.generated >= s.output:
+                self.free_blocks += s.blocks
+                done.append(self._finish(s))
+            else:
+                self._start_decode(s)
+        return done
+
+    def _start_decode(self, s: Seq) -> None:
+        s.state = DECODE
+        s.epoch += 1
+        s.base_c, s.base_g, s.d0 = s.computed, s.generated, self.steps_done
+        s.residue = (s.base_c - s.d0) % BLOCK_SIZE
+        self.residues[s.residue] += 1
+        self.ctx_offset += s.base_c - s.d0
+        self.n_decode += 1
+        finish_at = s.d0 + (s.output - s.base_g)
+        heapq.heappush(self.finishes, (finish_at, s.admitted, s.epoch, s))
+
+    def _stop_decode(self, s: Seq) -> int:
+        """Take `s` out of the decode set; returns its context length (its KV tokens)."""
+        ran = self.steps_done - s.d0
+        s.computed, s.generated = s.base_c + ran, s.base_g + ran
+        self.residues[s.residue] -= 1
+        self.ctx_offset -= s.base_c - s.d0
+        self.n_decode -= 1
+        s.epoch += 1
+        return s.computed
+
+    def _collect_finished(self, at: float) -> list[Seq]:
+        done = []
+        heap = self.finishes
+        while heap and heap[0][0] <= self.steps_done:
+            _, _, epoch, s = heapq.heappop(heap)
+            if s.epoch != epoch or s.state != DECODE:
+                continue
+            self.free_blocks += blocks_for(self._stop_decode(s))
+            done.append(self._finish(s))
+        for s in done:
+            s.finished_at = at
+        return done
+
+    def _preempt(self, s: Seq) -> None:
+        """Recompute preemption: drop the KV, and redo prompt plus generated tokens later."""
+        if s.state == DECODE:
+            self.free_blocks += blocks_for(self._stop_decode(s))
+        else:
+            self.prefilling.remove(s)
+            self.free_blocks += s.blocks
+        del self.running[s]
+        s.blocks = 0
+        s.computed = 0
+        s.target = s.prompt + s.generated
+        s.state = WAITING
+        s.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(s)
+
+    def _finish(self, s: Seq) -> Seq:
+        del self.running[s]
+        s.state = DONE
+        s.blocks = 0
+        s.finished_at = self.clock
+        self.stats.finished += 1
+        return s

@@ -1,0 +1,269 @@
+"""A fleet of simulated vLLM engines behind the router's scheduler and a policy.
+
+Arrivals go through the same `Scheduler` and `Policy` objects the daemon uses; engines come
+from a plan's deployments. One event per engine step or run of identical decode steps, so an
+hour of traffic on a dozen servers simulates in seconds. Deterministic for a seed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fleetctl.inventory import Inventory
+from fleetctl.perf import EnginePerf
+from fleetctl.planner.model import Deployment
+from fleetctl.router.policy import RoutingConfig, make_policy
+from fleetctl.router.scheduler import Aging, Scheduler, first_token, release
+from fleetctl.router.types import Backend, Request
+from fleetctl.sim.engine import Engine, Seq
+from fleetctl.sim.workload import WorkItem
+
+DEFAULT_OUTPUT_ESTIMATE = 256
+
+
+@dataclass(frozen=True)
+class Server:
+    """What the simulator needs of one deployment."""
+
+    name: str
+    node: str
+    gpu_type: str
+    model: str
+    variant: str
+    perf: EnginePerf
+    kv_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def servers_from_plan(deployments: Sequence[Deployment], inv: Inventory) -> list[Server]:
+    out = []
+    gpus = {n.gpu.name: n.gpu for n in inv.nodes}
+    for d in deployments:
+        model = inv.model(d.model)
+        fmt = next(v.format for v in model.variants if v.format.name == d.variant)
+        s = d.server
+        perf = EnginePerf(
+            gpus[d.gpu_type], model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype
+        )
+        out.append(
+            Server(
+                f"{d.node}:{d.port}",
+                d.node,
+                d.gpu_type,
+                d.model,
+                d.variant,
+                perf,
+                s.kv_budget_tokens,
+                s.max_num_seqs,
+                s.max_num_batched_tokens,
+                s.max_model_len,
+            )
+        )
+    return out
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to one request."""
+
+    item: WorkItem
+    backend: str | None = None
+    dispatched: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    preemptions: int = 0
+    rejected: str | None = None
+    boosted: bool = False
+
+
+@dataclass
+class SimResult:
+    policy: str
+    outcomes: list[Outcome]
+    horizon: float
+    boosts: int
+    preemptions: int
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, float | int]:
+        done = [o for o in self.outcomes if o.finished is not None]
+        ttft = sorted(o.first_token - o.item.arrival for o in done if o.first_token is not None)
+        e2e = sorted(o.finished - o.item.arrival for o in done if o.finished is not None)
+        tpot = sorted(
+            (o.finished - o.first_token) / (o.item.output - 1)
+            for o in done
+            if o.first_token is not None and o.finished is not None and o.item.output > 1
+        )
+        span = max((o.finished for o in done if o.finished), default=0.0) - min(
+            (o.item.arrival for o in self.outcomes), default=0.0
+        )
+        tokens = sum(o.item.output for o in done)
+        return {
+            "requests": len(self.outcomes),
+            "completed": len(done),
+            "starved": sum(1 for o in self.outcomes if o.finished is None and o.rejected is None),
+            "rejected": sum(1 for o in self.outcomes if o.rejected is not None),
+            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else math.nan,
+            "ttft_p50_s": _pct(ttft, 50),
+            "ttft_p90_s": _pct(ttft, 90),
+            "ttft_p99_s": _pct(ttft, 99),
+            "tpot_mean_s": sum(tpot) / len(tpot) if tpot else math.nan,
+            "tpot_p99_s": _pct(tpot, 99),
+            "e2e_p99_s": _pct(e2e, 99),
+            "throughput_rps": len(done) / span if span > 0 else 0.0,
+            "output_tok_s": tokens / span if span > 0 else 0.0,
+            "preemptions": self.preemptions,
+            "aging_boosts": self.boosts,
+        }
+
+
+def _pct(values: list[float], p: float) -> float:
+    if not values:
+        return math.nan
+    k = (len(values) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def simulate(
+    servers: Sequence[Server],
+    items: Sequence[WorkItem],
+    policy_name: str,
+    *,
+    seed: int = 0,
+    config: RoutingConfig | None = None,
+    aging: Aging | None = None,
+    output_estimate: dict[str, int] | None = None,
+    drain_s: float | None = None,
+    admission: bool | None = None,
+) -> SimResult:
+    """Run `items` through the scheduler and `policy_name` over engines built from `servers`."""
+    policy = make_policy(policy_name, seed, config)
+    if admission is not None:
+        policy.admission = admission
+    sched = Scheduler(policy, aging or Aging())
+    engines = [
+        Engine(
+            s.perf, s.kv_tokens, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, s.name
+        )
+        for s in servers
+    ]
+    backends = [
+        Backend(s.name, s.node, s.gpu_type, s.model, s.variant, s.kv_tokens, s.max_num_seqs, s.perf)
+        for s in servers
+    ]
+    estimate = output_estimate or {}
+    outcomes = [Outcome(w) for w in items]
+    requests: dict[int, Request] = {}
+    where: dict[int, int] = {}  # request id -> engine index
+    reasons: dict[str, int] = {}
+    last = items[-1].arrival if items else 0.0
+    horizon = last + (drain_s if drain_s is not None else max(300.0, 0.5 * last))
+
+    heap: list[tuple[float, int, int]] = []  # (time, version, engine)
+    version = [0] * len(engines)
+    dirty = set(range(len(engines)))
+
+    def reschedule(i: int) -> None:
+        version[i] += 1
+        t = engines[i].next_event()
+        if t is not None:
+            heapq.heappush(heap, (t, version[i], i))
+        dirty.add(i)
+
+    def settle(i: int, finished: list[Seq], now: float) -> None:
+        e, b = engines[i], backends[i]
+        for s in e.first_tokens:
+            req = requests[s.req]
+            first_token(b, req)
+            sched.observe_ttft(s.first_token_at or now, (s.first_token_at or now) - req.arrival)
+        e.first_tokens.clear()
+        for s in finished:
+            o = outcomes[s.req]
+            o.first_token, o.finished, o.preemptions = (
+                s.first_token_at,
+                s.finished_at,
+                s.preemptions,
+            )
+            release(b, requests[s.req])
+
+    def refresh() -> None:
+        for i in dirty:
+            e, b = engines[i], backends[i]
+            b.running, b.waiting, b.kv_usage = e.num_running, e.num_waiting, e.kv_usage
+            b.bandwidth_util, b.compute_util = e.utilization()
+        dirty.clear()
+
+    def dispatch(now: float) -> None:
+        refresh()
+        sent, rejected = sched.dispatch(now, backends)
+        for d in rejected:
+            o = outcomes[d.request.id]  # type: ignore[index]
+            o.rejected = d.decision.reason
+        for d in sent:
+            req = d.request
+            i = index[d.decision.backend.name]  # type: ignore[union-attr]
+            o = outcomes[req.id]  # type: ignore[index]
+            o.backend, o.dispatched, o.boosted = backends[i].name, now, req.boosted
+            key = d.decision.reason.split(" ttft~")[0]
+            reasons[key] = reasons.get(key, 0) + 1
+            item = o.item
+            if item.prompt + item.output > servers[i].max_model_len:
+                # vLLM refuses it with a 400; the router reports it, the engine never sees it.
+                o.rejected = f"prompt + output exceeds max_model_len {servers[i].max_model_len}"
+                release(backends[i], req, first_token_seen=False)
+                continue
+            where[req.id] = i  # type: ignore[index]
+            settle(i, engines[i].add(Seq(req.id, item.prompt, item.output), now), now)
+            reschedule(i)
+
+    index = {b.name: i for i, b in enumerate(backends)}
+    n = 0
+    while True:
+        t_arr = items[n].arrival if n < len(items) else math.inf
+        while heap and heap[0][1] != version[heap[0][2]]:
+            heapq.heappop(heap)  # stale: the engine was rescheduled since
+        t_eng = heap[0][0] if heap else math.inf
+        now = min(t_arr, t_eng)
+        if now == math.inf or now > horizon:
+            break
+        if t_eng <= t_arr:
+            _, _, i = heapq.heappop(heap)
+            finished = engines[i].advance(now)
+            settle(i, finished, now)
+            reschedule(i)
+            if finished and len(sched):
+                dispatch(now)
+            continue
+        # Every arrival at this instant, then one dispatch.
+        while n < len(items) and items[n].arrival <= now:
+            w = items[n]
+            req = Request(
+                w.id,
+                w.model,
+                w.prompt,
+                w.max_tokens or estimate.get(w.model, DEFAULT_OUTPUT_ESTIMATE),
+                w.priority,
+                w.session,
+                w.precision,
+                w.strict,
+                w.arrival,
+            )
+            requests[w.id] = req
+            sched.submit(req)
+            n += 1
+        dispatch(now)
+    return SimResult(
+        policy_name,
+        outcomes,
+        horizon,
+        sched.boosts,
+        sum(e.stats.preemptions for e in engines),
+        reasons,
+    )

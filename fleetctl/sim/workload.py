@@ -1,0 +1,208 @@
+"""Simulator workloads: real request traces (Azure LLM inference CSVs) and synthetic ones."""
+
+from __future__ import annotations
+
+import csv
+import math
+import random
+from dataclasses import dataclass, replace
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+from fleetctl.errors import Location, UserError
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    id: int
+    arrival: float  # seconds from the start
+    prompt: int
+    output: int  # tokens the model will really generate
+    model: str
+    priority: int = 0
+    session: str | None = None
+    precision: str | None = None
+    strict: bool = False
+    max_tokens: int | None = None  # what the client asked for; None: the router estimates
+
+
+def load_trace(path: Path, model: str, limit: int | None = None) -> list[WorkItem]:
+    """`TIMESTAMP,ContextTokens,GeneratedTokens` rows (the Azure LLM inference trace format)."""
+    try:
+        handle = path.open(newline="", encoding="utf-8")
+    except OSError as e:
+        raise UserError(
+            f"cannot read trace: {e.strerror}", Location(str(path)), "check the path"
+        ) from None
+    items: list[WorkItem] = []
+    with handle:
+        reader = csv.reader(handle)
+        header = next(reader, None)
+        want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+        if header is None or [h.strip() for h in header[:3]] != want:
+            raise UserError(
+                f"trace header is {header!r}",
+                Location(str(path), 1),
+                "expected TIMESTAMP,ContextTokens,GeneratedTokens",
+            )
+        start: datetime | None = None
+        for line, row in enumerate(reader, start=2):
+            try:
+                ts = datetime.fromisoformat(row[0].strip()[:26])
+                prompt, output = int(row[1]), int(row[2])
+            except (ValueError, IndexError):
+                raise UserError(
+                    f"bad trace row {row!r}", Location(str(path), line), "fix or remove the row"
+                ) from None
+            start = start or ts
+            items.append(
+                WorkItem(
+                    len(items), (ts - start).total_seconds(), max(1, prompt), max(1, output), model
+                )
+            )
+            if limit and len(items) >= limit:
+                break
+    items.sort(key=lambda w: (w.arrival, w.id))
+    return items
+
+
+def scale_time(items: list[WorkItem], factor: float) -> list[WorkItem]:
+    """Arrivals `factor` times denser (factor > 1 raises the load)."""
+    return [replace(w, arrival=w.arrival / factor) for w in items]
+
+
+@dataclass
+class Synthetic:
+    """A synthetic workload: `key=value,...` on the command line (see `parse_spec`)."""
+
+    model: str = ""
+    rate: float = 10.0  # requests/s
+    duration: float = 600.0  # seconds
+    prompt: int = 1000  # mean prompt tokens
+    output: int = 200  # mean output tokens
+    lengths: str = "lognormal"  # lognormal | exp | fixed
+    long_share: float = 0.0  # share of requests drawn from the long mode
+    long_prompt: int = 6000  # mean prompt tokens of the long mode
+    max_context: int = 0  # cap prompt + output (0: no cap)
+    arrivals: str = "poisson"  # poisson | bursty
+    burst: float = 4.0  # bursty: rate multiplier during bursts (a quarter of the time)
+    sessions: float = 0.0  # share of requests that are turns of multi-turn sessions
+    turns: int = 4
+    think_s: float = 10.0  # mean seconds between a session's turns
+    priorities: str = ""  # e.g. "0:0.7/1:0.3" (class:share)
+    precision: str = ""  # e.g. "int4:0.1" (hint:share), add ";strict" for strict hints
+
+    def generate(self, seed: int) -> list[WorkItem]:
+        rng = random.Random(seed)
+        classes: list[tuple[int, float]] = [(int(k), v) for k, v in _shares(self.priorities)]
+        classes = classes or [(0, 1.0)]
+        hints = _shares(self.precision.split(";")[0])
+        strict = self.precision.endswith(";strict")
+        items: list[WorkItem] = []
+        t = 0.0
+        session_no = 0
+        while t < self.duration:
+            t += rng.expovariate(self._rate_at(t))
+            if t >= self.duration:
+                break
+            prio = _pick(rng, classes)
+            hint = _pick(rng, hints) if hints and rng.random() < sum(s for _, s in hints) else None
+            if self.sessions and rng.random() < self.sessions:
+                session_no += 1
+                at = t
+                context = 0
+                for _turn in range(self.turns):
+                    prompt, output = self._lengths(rng)
+                    context += prompt  # each turn resends the conversation so far
+                    total = self._cap(context, output)
+                    items.append(
+                        WorkItem(
+                            0,
+                            at,
+                            total[0],
+                            total[1],
+                            self.model,
+                            prio,
+                            f"s{seed}-{session_no}",
+                            hint,
+                            strict,
+                        )
+                    )
+                    context += output
+                    at += rng.expovariate(1 / self.think_s) + 1.0
+            else:
+                prompt, output = self._cap(*self._lengths(rng))
+                items.append(WorkItem(0, t, prompt, output, self.model, prio, None, hint, strict))
+        items.sort(key=lambda w: w.arrival)
+        return [replace(w, id=i) for i, w in enumerate(items)]
+
+    def _rate_at(self, t: float) -> float:
+        if self.arrivals == "bursty":
+            # Bursts a quarter of the time at `burst` x the rate; the mean rate is kept.
+            quiet = self.rate / (0.75 + 0.25 * self.burst)
+            return quiet * self.burst if (t % 60.0) < 15.0 else quiet
+        return self.rate
+
+    def _lengths(self, rng: random.Random) -> tuple[int, int]:
+        mean_prompt = self.long_prompt if rng.random() < self.long_share else self.prompt
+        return _draw(rng, self.lengths, mean_prompt), _draw(rng, self.lengths, self.output)
+
+    def _cap(self, prompt: int, output: int) -> tuple[int, int]:
+        if self.max_context and prompt + output > self.max_context:
+            output = max(1, min(output, self.max_context // 4))
+            prompt = max(1, self.max_context - output)
+        return prompt, output
+
+
+def _draw(rng: random.Random, kind: str, mean: float) -> int:
+    if kind == "fixed":
+        return max(1, int(mean))
+    if kind == "exp":
+        return max(1, int(rng.expovariate(1 / mean)))
+    sigma = 0.8  # lognormal with this mean: mu = ln(mean) - sigma^2 / 2
+    return max(1, int(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+
+
+def _shares(text: str) -> list[tuple[str, float]]:
+    """`a:0.7/b:0.3` -> [("a", 0.7), ("b", 0.3)]."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split("/"))):
+        key, _, share = part.partition(":")
+        out.append((key, float(share or 1.0)))
+    return out
+
+
+T = TypeVar("T")
+
+
+def _pick(rng: random.Random, options: list[tuple[T, float]]) -> T:
+    total = sum(s for _, s in options)
+    x = rng.random() * total
+    for value, share in options:
+        x -= share
+        if x <= 0:
+            return value
+    return options[-1][0]
+
+
+def parse_spec(spec: str, model: str) -> Synthetic:
+    """`rate=20,duration=600,prompt=1500,output=300,long_share=0.2,...` -> Synthetic."""
+    w = Synthetic(model=model)
+    fields = {f: type(getattr(w, f)) for f in w.__dataclass_fields__ if f != "model"}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or key not in fields:
+            raise UserError(
+                f"bad workload setting {part!r}",
+                None,
+                f"use key=value with keys: {', '.join(fields)}",
+            )
+        try:
+            setattr(w, key, fields[key](value.strip()))
+        except ValueError:
+            raise UserError(
+                f"bad value for {key}: {value!r}", None, f"expected {fields[key].__name__}"
+            ) from None
+    return w
