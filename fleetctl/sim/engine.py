@@ -97,6 +97,9 @@ class Engine:
     clock: float = 0.0  # end of the last applied step
     stats: EngineStats = field(default_factory=EngineStats)
     first_tokens: list[Seq] = field(default_factory=list)  # since the caller last drained it
+    # Longest run of identical decode steps applied at once (seconds); None: unlimited. A
+    # server streaming tokens in real time sets it, so tokens flow step by step.
+    max_span_s: float | None = None
 
     def __post_init__(self) -> None:
         # Every decoding sequence takes one token of the step's budget.
@@ -132,6 +135,12 @@ class Engine:
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use, as vllm:kv_cache_usage_perc reports it."""
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 1.0
+
+    def generated(self, s: Seq) -> int:
+        """Tokens `s` has generated so far, in any state."""
+        if s.state == DECODE:
+            return s.base_g + (self.steps_done - s.d0)
+        return s.generated
 
     def decode_context(self) -> int:
         return self.ctx_offset + self.n_decode * self.steps_done
@@ -207,6 +216,11 @@ class Engine:
             return
         if self.n_decode and not self.prefilling and not self._waiting_can_join():
             k = self._identical_steps()
+            if k > 1 and self.max_span_s is not None:
+                ctx = self.decode_context()
+                k = min(
+                    k, max(1, self.perf.decode_steps_within(self.n_decode, ctx, self.max_span_s, k))
+                )
             if k > 1:
                 self.span = (self.clock, k)
                 return
