@@ -102,14 +102,24 @@ class HardwareAware(Policy):
         self.sessions = sessions if sessions is not None else SessionTable()
 
     def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
+        """Healthy backends of the model; only the hinted format when strict; only the
+        session's class while any of it is healthy (so a later turn waits for room there
+        rather than switching model variants mid-conversation)."""
         found, why = super().eligible(req, backends)
-        if not found or not req.precision:
+        if not found:
             return found, why
-        match = [b for b in found if precision_matches(req.precision, b.variant)]
-        if req.strict and not match:
-            formats = ", ".join(sorted({b.variant for b in found}))
-            return [], f"no backend serves {req.model} in {req.precision} (it runs {formats})"
-        return (match or found), ""
+        if req.precision:
+            match = [b for b in found if precision_matches(req.precision, b.variant)]
+            if req.strict and not match:
+                formats = ", ".join(sorted({b.variant for b in found}))
+                return [], f"no backend serves {req.model} in {req.precision} (it runs {formats})"
+            if req.strict:
+                found = match
+        pin = self.sessions.get(req.session) if req.session else None
+        if pin is not None:
+            same = [b for b in found if b.node_class == pin.node_class]
+            found = same or found
+        return found, ""
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         cfg = self.config

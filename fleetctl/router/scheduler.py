@@ -4,6 +4,9 @@ Pure: time is passed in. A request waits router-side when every backend that may
 at its cap, so priorities mean something: classes are served strictly in order, except that a
 request that has waited longer than `factor` x the median TTFT of the last `window_s` seconds
 is boosted to the top class (the seed's aging rule), so low-priority requests cannot starve.
+The TTFT fed to that median is the backends' (dispatch to first token): TTFT as clients see
+it includes router queueing, so under sustained overload the threshold would grow with the
+backlog and never fire.
 Within a class, requests go in arrival order; a request that cannot be placed does not stop
 others of its class (they may fit other backends), but it does stop lower classes.
 Baseline policies (no admission) forward everything at once, as the peer routers do.

@@ -39,6 +39,8 @@ class Seq:
         "base_c",
         "base_g",
         "blocks",
+        "cache_mark",
+        "cached_blocks",
         "computed",
         "d0",
         "epoch",
@@ -64,6 +66,7 @@ class Seq:
         self.target = prompt  # tokens to prefill: prompt (+ generated, after a preemption)
         self.blocks = 0  # while prefilling
         self.base_c = self.base_g = self.d0 = self.residue = 0  # while decoding
+        self.cached_blocks = self.cache_mark = 0  # after a preemption
         self.epoch = 0
         self.admitted = 0
         self.first_token_at: float | None = None
@@ -76,6 +79,7 @@ class EngineStats:
     """Counters in the spirit of vLLM's /metrics."""
 
     prompt_tokens: int = 0
+    prefix_cache_hits: int = 0  # tokens a resumed request found still cached
     generation_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
@@ -106,6 +110,7 @@ class Engine:
         self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
         self.total_blocks = self.kv_tokens // BLOCK_SIZE
         self.free_blocks = self.total_blocks
+        self.allocated = 0  # blocks ever handed out (the prefix cache's eviction clock)
         self.waiting: deque[Seq] = deque()
         self.running: dict[Seq, None] = {}  # admission order: the last is preempted first
         self.prefilling: list[Seq] = []
@@ -142,6 +147,11 @@ class Engine:
             return s.base_g + (self.steps_done - s.d0)
         return s.generated
 
+    def decode_read(self) -> int:
+        """KV tokens the next decode step reads: each sequence attends to its context plus the
+        token being decoded."""
+        return self.decode_context() + self.n_decode
+
     def decode_context(self) -> int:
         return self.ctx_offset + self.n_decode * self.steps_done
 
@@ -155,7 +165,7 @@ class Engine:
         if not batch:
             return 0.0, 0.0
         p = self.perf
-        kv = self.decode_context()
+        kv = self.decode_read()
         step = p.step_time(batch, kv)
         read = p.weight_read_bytes(batch) / p.tp + kv * p.kv_token_bytes
         flops = (2.0 * p.model.params_active * batch + p._attn_flops_per_ctx * kv) / p.tp
@@ -184,7 +194,7 @@ class Engine:
         start, k = self.span
         if not k:
             return start  # a mixed step is applied at its start; its results carry its end time
-        return start + self.perf.decode_span(self.n_decode, self.decode_context(), k)
+        return start + self.perf.decode_span(self.n_decode, self.decode_read(), k)
 
     def advance(self, until: float) -> list[Seq]:
         """Apply every step that ends at or before `until`; return the sequences that finished."""
@@ -201,9 +211,7 @@ class Engine:
         done = self.advance(now)
         if self.span is not None and self.span[1] and self.span[0] < now:
             start, k = self.span
-            ran = self.perf.decode_steps_within(
-                self.n_decode, self.decode_context(), now - start, k
-            )
+            ran = self.perf.decode_steps_within(self.n_decode, self.decode_read(), now - start, k)
             self.span = (start, min(k, ran + 1))
             done.extend(self._apply())
         return done
@@ -217,7 +225,7 @@ class Engine:
         if self.n_decode and not self.prefilling and not self._waiting_can_join():
             k = self._identical_steps()
             if k > 1 and self.max_span_s is not None:
-                ctx = self.decode_context()
+                ctx = self.decode_read()
                 k = min(
                     k, max(1, self.perf.decode_steps_within(self.n_decode, ctx, self.max_span_s, k))
                 )
@@ -269,9 +277,9 @@ class Engine:
 
     def _apply_span(self, k: int) -> list[Seq]:
         p = self.perf
-        n, kv0 = self.n_decode, self.decode_context()
+        n, kv0 = self.n_decode, self.decode_read()
         elapsed = p.decode_span(n, kv0, k)
-        self.free_blocks -= self._allocations(k)
+        self._take(self._allocations(k))
         self.steps_done += k
         st = self.stats
         st.generation_tokens += n * k
@@ -290,7 +298,7 @@ class Engine:
             while self._blocks_needed(self.steps_done) > self.free_blocks and self.running:
                 self._preempt(next(reversed(self.running)))
                 preempted = True
-            self.free_blocks -= self._blocks_needed(self.steps_done)
+            self._take(self._blocks_needed(self.steps_done))
         budget = self.max_num_batched_tokens - self.n_decode
         chunks: list[tuple[Seq, int]] = []
         for s in list(self.prefilling):
@@ -304,25 +312,28 @@ class Engine:
             if s.state != PREFILL:
                 continue  # it was the victim
             s.blocks += need
-            self.free_blocks -= need
+            self._take(need)
             chunks.append((s, n))
             budget -= n
         while (
             not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             s = self.waiting[0]
-            n = min(s.target - s.computed, budget)
-            need = blocks_for(s.computed + n) - s.blocks
+            hit = self._cached_tokens(s)  # found in the prefix cache: no compute, its blocks
+            n = min(s.target - hit, budget)
+            need = blocks_for(hit + n)
             if need > self.free_blocks:
                 break
             self.waiting.popleft()
+            s.computed, s.cached_blocks = hit, 0
+            self.stats.prefix_cache_hits += hit
             self._admissions += 1
             s.admitted = self._admissions
             s.state = PREFILL
             self.running[s] = None
             self.prefilling.append(s)
             s.blocks += need
-            self.free_blocks -= need
+            self._take(need)
             chunks.append((s, n))
             budget -= n
         # Preemption may have taken some chunks' sequences away.
@@ -404,13 +415,25 @@ class Engine:
             s.finished_at = at
         return done
 
+    def _take(self, blocks: int) -> None:
+        self.free_blocks -= blocks
+        self.allocated += blocks
+
     def _preempt(self, s: Seq) -> None:
-        """Recompute preemption: drop the KV, and redo prompt plus generated tokens later."""
+        """Recompute preemption: free the KV, and redo prompt plus generated tokens later.
+
+        vLLM V1 caches prefixes by default: the freed blocks keep their contents until the
+        allocator hands them out again (oldest free blocks first), so a request resumed soon
+        after its preemption recomputes only what was overwritten meanwhile.
+        """
         if s.state == DECODE:
-            self.free_blocks += blocks_for(self._stop_decode(s))
+            held = blocks_for(self._stop_decode(s))
         else:
             self.prefilling.remove(s)
-            self.free_blocks += s.blocks
+            held = s.blocks
+        s.cached_blocks = s.computed // BLOCK_SIZE  # only full blocks are cached
+        s.cache_mark = self.allocated + self.free_blocks  # allocations until ours are reused
+        self.free_blocks += held
         del self.running[s]
         s.blocks = 0
         s.computed = 0
@@ -419,6 +442,15 @@ class Engine:
         s.preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(s)
+
+    def _cached_tokens(self, s: Seq) -> int:
+        """Tokens of a resumed sequence still in the prefix cache: its freed blocks that the
+        allocator has not handed out again. At least the last token is recomputed."""
+        if not s.cached_blocks:
+            return 0
+        overwritten = max(0, self.allocated - s.cache_mark)
+        hits = max(0, s.cached_blocks - overwritten)
+        return min(hits * BLOCK_SIZE, s.target - 1)
 
     def _finish(self, s: Seq) -> Seq:
         del self.running[s]

@@ -182,7 +182,10 @@ def simulate(
         for s in e.first_tokens:
             req = requests[s.req]
             first_token(b, req)
-            sched.observe_ttft(s.first_token_at or now, (s.first_token_at or now) - req.arrival)
+            at = s.first_token_at or now
+            # Aging compares waiting to the backends' TTFT (dispatch to first token), not to
+            # TTFT seen by clients: that includes router queueing and grows with the backlog.
+            sched.observe_ttft(at, at - (outcomes[s.req].dispatched or req.arrival))
         e.first_tokens.clear()
         for s in finished:
             o = outcomes[s.req]

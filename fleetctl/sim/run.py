@@ -1,0 +1,111 @@
+"""Simulate a planned fleet under a workload with several policies, side by side."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from fleetctl.inventory import Inventory
+from fleetctl.planner.model import Plan
+from fleetctl.router.policy import RoutingConfig
+from fleetctl.router.scheduler import Aging
+from fleetctl.sim.fleet import Server, SimResult, servers_from_plan, simulate
+from fleetctl.sim.workload import WorkItem, scale_time
+
+DEFAULT_POLICIES = (
+    "round-robin",
+    "least-outstanding",
+    "power-of-two",
+    "kv-aware",
+    "hardware-aware",
+)
+
+
+@dataclass
+class Comparison:
+    model: str
+    servers: list[Server]
+    items: list[WorkItem]
+    capacity_rps: float  # the fleet's saturation throughput for this workload's mean request
+    offered_rps: float
+    results: dict[str, SimResult]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "servers": len(self.servers),
+            "requests": len(self.items),
+            "duration_s": round(self.items[-1].arrival, 3) if self.items else 0.0,
+            "capacity_rps": round(self.capacity_rps, 3),
+            "offered_rps": round(self.offered_rps, 3),
+            "load": round(self.offered_rps / self.capacity_rps, 3) if self.capacity_rps else None,
+            "policies": {
+                name: {k: _clean(v) for k, v in r.summary().items()}
+                for name, r in self.results.items()
+            },
+        }
+
+
+def _clean(v: float | int) -> float | int | None:
+    if isinstance(v, float):
+        return None if math.isnan(v) else round(v, 4)
+    return v
+
+
+def mean_shape(items: Sequence[WorkItem]) -> tuple[int, int]:
+    if not items:
+        return 1, 1
+    return (
+        round(sum(w.prompt for w in items) / len(items)),
+        round(sum(w.output for w in items) / len(items)),
+    )
+
+
+def fleet_capacity(servers: Sequence[Server], prompt: int, output: int) -> float:
+    """Requests/s the servers sustain at saturation for a mean request (the planner's number)."""
+    return sum(s.perf.capacity_rps(prompt, output, s.kv_tokens, s.max_num_seqs) for s in servers)
+
+
+def at_load(items: list[WorkItem], load: float, capacity: float) -> list[WorkItem]:
+    """Time-scale arrivals so the offered rate is `load` x `capacity`."""
+    if len(items) < 2 or items[-1].arrival <= 0:
+        return items
+    rate = len(items) / items[-1].arrival
+    return scale_time(items, load * capacity / rate)
+
+
+def compare(
+    inv: Inventory,
+    plan: Plan,
+    model: str,
+    items: list[WorkItem],
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    *,
+    load: float | None = None,
+    seed: int = 0,
+    aging: Aging | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Comparison:
+    """Run every policy over the same servers and the same requests."""
+    servers = [s for s in servers_from_plan(plan.deployments, inv) if s.model == model]
+    prompt, output = mean_shape(items)
+    capacity = fleet_capacity(servers, prompt, output)
+    if load is not None:
+        items = at_load(items, load, capacity)
+    items = [replace(w, model=model) if w.model != model else w for w in items]
+    offered = len(items) / items[-1].arrival if len(items) > 1 and items[-1].arrival > 0 else 0.0
+    spec = inv.spec.router
+    config = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
+    if aging is None:
+        aging = Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled)
+    workload = inv.model(model).spec.workload
+    estimate = {model: workload.mean_output_tokens if workload else output}
+    results = {}
+    for name in policies:
+        if progress:
+            progress(name)
+        results[name] = simulate(
+            servers, items, name, seed=seed, config=config, aging=aging, output_estimate=estimate
+        )
+    return Comparison(model, servers, items, capacity, offered, results)

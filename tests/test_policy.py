@@ -1,0 +1,131 @@
+"""Routing policies on hand-built snapshots, and the seed's rules measured in simulation."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.router.policy import HardwareAware, KvAware, PowerOfTwo, RoundRobin, make_policy
+from fleetctl.router.types import Backend, Request
+from fleetctl.sim.fleet import Server, simulate
+from fleetctl.sim.workload import Synthetic
+
+
+def backend(catalog, name, gpu="A100-SXM4-80GB", variant="bf16", model="llama-3-8b", **live):
+    g, m, f = catalog.gpu(gpu), catalog.model(model), catalog.format(variant)
+    kv = kv_budget(g, m, f).kv_tokens
+    return Backend(name, name, g.name, model, variant, kv, 256, EnginePerf(g, m, f), **live)
+
+
+def server(catalog, name, gpu, variant="bf16", model="llama-3-8b", max_len=8192):
+    g, m, f = catalog.gpu(gpu), catalog.model(model), catalog.format(variant)
+    kv = kv_budget(g, m, f).kv_tokens
+    return Server(name, name, g.name, model, variant, EnginePerf(g, m, f), kv, 256, 2048, max_len)
+
+
+def req(i=0, prompt=500, out=100, **kw):
+    return Request(i, "llama-3-8b", prompt, out, **kw)
+
+
+def test_round_robin_cycles_and_p2c_is_seeded(catalog):
+    bs = [backend(catalog, f"b{i}") for i in range(3)]
+    rr = RoundRobin()
+    assert [rr.choose(req(), bs).backend.name for _ in range(4)] == ["b0", "b1", "b2", "b0"]
+    picks = [[PowerOfTwo(7).choose(req(), bs).backend.name for _ in range(1)] for _ in range(2)]
+    assert picks[0] == picks[1]
+
+
+def test_kv_aware_takes_the_emptiest(catalog):
+    bs = [backend(catalog, "a", kv_usage=0.7), backend(catalog, "b", kv_usage=0.2)]
+    assert KvAware().choose(req(), bs).backend.name == "b"
+
+
+def test_long_requests_go_to_the_large_kv_class(catalog):
+    a100 = backend(catalog, "a100", outstanding=6, reserved_tokens=20000)
+    rtx = backend(catalog, "rtx", gpu="RTX-4090")
+    ha = HardwareAware()
+    long = ha.choose(req(prompt=5000, out=500), [a100, rtx])
+    assert long.backend is a100 and "long->large-kv" in long.reason
+    # Short requests: load decides, so the idle 4090 wins over the busy A100.
+    a100.pending_prefill = 20000
+    short = ha.choose(req(prompt=300, out=50), [a100, rtx])
+    assert short.backend is rtx and "length:short" in short.reason
+
+
+def test_bandwidth_saturation_biases_away_even_with_a_short_queue(catalog):
+    hot = backend(catalog, "hot", outstanding=2, bandwidth_util=0.97)
+    calm = backend(catalog, "calm", outstanding=4, bandwidth_util=0.40)
+    d = HardwareAware().choose(req(out=400), [hot, calm])
+    assert d.backend is calm
+    # Below the threshold the shorter queue wins.
+    hot.bandwidth_util = 0.5
+    assert HardwareAware().choose(req(out=400), [hot, calm]).backend is hot
+
+
+def test_compute_saturation_is_a_signal_too(catalog):
+    busy = backend(catalog, "busy", compute_util=0.99)
+    idle = backend(catalog, "idle", outstanding=1)
+    assert HardwareAware().choose(req(out=300), [busy, idle]).backend is idle
+
+
+def test_strict_precision_is_honoured_or_rejected(catalog):
+    bf16 = backend(catalog, "bf16")
+    int4 = backend(catalog, "int4", gpu="RTX-4090", variant="gptq-int4")
+    ha = HardwareAware()
+    pool, _ = ha.eligible(req(precision="int4", strict=True), [bf16, int4])
+    assert pool == [int4]
+    pool, why = ha.eligible(req(precision="fp8", strict=True), [bf16, int4])
+    assert pool == [] and "no backend serves llama-3-8b in fp8" in why and "gptq-int4" in why
+    # Prefer mode falls back when the format is missing, and says so.
+    d = ha.choose(req(precision="fp8"), [bf16, int4])
+    assert d.backend is not None and "precision:unavailable" in d.reason
+
+
+def test_every_policy_is_selectable_by_name():
+    for name in ("round-robin", "least-outstanding", "power-of-two", "kv-aware", "hardware-aware"):
+        assert make_policy(name).name == name
+    with pytest.raises(KeyError):
+        make_policy("nope")
+
+
+def _mixed(catalog):
+    return [server(catalog, f"a100-{i}", "A100-SXM4-80GB") for i in range(2)] + [
+        server(catalog, f"rtx-{i}", "RTX-4090") for i in range(4)
+    ]
+
+
+def test_session_affinity_holds_for_every_later_turn(catalog):
+    servers = _mixed(catalog)
+    items = Synthetic(
+        model="llama-3-8b", rate=4, duration=200, sessions=1.0, turns=5, max_context=8192
+    ).generate(3)
+    result = simulate(servers, items, "hardware-aware")
+    cls = {s.name: s.gpu_type for s in servers}
+    turns = defaultdict(list)
+    for o in sorted(result.outcomes, key=lambda o: o.item.arrival):
+        assert o.backend is not None, o
+        turns[o.item.session].append(cls[o.backend])
+    later = [(t[0], x) for t in turns.values() for x in t[1:]]
+    assert len(later) > 100
+    assert all(first == x for first, x in later)  # 100% of later turns
+    # And both classes got sessions: affinity is not "everything on one class".
+    assert {t[0] for t in turns.values()} == {"A100-SXM4-80GB", "RTX-4090"}
+
+
+def test_strict_hints_in_simulation(catalog):
+    servers = [
+        server(catalog, "a", "A100-SXM4-80GB"),
+        server(catalog, "r", "RTX-4090", "gptq-int4"),
+    ]
+    items = Synthetic(
+        model="llama-3-8b", rate=3, duration=120, precision="int4:0.4/fp8:0.2;strict"
+    ).generate(5)
+    result = simulate(servers, items, "hardware-aware")
+    by_hint = defaultdict(list)
+    for o in result.outcomes:
+        by_hint[o.item.precision].append(o)
+    assert by_hint["int4"] and all(o.backend == "r" for o in by_hint["int4"])
+    assert by_hint["fp8"] and all(o.rejected and o.backend is None for o in by_hint["fp8"])
+    assert all(o.rejected is None for o in by_hint[None])
