@@ -12,6 +12,7 @@ fleet's capacity with all five policies. Part 3 times the simulator itself.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import statistics
 import time
 from pathlib import Path
@@ -106,7 +107,7 @@ def speed() -> None:
     inv, plan = setup("seed-mixed-8b-16k")
     base = servers_from_plan(plan.deployments, inv)
     for copies in (1, 4):
-        servers = [s for _ in range(copies) for s in base]
+        servers = [replace(s, name=f"{s.name}#{c}") for c in range(copies) for s in base]
         for n in (5000, len(items)) if copies == 1 else (len(items),):
             subset = items[:n]
             # More servers: proportionally denser arrivals, so each server sees the same load.

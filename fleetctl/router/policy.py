@@ -22,6 +22,8 @@ class RoutingConfig:
     compute_saturation: float = 0.85
     # A backend class is "large-KV" when its KV capacity is at least this share of the largest.
     large_kv_share: float = 0.5
+    # How much sooner a small-KV backend must promise a long request's first token to get it.
+    long_small_kv_penalty: float = 4.0
     # Stay on the session's node (warm prefix cache) unless another is this much faster.
     affinity_slack_s: float = 0.25
 
@@ -140,19 +142,26 @@ class HardwareAware(Policy):
             else:
                 notes.append("affinity:class-gone")
         long = req.total_tokens > cfg.long_context_tokens
-        if long and (pin is None or "affinity:class-gone" in notes):
-            top = max(b.kv_tokens for b in pool)
-            large = [b for b in pool if b.kv_tokens >= cfg.large_kv_share * top]
-            if len(large) < len(pool):
-                notes.append("length:long->large-kv")
-            pool = large
+        top = max(b.kv_tokens for b in pool)
+        small = {b.name for b in pool if b.kv_tokens < cfg.large_kv_share * top}
+
+        def cost(b: Backend) -> float:
+            # Long requests prefer the large-KV class: a small-KV backend must promise a first
+            # token `long_small_kv_penalty` times sooner to win one.
+            slow = cfg.long_small_kv_penalty if long and b.name in small else 1.0
+            return self.estimate(b, req) * slow
+
+        best = min(pool, key=lambda b: (cost(b), b.name))
+        best_s = cost(best)
+        if not long:
+            notes.append("length:short")
+        elif not small:
+            notes.append("length:long")
         else:
-            notes.append("length:long" if long else "length:short")
-        scored = sorted((self.estimate(b, req), b.name, b) for b in pool)
-        best_s, _, best = scored[0]
+            notes.append("length:long->small-kv" if best.name in small else "length:long->large-kv")
         if pin is not None:
             home = next((b for b in pool if b.node == pin.node), None)
-            near = home is not None and self.estimate(home, req) <= best_s + cfg.affinity_slack_s
+            near = home is not None and cost(home) <= best_s + cfg.affinity_slack_s
             if home is not None and home is not best and near:
                 best = home
                 notes.append("affinity:node")
@@ -165,8 +174,10 @@ class HardwareAware(Policy):
         perf = b.perf
         if perf is None:  # no model of this GPU: fall back to capacity-normalized load
             return b.outstanding / max(1, b.max_num_seqs)
-        # Prompt tokens ahead of ours, and ours, at the GPU's prefill speed.
-        wait = perf.prefill_marginal(b.pending_prefill + req.prompt_tokens)
+        # Prompt tokens ahead of ours (each its own sequence: linear, at a typical context) and
+        # ours, at the GPU's prefill speed.
+        wait = b.pending_prefill * perf.prefill_marginal(2048) / 2048
+        wait += perf.prefill_marginal(req.prompt_tokens)
         # The decode batch this request joins; its per-step time slows our prefill steps too.
         batch = max(1, b.outstanding)
         step = perf.step_time(batch, batch * max(1, req.total_tokens // 2))

@@ -23,6 +23,10 @@ from fleetctl.router.policy import Policy
 from fleetctl.router.types import Backend, Decision, Request
 
 TOP = 0
+# After the first request of a class that must wait, look this many further for smaller ones
+# that fit elsewhere (backfill); deeper requests wait for the next dispatch. Bounds the work
+# per dispatch when thousands queue.
+BACKFILL_SCAN = 32
 
 
 @dataclass
@@ -142,7 +146,12 @@ class Scheduler:
             # A request that found no room rules out later ones that are no smaller and ask
             # for the same thing, so a long queue is not re-examined request by request.
             no_room: dict[tuple[object, ...], int] = {}
+            scan = BACKFILL_SCAN
             while q:
+                if blocked:
+                    scan -= 1
+                    if scan < 0:
+                        break
                 if self.policy.admission and not any(
                     b.outstanding < b.max_num_seqs for b in backends
                 ):
@@ -157,14 +166,15 @@ class Scheduler:
                 if not pool:
                     rejected.append(Dispatch(req, Decision(None, why, reject=True)))
                     continue
-                room = [b for b in pool if self.has_room(b, req)]
-                if not room:
+                # The policy weighs every eligible backend, full ones too: waiting here for the
+                # best one can beat taking a slower one that has room (its estimate says).
+                decision = self.policy.choose(req, pool)
+                assert decision.backend is not None
+                if not self.has_room(decision.backend, req):
                     blocked = True
                     no_room[sig] = min(no_room.get(sig, 1 << 62), req.total_tokens)
                     keep.append(req)
                     continue
-                decision = self.policy.choose(req, room)
-                assert decision.backend is not None
                 self.policy.placed(req, decision.backend)
                 account(decision.backend, req)
                 sent.append(Dispatch(req, decision))
