@@ -12,9 +12,9 @@ fleet's capacity with all five policies. Part 3 times the simulator itself.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from fleetctl.catalog import load_catalog
