@@ -187,6 +187,10 @@ class HardwareAware(Policy):
         if over > 1.0:
             wait += (over - 1.0) * max(1, b.outstanding) * req.output_tokens * step
         # Memory-bandwidth saturation: more work there adds latency but little throughput.
+        # The simulator fills bandwidth_util from the perf model's decode work in flight; the
+        # daemon measures it live as the rate of vllm:estimated_read_bytes_per_gpu_total over
+        # the GPU's peak bandwidth (or DCGM_FI_DEV_MEM_COPY_UTIL), falling back to the perf
+        # model applied to the scraped running-request count when that counter is missing.
         if b.bandwidth_util > cfg.bandwidth_saturation:
             excess = (b.bandwidth_util - cfg.bandwidth_saturation) / (1 - cfg.bandwidth_saturation)
             wait += excess * req.output_tokens * step
