@@ -176,6 +176,48 @@ def plan(
 
 
 @app.command()
+def simulate(
+    inventory: str = InventoryArg,
+    workload: str | None = typer.Option(
+        None,
+        "--workload",
+        help="Synthetic workload, key=value,... (rate, duration, prompt, output, long_share, "
+        "long_prompt, max_context, lengths, arrivals, burst, sessions, turns, priorities, "
+        "precision); or a YAML file of the same keys.",
+    ),
+    trace: Path | None = typer.Option(
+        None, "--trace", help="Request trace CSV: TIMESTAMP,ContextTokens,GeneratedTokens."
+    ),
+    policies: str = typer.Option(
+        "round-robin,least-outstanding,power-of-two,kv-aware,hardware-aware",
+        "--policies",
+        help="Comma-separated routing policies to compare.",
+    ),
+    load: float | None = typer.Option(
+        None, "--load", help="Scale arrivals to this share of the fleet's capacity (e.g. 0.8)."
+    ),
+    model: str | None = typer.Option(None, "--model", help="Which model the workload targets."),
+    limit: int | None = typer.Option(None, "--limit", help="Use only the first N trace requests."),
+    seed: int = typer.Option(0, "--seed", help="Random seed (workload and policies)."),
+    no_aging: bool = typer.Option(False, "--no-aging", help="Turn priority aging off."),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+    plot: Path | None = typer.Option(None, "--plot", help="Write a TTFT CDF per policy (PNG)."),
+) -> None:
+    """Replay a workload over the planned fleet with each policy; compare TTFT and more."""
+    from fleetctl.sim.command import run_simulate
+
+    inv, _ = _load(inventory, profiles)
+    data, renderable = run_simulate(
+        inv, workload, trace, policies, load, model, limit, seed, no_aging, plot, not as_json
+    )
+    if as_json:
+        _print_json(data)
+    else:
+        _console().print(renderable)
+
+
+@app.command()
 def examples(as_json: bool = JsonOpt) -> None:
     """List the bundled example inventories (use them as example:NAME)."""
     from fleetctl.resources import examples as bundled_examples
@@ -268,6 +310,26 @@ def profiles_import(
         f"wrote {target} ({data['params_total'] / 1e9:.2f}B parameters); "
         f"use it with --profiles {out} or FLEETCTL_PROFILES={out}"
     )
+
+
+@app.command(
+    # `vllm serve`'s flags are forwarded as they are (a `vllm` shim on test hosts calls this),
+    # so argparse parses them; typer would reject the hundreds it does not declare.
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def emulate(ctx: typer.Context) -> None:
+    """Serve one emulated vLLM OpenAI-compatible server on a modelled GPU (see emulate --help)."""
+    from fleetctl.emulator.args import parse_args
+    from fleetctl.emulator.config import resolve
+
+    args, ignored = parse_args(list(ctx.args))
+    for flag in ignored:
+        sys.stderr.write(f"warning: emulate ignores the vllm serve flag {flag}\n")
+    config = resolve(args)
+    from fleetctl.emulator.server import serve
+
+    serve(config)
 
 
 @app.command()

@@ -185,6 +185,21 @@ class Engine:
         self.span = None  # the planned step did not know about this request
         return done
 
+    def abort(self, s: Seq) -> None:
+        """Drop a request (its client went away), freeing its KV blocks, as vLLM's abort does."""
+        if s.state == WAITING:
+            self.waiting.remove(s)
+        elif s.state == PREFILL:
+            self.prefilling.remove(s)
+            self.free_blocks += s.blocks
+            del self.running[s]
+        elif s.state == DECODE:
+            self.free_blocks += blocks_for(self._stop_decode(s))
+            del self.running[s]
+        s.state = DONE
+        s.blocks = 0
+        self.span = None  # the planned step included it
+
     def next_event(self) -> float | None:
         """When this engine next changes state on its own (a step or span ends), or None."""
         if self.span is None:

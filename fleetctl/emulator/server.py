@@ -1,0 +1,460 @@
+"""The HTTP side: vLLM 0.32's OpenAI-compatible endpoints, auth, faults, and serving the app."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from fleetctl.emulator import protocol as proto
+from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
+from fleetctl.emulator.driver import Driver, Job, Update
+from fleetctl.emulator.metrics import CacheInfo, Recorder, render
+from fleetctl.errors import OperationError
+
+log = logging.getLogger("fleetctl.emulator")
+# uvicorn's access line, which is what vLLM prints; never headers, so never the API key.
+ACCESS_LOG_FORMAT = '%a - "%r" %s'
+DIE_AFTER_CHUNKS = 3  # --die-mid-stream: chunks sent before the connection drops
+CRASH_DELAY_S = 0.05  # --crash-after: let the last response leave the socket first
+ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass
+class State:
+    """One server's mutable state, shared by the handlers."""
+
+    config: EmulatorConfig
+    recorder: Recorder
+    cache: CacheInfo
+    driver: Driver | None = None
+    task: asyncio.Task[None] | None = None
+    started: float = field(default_factory=time.monotonic)
+    rng: random.Random = field(default_factory=random.Random)
+    completion_requests: int = 0
+    streams: int = 0
+    completed: int = 0
+    hung: bool = False
+
+    @property
+    def loading(self) -> bool:
+        return time.monotonic() - self.started < self.config.faults.startup_delay
+
+    @property
+    def engine_dead(self) -> bool:
+        return self.task is not None and self.task.done()
+
+    def run(self) -> Driver:
+        """The driver, or vLLM's EngineDeadError answer once its task has died."""
+        assert self.driver is not None, "the app has not started"
+        if self.engine_dead:
+            raise proto.ApiError(500, ENGINE_DEAD, "InternalServerError")
+        return self.driver
+
+
+STATE = web.AppKey("state", State)
+
+
+def make_app(config: EmulatorConfig) -> web.Application:
+    """The aiohttp application of one emulated vLLM server (its engine starts with the app)."""
+    state = State(
+        config,
+        Recorder(config.max_model_len),
+        CacheInfo(
+            config.kv_cache_dtype,
+            config.gpu_memory_utilization,
+            config.kv_cache_bytes,
+            config.budget.kv_tokens,
+            config.max_model_len,
+        ),
+        rng=random.Random(config.faults.seed),
+    )
+    app = web.Application(middlewares=[_hang_mw, _errors_mw, _auth_mw, _loading_mw])
+    app[STATE] = state
+    app.router.add_get("/health", _health)
+    app.router.add_get("/version", _version)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.on_startup.append(_start_engine)
+    app.on_cleanup.append(_stop_engine)
+    app.on_response_prepare.append(_server_header)
+    return app
+
+
+async def _start_engine(app: web.Application) -> None:
+    state = app[STATE]
+    c = state.config
+    state.started = time.monotonic()
+    state.driver = Driver(c.engine(), c.time_scale, state.recorder)
+    state.task = asyncio.create_task(state.driver.run())
+    state.task.add_done_callback(_engine_died)
+
+
+def _engine_died(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("the engine loop died", exc_info=task.exception())
+
+
+async def _stop_engine(app: web.Application) -> None:
+    task = app[STATE].task
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = "uvicorn"  # what a real vLLM answers with
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    # Compact, as Starlette's JSONResponse (vLLM's) writes it.
+    return web.json_response(body, status=status, dumps=proto.dumps)
+
+
+# --- middlewares ---------------------------------------------------------------------------
+
+
+async def _hang_forever() -> None:
+    await asyncio.get_running_loop().create_future()
+
+
+@web.middleware
+async def _hang_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.app[STATE].hung:
+        await _hang_forever()
+    return await handler(request)
+
+
+@web.middleware
+async def _auth_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # vLLM checks the key on /v1 paths only (not /health or /metrics), and lets OPTIONS through.
+    keys = request.app[STATE].config.api_keys
+    if keys and request.path.startswith("/v1") and request.method != "OPTIONS":
+        given = request.headers.get("Authorization", "")
+        if given not in {f"Bearer {k}" for k in keys}:
+            return _json({"error": "Unauthorized"}, 401)
+    return await handler(request)
+
+
+@web.middleware
+async def _loading_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.app[STATE].loading:
+        if request.path == "/health":
+            return web.Response(status=503)
+        if request.path.startswith("/v1"):
+            raise proto.ApiError(503, "The model is still loading.", "ServiceUnavailableError")
+    return await handler(request)
+
+
+@web.middleware
+async def _errors_mw(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except proto.ApiError as e:
+        return _json(e.body(), e.status)
+    except web.HTTPException as e:
+        if e.status in (404, 405):  # FastAPI's bodies for unknown routes and methods
+            return _json({"detail": e.reason}, e.status)
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        raise  # the client went away
+    except Exception as e:
+        log.exception("internal error")
+        return _json(proto.error_body(500, str(e), "InternalServerError"), 500)
+
+
+# --- simple endpoints ------------------------------------------------------------------------
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    return web.Response(status=503 if request.app[STATE].engine_dead else 200)
+
+
+async def _version(request: web.Request) -> web.StreamResponse:
+    # The version of vLLM being emulated, so clients that check it see a supported server.
+    return _json({"version": VLLM_VERSION})
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    c = request.app[STATE].config
+    created = int(time.time())
+    cards = [_model_card(name, c, created) for name in c.served_names]
+    return _json({"object": "list", "data": cards})
+
+
+def _model_card(name: str, c: EmulatorConfig, created: int) -> dict[str, Any]:
+    permission = {
+        "id": f"modelperm-{os.urandom(16).hex()}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": c.source,
+        "parent": None,
+        "max_model_len": c.max_model_len,
+        "permission": [permission],
+    }
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    text = render(state.config.name, state.run().engine, state.recorder, state.cache)
+    return web.Response(
+        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+    )
+
+
+# --- completions -----------------------------------------------------------------------------
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+@dataclass
+class Plan:
+    """What one completion request asks for, checked."""
+
+    reply: proto.Reply
+    prompts: list[int]
+    outputs: list[int]
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+
+
+async def _read_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise proto.bad_request(f"JSON decode error: {e}") from None
+    if not isinstance(body, dict):
+        raise proto.bad_request("the request body must be a JSON object")
+    return body
+
+
+def _plan(body: dict[str, Any], c: EmulatorConfig, chat: bool) -> Plan:
+    model = body.get("model")
+    if model is not None and model not in c.served_names:
+        raise proto.ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    prompts = [proto.chat_prompt(body)] if chat else proto.completion_prompts(body)
+    outputs = [proto.output_tokens(body, p, c.max_model_len, chat) for p in prompts]
+    n = body.get("n") or 1
+    if not isinstance(n, int) or n < 1:
+        raise proto.bad_request("n must be at least 1.", "n")
+    options = body.get("stream_options")
+    options = options if isinstance(options, dict) else {}
+    return Plan(
+        proto.Reply(chat, c.name),
+        prompts,
+        outputs,
+        n,
+        bool(body.get("stream")),
+        bool(options.get("include_usage")),
+        bool(options.get("continuous_usage_stats")),
+    )
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    faults = state.config.faults
+    state.completion_requests += 1
+    if faults.hang_after is not None and state.completion_requests > faults.hang_after:
+        state.hung = True
+        await _hang_forever()
+    plan = _plan(await _read_body(request), state.config, chat)
+    if faults.error_rate and state.rng.random() < faults.error_rate:
+        raise proto.ApiError(500, "Emulated server error (--error-rate)", "InternalServerError")
+    _record_params(state.recorder, plan)
+    queue: asyncio.Queue[Update] = asyncio.Queue()
+    driver = state.run()
+    jobs = [
+        driver.submit(prompt, out, queue, i * plan.n + j)
+        for i, (prompt, out) in enumerate(zip(plan.prompts, plan.outputs, strict=True))
+        for j in range(plan.n)
+    ]
+    try:
+        if plan.stream:
+            state.streams += 1
+            die = state.streams == faults.die_mid_stream
+            response, whole = await _stream(request, plan, jobs, queue, die)
+        else:
+            response, whole = await _respond(request, plan, jobs, queue), True
+    finally:
+        for job in jobs:
+            driver.abort(job)  # no-op for finished ones; a client that left frees its KV
+    if whole:
+        _completed(state)
+    return response
+
+
+def _record_params(rec: Recorder, plan: Plan) -> None:
+    for out in plan.outputs:
+        rec.observe("request_params_n", plan.n)
+        rec.observe("request_params_max_tokens", out)
+        rec.observe("request_max_num_generation_tokens", out)
+
+
+def _completed(state: State) -> None:
+    state.completed += 1
+    limit = state.config.faults.crash_after
+    if limit is not None and state.completed >= limit:
+        log.error("crashing after %d completed requests (--crash-after)", state.completed)
+        asyncio.get_running_loop().call_later(CRASH_DELAY_S, os._exit, 1)
+
+
+def _usage(plan: Plan, completion: int) -> dict[str, Any]:
+    return proto.usage(sum(plan.prompts), completion)
+
+
+async def _respond(
+    request: web.Request, plan: Plan, jobs: list[Job], queue: asyncio.Queue[Update]
+) -> web.StreamResponse:
+    remaining = {job.index: job.seq.output for job in jobs}
+    while remaining:
+        index, n = await queue.get()
+        if n >= remaining[index]:
+            del remaining[index]
+    texts = [proto.tokens_text(0, job.seq.output) for job in jobs]
+    body = plan.reply.full(texts, _usage(plan, sum(job.seq.output for job in jobs)))
+    response = _json(body)
+    await response.prepare(request)  # written here so --crash-after counts it as sent
+    await response.write_eof()
+    return response
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else proto.dumps(obj)
+    return f"data: {data}\n\n".encode()
+
+
+async def _stream(
+    request: web.Request, plan: Plan, jobs: list[Job], queue: asyncio.Queue[Update], die: bool
+) -> tuple[web.StreamResponse, bool]:
+    """Stream tokens as the engine makes them; False when --die-mid-stream cut it short."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    outputs = {job.index: job.seq.output for job in jobs}
+    sent = dict.fromkeys(outputs, 0)
+    chunks = 0
+    while any(sent[i] < outputs[i] for i in outputs):
+        index, n = await queue.get()
+        data = b"".join(_token_chunks(plan, index, sent[index], n, outputs[index]))
+        chunks += n - sent[index]
+        sent[index] = n
+        await response.write(data)
+        if die and chunks >= min(DIE_AFTER_CHUNKS, sum(outputs.values()) - 1):
+            _drop_connection(request)
+            return response, False
+    tail = _sse("[DONE]")
+    if plan.include_usage:
+        tail = _sse(plan.reply.usage_chunk(_usage(plan, sum(outputs.values())))) + tail
+    await response.write(tail)
+    await response.write_eof()
+    return response, True
+
+
+def _token_chunks(plan: Plan, index: int, start: int, stop: int, output: int) -> list[bytes]:
+    reply, out = plan.reply, []
+    for k in range(start, stop):
+        if reply.chat and k == 0:
+            out.append(_sse(reply.chunk(index, "", False, role=True)))
+        chunk = reply.chunk(index, proto.token_text(k), k == output - 1)
+        if plan.continuous_usage:
+            chunk["usage"] = proto.usage(plan.prompts[index // plan.n], k + 1, details=False)
+        out.append(_sse(chunk))
+    return out
+
+
+def _drop_connection(request: web.Request) -> None:
+    """--die-mid-stream: close the socket mid-body, as a crashed server would."""
+    if request.transport is not None:
+        request.transport.close()
+
+
+# --- serving ----------------------------------------------------------------------------------
+
+
+def _describe(c: EmulatorConfig) -> str:
+    fits = c.budget.kv_tokens / c.max_model_len
+    return (
+        f"emulating vLLM {VLLM_VERSION}: {c.model.name} {c.fmt.name} on {c.gpu.name} "
+        f"(TP {c.tp}), KV cache {c.budget.kv_tokens:,} tokens ({fits:.2f}x max_model_len "
+        f"{c.max_model_len}), time scale {c.time_scale:g}"
+    )
+
+
+async def _serve(config: EmulatorConfig) -> None:
+    runner = web.AppRunner(
+        make_app(config),
+        handler_cancellation=True,  # a client that disconnects cancels its request, as in vLLM
+        access_log_format=ACCESS_LOG_FORMAT,
+        shutdown_timeout=1.0,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    try:
+        await site.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OperationError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+    log.info(_describe(config))
+    log.info("serving on http://%s:%d", config.host, config.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await runner.cleanup()
+
+
+def serve(config: EmulatorConfig) -> None:
+    """Serve until SIGTERM or SIGINT (exit status 0), on uvloop when it is installed."""
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
+    _run(_serve(config))
+
+
+def _run(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        uvloop: Any = importlib.import_module("uvloop")
+    except ImportError:
+        asyncio.run(main)
+        return
+    uvloop.run(main)
