@@ -79,6 +79,24 @@ class Decision:
     reject: bool = False  # the request can never be served as asked (a client error)
 
 
+class OutputEstimator:
+    """Expected output tokens per model for requests without max_tokens: starts from the
+    inventory's workload and follows what the model really generates (moving average)."""
+
+    DEFAULT = 256
+
+    def __init__(self, initial: dict[str, int] | None = None, alpha: float = 0.02):
+        self.means = {m: float(v) for m, v in (initial or {}).items()}
+        self.alpha = alpha
+
+    def estimate(self, model: str) -> int:
+        return max(1, round(self.means.get(model, self.DEFAULT)))
+
+    def observe(self, model: str, tokens: int) -> None:
+        mean = self.means.get(model)
+        self.means[model] = float(tokens) if mean is None else mean + self.alpha * (tokens - mean)
+
+
 @dataclass
 class Pin:
     node_class: str

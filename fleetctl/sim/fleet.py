@@ -17,11 +17,9 @@ from fleetctl.perf import EnginePerf
 from fleetctl.planner.model import Deployment
 from fleetctl.router.policy import RoutingConfig, make_policy
 from fleetctl.router.scheduler import Aging, Scheduler, first_token, release
-from fleetctl.router.types import Backend, Request
+from fleetctl.router.types import Backend, OutputEstimator, Request
 from fleetctl.sim.engine import Engine, Seq
 from fleetctl.sim.workload import WorkItem
-
-DEFAULT_OUTPUT_ESTIMATE = 256
 
 
 @dataclass(frozen=True)
@@ -158,7 +156,7 @@ def simulate(
         Backend(s.name, s.node, s.gpu_type, s.model, s.variant, s.kv_tokens, s.max_num_seqs, s.perf)
         for s in servers
     ]
-    estimate = output_estimate or {}
+    estimate = OutputEstimator(output_estimate)
     outcomes = [Outcome(w) for w in items]
     requests: dict[int, Request] = {}
     where: dict[int, int] = {}  # request id -> engine index
@@ -189,12 +187,10 @@ def simulate(
         e.first_tokens.clear()
         for s in finished:
             o = outcomes[s.req]
-            o.first_token, o.finished, o.preemptions = (
-                s.first_token_at,
-                s.finished_at,
-                s.preemptions,
-            )
+            o.first_token, o.finished = s.first_token_at, s.finished_at
+            o.preemptions = s.preemptions
             release(b, requests[s.req])
+            estimate.observe(o.item.model, o.item.output)
 
     def refresh() -> None:
         for i in dirty:
@@ -251,7 +247,7 @@ def simulate(
                 w.id,
                 w.model,
                 w.prompt,
-                w.max_tokens or estimate.get(w.model, DEFAULT_OUTPUT_ESTIMATE),
+                w.max_tokens or estimate.estimate(w.model),
                 w.priority,
                 w.session,
                 w.precision,
