@@ -217,6 +217,75 @@ def simulate(
         _console().print(renderable)
 
 
+@app.command("route-serve")
+def route_serve(
+    inventory: str = InventoryArg,
+    listen: str | None = typer.Option(
+        None, "--listen", help="HOST:PORT to bind (default: the inventory's router.listen)."
+    ),
+    backends: Path | None = typer.Option(
+        None, "--backends", help="YAML list of servers fleetctl did not launch (default: state)."
+    ),
+    policy: str = typer.Option("hardware-aware", "--policy", help="Routing policy."),
+    api_key_file: Path | None = typer.Option(
+        None, "--api-key-file", help="File (mode 0600) with the key clients must send."
+    ),
+    backend_api_key_file: Path | None = typer.Option(
+        None, "--backend-api-key-file", help="File (mode 0600) with the key to send to backends."
+    ),
+    max_body_mb: float = typer.Option(32.0, "--max-body-mb", help="Largest request body."),
+    upstream_timeout: float = typer.Option(
+        600.0, "--upstream-timeout", help="Seconds to wait for a backend's next byte."
+    ),
+    scrape_interval: float = typer.Option(
+        0.25, "--scrape-interval", help="Seconds between /metrics scrapes of each backend."
+    ),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="State folder."),
+    profiles: list[Path] = ProfilesOpt,
+) -> None:
+    """Run the OpenAI-compatible routing daemon in front of the fleet (SIGHUP reloads)."""
+    from fleetctl.router.daemon import DaemonConfig
+    from fleetctl.router.serve import build_router, read_secret, serve
+
+    inv, catalog = _load(inventory, profiles)
+    sdir = state_dir or inv.state_dir
+    key = (
+        read_secret(api_key_file, "API key file")
+        if api_key_file
+        else os.environ.get("FLEETCTL_API_KEY")
+    )
+    backend_key = (
+        read_secret(backend_api_key_file, "backend API key file") if backend_api_key_file else None
+    )
+    config = DaemonConfig(
+        max_body_bytes=int(max_body_mb * 2**20),
+        upstream_timeout_s=upstream_timeout,
+        api_key=key or None,
+        backend_api_key=backend_key,
+    )
+
+    def make():  # type: ignore[no-untyped-def]
+        return build_router(
+            inv,
+            catalog,
+            backends_file=backends,
+            state_dir=sdir,
+            policy=policy,
+            config=config,
+            scrape_interval=scrape_interval,
+        )
+
+    router = make()
+
+    def reload():  # type: ignore[no-untyped-def]
+        from fleetctl.router.backends import load_backends
+
+        fresh_inv, fresh_catalog = _load(inventory, profiles)
+        return load_backends(fresh_inv, fresh_catalog, backends, sdir)
+
+    serve(router, listen or inv.spec.router.listen, reload, None if backends else sdir)
+
+
 @app.command()
 def examples(as_json: bool = JsonOpt) -> None:
     """List the bundled example inventories (use them as example:NAME)."""

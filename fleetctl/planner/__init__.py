@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import TYPE_CHECKING
 
 from fleetctl.inventory import Inventory, Model
 from fleetctl.perf import GB
@@ -20,13 +21,17 @@ from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
 from fleetctl.planner.model import Deployment, ModelSummary, Plan, Server, Unplaced
 from fleetctl.planner.optimize import demand, solve
-from fleetctl.state import State
+
+if TYPE_CHECKING:
+    from fleetctl.state import State
 
 __all__ = ["plan_fleet"]
 
 
 def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
     """The plan for `inv`, keeping what `state` runs where it is still a good answer."""
+    from fleetctl.state import State  # state.py reads Deployments from this package
+
     state = state or State()
     classes = node_classes(inv)
     feasible, rejected = candidates(inv, classes)

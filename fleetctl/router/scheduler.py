@@ -100,6 +100,15 @@ class Scheduler:
     def observe_ttft(self, now: float, ttft: float) -> None:
         self.ttft.add(now, ttft)
 
+    def remove(self, req: Request) -> None:
+        """Take a queued request out (its client gave up)."""
+        for prio, q in list(self.classes.items()):
+            if req in q:
+                q.remove(req)
+                if not q:
+                    del self.classes[prio]
+                return
+
     def aging_threshold(self, now: float) -> float | None:
         """Seconds of waiting after which a request is boosted, or None (no TTFT seen yet)."""
         if not self.aging.enabled:

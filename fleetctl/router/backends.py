@@ -1,0 +1,118 @@
+"""The daemon's backends: fleetctl's applied state, or a YAML file of servers it did not launch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from fleetctl.catalog import Catalog
+from fleetctl.errors import Location, UserError
+from fleetctl.inventory import Inventory
+from fleetctl.perf import EnginePerf, kv_budget, vllm_batch_defaults
+from fleetctl.router.types import Backend
+from fleetctl.state import load_state
+from fleetctl.validation import Strict, validate
+from fleetctl.yamlsrc import load_yaml
+
+
+class BackendEntry(Strict):
+    url: str = Field(pattern=r"^https?://[^/\s]+(/.*)?$")
+    node: str | None = None
+    gpu_type: str
+    model: str
+    variant: str = "bf16"
+    profile: str | None = None  # model profile; default: the inventory model's, or `model`
+    tensor_parallel_size: int = Field(1, ge=1)
+    kv_budget_tokens: int | None = Field(None, gt=0)
+    max_num_seqs: int | None = Field(None, gt=0)
+    gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+
+
+def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Backend]:
+    """`backends:` followed by a list of servers (or just the list)."""
+    src = load_yaml(path, "backends file")
+    wrapped = isinstance(src.data, dict) and set(src.data) == {"backends"}
+    items = src.data["backends"] if wrapped else src.data
+    if not isinstance(items, list) or not items:
+        raise UserError(
+            "the backends file must list servers",
+            src.at(()),
+            "write `backends:` and '- url: ...' entries",
+        )
+    out = []
+    seen: set[str] = set()
+    for i, item in enumerate(items):
+        at: tuple[str | int, ...] = ("backends", i) if wrapped else (i,)
+        e = validate(BackendEntry, src, item, at)
+        where = src.at(at)
+        url = e.url.rstrip("/")
+        if url in seen:
+            raise UserError(f"duplicate backend url {url}", where, "list each server once")
+        seen.add(url)
+        gpu = catalog.gpu(e.gpu_type, where)
+        profile_name = e.profile or _inventory_profile(inv, e.model) or e.model
+        model = catalog.model(profile_name, where)
+        fmt = catalog.format(e.variant, where)
+        seqs = e.max_num_seqs or vllm_batch_defaults(gpu)[1]
+        kv = (
+            e.kv_budget_tokens
+            or kv_budget(
+                gpu, model, fmt, e.tensor_parallel_size, e.gpu_memory_utilization
+            ).kv_tokens
+        )
+        perf = EnginePerf(gpu, model, fmt, e.tensor_parallel_size)
+        node = e.node or url.split("//", 1)[1].split("/")[0]
+        out.append(Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf))
+    return out
+
+
+def _inventory_profile(inv: Inventory, served: str) -> str | None:
+    return next((m.profile.name for m in inv.models if m.name == served), None)
+
+
+def backends_from_state(inv: Inventory, state_dir: Path) -> list[Backend]:
+    """Every server `fleetctl apply` recorded, at http://host:port."""
+    state = load_state(state_dir)
+    gpus = {n.name: n.gpu for n in inv.nodes}
+    out = []
+    for d in state.deployments:
+        s = d.server
+        model = next((m for m in inv.models if m.name == d.model), None)
+        gpu = gpus.get(d.node)
+        perf = None
+        if model is not None and gpu is not None:
+            fmt = next((v.format for v in model.variants if v.format.name == d.variant), None)
+            if fmt is not None:
+                perf = EnginePerf(gpu, model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype)
+        url = f"http://{d.host}:{d.port}"
+        out.append(
+            Backend(
+                url,
+                d.node,
+                d.gpu_type,
+                d.model,
+                d.variant,
+                s.kv_budget_tokens,
+                s.max_num_seqs,
+                perf,
+            )
+        )
+    return out
+
+
+def load_backends(
+    inv: Inventory, catalog: Catalog, backends_file: Path | None, state_dir: Path
+) -> list[Backend]:
+    found = (
+        load_backends_file(backends_file, inv, catalog)
+        if backends_file
+        else backends_from_state(inv, state_dir)
+    )
+    if not found:
+        raise UserError(
+            "no backends to route to",
+            Location(str(state_dir / "state.json")),
+            "run `fleetctl apply`, or pass --backends FILE for servers fleetctl did not launch",
+        )
+    return found

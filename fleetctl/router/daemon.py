@@ -1,0 +1,546 @@
+"""`fleetctl route-serve`: an OpenAI-compatible proxy that routes by the seed's rules.
+
+Each request is parsed once, classified (tokens, hints, priority, session), queued in the
+same Scheduler the simulator uses, and proxied to the chosen backend byte for byte: SSE
+chunks are written to the client as they arrive. Connection failures and 5xx answers before
+the first byte are retried on another backend; a backend that keeps failing is ejected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from fleetctl.router.live import LiveState, cancel
+from fleetctl.router.policy import Policy
+from fleetctl.router.scheduler import Scheduler, first_token, release
+from fleetctl.router.telemetry import RouterMetrics
+from fleetctl.router.types import Backend, Decision, OutputEstimator, Request
+
+log = logging.getLogger("fleetctl.router")
+
+# Characters per token for English-like text with Llama-3-family BPE tokenizers (~4); used
+# when no tokenizer is loaded. It only decides the length class, so rough is fine.
+CHARS_PER_TOKEN = 4.0
+RETRY_STATUSES = range(500, 600)
+HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "host",
+    "content-encoding",
+}
+
+
+@dataclass
+class DaemonConfig:
+    max_body_bytes: int = 32 * 2**20
+    upstream_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    queue_timeout_s: float = 300.0
+    max_retries: int = 2
+    api_key: str | None = None  # clients must send it as a Bearer token
+    backend_api_key: str | None = None  # sent to backends instead of the client's header
+
+
+class ClientError(Exception):
+    """An OpenAI-style error answer (4xx/5xx) for the client."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def response(self) -> web.Response:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+        return web.json_response(body, status=self.status)
+
+
+def estimate_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+    """Prompt tokens from the request's text length (or its token ids when it sends ids)."""
+    if chat:
+        chars = 0
+        for msg in body.get("messages") or []:
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+            chars += 4  # role and template tokens
+        return max(1, math.ceil(chars / CHARS_PER_TOKEN))
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, str):
+        return max(1, math.ceil(len(prompt) / CHARS_PER_TOKEN))
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)  # token ids
+    if isinstance(prompt, list):
+        return max(1, sum(estimate_prompt_tokens({"prompt": p}, False) for p in prompt))
+    return 1
+
+
+def parse_precision(value: str | None) -> tuple[str | None, bool]:
+    """`X-Fleet-Precision: int4;strict` -> ("int4", True)."""
+    if not value:
+        return None, False
+    hint, _, mode = value.partition(";")
+    hint = hint.strip().lower()
+    if not hint or not hint.replace("-", "").isalnum():
+        raise ClientError(400, f"bad X-Fleet-Precision {value!r}: use e.g. 'int4' or 'bf16;strict'")
+    mode = mode.strip().lower()
+    if mode not in ("", "strict", "prefer"):
+        raise ClientError(400, f"bad X-Fleet-Precision mode {mode!r}: use 'strict' or 'prefer'")
+    return hint, mode == "strict"
+
+
+@dataclass
+class Waiter:
+    request: Request
+    future: asyncio.Future[Decision]
+
+
+@dataclass
+class Router:
+    backends: list[Backend]
+    scheduler: Scheduler
+    config: DaemonConfig = field(default_factory=DaemonConfig)
+    estimator: OutputEstimator = field(default_factory=OutputEstimator)
+    live: LiveState | None = None
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    waiting: dict[int, Waiter] = field(default_factory=dict)
+    _ids: int = 0
+    _kick: asyncio.Event = field(default_factory=asyncio.Event)
+    _session: aiohttp.ClientSession | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=self.config.connect_timeout_s,
+            sock_read=self.config.upstream_timeout_s,
+        )
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self._session = aiohttp.ClientSession(
+            timeout=timeout, connector=connector, auto_decompress=False
+        )
+        self._tasks.append(asyncio.create_task(self._dispatcher()))
+        if self.live is not None:
+            self._tasks.append(asyncio.create_task(self.live.run(self._session)))
+
+    async def _stop(self, app: web.Application) -> None:
+        for t in self._tasks:
+            await cancel(t)
+        if self._session is not None:
+            await self._session.close()
+
+    def replace_backends(self, fresh: list[Backend]) -> None:
+        """Reload: keep the live counters of servers that stay; in-flight requests finish."""
+        old = {b.name: b for b in self.backends}
+        merged = []
+        for b in fresh:
+            keep = old.get(b.name)
+            if keep is not None:
+                b.outstanding, b.reserved_tokens, b.pending_prefill = (
+                    keep.outstanding,
+                    keep.reserved_tokens,
+                    keep.pending_prefill,
+                )
+                b.running, b.waiting, b.kv_usage, b.healthy = (
+                    keep.running,
+                    keep.waiting,
+                    keep.kv_usage,
+                    keep.healthy,
+                )
+            merged.append(b)
+        self.backends[:] = merged
+        if self.live is not None:
+            self.live.backends = self.backends
+        self._kick.set()
+
+    # --- queueing ----------------------------------------------------------------------------
+
+    async def _dispatcher(self) -> None:
+        """Places queued requests whenever something changes, and at least every 50 ms (aging)."""
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), 0.05)
+            self._kick.clear()
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        if not len(self.scheduler):
+            return
+        before = self.scheduler.boosts
+        sent, rejected = self.scheduler.dispatch(time.monotonic(), self.backends)
+        if self.scheduler.boosts > before:
+            self.metrics.boosts.inc(by=self.scheduler.boosts - before)
+        for d in (*sent, *rejected):
+            w = self.waiting.pop(d.request.id, None)  # type: ignore[arg-type]
+            if w is not None and not w.future.done():
+                w.future.set_result(d.decision)
+            elif d.decision.backend is not None:
+                release(d.decision.backend, d.request, first_token_seen=False)  # client gone
+        depth: dict[int, int] = {}
+        for r in self.scheduler.queue:
+            depth[r.priority] = depth.get(r.priority, 0) + 1
+        for prio in {*depth, *(int(k[0]) for k in self.metrics.queue.values)}:
+            self.metrics.queue.set(str(prio), value=depth.get(prio, 0))
+
+    async def place(self, req: Request) -> Decision:
+        self._ids += 1
+        req.id = self._ids
+        fut: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self.waiting[req.id] = Waiter(req, fut)
+        self.scheduler.submit(req)
+        self._dispatch()  # most requests are placed right here, without a task switch
+        try:
+            return await asyncio.wait_for(fut, self.config.queue_timeout_s)
+        except TimeoutError:
+            raise ClientError(
+                503, "no backend had room in time; try again later", "server_error"
+            ) from None
+        finally:
+            if not fut.done():  # timed out or the client went away: leave the queue
+                self.waiting.pop(req.id, None)
+                self.scheduler.remove(req)
+
+    # --- handlers ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._proxy(request, chat=True)
+
+    def _authorize(self, request: web.Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        got = request.headers.get("Authorization", "")
+        token = got[7:] if got.startswith("Bearer ") else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise ClientError(401, "invalid or missing API key", "authentication_error")
+
+    async def _read(
+        self, request: web.Request, chat: bool
+    ) -> tuple[bytes, dict[str, Any], Request]:
+        self._authorize(request)
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise ClientError(
+                413, f"request body over {self.config.max_body_bytes} bytes"
+            ) from None
+        try:
+            body = (
+                json.loads(raw) if len(raw) < 1 << 20 else await asyncio.to_thread(json.loads, raw)
+            )
+        except (ValueError, UnicodeDecodeError):
+            raise ClientError(400, "request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ClientError(400, "request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ClientError(400, "missing 'model'", param="model")
+        if not any(b.model == model for b in self.backends):
+            raise ClientError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        if chat and not isinstance(body.get("messages"), list):
+            raise ClientError(400, "'messages' must be a list", param="messages")
+        if not chat and "prompt" not in body:
+            raise ClientError(400, "missing 'prompt'", param="prompt")
+        precision, strict = parse_precision(request.headers.get("X-Fleet-Precision"))
+        prio_raw = request.headers.get("X-Priority", body.get("priority", 0))
+        try:
+            priority = int(prio_raw)
+        except (TypeError, ValueError):
+            raise ClientError(
+                400, f"bad priority {prio_raw!r}: use an integer (0 is the most urgent)"
+            ) from None
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ClientError(400, "'max_tokens' must be a positive integer", param="max_tokens")
+        session = request.headers.get("X-Session-ID") or body.get("user")
+        req = Request(
+            0,
+            model,
+            estimate_prompt_tokens(body, chat),
+            max_tokens or self.estimator.estimate(model),
+            max(0, priority),
+            str(session) if session else None,
+            precision,
+            strict,
+            time.monotonic(),
+        )
+        return raw, body, req
+
+    async def _proxy(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        try:
+            raw, body, req = await self._read(request, chat)
+            decision = await self.place(req)
+        except ClientError as e:
+            self.metrics.requests.inc("", "", "bad-request", str(e.status))
+            return e.response()
+        if decision.backend is None:
+            self.metrics.requests.inc(req.model, "", "rejected", "400")
+            return ClientError(400, decision.reason, "invalid_request_error").response()
+        stream = bool(body.get("stream"))
+        tried: list[Backend] = []
+        backend: Backend | None = decision.backend
+        reason = decision.reason.split(" ttft~")[0]
+        while backend is not None:
+            tried.append(backend)
+            outcome = await self._forward(request, raw, req, backend, stream, chat, started)
+            if isinstance(outcome, web.StreamResponse):
+                status = str(outcome.status)
+                self.metrics.requests.inc(req.model, backend.node_class, reason, status)
+                self._kick.set()
+                return outcome
+            # Failed before any byte reached the client: try another backend.
+            if len(tried) > self.config.max_retries:
+                break
+            backend = self._retry_target(req, tried)
+            if backend is not None:
+                self.metrics.retries.inc(req.model)
+                from fleetctl.router.scheduler import account
+
+                account(backend, req)
+                reason = "retry"
+        self.metrics.requests.inc(req.model, tried[-1].node_class, reason, "502")
+        self._kick.set()
+        return ClientError(
+            502, "every backend tried failed before answering", "server_error"
+        ).response()
+
+    def _retry_target(self, req: Request, tried: list[Backend]) -> Backend | None:
+        pool, _ = self.policy.eligible(req, [b for b in self.backends if b not in tried])
+        if not pool:
+            return None
+        return self.policy.choose(req, pool).backend
+
+    async def _forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        req: Request,
+        b: Backend,
+        stream: bool,
+        chat: bool,
+        started: float,
+    ) -> web.StreamResponse | None:
+        """Send to `b`; None when it failed before the first byte (the caller may retry)."""
+        assert self._session is not None
+        headers = {"Content-Type": "application/json"}
+        if self.config.backend_api_key:
+            headers["Authorization"] = f"Bearer {self.config.backend_api_key}"
+        elif self.config.api_key is None and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]  # the client's, for vLLM
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        try:
+            up = await self._session.post(b.name + path, data=raw, headers=headers)
+        except asyncio.CancelledError:
+            release(b, req, first_token_seen=False)  # the client left while we connected
+            raise
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            self._failed(b, req)
+            return None
+        # Leaving this block closes the upstream connection: vLLM sees a disconnect and
+        # aborts the request, which is what a client that went away needs.
+        async with up:
+            if up.status in RETRY_STATUSES:
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    await up.read()
+                self._failed(b, req)
+                return None
+            if self.live is not None:
+                self.live.succeeded(b)
+            if not stream or up.status != 200:
+                return await self._relay_whole(request, up, req, b, started)
+            return await self._relay_stream(request, up, req, b, started)
+
+    async def _relay_whole(
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        req: Request,
+        b: Backend,
+        started: float,
+    ) -> web.StreamResponse | None:
+        try:
+            data = await up.read()
+        except asyncio.CancelledError:
+            release(b, req, first_token_seen=False)
+            raise
+        except (TimeoutError, aiohttp.ClientError):
+            self._failed(b, req)
+            return None
+        self._first(b, req, started)
+        out = web.Response(body=data, status=up.status, headers=self._headers(up, b))
+        self._done(b, req, started, data if up.status == 200 else None)
+        return out
+
+    async def _relay_stream(
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        req: Request,
+        b: Backend,
+        started: float,
+    ) -> web.StreamResponse | None:
+        out = web.StreamResponse(status=up.status, headers=self._headers(up, b))
+        chunks = up.content.iter_any()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except asyncio.CancelledError:
+            release(b, req, first_token_seen=False)
+            raise
+        except (TimeoutError, aiohttp.ClientError):
+            self._failed(b, req)
+            return None  # nothing reached the client yet: retry elsewhere
+        self._first(b, req, started)
+        tokens = 0
+        try:
+            await out.prepare(request)
+            chunk = first
+            while True:
+                tokens += chunk.count(b"data: {")
+                if chunk:
+                    await out.write(chunk)  # as it arrives: no buffering
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (TimeoutError, aiohttp.ClientError) as e:
+                    # The backend died mid-stream: end the client's stream with an error event.
+                    self._failed(b, req, first_token_seen=True)
+                    err = {
+                        "error": {
+                            "message": f"backend failed mid-stream ({type(e).__name__})",
+                            "type": "server_error",
+                            "code": 502,
+                        }
+                    }
+                    await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    await out.write_eof()
+                    return out
+            await out.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+            release(b, req)  # the client went away; closing `up` aborts the upstream request
+            raise
+        self.estimator.observe(req.model, max(1, tokens - 1))
+        self._done(b, req, started, None)
+        return out
+
+    def _headers(self, up: aiohttp.ClientResponse, b: Backend) -> dict[str, str]:
+        h = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
+        h["X-Fleet-Backend"] = b.node
+        h["X-Fleet-Class"] = b.node_class
+        h["X-Fleet-Precision"] = b.variant
+        return h
+
+    def _first(self, b: Backend, req: Request, started: float) -> None:
+        now = time.monotonic()
+        first_token(b, req)
+        self.metrics.ttft.observe(now - started, req.model)
+        # Aging compares waiting to the backends' TTFT (dispatch to first byte), as simulated.
+        self.scheduler.observe_ttft(now, now - started)
+
+    def _done(self, b: Backend, req: Request, started: float, body: bytes | None) -> None:
+        release(b, req)
+        self._kick.set()
+        self.metrics.e2e.observe(time.monotonic() - started, req.model)
+        if body:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                used = json.loads(body)["usage"]["completion_tokens"]
+                self.estimator.observe(req.model, int(used))
+
+    def _failed(self, b: Backend, req: Request, first_token_seen: bool = False) -> None:
+        release(b, req, first_token_seen)
+        self._kick.set()
+        if self.live is not None and self.live.failed(b, time.monotonic()):
+            self.metrics.ejections.inc(b.name)
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._authorize(request)
+        except ClientError as e:
+            return e.response()
+        seen: dict[str, dict[str, Any]] = {}
+        for b in self.backends:
+            if b.model not in seen:
+                seen[b.model] = {
+                    "id": b.model,
+                    "object": "model",
+                    "owned_by": "fleetctl",
+                    "backends": 0,
+                    "healthy": 0,
+                }
+            seen[b.model]["backends"] += 1
+            seen[b.model]["healthy"] += int(b.healthy)
+        return web.json_response({"object": "list", "data": list(seen.values())})
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = sum(b.healthy for b in self.backends)
+        body = {
+            "status": "ok" if up else "no healthy backend",
+            "backends": len(self.backends),
+            "healthy": up,
+            "queued": len(self.scheduler),
+        }
+        return web.json_response(body, status=200 if up else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        for b in self.backends:
+            self.metrics.up.set(b.name, b.node_class, value=1.0 if b.healthy else 0.0)
+            if self.live is not None:
+                age = (
+                    now - self.live.state(b).scraped_at
+                    if self.live.state(b).scraped_at
+                    else float("inf")
+                )
+                self.metrics.scrape_age.set(b.name, value=age)
+        if self.live is not None:
+            self.live.expire_all(now)
+        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")

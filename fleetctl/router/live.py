@@ -1,0 +1,149 @@
+"""Live backend state: /metrics scrapes, bandwidth from vLLM's read-byte counter, ejection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from fleetctl.router.scrape import parse_vllm_metrics
+from fleetctl.router.types import Backend
+
+
+@dataclass
+class Liveness:
+    """What the router knows about one backend's health and freshness."""
+
+    failures: int = 0  # consecutive
+    ejected_until: float = 0.0
+    backoff: float = 1.0
+    scraped_at: float = 0.0
+    read_bytes: float | None = None
+    read_at: float = 0.0
+
+
+@dataclass
+class LiveState:
+    """Scrapes every backend's /metrics on an interval and keeps Backend snapshots current.
+
+    A scrape never blocks routing: decisions read whatever is in the snapshot, and metrics
+    older than `stale_after` are cleared so that routing falls back to the router's own
+    counts of outstanding requests.
+    """
+
+    backends: list[Backend]
+    interval: float = 0.25
+    timeout: float = 1.0
+    stale_after: float = 2.0
+    eject_after: int = 3
+    max_backoff: float = 30.0
+    live: dict[str, Liveness] = field(default_factory=dict)
+    ejections: int = 0
+
+    def state(self, b: Backend) -> Liveness:
+        return self.live.setdefault(b.name, Liveness())
+
+    # --- failures and ejection ---------------------------------------------------------------
+
+    def failed(self, b: Backend, now: float) -> bool:
+        """Count a failure; returns True when this one ejects the backend."""
+        s = self.state(b)
+        s.failures += 1
+        if s.failures >= self.eject_after and b.healthy:
+            b.healthy = False
+            s.ejected_until = now + s.backoff
+            s.backoff = min(self.max_backoff, s.backoff * 2)
+            self.ejections += 1
+            return True
+        if not b.healthy:
+            s.ejected_until = now + s.backoff
+        return False
+
+    def succeeded(self, b: Backend) -> None:
+        s = self.state(b)
+        s.failures = 0
+        if not b.healthy:
+            b.healthy = True
+        s.backoff = 1.0
+
+    # --- scraping ----------------------------------------------------------------------------
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self.scrape(session, b) for b in list(self.backends)))
+            self.expire_all(time.monotonic())
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def scrape(self, session: aiohttp.ClientSession, b: Backend) -> None:
+        now = time.monotonic()
+        s = self.state(b)
+        if not b.healthy and now < s.ejected_until:
+            return  # backing off; the next scrape after the backoff is the probe
+        try:
+            async with session.get(
+                f"{b.name}/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as resp:
+                if resp.status != 200:
+                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            self.failed(b, time.monotonic())
+            self.expire(b, time.monotonic())
+            return
+        self.apply(b, text, time.monotonic())
+        self.succeeded(b)
+
+    def apply(self, b: Backend, text: str, now: float) -> None:
+        m = parse_vllm_metrics(text)
+        s = self.state(b)
+        s.scraped_at = now
+        b.running = int(m.running or 0)
+        b.waiting = int(m.waiting or 0)
+        b.kv_usage = m.kv_usage or 0.0
+        if m.kv_cache_size_tokens:
+            b.kv_tokens = m.kv_cache_size_tokens  # the server's real capacity wins
+        if m.read_bytes is not None and b.perf is not None:
+            if s.read_bytes is not None and now > s.read_at and m.read_bytes >= s.read_bytes:
+                rate = (m.read_bytes - s.read_bytes) / (now - s.read_at)
+                peak = b.perf.gpu.memory_bandwidth_gb_s * 1e9
+                b.bandwidth_util = min(1.0, rate / peak)
+            s.read_bytes, s.read_at = m.read_bytes, now
+        elif b.perf is not None:
+            b.bandwidth_util = modelled_bandwidth(b)
+
+    def expire(self, b: Backend, now: float) -> None:
+        """Forget scraped figures that are too old to trust."""
+        if now - self.state(b).scraped_at > self.stale_after:
+            b.running = b.waiting = 0
+            b.kv_usage = 0.0
+            b.bandwidth_util = modelled_bandwidth(b) if b.perf is not None else 0.0
+
+    def expire_all(self, now: float) -> None:
+        for b in self.backends:
+            self.expire(b, now)
+
+
+def modelled_bandwidth(b: Backend) -> float:
+    """Bandwidth utilization from the perf model when the server reports no read-byte rate:
+    the decode batch the router knows of, at a typical context."""
+    if b.perf is None:
+        return 0.0
+    batch = max(b.running, b.outstanding)
+    if not batch:
+        return 0.0
+    kv = batch * 1024
+    step = b.perf.step_time(batch, kv)
+    read = b.perf.weight_read_bytes(batch) / b.perf.tp + kv * b.perf.kv_token_bytes
+    return min(1.0, read / step / (b.perf.gpu.memory_bandwidth_gb_s * 1e9))
+
+
+async def cancel(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

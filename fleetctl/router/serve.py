@@ -1,0 +1,149 @@
+"""Starting the routing daemon: backends, policy and scheduler from the inventory; reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from aiohttp import web
+
+from fleetctl.catalog import Catalog
+from fleetctl.errors import Location, UserError
+from fleetctl.inventory import Inventory
+from fleetctl.router.backends import load_backends
+from fleetctl.router.daemon import DaemonConfig, Router
+from fleetctl.router.live import LiveState
+from fleetctl.router.policy import POLICIES, RoutingConfig, make_policy
+from fleetctl.router.scheduler import Aging, Scheduler
+from fleetctl.router.types import Backend, OutputEstimator
+from fleetctl.state import state_path
+
+log = logging.getLogger("fleetctl.router")
+Reload = Callable[[], "list[Backend]"]
+# One line per request; never headers, so never an Authorization header or API key.
+ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
+
+
+def read_secret(path: Path, what: str) -> str:
+    """A secret from a file that only its owner can read (0600 or stricter)."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise UserError(
+            f"cannot read the {what}: {e.strerror}", Location(str(path)), "check the path"
+        ) from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise UserError(
+            f"the {what} is readable by others (mode {stat.S_IMODE(mode):o})",
+            Location(str(path)),
+            f"chmod 600 {path}",
+        )
+    if not text:
+        raise UserError(f"the {what} is empty", Location(str(path)), "write the key on one line")
+    return text
+
+
+def build_router(
+    inv: Inventory,
+    catalog: Catalog,
+    *,
+    backends_file: Path | None,
+    state_dir: Path,
+    policy: str,
+    config: DaemonConfig,
+    scrape_interval: float,
+) -> Router:
+    if policy not in POLICIES:
+        raise UserError(f"unknown policy '{policy}'", None, f"choose from {', '.join(POLICIES)}")
+    spec = inv.spec.router
+    backends = load_backends(inv, catalog, backends_file, state_dir)
+    routing = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
+    sched = Scheduler(
+        make_policy(policy, config=routing),
+        Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled),
+    )
+    outputs = {m.name: m.spec.workload.mean_output_tokens for m in inv.models if m.spec.workload}
+    live = LiveState(backends, interval=scrape_interval)
+    return Router(backends, sched, config, OutputEstimator(outputs), live)
+
+
+def serve(
+    router: Router,
+    listen: str,
+    reload: Reload,
+    watch: Path | None,
+) -> None:
+    host, _, port = listen.rpartition(":")
+    app = router.app()
+
+    async def on_start(app: web.Application) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGHUP, lambda: _reload(router, reload))
+        if watch is not None:
+            app["watch"] = asyncio.create_task(_watch(router, reload, watch))
+
+    async def on_stop(app: web.Application) -> None:
+        task = app.get("watch")
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app.on_startup.append(on_start)
+    app.on_cleanup.append(on_stop)
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    logging.basicConfig(level=os.environ.get("FLEETCTL_LOG_LEVEL", "INFO"), format="%(message)s")
+    log.info(
+        "fleetctl route-serve on http://%s:%s: %d backends, policy %s",
+        host.strip("[]"),
+        port,
+        len(router.backends),
+        router.policy.name,
+    )
+    web.run_app(
+        app,
+        host=host.strip("[]"),
+        port=int(port),
+        handler_cancellation=True,  # a client that disconnects cancels its upstream request
+        access_log_format=ACCESS_LOG_FORMAT,
+        print=None,
+    )
+
+
+def _reload(router: Router, reload: Reload) -> None:
+    try:
+        fresh = reload()
+    except UserError as e:
+        log.error("reload failed, keeping the old backends: %s", e)
+        return
+    router.replace_backends(fresh)
+    log.info("reloaded: %d backends", len(fresh))
+
+
+async def _watch(router: Router, reload: Reload, state_dir: Path) -> None:
+    """Reload when `fleetctl apply` rewrites state.json."""
+    path = state_path(state_dir)
+
+    def mtime() -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    seen = mtime()
+    while True:
+        await asyncio.sleep(1.0)
+        now = mtime()
+        if now != seen:
+            seen = now
+            _reload(router, reload)

@@ -1,0 +1,138 @@
+"""The router's own Prometheus metrics: tiny counters, gauges and histograms, rendered as text."""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    if not names:
+        return ""
+    parts = []
+    for n, v in zip(names, values, strict=True):
+        v = v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        parts.append(f'{n}="{v}"')
+    return "{" + ",".join(parts) + "}"
+
+
+class Counter:
+    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()):
+        self.name, self.help, self.label_names = name, help, labels
+        self.values: dict[tuple[str, ...], float] = defaultdict(float)
+        if not labels:
+            self.values[()] = 0.0  # a plain counter exists from the start
+
+    def inc(self, *labels: str, by: float = 1.0) -> None:
+        self.values[labels] += by
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter"]
+        for labels, v in sorted(self.values.items()):
+            out.append(f"{self.name}{_labels(self.label_names, labels)} {v}")
+        return out
+
+
+class Gauge(Counter):
+    def set(self, *labels: str, value: float) -> None:
+        self.values[labels] = value
+
+    def render(self) -> list[str]:
+        lines = super().render()
+        lines[1] = f"# TYPE {self.name} gauge"
+        return lines
+
+
+class Histogram:
+    def __init__(
+        self,
+        name: str,
+        help: str,
+        labels: tuple[str, ...] = (),
+        buckets: tuple[float, ...] = LATENCY_BUCKETS,
+    ):
+        self.name, self.help, self.label_names, self.buckets = name, help, labels, buckets
+        self.counts: dict[tuple[str, ...], list[int]] = {}
+        self.sums: dict[tuple[str, ...], float] = defaultdict(float)
+
+    def observe(self, value: float, *labels: str) -> None:
+        counts = self.counts.setdefault(labels, [0] * (len(self.buckets) + 1))
+        counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sums[labels] += value
+
+    def render(self) -> list[str]:
+        out = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
+        for labels, counts in sorted(self.counts.items()):
+            total = 0
+            for bound, c in zip((*self.buckets, float("inf")), counts, strict=True):
+                total += c
+                le = "+Inf" if bound == float("inf") else repr(bound)
+                names = (*self.label_names, "le")
+                out.append(f"{self.name}_bucket{_labels(names, (*labels, le))} {total}")
+            base = _labels(self.label_names, labels)
+            out.append(f"{self.name}_sum{base} {self.sums[labels]}")
+            out.append(f"{self.name}_count{base} {total}")
+        return out
+
+
+class RouterMetrics:
+    """Everything /metrics shows. Label values never include headers, keys or prompts."""
+
+    def __init__(self) -> None:
+        self.requests = Counter(
+            "fleetctl_requests_total",
+            "Requests by model, node class, policy reason and HTTP status.",
+            ("model", "node_class", "reason", "status"),
+        )
+        self.queue = Gauge(
+            "fleetctl_queue_depth",
+            "Requests waiting in the router, by priority class.",
+            ("priority",),
+        )
+        self.boosts = Counter(
+            "fleetctl_aging_boosts_total", "Requests raised to the top priority class by aging."
+        )
+        self.ttft = Histogram(
+            "fleetctl_ttft_seconds",
+            "Time to first byte from a backend, as clients see it.",
+            ("model",),
+        )
+        self.e2e = Histogram(
+            "fleetctl_e2e_seconds", "Request latency end to end, as clients see it.", ("model",)
+        )
+        self.up = Gauge(
+            "fleetctl_backend_up",
+            "1 when a backend takes traffic, 0 while ejected.",
+            ("backend", "node_class"),
+        )
+        self.ejections = Counter(
+            "fleetctl_backend_ejections_total",
+            "Times a backend was ejected after failures.",
+            ("backend",),
+        )
+        self.retries = Counter(
+            "fleetctl_retries_total", "Requests retried on another backend.", ("model",)
+        )
+        self.scrape_age = Gauge(
+            "fleetctl_backend_metrics_age_seconds",
+            "Age of the last good /metrics scrape.",
+            ("backend",),
+        )
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for m in (
+            self.requests,
+            self.queue,
+            self.boosts,
+            self.ttft,
+            self.e2e,
+            self.up,
+            self.ejections,
+            self.retries,
+            self.scrape_age,
+        ):
+            lines.extend(m.render())
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,362 @@
+"""`fleetctl route-serve` over real HTTP, in front of emulated vLLM servers and a raw one."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO
+from tests.procs import NAME, Emulator, free_port
+
+KEY = "sk-route-test-0123456789"
+CAPTURE = (REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
+
+INVENTORY = """\
+nodes:
+  - name: a100-1
+    gpus: {type: A100-SXM4-80GB, count: 1}
+  - name: rtx-[1:4]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+      gptq-int4: {source: x/llama-3-8b-gptq}
+    max_context: 8192
+    workload: {requests_per_s: 5, mean_prompt_tokens: 500, mean_output_tokens: 64}
+router: {aging: {factor: 1.0, window_s: 30}}
+"""
+
+
+class Router:
+    """One `python -m fleetctl route-serve` subprocess."""
+
+    def __init__(self, tmp: Path, backends: list[dict], *extra: str, name: str = "router"):
+        self.port = free_port()
+        inv = tmp / f"{name}-inventory.yaml"
+        inv.write_text(INVENTORY)
+        path = tmp / f"{name}-backends.yaml"
+        path.write_text(json.dumps({"backends": backends}))
+        self.log = tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv), "--backends", str(path)]
+        cmd += ["--listen", f"127.0.0.1:{self.port}", *extra]
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        end = time.monotonic() + 20
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                self.request("GET", "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < end, self.log.read_text()
+                time.sleep(0.05)
+
+    def request(self, method, path, body=None, headers=None, timeout=30):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+            conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, dict(resp.getheaders()), resp.read()
+        finally:
+            conn.close()
+
+    def complete(self, prompt="hello " * 20, max_tokens=8, headers=None, **body):
+        return self.request(
+            "POST", "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, **body}, headers
+        )
+
+    def metrics(self):
+        status, _, body = self.request("GET", "/metrics")
+        assert status == 200
+        return body.decode()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def entry(emu: Emulator, node: str, gpu: str, variant: str = "bf16", **kw) -> dict:
+    return {"url": emu.base, "node": node, "gpu_type": gpu, "model": NAME, "variant": variant, **kw}
+
+
+class RawBackend:
+    """A real HTTP server that streams fixed bytes in odd chunks, slowly, and says when."""
+
+    CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b":', b' 2}\n\n', b"data: [DONE]\n\n"]
+    GAP_S = 0.4
+
+    def __init__(self):
+        self.port = free_port()
+        self.sent_at: list[float] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+        self.ready.wait(10)
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    async def metrics(self, request):
+        return web.Response(text=CAPTURE)
+
+    async def completions(self, request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in self.CHUNKS:
+            self.sent_at.append(time.monotonic())
+            await resp.write(chunk)
+            await asyncio.sleep(self.GAP_S)
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("route")
+    emus = {
+        "a100": Emulator(tmp, gpu="A100-SXM4-80GB"),
+        "rtx1": Emulator(tmp),
+        "rtx2": Emulator(tmp),
+        "int4": Emulator(tmp, "--variant", "gptq-int4", "--quantization", "gptq_marlin"),
+        "flaky": Emulator(tmp, "--error-rate", "1.0"),
+        "dying": Emulator(tmp, "--die-mid-stream", "1"),
+        "narrow": Emulator(tmp, "--max-num-seqs", "1"),
+    }
+    routers: list[Router] = []
+    try:
+        for e in emus.values():
+            e.wait_healthy()
+        key_file = tmp / "key"
+        key_file.write_text(KEY + "\n")
+        key_file.chmod(0o600)
+        main = [
+            entry(emus["a100"], "a100-1", "NVIDIA A100-SXM4-80GB"),
+            entry(emus["rtx1"], "rtx-1", "RTX-4090"),
+            entry(emus["rtx2"], "rtx-2", "RTX-4090"),
+            entry(emus["int4"], "rtx-3", "RTX-4090", "gptq-int4"),
+        ]
+        routers.append(Router(tmp, main, "--api-key-file", str(key_file), name="main"))
+        dead_port = free_port()
+        faulty = [
+            entry(emus["flaky"], "rtx-1", "RTX-4090"),
+            {"url": f"http://127.0.0.1:{dead_port}", "node": "rtx-2", "gpu_type": "RTX-4090", "model": NAME},
+            entry(emus["rtx1"], "rtx-3", "RTX-4090"),
+        ]
+        routers.append(Router(tmp, faulty, name="faulty"))
+        routers.append(Router(tmp, [entry(emus["dying"], "rtx-1", "RTX-4090")], name="dying"))
+        raw = RawBackend()
+        raw_entry = {"url": f"http://127.0.0.1:{raw.port}", "node": "raw", "gpu_type": "RTX-4090", "model": NAME}
+        routers.append(Router(tmp, [raw_entry], name="raw"))
+        narrow = [entry(emus["narrow"], "rtx-4", "RTX-4090", max_num_seqs=1)]
+        routers.append(Router(tmp, narrow, name="narrow"))
+        yield {"emus": emus, "main": routers[0], "faulty": routers[1], "dying": routers[2], "raw": (routers[3], raw), "narrow": routers[4]}
+    finally:
+        for r in routers:
+            r.stop()
+        for e in emus.values():
+            e.stop()
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_completion_through_the_router_says_where_it_went(fleet):
+    r = fleet["main"]
+    status, headers, body = r.complete(headers=AUTH)
+    assert status == 200, body
+    data = json.loads(body)
+    assert data["usage"]["completion_tokens"] == 8
+    assert headers["X-Fleet-Backend"] in {"a100-1", "rtx-1", "rtx-2", "rtx-3"}
+    assert headers["X-Fleet-Class"].endswith("/" + headers["X-Fleet-Precision"])
+    status, _, body = r.request("GET", "/v1/models", headers=AUTH)
+    assert status == 200 and json.loads(body)["data"][0]["id"] == NAME
+
+
+def test_openai_client_streams_chat_through_the_router(fleet):
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet['main'].port}/v1", api_key=KEY, max_retries=0)
+    stream = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert len(text.split()) == 12
+
+
+def test_streaming_is_byte_exact_and_unbuffered(fleet):
+    router, raw = fleet["raw"]
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps({"model": NAME, "prompt": "x", "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = resp.read1(64)
+    got_first_at = time.monotonic()
+    rest = resp.read()
+    conn.close()
+    assert first + rest == b"".join(RawBackend.CHUNKS)
+    # The first chunk reached the client before the backend had sent the last one.
+    assert got_first_at < raw.sent_at[-1]
+
+
+def test_strict_and_prefer_precision(fleet):
+    r = fleet["main"]
+    for _ in range(5):
+        status, headers, _ = r.complete(headers={**AUTH, "X-Fleet-Precision": "int4;strict"})
+        assert status == 200 and headers["X-Fleet-Precision"] == "gptq-int4"
+    status, _, body = r.complete(headers={**AUTH, "X-Fleet-Precision": "fp8;strict"})
+    assert status == 400 and "no backend serves llama-3-8b in fp8" in json.loads(body)["error"]["message"]
+    status, headers, _ = r.complete(headers={**AUTH, "X-Fleet-Precision": "fp8"})
+    assert status == 200  # prefer mode falls back
+
+
+def test_session_affinity_across_turns(fleet):
+    r = fleet["main"]
+    for s in range(4):
+        classes = set()
+        for _ in range(4):
+            status, headers, _ = r.complete(headers={**AUTH, "X-Session-ID": f"conv-{s}"})
+            assert status == 200
+            classes.add(headers["X-Fleet-Class"])
+        assert len(classes) == 1
+
+
+def test_long_requests_go_to_the_large_kv_class(fleet):
+    r = fleet["main"]
+    status, headers, body = r.complete(prompt="word " * 5000, max_tokens=4, headers=AUTH)
+    assert status == 200, body
+    assert headers["X-Fleet-Class"] == "A100-SXM4-80GB/bf16"
+
+
+def test_bad_requests_get_openai_errors(fleet):
+    r = fleet["main"]
+    cases = [
+        (b"{not json", AUTH, 400, "not valid JSON"),
+        ({"prompt": "x"}, AUTH, 400, "missing 'model'"),
+        ({"model": "nope", "prompt": "x"}, AUTH, 404, "does not exist"),
+        ({"model": NAME, "prompt": "x"}, {}, 401, "API key"),
+        ({"model": NAME, "prompt": "x"}, {"Authorization": "Bearer wrong"}, 401, "API key"),
+        ({"model": NAME, "prompt": "x"}, {**AUTH, "X-Priority": "high"}, 400, "priority"),
+        ({"model": NAME, "prompt": "x"}, {**AUTH, "X-Fleet-Precision": "int4;always"}, 400, "mode"),
+        ({"model": NAME, "prompt": "x", "max_tokens": -1}, AUTH, 400, "max_tokens"),
+        ({"model": NAME}, AUTH, 400, "prompt"),
+    ]
+    for body, headers, status, words in cases:
+        got, _, answer = r.request("POST", "/v1/completions", body, headers)
+        assert got == status, (body, answer)
+        err = json.loads(answer)["error"]
+        assert words in err["message"] and err["code"] == status
+    big = json.dumps({"model": NAME, "prompt": "x" * (33 * 2**20)}).encode()
+    got, _, _ = r.request("POST", "/v1/completions", big, AUTH)
+    assert got == 413
+
+
+def test_retries_and_ejection(fleet):
+    r = fleet["faulty"]
+    for _ in range(10):
+        status, headers, body = r.complete()
+        assert status == 200, body
+        assert headers["X-Fleet-Backend"] == "rtx-3"
+    families = {f.name: f for f in text_string_to_metric_families(r.metrics())}
+    up = {s.labels["backend"]: s.value for s in families["fleetctl_backend_up"].samples}
+    assert up[fleet["emus"]["flaky"].base] == 0.0
+    assert sum(s.value for s in families["fleetctl_backend_ejections"].samples) >= 1
+    assert sum(s.value for s in families["fleetctl_retries"].samples) >= 1
+
+
+def test_backend_dying_mid_stream_ends_with_an_error_event(fleet):
+    r = fleet["dying"]
+    conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=20)
+    body = {"model": NAME, "prompt": "x", "max_tokens": 50, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()  # must end, not hang
+    conn.close()
+    assert b'"error"' in data and b"mid-stream" in data
+
+
+def test_client_disconnect_cancels_the_upstream_request(fleet):
+    r = fleet["main"]
+    emus = fleet["emus"]
+    conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=20)
+    body = {"model": NAME, "prompt": "x", "max_tokens": 4000, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH})
+    resp = conn.getresponse()
+    resp.read1(16)
+    backend = resp.getheader("X-Fleet-Backend")
+    conn.close()
+    emu = {"a100-1": emus["a100"], "rtx-1": emus["rtx1"], "rtx-2": emus["rtx2"], "rtx-3": emus["int4"]}[backend]
+    end = time.monotonic() + 10
+    while True:
+        running = emu.metrics()["vllm:num_requests_running"].samples[0].value
+        if running == 0:
+            break
+        assert time.monotonic() < end, "the backend kept generating for a client that left"
+        time.sleep(0.1)
+
+
+def test_aging_lets_low_priority_through(fleet):
+    r = fleet["narrow"]  # one backend, one request at a time
+    results = {}
+
+    def call(name, prio, tokens):
+        results[name] = r.complete(max_tokens=tokens, headers={"X-Priority": str(prio)})[0]
+
+    # At time scale 20 a 400-token answer takes ~0.4 s: twelve of them keep a backlog.
+    hi = [threading.Thread(target=call, args=(f"hi{i}", 0, 400)) for i in range(12)]
+    for t in hi[:3]:
+        t.start()
+    time.sleep(0.3)
+    low = threading.Thread(target=call, args=("low", 5, 4))
+    low.start()
+    for t in hi[3:]:
+        t.start()
+        time.sleep(0.1)
+    low.join(60)
+    done_low = time.monotonic()
+    for t in hi:
+        t.join(60)
+    assert results["low"] == 200 and all(results[f"hi{i}"] == 200 for i in range(12))
+    assert time.monotonic() - done_low > 0.5  # it overtook high-priority work
+    families = {f.name: f for f in text_string_to_metric_families(r.metrics())}
+    assert families["fleetctl_aging_boosts"].samples[0].value >= 1
+
+
+def test_secrets_never_reach_logs_or_metrics(fleet):
+    r = fleet["main"]
+    r.complete(headers=AUTH)
+    assert KEY not in r.metrics()
+    assert KEY not in r.log.read_text()
+    assert "Authorization" not in r.log.read_text()
+
+
+def test_route_serve_binds_loopback_by_default(fleet):
+    out = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout if os.path.exists("/usr/bin/ss") else ""
+    if out:
+        assert f"127.0.0.1:{fleet['main'].port}" in out
