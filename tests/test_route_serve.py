@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from aiohttp import web
@@ -68,7 +69,9 @@ class Router:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+            conn.request(
+                method, path, data, {"Content-Type": "application/json", **(headers or {})}
+            )
             resp = conn.getresponse()
             return resp.status, dict(resp.getheaders()), resp.read()
         finally:
@@ -76,7 +79,10 @@ class Router:
 
     def complete(self, prompt="hello " * 20, max_tokens=8, headers=None, **body):
         return self.request(
-            "POST", "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, **body}, headers
+            "POST",
+            "/v1/completions",
+            {"model": NAME, "prompt": prompt, "max_tokens": max_tokens, **body},
+            headers,
         )
 
     def metrics(self):
@@ -101,7 +107,12 @@ def entry(emu: Emulator, node: str, gpu: str, variant: str = "bf16", **kw) -> di
 class RawBackend:
     """A real HTTP server that streams fixed bytes in odd chunks, slowly, and says when."""
 
-    CHUNKS = [b'data: {"a": 1}\n\n', b'data: {"b":', b' 2}\n\n', b"data: [DONE]\n\n"]
+    CHUNKS: ClassVar[list[bytes]] = [
+        b'data: {"a": 1}\n\n',
+        b'data: {"b":',
+        b" 2}\n\n",
+        b"data: [DONE]\n\n",
+    ]
     GAP_S = 0.4
 
     def __init__(self):
@@ -167,17 +178,34 @@ def fleet(tmp_path_factory):
         dead_port = free_port()
         faulty = [
             entry(emus["flaky"], "rtx-1", "RTX-4090"),
-            {"url": f"http://127.0.0.1:{dead_port}", "node": "rtx-2", "gpu_type": "RTX-4090", "model": NAME},
+            {
+                "url": f"http://127.0.0.1:{dead_port}",
+                "node": "rtx-2",
+                "gpu_type": "RTX-4090",
+                "model": NAME,
+            },
             entry(emus["rtx1"], "rtx-3", "RTX-4090"),
         ]
         routers.append(Router(tmp, faulty, name="faulty"))
         routers.append(Router(tmp, [entry(emus["dying"], "rtx-1", "RTX-4090")], name="dying"))
         raw = RawBackend()
-        raw_entry = {"url": f"http://127.0.0.1:{raw.port}", "node": "raw", "gpu_type": "RTX-4090", "model": NAME}
+        raw_entry = {
+            "url": f"http://127.0.0.1:{raw.port}",
+            "node": "raw",
+            "gpu_type": "RTX-4090",
+            "model": NAME,
+        }
         routers.append(Router(tmp, [raw_entry], name="raw"))
         narrow = [entry(emus["narrow"], "rtx-4", "RTX-4090", max_num_seqs=1)]
         routers.append(Router(tmp, narrow, name="narrow"))
-        yield {"emus": emus, "main": routers[0], "faulty": routers[1], "dying": routers[2], "raw": (routers[3], raw), "narrow": routers[4]}
+        yield {
+            "emus": emus,
+            "main": routers[0],
+            "faulty": routers[1],
+            "dying": routers[2],
+            "raw": (routers[3], raw),
+            "narrow": routers[4],
+        }
     finally:
         for r in routers:
             r.stop()
@@ -203,7 +231,9 @@ def test_completion_through_the_router_says_where_it_went(fleet):
 def test_openai_client_streams_chat_through_the_router(fleet):
     import openai
 
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{fleet['main'].port}/v1", api_key=KEY, max_retries=0)
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{fleet['main'].port}/v1", api_key=KEY, max_retries=0
+    )
     stream = client.chat.completions.create(
         model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=12, stream=True
     )
@@ -214,7 +244,12 @@ def test_openai_client_streams_chat_through_the_router(fleet):
 def test_streaming_is_byte_exact_and_unbuffered(fleet):
     router, raw = fleet["raw"]
     conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
-    conn.request("POST", "/v1/completions", json.dumps({"model": NAME, "prompt": "x", "stream": True}), {"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"model": NAME, "prompt": "x", "stream": True}),
+        {"Content-Type": "application/json"},
+    )
     resp = conn.getresponse()
     first = resp.read1(64)
     got_first_at = time.monotonic()
@@ -231,7 +266,10 @@ def test_strict_and_prefer_precision(fleet):
         status, headers, _ = r.complete(headers={**AUTH, "X-Fleet-Precision": "int4;strict"})
         assert status == 200 and headers["X-Fleet-Precision"] == "gptq-int4"
     status, _, body = r.complete(headers={**AUTH, "X-Fleet-Precision": "fp8;strict"})
-    assert status == 400 and "no backend serves llama-3-8b in fp8" in json.loads(body)["error"]["message"]
+    assert (
+        status == 400
+        and "no backend serves llama-3-8b in fp8" in json.loads(body)["error"]["message"]
+    )
     status, headers, _ = r.complete(headers={**AUTH, "X-Fleet-Precision": "fp8"})
     assert status == 200  # prefer mode falls back
 
@@ -306,12 +344,19 @@ def test_client_disconnect_cancels_the_upstream_request(fleet):
     emus = fleet["emus"]
     conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=20)
     body = {"model": NAME, "prompt": "x", "max_tokens": 4000, "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH})
+    conn.request(
+        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **AUTH}
+    )
     resp = conn.getresponse()
     resp.read1(16)
     backend = resp.getheader("X-Fleet-Backend")
     conn.close()
-    emu = {"a100-1": emus["a100"], "rtx-1": emus["rtx1"], "rtx-2": emus["rtx2"], "rtx-3": emus["int4"]}[backend]
+    emu = {
+        "a100-1": emus["a100"],
+        "rtx-1": emus["rtx1"],
+        "rtx-2": emus["rtx2"],
+        "rtx-3": emus["int4"],
+    }[backend]
     end = time.monotonic() + 10
     while True:
         running = emu.metrics()["vllm:num_requests_running"].samples[0].value
@@ -357,6 +402,10 @@ def test_secrets_never_reach_logs_or_metrics(fleet):
 
 
 def test_route_serve_binds_loopback_by_default(fleet):
-    out = subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout if os.path.exists("/usr/bin/ss") else ""
+    out = (
+        subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout
+        if os.path.exists("/usr/bin/ss")
+        else ""
+    )
     if out:
         assert f"127.0.0.1:{fleet['main'].port}" in out
