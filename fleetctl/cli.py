@@ -240,6 +240,11 @@ def route_serve(
     scrape_interval: float = typer.Option(
         0.25, "--scrape-interval", help="Seconds between /metrics scrapes of each backend."
     ),
+    session_store: str | None = typer.Option(
+        None,
+        "--session-store",
+        help="redis://HOST:PORT/DB: share session affinity and the aging window across replicas.",
+    ),
     state_dir: Path | None = typer.Option(None, "--state-dir", help="State folder."),
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
@@ -273,6 +278,7 @@ def route_serve(
             policy=policy,
             config=config,
             scrape_interval=scrape_interval,
+            session_store=session_store,
         )
 
     router = make()

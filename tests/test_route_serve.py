@@ -409,3 +409,103 @@ def test_route_serve_binds_loopback_by_default(fleet):
     )
     if out:
         assert f"127.0.0.1:{fleet['main'].port}" in out
+
+
+def redis_server_binary() -> str:
+    """Debian's redis-server; installed here when missing (the tests run as root in CI)."""
+    import shutil
+
+    found = shutil.which("redis-server")
+    if found is None:
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "redis-server"],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
+        found = shutil.which("redis-server")
+    assert found, "redis-server is not installed and could not be installed"
+    return found
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [
+            redis_server_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(d),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        end = time.monotonic() + 10
+        import socket
+
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.2).close()
+                break
+            except OSError:
+                assert time.monotonic() < end and proc.poll() is None, "redis-server did not start"
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def test_two_replicas_share_session_affinity_through_redis(fleet, redis_url, tmp_path):
+    emus = fleet["emus"]
+    backends = [
+        entry(emus["a100"], "a100-1", "A100-SXM4-80GB"),
+        entry(emus["rtx1"], "rtx-1", "RTX-4090"),
+        entry(emus["rtx2"], "rtx-2", "RTX-4090"),
+    ]
+    a = Router(tmp_path, backends, "--session-store", redis_url, name="replica-a")
+    b = Router(tmp_path, backends, "--session-store", redis_url, name="replica-b")
+    try:
+        first_classes = set()
+        for s in range(8):
+            headers = {"X-Session-ID": f"shared-{s}"}
+            # Long first turns for some sessions land them on the A100 class, short ones may not.
+            prompt = "word " * (5000 if s % 2 else 50)
+            status, h, _ = a.complete(prompt=prompt, max_tokens=4, headers=headers)
+            assert status == 200
+            first = h["X-Fleet-Class"]
+            first_classes.add(first)
+            for turn in range(4):
+                replica = b if turn % 2 == 0 else a
+                status, h, _ = replica.complete(prompt="short " * 10, max_tokens=4, headers=headers)
+                assert status == 200 and h["X-Fleet-Class"] == first, (s, turn)
+        assert len(first_classes) == 2  # both classes were exercised
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_shared_ttft_window_in_redis(redis_url):
+    from fleetctl.router.shared import RedisShared
+
+    async def go():
+        one, two = RedisShared(redis_url, "ttft-test"), RedisShared(redis_url, "ttft-test")
+        for v in (0.1, 0.2, 0.9):
+            await one.add_ttft(v)
+        await two.add_ttft(0.3)
+        median = await two.ttft_median(60.0)
+        await one.close()
+        await two.close()
+        return median.median(time.monotonic())
+
+    assert asyncio.run(go()) == pytest.approx(0.25)

@@ -24,6 +24,7 @@ from aiohttp import web
 from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.policy import Policy
 from fleetctl.router.scheduler import Scheduler, first_token, release
+from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.types import Backend, Decision, OutputEstimator, Request
 
@@ -129,6 +130,7 @@ class Router:
     estimator: OutputEstimator = field(default_factory=OutputEstimator)
     live: LiveState | None = None
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    shared: RedisShared | None = None  # session pins and the TTFT window, across replicas
     waiting: dict[int, Waiter] = field(default_factory=dict)
     _ids: int = 0
     _kick: asyncio.Event = field(default_factory=asyncio.Event)
@@ -163,6 +165,14 @@ class Router:
             timeout=timeout, connector=connector, auto_decompress=False
         )
         self._tasks.append(asyncio.create_task(self._dispatcher()))
+        if self.shared is not None:
+            try:
+                await self.shared.check()
+            except Exception as e:  # keep serving; affinity falls back to this replica's memory
+                log.error(
+                    "session store unreachable (%s); using this replica's memory", type(e).__name__
+                )
+            self._tasks.append(asyncio.create_task(self._sync_ttft()))
         if self.live is not None:
             self._tasks.append(asyncio.create_task(self.live.run(self._session)))
 
@@ -171,6 +181,30 @@ class Router:
             await cancel(t)
         if self._session is not None:
             await self._session.close()
+        if self.shared is not None:
+            await self.shared.close()
+
+    async def _sync_ttft(self) -> None:
+        """Rebuild the aging median from every replica's samples once a second."""
+        assert self.shared is not None
+        window = self.scheduler.aging.window_s
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                self.scheduler.ttft = await self.shared.ttft_median(window)
+            except Exception as e:
+                log.warning("session store: %s", type(e).__name__)
+
+    def _background(self, coro: Any) -> None:
+        """Fire and forget (a shared-store write), keeping a reference until it ends."""
+        task = asyncio.create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("session store: %s", type(task.exception()).__name__)
 
     def replace_backends(self, fresh: list[Backend]) -> None:
         """Reload: keep the live counters of servers that stay; in-flight requests finish."""
@@ -316,7 +350,17 @@ class Router:
         started = time.monotonic()
         try:
             raw, body, req = await self._read(request, chat)
+            sessions = getattr(self.policy, "sessions", None)
+            if self.shared is not None and req.session and sessions is not None:
+                try:
+                    await self.shared.load_pin(sessions, req.session)
+                except Exception as e:
+                    log.warning("session store: %s", type(e).__name__)
             decision = await self.place(req)
+            if self.shared is not None and req.session and sessions is not None:
+                pin = sessions.get(req.session)
+                if pin is not None:
+                    self._background(self.shared.save_pin(req.session, pin))
         except ClientError as e:
             self.metrics.requests.inc("", "", "bad-request", str(e.status))
             return e.response()
@@ -485,6 +529,8 @@ class Router:
         self.metrics.ttft.observe(now - started, req.model)
         # Aging compares waiting to the backends' TTFT (dispatch to first byte), as simulated.
         self.scheduler.observe_ttft(now, now - started)
+        if self.shared is not None:
+            self._background(self.shared.add_ttft(now - started))
 
     def _done(self, b: Backend, req: Request, started: float, body: bytes | None) -> None:
         release(b, req)

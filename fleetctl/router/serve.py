@@ -59,6 +59,7 @@ def build_router(
     policy: str,
     config: DaemonConfig,
     scrape_interval: float,
+    session_store: str | None = None,
 ) -> Router:
     if policy not in POLICIES:
         raise UserError(f"unknown policy '{policy}'", None, f"choose from {', '.join(POLICIES)}")
@@ -71,7 +72,16 @@ def build_router(
     )
     outputs = {m.name: m.spec.workload.mean_output_tokens for m in inv.models if m.spec.workload}
     live = LiveState(backends, interval=scrape_interval)
-    return Router(backends, sched, config, OutputEstimator(outputs), live)
+    shared = None
+    if session_store:
+        if not session_store.startswith(("redis://", "rediss://", "unix://")):
+            raise UserError(
+                f"unknown session store {session_store!r}", None, "use redis://HOST:PORT/DB"
+            )
+        from fleetctl.router.shared import RedisShared
+
+        shared = RedisShared(session_store)
+    return Router(backends, sched, config, OutputEstimator(outputs), live, shared=shared)
 
 
 def serve(
