@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,13 +25,11 @@ from fleetctl.router.policy import Policy
 from fleetctl.router.scheduler import Scheduler, first_token, release
 from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
+from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.types import Backend, Decision, OutputEstimator, Request
 
 log = logging.getLogger("fleetctl.router")
 
-# Characters per token for English-like text with Llama-3-family BPE tokenizers (~4); used
-# when no tokenizer is loaded. It only decides the length class, so rough is fine.
-CHARS_PER_TOKEN = 4.0
 RETRY_STATUSES = range(500, 600)
 HOP_HEADERS = {
     "connection",
@@ -80,28 +77,6 @@ class ClientError(Exception):
         return web.json_response(body, status=self.status)
 
 
-def estimate_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
-    """Prompt tokens from the request's text length (or its token ids when it sends ids)."""
-    if chat:
-        chars = 0
-        for msg in body.get("messages") or []:
-            content = msg.get("content") if isinstance(msg, dict) else None
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                chars += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
-            chars += 4  # role and template tokens
-        return max(1, math.ceil(chars / CHARS_PER_TOKEN))
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, str):
-        return max(1, math.ceil(len(prompt) / CHARS_PER_TOKEN))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)  # token ids
-    if isinstance(prompt, list):
-        return max(1, sum(estimate_prompt_tokens({"prompt": p}, False) for p in prompt))
-    return 1
-
-
 def parse_precision(value: str | None) -> tuple[str | None, bool]:
     """`X-Fleet-Precision: int4;strict` -> ("int4", True)."""
     if not value:
@@ -131,6 +106,7 @@ class Router:
     live: LiveState | None = None
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     shared: RedisShared | None = None  # session pins and the TTFT window, across replicas
+    tokens: TokenCounter = field(default_factory=TokenCounter)
     waiting: dict[int, Waiter] = field(default_factory=dict)
     _ids: int = 0
     _kick: asyncio.Event = field(default_factory=asyncio.Event)
@@ -333,16 +309,18 @@ class Router:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
             raise ClientError(400, "'max_tokens' must be a positive integer", param="max_tokens")
         session = request.headers.get("X-Session-ID") or body.get("user")
+        prompt_tokens, chars = await self.tokens.count(model, body, chat)
         req = Request(
             0,
             model,
-            estimate_prompt_tokens(body, chat),
+            prompt_tokens,
             max_tokens or self.estimator.estimate(model),
             max(0, priority),
             str(session) if session else None,
             precision,
             strict,
             time.monotonic(),
+            prompt_chars=chars,
         )
         return raw, body, req
 
@@ -537,9 +515,10 @@ class Router:
         self._kick.set()
         self.metrics.e2e.observe(time.monotonic() - started, req.model)
         if body:
-            with contextlib.suppress(ValueError, AttributeError, TypeError):
-                used = json.loads(body)["usage"]["completion_tokens"]
-                self.estimator.observe(req.model, int(used))
+            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
+                usage = json.loads(body)["usage"]
+                self.estimator.observe(req.model, int(usage["completion_tokens"]))
+                self.tokens.observe(req.model, req.prompt_chars, int(usage["prompt_tokens"]))
 
     def _failed(self, b: Backend, req: Request, first_token_seen: bool = False) -> None:
         release(b, req, first_token_seen)

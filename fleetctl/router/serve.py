@@ -21,6 +21,7 @@ from fleetctl.router.daemon import DaemonConfig, Router
 from fleetctl.router.live import LiveState
 from fleetctl.router.policy import POLICIES, RoutingConfig, make_policy
 from fleetctl.router.scheduler import Aging, Scheduler
+from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.types import Backend, OutputEstimator
 from fleetctl.state import state_path
 
@@ -81,7 +82,22 @@ def build_router(
         from fleetctl.router.shared import RedisShared
 
         shared = RedisShared(session_store)
-    return Router(backends, sched, config, OutputEstimator(outputs), live, shared=shared)
+    # A variant whose source is a local folder lends the router its tokenizer.
+    local = {
+        m.name: Path(v.source).expanduser()
+        for m in inv.models
+        for v in m.variants
+        if Path(v.source).expanduser().exists()
+    }
+    return Router(
+        backends,
+        sched,
+        config,
+        OutputEstimator(outputs),
+        live,
+        shared=shared,
+        tokens=TokenCounter(local),
+    )
 
 
 def serve(

@@ -36,6 +36,7 @@ class Request:
     strict: bool = False
     arrival: float = 0.0
     boosted: bool = False  # aging raised it to the top class
+    prompt_chars: int = 0  # characters of prompt text, to calibrate the token estimate
 
     @property
     def total_tokens(self) -> int:
