@@ -509,3 +509,94 @@ def test_shared_ttft_window_in_redis(redis_url):
         return median.median(time.monotonic())
 
     assert asyncio.run(go()) == pytest.approx(0.25)
+
+
+def _backend_count(router: Router) -> int:
+    _, _, body = router.request("GET", "/health")
+    return json.loads(body)["backends"]
+
+
+def test_sighup_reloads_the_backends_file(fleet, tmp_path):
+    import signal
+
+    emus = fleet["emus"]
+    r = Router(tmp_path, [entry(emus["rtx1"], "rtx-1", "RTX-4090")], name="hup")
+    try:
+        assert _backend_count(r) == 1
+        path = tmp_path / "hup-backends.yaml"
+        both = [entry(emus["rtx1"], "rtx-1", "RTX-4090"), entry(emus["rtx2"], "rtx-2", "RTX-4090")]
+        path.write_text(json.dumps({"backends": both}))
+        r.proc.send_signal(signal.SIGHUP)
+        end = time.monotonic() + 5
+        while _backend_count(r) != 2:
+            assert time.monotonic() < end, r.log.read_text()
+            time.sleep(0.05)
+        # A broken file is refused and the old backends stay.
+        path.write_text("backends: [{url: nope}]")
+        r.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert _backend_count(r) == 2 and "reload failed" in r.log.read_text()
+        assert r.complete()[0] == 200
+    finally:
+        r.stop()
+
+
+def test_backends_come_from_applied_state_and_follow_it(fleet, tmp_path, catalog):
+    import dataclasses
+
+    from fleetctl.inventory import load_inventory
+    from fleetctl.planner import plan_fleet
+    from fleetctl.state import State, save_state
+
+    emus = fleet["emus"]
+    inv_path = tmp_path / "inv.yaml"
+    inv_path.write_text(
+        INVENTORY.replace(
+            "  - name: rtx-[1:4]\n", "  - name: rtx-[1:4]\n    host: 127.0.0.[1:4]\n"
+        ).replace("  - name: a100-1\n", "  - name: a100-1\n    host: 127.0.9.1\n")
+    )
+    plan = plan_fleet(load_inventory(inv_path, catalog))
+    rtx = [d for d in plan.deployments if d.gpu_type == "RTX-4090"][:2]
+    deps = [
+        dataclasses.replace(d, host="127.0.0.1", port=e.port)
+        for d, e in zip(rtx, (emus["rtx1"], emus["rtx2"]), strict=True)
+    ]
+    state_dir = tmp_path / ".fleetctl"
+    save_state(state_dir, State(1, (deps[0],)))
+    port = free_port()
+    log = tmp_path / "state-router.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fleetctl",
+                "route-serve",
+                str(inv_path),
+                "--listen",
+                f"127.0.0.1:{port}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    r = Router.__new__(Router)
+    r.port, r.proc, r.log = port, proc, log
+    try:
+        end = time.monotonic() + 20
+        while True:
+            try:
+                assert _backend_count(r) == 1
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < end, log.read_text()
+                time.sleep(0.05)
+        status, headers, _ = r.complete()
+        assert status == 200 and headers["X-Fleet-Backend"] == deps[0].node
+        save_state(state_dir, State(2, tuple(deps)))  # `fleetctl apply` added a server
+        end = time.monotonic() + 5
+        while _backend_count(r) != 2:
+            assert time.monotonic() < end, log.read_text()
+            time.sleep(0.1)
+    finally:
+        r.stop()
