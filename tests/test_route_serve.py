@@ -323,8 +323,12 @@ def test_retries_and_ejection(fleet):
         assert headers["X-Fleet-Backend"] == "rtx-3"
     families = {f.name: f for f in text_string_to_metric_families(r.metrics())}
     up = {s.labels["backend"]: s.value for s in families["fleetctl_backend_up"].samples}
-    assert up[fleet["emus"]["flaky"].base] == 0.0
-    assert sum(s.value for s in families["fleetctl_backend_ejections"].samples) >= 1
+    dead = next(b for b in up if b != fleet["emus"]["flaky"].base and up[b] == 0.0)
+    assert dead  # the server that is not there stays out
+    ejected = {s.labels["backend"]: s.value for s in families["fleetctl_backend_ejections"].samples}
+    # The failing one was ejected; after its backoff a good /metrics lets it back in half-open,
+    # so whether it is out at this instant depends on timing: its ejection count does not.
+    assert ejected.get(fleet["emus"]["flaky"].base, 0) >= 1
     assert sum(s.value for s in families["fleetctl_retries"].samples) >= 1
 
 

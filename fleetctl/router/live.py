@@ -63,11 +63,20 @@ class LiveState:
         return False
 
     def succeeded(self, b: Backend) -> None:
+        """A request went through: the backend is good."""
         s = self.state(b)
         s.failures = 0
-        if not b.healthy:
-            b.healthy = True
+        b.healthy = True
         s.backoff = 1.0
+
+    def probed(self, b: Backend, now: float) -> None:
+        """A /metrics scrape went through. That proves less than a served request (a server can
+        answer /metrics and still fail requests), so it only lets an ejected backend back in
+        once its backoff has passed, half-open: its next failure ejects it again."""
+        s = self.state(b)
+        if not b.healthy and now >= s.ejected_until:
+            b.healthy = True
+            s.failures = self.eject_after - 1
 
     # --- scraping ----------------------------------------------------------------------------
 
@@ -95,7 +104,7 @@ class LiveState:
             self.expire(b, time.monotonic())
             return
         self.apply(b, text, time.monotonic())
-        self.succeeded(b)
+        self.probed(b, time.monotonic())
 
     def apply(self, b: Backend, text: str, now: float) -> None:
         m = parse_vllm_metrics(text)
