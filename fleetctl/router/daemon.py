@@ -523,8 +523,8 @@ class Router:
     def _failed(self, b: Backend, req: Request, first_token_seen: bool = False) -> None:
         release(b, req, first_token_seen)
         self._kick.set()
-        if self.live is not None and self.live.failed(b, time.monotonic()):
-            self.metrics.ejections.inc(b.name)
+        if self.live is not None:
+            self.live.failed(b, time.monotonic())
 
     async def models(self, request: web.Request) -> web.Response:
         try:
@@ -566,6 +566,7 @@ class Router:
                     else float("inf")
                 )
                 self.metrics.scrape_age.set(b.name, value=age)
+                self.metrics.ejections.values[(b.name,)] = float(self.live.state(b).ejections)
         if self.live is not None:
             self.live.expire_all(now)
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -23,6 +23,7 @@ class Liveness:
     scraped_at: float = 0.0
     read_bytes: float | None = None
     read_at: float = 0.0
+    ejections: int = 0
 
 
 @dataclass
@@ -41,7 +42,6 @@ class LiveState:
     eject_after: int = 3
     max_backoff: float = 30.0
     live: dict[str, Liveness] = field(default_factory=dict)
-    ejections: int = 0
 
     def state(self, b: Backend) -> Liveness:
         return self.live.setdefault(b.name, Liveness())
@@ -56,7 +56,7 @@ class LiveState:
             b.healthy = False
             s.ejected_until = now + s.backoff
             s.backoff = min(self.max_backoff, s.backoff * 2)
-            self.ejections += 1
+            s.ejections += 1
             return True
         if not b.healthy:
             s.ejected_until = now + s.backoff
