@@ -382,7 +382,7 @@ _ALIASES = {"gpu_name": "name", "gpu_uuid": "uuid", "gpu_bus_id": "pci.bus_id"}
 
 def _csv_value(text: str) -> str | None:
     value = text.strip()
-    # Which of the two a driver prints for an unavailable value changed around 440.
+    # Older drivers print "[Not Supported]" where newer ones print "[N/A]" (enkore/i3pystatus#776).
     return None if value in ("[N/A]", "[Not Supported]", "N/A", "") else value
 
 

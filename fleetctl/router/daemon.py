@@ -229,11 +229,6 @@ class Router:
                 w.future.set_result(d.decision)
             elif d.decision.backend is not None:
                 release(d.decision.backend, d.request, first_token_seen=False)  # client gone
-        depth: dict[int, int] = {}
-        for r in self.scheduler.queue:
-            depth[r.priority] = depth.get(r.priority, 0) + 1
-        for prio in {*depth, *(int(k[0]) for k in self.metrics.queue.values)}:
-            self.metrics.queue.set(str(prio), value=depth.get(prio, 0))
 
     async def place(self, req: Request) -> Decision:
         self._ids += 1
@@ -242,6 +237,8 @@ class Router:
         self.waiting[req.id] = Waiter(req, fut)
         self.scheduler.submit(req)
         self._dispatch()  # most requests are placed right here, without a task switch
+        if fut.done():
+            return fut.result()
         try:
             return await asyncio.wait_for(fut, self.config.queue_timeout_s)
         except TimeoutError:
@@ -557,6 +554,9 @@ class Router:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         now = time.monotonic()
+        depth = {prio: len(q) for prio, q in self.scheduler.classes.items()}
+        for prio in {*depth, *(int(k[0]) for k in self.metrics.queue.values)}:
+            self.metrics.queue.set(str(prio), value=depth.get(prio, 0))
         for b in self.backends:
             self.metrics.up.set(b.name, b.node_class, value=1.0 if b.healthy else 0.0)
             if self.live is not None:
