@@ -293,6 +293,62 @@ def route_serve(
 
 
 @app.command()
+def probe(
+    inventory: str | None = typer.Argument(None, help="Inventory YAML (not needed with --local)."),
+    local: bool = typer.Option(False, "--local", help="Probe this machine instead, without SSH."),
+    parallel: int = typer.Option(32, "--parallel", min=1, help="Nodes probed at once."),
+    accept_new: bool = typer.Option(
+        False,
+        "--accept-new-host-keys",
+        help="Trust and record unknown host keys (OpenSSH's accept-new); changed keys are refused.",
+    ),
+    known_hosts: Path | None = typer.Option(
+        None, "--known-hosts", help="known_hosts file (default ~/.ssh/known_hosts)."
+    ),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds per command on a node."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="State folder."),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Gather each node's GPUs, driver, CUDA, vLLM and OS over SSH into .fleetctl/facts.json."""
+    from fleetctl.errors import UserError
+
+    if local:
+        from fleetctl.probe import local_facts
+
+        _print_json(local_facts())
+        return
+    if inventory is None:
+        raise UserError("give an inventory, or --local for this machine", None, "see --help")
+    from fleetctl.probe import probe_fleet
+    from fleetctl.ssh import SshOptions
+    from fleetctl.state import write_atomic
+
+    inv, _ = _load(inventory, profiles)
+    options = SshOptions(known_hosts, accept_new, inv.spec.ssh.connect_timeout_s, timeout)
+    if as_json or not sys.stderr.isatty():
+        facts = probe_fleet(inv, options, parallel)
+    else:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task("probing", total=len(inv.nodes))
+            facts = probe_fleet(inv, options, parallel, on_done=lambda _: bar.advance(task))
+    path = (state_dir or inv.state_dir) / "facts.json"
+    write_atomic(path, json.dumps(facts, indent=2) + "\n")
+    failed = {n: f["error"] for n, f in facts["nodes"].items() if "error" in f}
+    if as_json:
+        _print_json(facts)
+    else:
+        from fleetctl.render import facts_table
+
+        _console().print(facts_table(facts))
+        _console().print(f"Saved to {path}.")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
 def examples(as_json: bool = JsonOpt) -> None:
     """List the bundled example inventories (use them as example:NAME)."""
     from fleetctl.resources import examples as bundled_examples

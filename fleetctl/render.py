@@ -220,3 +220,39 @@ def profiles_table(cat: Catalog) -> RenderableType:
             f.vllm.quantization or "-",
         )
     return Group(gpus, models, formats)
+
+
+def facts_table(facts: dict[str, object]) -> Table:
+    """One row per probed node: reachability, GPUs, driver, CUDA, vLLM, interconnect."""
+    t = Table(title="Facts", title_justify="left", header_style="bold", pad_edge=False)
+    for col in ("node", "status", "GPUs", "driver", "CUDA", "vLLM", "link", "hostname"):
+        t.add_column(col)
+    nodes = facts.get("nodes", {})
+    assert isinstance(nodes, dict)
+    for name in sorted(nodes, key=natural_key):
+        f = nodes[name]
+        if "error" in f:
+            err = f["error"]
+            t.add_row(name, Text(err["kind"], style="red"), Text(err["detail"], style="red"))
+            continue
+        gpus = f.get("gpus") or []
+        kinds: dict[str, int] = defaultdict(int)
+        for g in gpus:
+            kinds[str(g.get("name"))] += 1
+        gpu_text = ", ".join(f"{n}x {k}" for k, n in kinds.items()) or "none"
+        status = (
+            Text("gpu: " + f["gpu_error"]["kind"], style="yellow")
+            if f.get("gpu_error")
+            else Text("ok", style="green")
+        )
+        t.add_row(
+            name,
+            status,
+            gpu_text,
+            str(f.get("driver_version") or "-"),
+            str(f.get("cuda_version") or "-"),
+            str(f.get("vllm") or "-"),
+            str(f.get("interconnect") or "-"),
+            str(f.get("hostname") or "-"),
+        )
+    return t
