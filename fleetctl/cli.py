@@ -349,6 +349,67 @@ def probe(
 
 
 @app.command()
+def health(
+    inventory: str = InventoryArg,
+    parallel: int = typer.Option(32, "--parallel", min=1, help="Nodes probed at once."),
+    accept_new: bool = typer.Option(
+        False, "--accept-new-host-keys", help="Trust and record unknown host keys."
+    ),
+    known_hosts: Path | None = typer.Option(None, "--known-hosts", help="known_hosts file."),
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds per command on a node."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="State folder."),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Check nodes and servers: reachability, version skew in a class, GPUs, ECC, servers."""
+    from fleetctl import health as h
+    from fleetctl.probe import probe_fleet
+    from fleetctl.ssh import SshOptions
+    from fleetctl.state import load_state, write_atomic
+
+    inv, _ = _load(inventory, profiles)
+    sdir = state_dir or inv.state_dir
+    facts_path = sdir / "facts.json"
+    try:
+        before = json.loads(facts_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        before = None
+    options = SshOptions(known_hosts, accept_new, inv.spec.ssh.connect_timeout_s, timeout)
+    facts = probe_fleet(inv, options, parallel)
+    write_atomic(facts_path, json.dumps(facts, indent=2) + "\n")
+    deployments = load_state(sdir).deployments
+    skew, equivalent = h.check_skew(inv, facts)
+    checks = [
+        *h.check_reachability(facts),
+        *skew,
+        *h.check_changes(before, facts),
+        *h.check_gpus(facts, deployments),
+        *h.check_servers(deployments),
+    ]
+    # The router reads node equivalence from here (a non-equivalent node is its own class).
+    write_atomic(
+        sdir / "health.json",
+        json.dumps({"checked_at": facts["probed_at"], "equivalent": equivalent}, indent=2) + "\n",
+    )
+    healthy = all(c.status != "fail" for c in checks)
+    if as_json:
+        _print_json({"healthy": healthy, "checks": [c.to_json() for c in checks]})
+    else:
+        from rich.table import Table
+
+        t = Table(title="Health", title_justify="left", header_style="bold", pad_edge=False)
+        for col in ("check", "node", "status", "detail"):
+            t.add_column(col)
+        style = {"ok": "green", "warn": "yellow", "fail": "red"}
+        for c in checks:
+            t.add_row(c.check, c.node, f"[{style[c.status]}]{c.status}[/]", c.detail)
+        _console().print(t)
+        _console().print("[green]healthy[/]" if healthy else "[red]unhealthy[/]")
+    if not healthy:
+        raise typer.Exit(1)
+
+
+@app.command()
 def examples(as_json: bool = JsonOpt) -> None:
     """List the bundled example inventories (use them as example:NAME)."""
     from fleetctl.resources import examples as bundled_examples

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pydantic import Field
@@ -67,6 +68,16 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
     return out
 
 
+def class_tags(state_dir: Path, nodes: list[str]) -> list[str]:
+    """Per node: its own class tag when `fleetctl health` found it not equivalent, else ""."""
+    try:
+        health = json.loads((state_dir / "health.json").read_text(encoding="utf-8"))
+        equivalent = health.get("equivalent", {})
+    except (OSError, ValueError, AttributeError):
+        return ["" for _ in nodes]
+    return [f"nonequivalent:{n}" if equivalent.get(n) is False else "" for n in nodes]
+
+
 def _inventory_profile(inv: Inventory, served: str) -> str | None:
     return next((m.profile.name for m in inv.models if m.name == served), None)
 
@@ -109,6 +120,8 @@ def load_backends(
         if backends_file
         else backends_from_state(inv, state_dir)
     )
+    for b, tag in zip(found, class_tags(state_dir, [b.node for b in found]), strict=True):
+        b.class_tag = tag
     if not found:
         raise UserError(
             "no backends to route to",

@@ -66,11 +66,15 @@ class Backend:
     outstanding: int = 0
     reserved_tokens: int = 0  # prompt + expected output of everything in flight
     pending_prefill: int = 0  # prompt tokens in flight that have not produced a token yet
+    # Set for a node whose driver, CUDA or vLLM differs from its class (`fleetctl health`):
+    # it then forms a class of its own, so sessions never mix it with the others.
+    class_tag: str = ""
 
     @property
     def node_class(self) -> str:
         """Servers of a class answer alike: same GPU type and same weight format."""
-        return f"{self.gpu_type}/{self.variant}"
+        base = f"{self.gpu_type}/{self.variant}"
+        return f"{base}/{self.class_tag}" if self.class_tag else base
 
 
 @dataclass(frozen=True, slots=True)
