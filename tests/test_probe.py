@@ -1,0 +1,162 @@
+"""`fleetctl probe` and `fleetctl health` over real SSH to test hosts that replay real outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.sshhosts import TestHosts, available
+
+NVIDIA = Path(__file__).parent / "data" / "nvidia"
+A100_QUERY = (NVIDIA / "constructed-query-probe-fields-a100-x8-driver535.csv").read_text()
+# Values read off the real RTX 4090 table capture (smi-rtx4090-x1-driver580.txt), in the
+# probe's query format (see tests/data/nvidia/README.md: no real sample of that exists).
+RTX_QUERY = "0, NVIDIA GeForce RTX 4090, GPU-00000000-0000-4000-8000-000000004090, 24564, 232, 8.9, {driver}, [N/A], [N/A]\n"
+
+FAKE_SMI = """#!/bin/sh
+# Replays recorded nvidia-smi output, chosen by the arguments.
+case "$*" in
+  *--query-gpu=*) cat <<'EOF'
+{query}EOF
+  ;;
+  *--query-compute-apps=*) ;;
+  "topo -m") cat {topo} ;;
+  *) cat {table} ;;
+esac
+"""
+
+NAMES = [f"a100-{i}" for i in range(1, 5)] + [f"rtx-{i}" for i in range(1, 9)]
+
+
+def fake_smi(query: str, table: str, topo: str) -> str:
+    return FAKE_SMI.format(query=query, table=NVIDIA / table, topo=NVIDIA / topo)
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    why = available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"SSH test hosts are required in CI: {why}")
+        pytest.skip(why)
+    with TestHosts(len(NAMES), names=NAMES) as hs:
+        for i, name in enumerate(NAMES):
+            if name.startswith("a100"):
+                hs.install(
+                    i,
+                    "nvidia-smi",
+                    fake_smi(
+                        A100_QUERY,
+                        "smi-a800-sxm4-80gb-driver535-excerpt.txt",
+                        "topo-a100-x8-nv12-nic17.txt",
+                    ),
+                )
+            else:
+                # rtx-3's driver drifted from its class.
+                driver = "570.124.06" if name == "rtx-3" else "580.65.06"
+                hs.install(
+                    i,
+                    "nvidia-smi",
+                    fake_smi(
+                        RTX_QUERY.format(driver=driver),
+                        "smi-rtx4090-x1-driver580.txt",
+                        "topo-rtx4090-x8-sys-tabs.txt",
+                    ),
+                )
+        yield hs
+
+
+def inventory(
+    tmp: Path, hosts: TestHosts, key: Path | None = None, only: int | None = None
+) -> Path:
+    lines = [
+        f"ssh: {{user: root, identity_file: {key or hosts.client_key}, connect_timeout_s: 5}}",
+        "nodes:",
+    ]
+    for h in hosts if only is None else [hosts[only]]:
+        gpus = (
+            "{type: A100-SXM4-80GB, count: 8}"
+            if h.name.startswith("a100")
+            else "{type: RTX-4090, count: 1}"
+        )
+        lines += [f"  - name: {h.name}", f"    host: {h.address}", f"    gpus: {gpus}"]
+    path = tmp / "inventory.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_probe_reads_every_node_over_ssh(cli, hosts, tmp_path):
+    inv = inventory(tmp_path, hosts)
+    r = cli("probe", inv, "--known-hosts", hosts.known_hosts, "--json")
+    assert r.code == 0, r.err
+    facts = json.loads(r.out)
+    assert json.loads((tmp_path / ".fleetctl" / "facts.json").read_text()) == facts
+    nodes = facts["nodes"]
+    assert set(nodes) == set(NAMES)
+    a100 = nodes["a100-1"]
+    assert a100["hostname"] == "a100-1"  # each test host has its own UTS namespace
+    assert len(a100["gpus"]) == 8 and a100["gpus"][0]["name"] == "NVIDIA A100-SXM4-80GB"
+    assert a100["driver_version"] == "535.104.05" and a100["interconnect"] == "nvlink"
+    assert a100["gpus"][3]["ecc_uncorrected_volatile"] == 2
+    rtx = nodes["rtx-1"]
+    assert rtx["gpus"][0]["memory_total_mib"] == 24564 and rtx["cuda_version"] == "13.0"
+    assert rtx["interconnect"] == "pcie"
+    assert nodes["rtx-3"]["driver_version"] == "570.124.06"
+    # The planner now uses the probed GPUs.
+    r = cli("plan", inv, "--json")
+    assert r.code == 0, r.err
+
+
+def test_health_flags_the_skewed_node_and_ecc(cli, hosts, tmp_path):
+    inv = inventory(tmp_path, hosts)
+    r = cli("health", inv, "--known-hosts", hosts.known_hosts, "--json")
+    assert r.code == 1  # unhealthy
+    report = json.loads(r.out)
+    bad = {(c["check"], c["node"]) for c in report["checks"] if c["status"] == "fail"}
+    assert ("skew:driver_version", "rtx-3") in bad
+    assert ("ecc", "a100-1") in bad
+    assert not any(n == "rtx-1" for _, n in bad)
+    equivalent = json.loads((tmp_path / ".fleetctl" / "health.json").read_text())["equivalent"]
+    assert equivalent["rtx-3"] is False and equivalent["rtx-1"] is True
+    # The router gives the skewed node a class of its own.
+    from fleetctl.router.backends import class_tags
+
+    assert class_tags(tmp_path / ".fleetctl", ["rtx-1", "rtx-3"]) == ["", "nonequivalent:rtx-3"]
+
+
+def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
+    inv = inventory(tmp_path, hosts)
+    hosts.stop(NAMES.index("rtx-8"))
+    hosts.rekey(NAMES.index("rtx-7"))
+    hosts.install(NAMES.index("rtx-6"), "nvidia-smi", "#!/bin/sh\nsleep 60\n")
+    hosts.install(NAMES.index("rtx-5"), "nvidia-smi", "#!/bin/sh\necho 'garbage ~~~ not a table'\n")
+    try:
+        r = cli("probe", inv, "--known-hosts", hosts.known_hosts, "--timeout", "8", "--json")
+        assert r.code == 1
+        nodes = json.loads(r.out)["nodes"]
+        assert nodes["rtx-8"]["error"]["kind"] == "unreachable"
+        assert nodes["rtx-7"]["error"]["kind"] == "host-key-changed"
+        assert nodes["rtx-6"]["error"]["kind"] == "timeout"
+        assert nodes["rtx-5"].get("gpu_error") and not nodes["rtx-5"]["gpus"]
+        assert {n: nodes[n].get("error") for n in NAMES[:8] if "error" in nodes[n]} == {}
+        # A host missing from known_hosts is refused, or recorded with --accept-new-host-keys.
+        empty = tmp_path / "known_hosts"
+        empty.write_text("")
+        one = inventory(tmp_path, hosts, only=0)
+        r = cli("probe", one, "--known-hosts", empty, "--json")
+        assert json.loads(r.out)["nodes"]["a100-1"]["error"]["kind"] == "host-key-unknown"
+        r = cli("probe", one, "--known-hosts", empty, "--accept-new-host-keys", "--json")
+        assert "error" not in json.loads(r.out)["nodes"]["a100-1"]
+        assert hosts[0].address in empty.read_text()
+        # A wrong key fails authentication.
+        other = tmp_path / "other_key"
+        os.system(f"ssh-keygen -q -t ed25519 -N '' -f {other}")
+        r = cli(
+            "probe", inventory(tmp_path, hosts, other), "--known-hosts", hosts.known_hosts, "--json"
+        )
+        assert json.loads(r.out)["nodes"]["a100-1"]["error"]["kind"] == "auth-failed"
+    finally:
+        hosts.start(NAMES.index("rtx-8"))
