@@ -68,8 +68,9 @@ print(json.dumps(out))
 """
 
 
-def target(node: Inventory | Any, n: Node) -> Target:
-    ssh = node.spec.ssh
+def target(inv: Inventory, n: Node) -> Target:
+    """How to reach node `n`: its own user and port, else the inventory's SSH defaults."""
+    ssh = inv.spec.ssh
     return Target(n.name, n.host, n.port, n.user or ssh.user, ssh.identity_file, ssh.proxy_jump)
 
 
