@@ -1,0 +1,67 @@
+"""How `fleetctl probe` time grows with the number of nodes (real SSH to netns test hosts).
+
+Run (as root, with openssh-server installed): python benchmarks/probe_scale.py
+Each host replays a recorded RTX 4090 `nvidia-smi`; the probe runs its real commands.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fleetctl.catalog import load_catalog
+from fleetctl.inventory import load_inventory
+from fleetctl.probe import probe_fleet
+from fleetctl.ssh import SshOptions
+from tests.sshhosts import TestHosts
+from tests.test_probe import RTX_QUERY, fake_smi
+
+
+def run(n: int, parallel: int, repeat: int = 2) -> tuple[float, float]:
+    with (
+        TestHosts(n, names=[f"rtx-{i + 1}" for i in range(n)]) as hosts,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        script = fake_smi(
+            RTX_QUERY.format(driver="580.65.06"),
+            "smi-rtx4090-x1-driver580.txt",
+            "topo-rtx4090-x8-sys-tabs.txt",
+        )
+        for i in range(n):
+            hosts.install(i, "nvidia-smi", script)
+        lines = [f"ssh: {{user: root, identity_file: {hosts.client_key}}}", "nodes:"]
+        for h in hosts:
+            lines += [
+                f"  - name: {h.name}",
+                f"    host: {h.address}",
+                "    gpus: {type: RTX-4090, count: 1}",
+            ]
+        inv_path = Path(tmp) / "inv.yaml"
+        inv_path.write_text("\n".join(lines) + "\n")
+        inv = load_inventory(inv_path, load_catalog())
+        options = SshOptions(known_hosts=hosts.known_hosts)
+        best = float("inf")
+        for _ in range(repeat):
+            t = time.perf_counter()
+            facts = probe_fleet(inv, options, parallel)
+            best = min(best, time.perf_counter() - t)
+            assert all("error" not in f for f in facts["nodes"].values()), facts
+        return best, best / n
+
+
+def main() -> None:
+    print("| hosts | parallel | seconds | seconds per host | x one host |")
+    print("|---|---|---|---|---|")
+    one, _ = run(1, 1)
+    print(f"| 1 | 1 | {one:.2f} | {one:.2f} | 1.0 |")
+    for n, parallel in ((8, 32), (16, 32), (64, 32), (64, 8), (64, 64)):
+        total, per = run(n, parallel)
+        print(f"| {n} | {parallel} | {total:.2f} | {per:.3f} | {total / one:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
