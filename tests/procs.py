@@ -26,6 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def http_request(
+    port: int,
+    method: str,
+    path: str,
+    body: object = None,
+    headers: dict | None = None,
+    timeout: float = 10,
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP request to 127.0.0.1:port; a dict or list body is sent as JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        conn.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
 class Emulator:
     """One `python -m fleetctl emulate` subprocess."""
 
@@ -47,16 +66,8 @@ class Emulator:
         headers: dict | None = None,
         timeout: float = 10,
     ) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            conn.request(
-                method, path, data, {"Content-Type": "application/json", **(headers or {})}
-            )
-            resp = conn.getresponse()
-            return resp.status, resp.read()
-        finally:
-            conn.close()
+        status, _, answer = http_request(self.port, method, path, body, headers, timeout)
+        return status, answer
 
     def first_answer(self, deadline_s: float = 20) -> int:
         """Status of the first /health answer once the port accepts connections."""

@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO
-from tests.procs import NAME, Emulator, free_port
+from tests.procs import NAME, Emulator, free_port, http_request
 
 KEY = "sk-route-test-0123456789"
 CAPTURE = (REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
@@ -66,16 +66,7 @@ class Router:
                 time.sleep(0.05)
 
     def request(self, method, path, body=None, headers=None, timeout=30):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            conn.request(
-                method, path, data, {"Content-Type": "application/json", **(headers or {})}
-            )
-            resp = conn.getresponse()
-            return resp.status, dict(resp.getheaders()), resp.read()
-        finally:
-            conn.close()
+        return http_request(self.port, method, path, body, headers, timeout)
 
     def complete(self, prompt="hello " * 20, max_tokens=8, headers=None, **body):
         return self.request(
