@@ -138,7 +138,9 @@ class SshSession:
         """A channel through the ProxyJump host, as `ssh -J` makes."""
         user, _, hostport = (t.proxy_jump or "").rpartition("@")
         host, _, port = hostport.partition(":")
-        jump = SshSession(Target(f"{t.name}-jump", host, int(port or 22), user or t.user), o)
+        # The jump host takes the same user and key unless the ProxyJump spec names a user.
+        hop = Target(f"{t.name}-jump", host, int(port or 22), user or t.user, t.identity_file)
+        jump = SshSession(hop, o)
         jump.connect()
         self._jump = jump
         transport = jump._client.get_transport()

@@ -160,3 +160,17 @@ def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
         assert json.loads(r.out)["nodes"]["a100-1"]["error"]["kind"] == "auth-failed"
     finally:
         hosts.start(NAMES.index("rtx-8"))
+
+
+def test_proxy_jump(cli, hosts, tmp_path):
+    """A node reached through a jump host (the test hosts share a bridge)."""
+    jump = hosts[NAMES.index("a100-1")].address
+    inv = inventory(tmp_path, hosts, only=NAMES.index("rtx-1"))
+    inv.write_text(
+        inv.read_text().replace(
+            "connect_timeout_s: 5}", f"connect_timeout_s: 5, proxy_jump: root@{jump}}}"
+        )
+    )
+    r = cli("probe", inv, "--known-hosts", hosts.known_hosts, "--json")
+    assert r.code == 0, r.out
+    assert json.loads(r.out)["nodes"]["rtx-1"]["hostname"] == "rtx-1"
