@@ -141,6 +141,7 @@ def serve(
         host=host.strip("[]"),
         port=int(port),
         handler_cancellation=True,  # a client that disconnects cancels its upstream request
+        backlog=4096,  # the default 128 overflowed at 1,000 concurrent streams (measured)
         access_log_format=ACCESS_LOG_FORMAT,
         print=None,
     )

@@ -1,0 +1,1054 @@
+"""What `fleetctl route-serve` adds over calling a backend directly, beside vllm-router and
+sglang-router (both round_robin), in one run against the same stand-in backends.
+
+Run (from the repository root, in the dev venv; the peers live in their own venv):
+
+    python3 -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router sglang-router
+    python benchmarks/router_overhead.py [--peers-venv /tmp/peers-venv] [--quick]
+
+The backends are two small aiohttp servers (this file, `backend` subcommand, one process
+each) that answer /v1/completions at once: streamed, `max_tokens` SSE chunks 1 ms apart (or
+NN ms apart when the prompt starts with "GAP=NN:"), or one short JSON answer; they also
+answer /v1/models, /health, /metrics (a real vLLM 0.32 page, tests/data) and the
+/server_info, /model_info probes sglang-router makes when it registers a worker. Being fast,
+they let the router's own cost show.
+
+Pinning (2-core machine): the router under test gets core 1 (`taskset -c 1`), the load
+generator (this process) and both backends share core 0; the same for every router, and the
+"direct" rows run the same load generator and backends with core 1 idle. Every router is
+started fresh for each phase and round, so its VmHWM (peak RSS) belongs to that phase. Phases
+A and B run in rounds that rotate the order of the targets, so that drift and other tenants
+of a shared machine do not always land on the same router; a reported percentile is the
+median of the rounds' percentiles.
+
+Phases:
+  A  streamed requests (16 chunks, 1 ms apart) at 1, 64 and 512 concurrent streams, and at
+     64 with chunks 20 ms apart (a load the load generator's core is not saturated by): time
+     to first byte, total time per request and the router's CPU time per request; then
+     non-streamed short answers at 64 and 512 concurrency for a fixed window: requests/s
+     completed and router CPU ms per request.
+  B  the same streamed requests at 64 concurrency with ~100K-token prompts (~400 KB bodies).
+  C  1,000 concurrent streams held open ~10 s (100 chunks, 100 ms apart): all must finish
+     with every chunk; the router's peak RSS.
+"Added" latency is a percentile through the router minus the same percentile direct, at the
+same concurrency (a difference of percentiles, not of per-request pairs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import logging
+import math
+import os
+import platform
+import random
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+REPO = Path(__file__).resolve().parents[1]
+CAPTURE = REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt"
+MODEL = "llama-3-8b"
+JSON_HEADERS = {"Content-Type": "application/json"}
+EVENT = b"data: {"
+DONE = b"data: [DONE]\n\n"
+
+INVENTORY = """\
+nodes:
+  - name: rtx-[1:2]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+    max_context: 8192
+    workload: {requests_per_s: 5, mean_prompt_tokens: 500, mean_output_tokens: 64}
+"""
+
+
+# --- the stand-in backend (a separate process) ---------------------------------------------
+
+
+def sse_event(i: int, last: bool) -> bytes:
+    choice = {
+        "index": 0,
+        "text": f" tok{i}",
+        "logprobs": None,
+        "finish_reason": "length" if last else None,
+    }
+    body = {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [choice],
+    }
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def gap_prefix(gap_ms: float) -> str:
+    """A prompt that starts with this makes the stand-in backend pace its chunks so."""
+    return f"GAP={gap_ms:g}:"
+
+
+def run_backend(port: int, default_gap_ms: float) -> None:
+    events = [sse_event(i, False) for i in range(4096)]
+    metrics_page = CAPTURE.read_text()
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # sglang's gRPC probe
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        n = max(1, min(4096, int(body.get("max_tokens") or 16)))
+        prompt = body.get("prompt")
+        gap_ms = default_gap_ms
+        if isinstance(prompt, str) and prompt.startswith("GAP="):
+            gap_ms = float(prompt[4 : prompt.index(":")])
+        gap = gap_ms / 1000
+        if not body.get("stream"):
+            answer = {
+                "id": "cmpl-bench",
+                "object": "text_completion",
+                "created": 0,
+                "model": MODEL,
+                "choices": [
+                    {"index": 0, "text": " ok" * n, "logprobs": None, "finish_reason": "length"}
+                ],
+                "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
+            }
+            return web.json_response(answer)
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await resp.prepare(request)
+        for i in range(n - 1):
+            await resp.write(events[i])
+            await asyncio.sleep(gap)
+        await resp.write(sse_event(n - 1, True) + DONE)
+        await resp.write_eof()
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        item = {"id": MODEL, "object": "model", "created": 0, "owned_by": "bench"}
+        return web.json_response({"object": "list", "data": [item]})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=metrics_page, content_type="text/plain")
+
+    async def info(request: web.Request) -> web.Response:
+        return web.json_response({"model_path": MODEL, "served_model_name": MODEL})
+
+    app = web.Application(client_max_size=64 * 2**20)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", lambda r: web.Response(text=""))
+    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
+        app.router.add_get(path, info)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, backlog=4096)
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(cmd: list[str], core: int | None) -> list[str]:
+    return ["taskset", "-c", str(core), *cmd] if core is not None else cmd
+
+
+class Proc:
+    """A subprocess in its own process group, logging to a file; stop() always ends it."""
+
+    def __init__(self, name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, []))
+    return out
+
+
+def status_kb(pid: int, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def tree_kb(pid: int, key: str) -> int:
+    return sum(status_kb(p, key) for p in descendants(pid))
+
+
+def tcp_counters() -> dict[str, int]:
+    """Machine-wide TcpExt counters: listen queue overflows and SYN retransmits."""
+    lines = [ln.split() for ln in Path("/proc/net/netstat").read_text().splitlines()]
+    for keys, values in zip(lines[::2], lines[1::2], strict=False):
+        if keys[0] == "TcpExt:":
+            got = dict(zip(keys[1:], map(int, values[1:]), strict=False))
+            return {k: got.get(k, 0) for k in ("ListenOverflows", "TCPSynRetrans")}
+    return {}
+
+
+def tree_cpu_s(pid: int) -> float:
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in descendants(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / ticks
+
+
+# --- targets: direct, fleetctl, the peers ----------------------------------------------------
+
+
+@dataclass
+class Target:
+    name: str
+    kind: str  # direct | fleetctl | vllm-router | sglang-router
+    policy: str = ""
+    version: str = ""
+    unavailable: str | None = None
+
+
+@dataclass
+class Running:
+    target: Target
+    urls: list[str]  # the load generator spreads over these (several only for direct)
+    proc: Proc | None = None
+    idle_cpu: float = 0.0  # CPU-s per s the router spends on its own (scrapes, timers)
+
+
+def peer_version(python: Path, dist: str) -> str | None:
+    if not python.exists():
+        return None
+    out = subprocess.run(
+        [str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def make_targets(args: argparse.Namespace) -> list[Target]:
+    from importlib.metadata import version
+
+    fv = version("fleetctl")
+    targets = [
+        Target("direct", "direct"),
+        Target("fleetctl round-robin", "fleetctl", "round-robin", fv),
+        Target("fleetctl hardware-aware", "fleetctl", "hardware-aware", fv),
+    ]
+    python = Path(args.peers_venv) / "bin" / "python"
+    for name, dist in (("vllm-router", "vllm-router"), ("sglang-router", "sglang-router")):
+        v = peer_version(python, dist)
+        t = Target(name, name, "round_robin", v or "")
+        if v is None:
+            t.unavailable = f"{dist} is not installed in {args.peers_venv}"
+        targets.append(t)
+    wanted = set(args.targets.split(",")) if args.targets else None
+    return [t for t in targets if wanted is None or t.kind in wanted or t.name in wanted]
+
+
+def router_cmd(t: Target, port: int, backends: list[str], work: Path, args: argparse.Namespace):
+    peers = Path(args.peers_venv) / "bin"
+    if t.kind == "fleetctl":
+        inv = work / "inventory.yaml"
+        inv.write_text(INVENTORY)
+        entries = [
+            # The stand-ins hold any number of sequences; say so, or hardware-aware's
+            # admission (256 per RTX 4090 by default) would queue phase C's 1,000 streams.
+            {"url": u, "node": f"rtx-{i + 1}", "gpu_type": "RTX-4090", "model": MODEL}
+            | {"max_num_seqs": 1024}
+            for i, u in enumerate(backends)
+        ]
+        bfile = work / "backends.yaml"
+        bfile.write_text(json.dumps({"backends": entries}))
+        return [
+            sys.executable,
+            "-m",
+            "fleetctl",
+            "route-serve",
+            str(inv),
+            "--backends",
+            str(bfile),
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--policy",
+            t.policy,
+            "--state-dir",
+            str(work / "state"),
+        ]
+    common = ["--worker-urls", *backends, "--policy", "round_robin"]
+    common += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+    if t.kind == "vllm-router":
+        return [str(peers / "vllm-router"), *common]
+    if t.kind == "sglang-router":
+        return [str(peers / "python"), "-m", "sglang_router.launch_router", *common]
+    raise ValueError(t.kind)
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str, proc: Proc | None, limit_s: float):
+    """Until a small completion through `url` answers 200."""
+    end = time.monotonic() + limit_s
+    body = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 2}).encode()
+    last = "no answer"
+    while time.monotonic() < end:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited: {proc.tail()}")
+        try:
+            async with session.post(
+                url + "/v1/completions",
+                data=body,
+                headers=JSON_HEADERS,
+                timeout=aiohttp.ClientTimeout(total=2),
+            ) as r:
+                await r.read()
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            last = type(e).__name__
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"not ready after {limit_s:.0f} s ({last}): {proc.tail() if proc else ''}")
+
+
+# --- load generation -------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    ttfb: float
+    total: float
+    ok: bool
+    done_at: float
+    events: int = 0
+    error: str = ""
+
+
+@dataclass
+class Gauge:
+    open_now: int = 0
+    max_open: int = 0
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    stream: bool,
+    expect_events: int,
+    gauge: Gauge | None = None,
+) -> Sample:
+    t0 = time.perf_counter()
+    first = 0.0
+    events = 0
+    tail = b""
+    opened = False
+    try:
+        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+            async for chunk in resp.content.iter_any():
+                if not first:
+                    first = time.perf_counter()
+                    if gauge is not None:
+                        opened = True
+                        gauge.open_now += 1
+                        gauge.max_open = max(gauge.max_open, gauge.open_now)
+                if stream:
+                    joined = tail + chunk
+                    events += joined.count(EVENT) - tail.count(EVENT)
+                    tail = joined[-32:]
+            t1 = time.perf_counter()
+            ok = resp.status == 200
+            error = "" if ok else f"HTTP {resp.status}"
+            if ok and stream and (events != expect_events or not tail.endswith(DONE)):
+                ok, error = False, f"stream cut: {events}/{expect_events} events"
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        t1 = time.perf_counter()
+        ok, error = False, type(e).__name__
+    finally:
+        if opened and gauge is not None:
+            gauge.open_now -= 1
+    return Sample((first or t1) - t0, t1 - t0, ok, t1, events, error)
+
+
+def completion_body(prompt: str, max_tokens: int, stream: bool) -> bytes:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    return json.dumps(body).encode()
+
+
+async def closed_loop(
+    session: aiohttp.ClientSession,
+    urls: list[str],
+    body: bytes,
+    stream: bool,
+    expect: int,
+    conc: int,
+    n_max: int,
+    window_s: float,
+) -> tuple[list[Sample], float, float]:
+    """`conc` workers, each sending its next request when the last ended, until `n_max` were
+    sent or `window_s` passed. Returns the samples, the start and the end of the window."""
+    # Warm-up: one wave at this concurrency (connections opened, caches warm); not counted.
+    warm = await asyncio.gather(
+        *(one(session, urls[i % len(urls)], body, stream, expect) for i in range(conc))
+    )
+    # Workers start spread over one request's duration, or they would stay in lockstep
+    # (all streams ending, and the next all arriving, at once).
+    stagger = min(1.0, statistics.median(s.total for s in warm)) if conc > 1 else 0.0
+    samples: list[Sample] = []
+    sent = 0
+    start = time.perf_counter()
+    deadline = start + window_s
+
+    async def worker(k: int) -> None:
+        nonlocal sent
+        await asyncio.sleep(stagger * k / conc)
+        i = k
+        while sent < n_max and time.perf_counter() < deadline:
+            sent += 1
+            samples.append(await one(session, urls[i % len(urls)], body, stream, expect))
+            i += conc
+
+    await asyncio.gather(*(worker(k) for k in range(conc)))
+    return samples, start, min(deadline, time.perf_counter())
+
+
+def rate_of(samples: list[Sample], start: float, end: float, skip: float = 0.0) -> float:
+    """Requests/s that completed fine inside the window, after its first `skip` seconds."""
+    start += skip
+    done = sum(1 for s in samples if s.ok and start < s.done_at <= end)
+    return done / max(1e-9, end - start)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summarize(samples: list[Sample]) -> dict[str, Any]:
+    good = [s for s in samples if s.ok]
+    errors: dict[str, int] = {}
+    for s in samples:
+        if not s.ok:
+            errors[s.error] = errors.get(s.error, 0) + 1
+    return {
+        "n": len(samples),
+        "ok": len(good),
+        "errors": errors,
+        "ttfb_p50": pct([s.ttfb for s in good], 0.5) * 1000,
+        "ttfb_p99": pct([s.ttfb for s in good], 0.99) * 1000,
+        "total_p50": pct([s.total for s in good], 0.5) * 1000,
+        "total_p99": pct([s.total for s in good], 0.99) * 1000,
+    }
+
+
+# --- phases ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    rounds: dict[str, int] = field(default_factory=lambda: {"A": 3, "B": 3, "C": 1})
+    # (concurrent streams, ms between chunks, requests per round; bounded by stream_window_s).
+    # 1 ms gaps saturate core 0 (load generator + backends) from 64 streams on; the 20 ms
+    # row keeps it at roughly a third, so that what the router adds is not lost in queueing.
+    streams: tuple[tuple[int, float, int], ...] = (
+        (1, 1.0, 150),
+        (64, 1.0, 1000),
+        (64, 20.0, 640),
+        (512, 1.0, 1536),
+    )
+    stream_window_s: float = 6.0
+    rate_conc: tuple[int, ...] = (64, 512)
+    rate_window_s: float = 4.0
+    rate_skip_s: float = 1.0  # the loop's ramp-up, not counted
+    big_n: int = 400
+    big_window_s: float = 6.0
+    big_prompt_chars: int = 400_000
+    hold_streams: int = 1000
+    hold_events: int = 100
+    hold_ramp_s: float = 1.0
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(
+            rounds={"A": 2, "B": 1, "C": 1},
+            streams=((1, 1.0, 50), (64, 1.0, 300), (64, 20.0, 192), (512, 1.0, 1024)),
+            stream_window_s=2.0,
+            rate_window_s=2.0,
+            rate_skip_s=0.5,
+            big_n=150,
+            big_window_s=3.0,
+            hold_streams=300,
+            hold_events=30,
+        )
+
+
+@dataclass
+class Cell:
+    """One measurement cell of one target, pooled over rounds."""
+
+    samples: list[Sample] = field(default_factory=list)
+    per_round: list[dict[str, Any]] = field(default_factory=list)  # summarize() of each round
+    rates: list[float] = field(default_factory=list)  # one per round
+    cpu_s: float = 0.0  # router CPU seconds over the cell's requests
+    cpu_reqs: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Acc = dict[str, Cell]
+
+
+def big_prompt(chars: int) -> str:
+    rng = random.Random(0)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        for _ in range(2000)
+    ]
+    out: list[str] = []
+    n = 0
+    while n < chars:
+        w = rng.choice(words)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)[:chars]
+
+
+def cpu_mark(run: Running) -> tuple[float, float]:
+    return (tree_cpu_s(run.proc.pid) if run.proc else 0.0), time.perf_counter()
+
+
+def cpu_used(run: Running, mark: tuple[float, float]) -> float:
+    """Router CPU-s since `mark` for the requests, less its idle background work."""
+    cpu, at = cpu_mark(run)
+    return cpu - mark[0] - run.idle_cpu * (at - mark[1])
+
+
+def stream_key(c: int, gap: float) -> str:
+    return f"stream@{c}" if gap == 1.0 else f"stream@{c}/gap{gap:g}"
+
+
+async def phase_a(session, run: Running, plan: Plan, acc: Acc) -> None:
+    urls = [u + "/v1/completions" for u in run.urls]
+    for c, gap, n in plan.streams:
+        body = completion_body(gap_prefix(gap) + " Say something short. " * 4, 16, True)
+        cpu0 = cpu_mark(run)
+        samples, start, end = await closed_loop(
+            session, urls, body, True, 16, c, n, plan.stream_window_s
+        )
+        cell = acc.setdefault(stream_key(c, gap), Cell())
+        cell.samples += samples
+        cell.per_round.append(summarize(samples))
+        cell.rates.append(rate_of(samples, start, end))
+        cell.cpu_s += cpu_used(run, cpu0)
+        cell.cpu_reqs += len(samples) + c  # and the warm-up wave
+        print(f"    stream c={c} gap {gap:g} ms: {fmt_cell(summarize(samples))}", flush=True)
+    body = completion_body("Say something short about routers. " * 4, 8, False)
+    for c in plan.rate_conc:
+        cpu0 = cpu_mark(run)
+        samples, start, end = await closed_loop(
+            session, urls, body, False, 0, c, 10**9, plan.rate_window_s
+        )
+        cell = acc.setdefault(f"rate@{c}", Cell())
+        cell.samples += samples
+        cell.per_round.append(summarize(samples))
+        cell.rates.append(rate_of(samples, start, end, skip=plan.rate_skip_s))
+        cell.cpu_s += cpu_used(run, cpu0)
+        cell.cpu_reqs += len(samples) + c
+        errors = sum(1 for s in samples if not s.ok)
+        print(f"    rate c={c}: {cell.rates[-1]:.0f} req/s, {errors} errors", flush=True)
+
+
+async def phase_b(session, run: Running, plan: Plan, acc: Acc) -> None:
+    urls = [u + "/v1/completions" for u in run.urls]
+    body = completion_body(big_prompt(plan.big_prompt_chars), 16, True)
+    cpu0 = cpu_mark(run)
+    samples, start, end = await closed_loop(
+        session, urls, body, True, 16, 64, plan.big_n, plan.big_window_s
+    )
+    cell = acc.setdefault("big@64", Cell())
+    cell.samples += samples
+    cell.per_round.append(summarize(list(samples)))
+    cell.rates.append(rate_of(samples, start, end))
+    cell.cpu_s += cpu_used(run, cpu0)
+    cell.cpu_reqs += len(samples) + 64
+    cell.extra["body_bytes"] = len(body)
+    print(f"    big c=64: {fmt_cell(summarize(samples))}, {cell.rates[-1]:.0f} req/s", flush=True)
+
+
+async def phase_c(session, run: Running, plan: Plan, acc: Acc) -> None:
+    urls = [u + "/v1/completions" for u in run.urls]
+    body = completion_body(gap_prefix(100) + " hold this stream open", plan.hold_events, True)
+    gauge = Gauge()
+    n = plan.hold_streams
+    rss_peak = 0
+
+    async def launch(i: int) -> Sample:
+        await asyncio.sleep(plan.hold_ramp_s * i / n)  # no SYN burst of 1,000 at once
+        return await one(session, urls[i % len(urls)], body, True, plan.hold_events, gauge)
+
+    async def sample_rss() -> None:
+        nonlocal rss_peak
+        while run.proc is not None:
+            rss_peak = max(rss_peak, tree_kb(run.proc.pid, "VmRSS"))
+            await asyncio.sleep(0.5)
+
+    sampler = asyncio.create_task(sample_rss())
+    started = time.perf_counter()
+    tcp0 = tcp_counters()
+    samples = await asyncio.gather(*(launch(i) for i in range(n)))
+    tcp = {k: v - tcp0.get(k, 0) for k, v in tcp_counters().items()}
+    wall = time.perf_counter() - started
+    sampler.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await sampler
+    cell = acc.setdefault("hold", Cell())
+    cell.samples += samples
+    cell.per_round.append(summarize(list(samples)))
+    cell.extra.update(max_open=gauge.max_open, wall_s=wall, rss_sampled_peak_kb=rss_peak, **tcp)
+    ok = sum(s.ok for s in samples)
+    print(f"    hold {n}: {ok}/{n} ok, max open {gauge.max_open}", flush=True)
+
+
+PHASES = {"A": phase_a, "B": phase_b, "C": phase_c}
+
+
+async def run_target(
+    session: aiohttp.ClientSession,
+    t: Target,
+    backends: list[str],
+    phase: str,
+    plan: Plan,
+    work: Path,
+    args: argparse.Namespace,
+    acc: Acc,
+) -> None:
+    if t.kind == "direct":
+        await PHASES[phase](session, Running(t, backends), plan, acc)
+        return
+    port = free_port()
+    slug = t.name.replace(" ", "-")
+    tdir = work / f"{slug}-{phase}"
+    tdir.mkdir(parents=True, exist_ok=True)
+    cmd = pinned(router_cmd(t, port, backends, tdir, args), args.router_core)
+    proc = Proc(f"router-{slug}-{phase}", cmd, work)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_ready(session, url, proc, 60)
+        await asyncio.sleep(1.0)  # let start-up work (scrapes, health checks) settle
+        run = Running(t, [url], proc)
+        mark = cpu_mark(run)
+        await asyncio.sleep(1.5)
+        run.idle_cpu = cpu_used(run, mark) / 1.5
+        meta = acc.setdefault(f"proc-{phase}", Cell()).extra
+        meta["rss_idle_kb"] = max(meta.get("rss_idle_kb", 0), tree_kb(proc.pid, "VmRSS"))
+        meta.setdefault("idle_cpu", []).append(run.idle_cpu)
+        meta["cmd"] = " ".join(cmd)
+        await PHASES[phase](session, run, plan, acc)
+        meta["vmhwm_kb"] = max(meta.get("vmhwm_kb", 0), tree_kb(proc.pid, "VmHWM"))
+        if not proc.alive():
+            raise RuntimeError(f"router exited: {proc.tail()}")
+    finally:
+        proc.stop()
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def ms(x: float | None) -> str:
+    return "n/a" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
+def fmt_cell(s: dict[str, Any]) -> str:
+    return (
+        f"n={s['n']} ok={s['ok']} ttfb p50/p99 {ms(s['ttfb_p50'])}/{ms(s['ttfb_p99'])} ms, "
+        f"total p50/p99 {ms(s['total_p50'])}/{ms(s['total_p99'])} ms, errors {s['errors']}"
+    )
+
+
+def errs(s: dict[str, Any]) -> str:
+    return str(sum(s["errors"].values())) if s["errors"] else "0"
+
+
+def robust(cell: Cell) -> dict[str, Any]:
+    """Counts over all rounds; each percentile the median of the rounds' (one noisy round on
+    a shared machine does not set the p99)."""
+    out = summarize(cell.samples)
+    if len(cell.per_round) >= 3:
+        for k in ("ttfb_p50", "ttfb_p99", "total_p50", "total_p99"):
+            out[k] = statistics.median(r[k] for r in cell.per_round)
+    return out
+
+
+def rate_text(cell: Cell) -> str:
+    """Median over rounds (range when there were several)."""
+    if not cell.rates:
+        return "-"
+    med = statistics.median(cell.rates)
+    if len(cell.rates) == 1:
+        return f"{med:.0f}"
+    return f"{med:.0f} ({min(cell.rates):.0f}-{max(cell.rates):.0f})"
+
+
+def mb(kb: int | None) -> str:
+    return f"{kb / 1024:.0f}" if kb else "-"
+
+
+def report(targets: list[Target], acc: dict[str, Acc], plan: Plan) -> str:
+    lines: list[str] = []
+    names = [t.name for t in targets if acc.get(t.name)]
+    summ = {n: {k: robust(c) for k, c in acc[n].items() if c.samples} for n in names}
+    direct = summ.get("direct", {})
+
+    def added(name: str, key: str, metric: str) -> str:
+        d, r = direct.get(key), summ[name].get(key)
+        if name == "direct" or not d or not r:
+            return "-"
+        return f"{r[metric] - d[metric]:+.2f}"
+
+    def hwm(name: str, phase: str) -> str:
+        cell = acc[name].get(f"proc-{phase}")
+        return mb(cell.extra.get("vmhwm_kb")) if cell else "-"
+
+    ra, rb = plan.rounds.get("A", 1), plan.rounds.get("B", 1)
+    lines.append(
+        f"### A. Streamed requests, fast backends (16 SSE chunks; {ra} interleaved rounds; "
+        "each percentile is the median of the rounds')\n"
+    )
+    lines.append(
+        "| streams | chunk gap ms | router | requests | TTFB p50 ms | TTFB p99 ms | total p50 ms "
+        "| total p99 ms | added TTFB p50 / p99 ms | added total p50 / p99 ms | router CPU ms/req "
+        "| errors |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c, gap, _ in plan.streams:
+        key = stream_key(c, gap)
+        for name in names:
+            s, cell = summ[name].get(key), acc[name].get(key)
+            if not s or not cell:
+                continue
+            cpu = f"{cell.cpu_s * 1000 / cell.cpu_reqs:.2f}" if name != "direct" else "-"
+            lines.append(
+                f"| {c} | {gap:g} | {name} | {s['n']} | {ms(s['ttfb_p50'])} | {ms(s['ttfb_p99'])} "
+                f"| {ms(s['total_p50'])} | {ms(s['total_p99'])} "
+                f"| {added(name, key, 'ttfb_p50')} / {added(name, key, 'ttfb_p99')} "
+                f"| {added(name, key, 'total_p50')} / {added(name, key, 'total_p99')} "
+                f"| {cpu} | {errs(s)} |"
+            )
+    lines.append("")
+    lines.append(
+        "### A. Request rate, non-streamed short answers (closed loop; completions counted "
+        f"over {plan.rate_window_s - plan.rate_skip_s:g} s after a {plan.rate_skip_s:g} s ramp; "
+        f"median of {ra} rounds, range in brackets)\n"
+    )
+    header, sep = "| router |", "|---|"
+    for c in plan.rate_conc:
+        header += f" req/s @{c} | total p99 ms @{c} | router CPU ms/req @{c} |"
+        sep += "---|---|---|"
+    lines.append(header + " errors | idle router CPU % | peak RSS MB (VmHWM) |")
+    lines.append(sep + "---|---|---|")
+    for name in names:
+        row = f"| {name} |"
+        n_err = 0
+        for c in plan.rate_conc:
+            cell = acc[name].get(f"rate@{c}")
+            s = summ[name].get(f"rate@{c}")
+            if not cell or not s:
+                row += " - | - | - |"
+                continue
+            n_err += sum(s["errors"].values())
+            cpu = f"{cell.cpu_s * 1000 / cell.cpu_reqs:.3f}" if name != "direct" else "-"
+            row += f" {rate_text(cell)} | {ms(s['total_p99'])} | {cpu} |"
+        proc = acc[name].get("proc-A")
+        idle = proc.extra.get("idle_cpu") if proc else None
+        idle_pct = f"{100 * statistics.median(idle):.1f}" if idle else "-"
+        lines.append(row + f" {n_err} | {idle_pct} | {hwm(name, 'A')} |")
+    lines.append("")
+    lines.append(
+        f"### B. 64 streams with ~100K-token prompts ({plan.big_prompt_chars // 1000}K "
+        f"characters each, 16 chunks 1 ms apart; {rb} interleaved rounds, percentiles the "
+        "median of the rounds')\n"
+    )
+    lines.append(
+        "| router | requests | req/s | MB/s of prompts | req/s with small prompts @64 | "
+        "TTFB p50 / p99 ms | total p50 / p99 ms | added total p50 / p99 ms "
+        "| router CPU ms/req | errors | peak RSS MB |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        cell, s = acc[name].get("big@64"), summ[name].get("big@64")
+        if not cell or not s:
+            continue
+        small = acc[name].get("stream@64")
+        mbs = statistics.median(cell.rates) * cell.extra["body_bytes"] / 2**20
+        cpu = f"{cell.cpu_s * 1000 / cell.cpu_reqs:.2f}" if name != "direct" else "-"
+        lines.append(
+            f"| {name} | {s['n']} | {rate_text(cell)} | {mbs:.0f} "
+            f"| {rate_text(small) if small else '-'} "
+            f"| {ms(s['ttfb_p50'])} / {ms(s['ttfb_p99'])} "
+            f"| {ms(s['total_p50'])} / {ms(s['total_p99'])} "
+            f"| {added(name, 'big@64', 'total_p50')} / {added(name, 'big@64', 'total_p99')} "
+            f"| {cpu} | {errs(s)} | {hwm(name, 'B')} |"
+        )
+    lines.append("")
+    lines.append(
+        f"### C. {plan.hold_streams:,} concurrent streams held open ({plan.hold_events} chunks "
+        f"100 ms apart, opened over {plan.hold_ramp_s:g} s)\n"
+    )
+    lines.append(
+        "| router | completed with every chunk | most open at once | TTFB p99 ms "
+        "| total p50 / p99 s | errors | SYN retransmits (listen overflows) | RSS idle MB "
+        "| peak RSS MB (VmHWM) |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        cell, s = acc[name].get("hold"), summ[name].get("hold")
+        if not cell or not s:
+            continue
+        meta = acc[name].get("proc-C")
+        idle = mb(meta.extra.get("rss_idle_kb")) if meta else "-"
+        lines.append(
+            f"| {name} | {s['ok']}/{s['n']} | {cell.extra['max_open']} | {ms(s['ttfb_p99'])} "
+            f"| {s['total_p50'] / 1000:.2f} / {s['total_p99'] / 1000:.2f} | {errs(s)} "
+            f"| {cell.extra.get('TCPSynRetrans', '-')} ({cell.extra.get('ListenOverflows', '-')}) "
+            f"| {idle} | {hwm(name, 'C')} |"
+        )
+    lines.append("")
+    lines.append(
+        "TTFB = first byte of the response body at the client. Router CPU ms/req: the router "
+        "process's CPU time (utime + stime, all threads) over the cell, less its idle rate "
+        "measured for 1.5 s before the phase, per request (warm-up included). RSS: the router "
+        "process and its children (`/proc/PID/status`); `-` for direct, which has no router. "
+        "SYN retransmits and listen overflows: machine-wide TcpExt counters over the cell."
+    )
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    model = ""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(
+            (ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), ""
+        )
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (
+        f"nproc {os.cpu_count()}, {model} (KVM), {mem:.0f} GiB, Linux {platform.release()}, "
+        f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}"
+    )
+
+
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, steal) jiffies of the whole machine."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return f[0] + f[1] + f[2] + f[5] + f[6], f[7]
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+async def bench(
+    args: argparse.Namespace, plan: Plan, work: Path
+) -> tuple[list[Target], dict[str, Acc]]:
+    targets = make_targets(args)
+    acc: dict[str, Acc] = {t.name: {} for t in targets}
+    backends: list[Proc] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120, sock_connect=10)
+    try:
+        ports = [free_port() for _ in range(2)]
+        for i, p in enumerate(ports):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "backend", "--port", str(p)]
+            backends.append(Proc(f"backend-{i + 1}", pinned(cmd, args.backend_core), work))
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            for u, b in zip(urls, backends, strict=True):
+                await wait_ready(session, u, b, 20)
+            for phase in args.phases:
+                for r in range(plan.rounds.get(phase, 1)):
+                    print(f"== phase {phase}, round {r + 1}", flush=True)
+                    # Rotate the order each round, so that drift (and other tenants of the
+                    # machine) do not always land on the same router.
+                    order = targets[r % len(targets) :] + targets[: r % len(targets)]
+                    for t in order:
+                        if t.unavailable:
+                            continue
+                        print(f"  {t.name}", flush=True)
+                        try:
+                            await run_target(session, t, urls, phase, plan, work, args, acc[t.name])
+                        except RuntimeError as e:
+                            t.unavailable = f"phase {phase}: {e}"
+                            print(f"    FAILED: {e}", flush=True)
+                        await asyncio.sleep(0.3)
+    finally:
+        for b in backends:
+            b.stop()
+    return targets, acc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd")
+    be = sub.add_parser("backend", help="run one stand-in backend (used by the benchmark)")
+    be.add_argument("--port", type=int, required=True)
+    be.add_argument("--gap-ms", type=float, default=1.0, help="unless the prompt says GAP=MS:")
+    ap.add_argument("--peers-venv", default="/tmp/peers-venv")
+    ap.add_argument("--phases", default="ABC", help="any of A, B, C")
+    ap.add_argument("--targets", default="", help="comma list of kinds/names (default: all)")
+    ap.add_argument("--quick", action="store_true", help="smaller counts (smoke test)")
+    ap.add_argument("--no-pin", action="store_true", help="do not use taskset")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "router_overhead"))
+    args = ap.parse_args()
+    if args.cmd == "backend":
+        run_backend(args.port, args.gap_ms)
+        return
+    pin = not args.no_pin and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
+    args.router_core = 1 if pin else None
+    args.backend_core = 0 if pin else None
+    if pin:
+        os.sched_setaffinity(0, {0})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    work = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    plan = Plan.quick() if args.quick else Plan()
+    load_before = Path("/proc/loadavg").read_text().split()[:3]
+    busy0, steal0 = cpu_ticks()
+    started = time.monotonic()
+    targets, acc = asyncio.run(bench(args, plan, work))
+    took = time.monotonic() - started
+    busy1, steal1 = cpu_ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    self_ = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours = self_.ru_utime + self_.ru_stime + kids.ru_utime + kids.ru_stime
+    others = max(0.0, (busy1 - busy0) / hz - ours)
+    cores = os.cpu_count() or 1
+    print()
+    print(f"- Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`".strip())
+    print(f"- Machine: {machine()}")
+    print(f"- Date: {datetime.date.today().isoformat()}; the run took {took:.0f} s")
+    print(
+        "- Pinning: "
+        + (
+            "the router under test on core 1 (`taskset -c 1`); the load generator (one "
+            "process, one aiohttp ClientSession, TCPConnector(limit=0)) and both backends on "
+            "core 0. Direct rows: the same, core 1 idle."
+            if pin
+            else "none"
+        )
+    )
+    print(
+        f"- Other tenants of the machine: {others:.0f} CPU-s over the run "
+        f"({100 * others / (took * cores):.0f}% of {cores} cores), steal "
+        f"{(steal1 - steal0) / hz:.1f} s; load average before {' '.join(load_before)}, "
+        f"after {' '.join(Path('/proc/loadavg').read_text().split()[:3])}"
+    )
+    for t in targets:
+        if t.kind != "direct":
+            print(f"- {t.name}: {t.version or '?'}" + (f", policy {t.policy}" if t.policy else ""))
+    for t in targets:
+        if t.unavailable:
+            print(f"- NOT MEASURED {t.name}: {t.unavailable}")
+    print()
+    print(report(targets, acc, plan))
+    dump = {
+        "machine": machine(),
+        "plan": plan.__dict__,
+        "targets": [t.__dict__ for t in targets],
+        "cells": {
+            name: {
+                key: {
+                    "summary": robust(c) if c.samples else None,
+                    "per_round": c.per_round,
+                    "rates": c.rates,
+                    "cpu_s": c.cpu_s,
+                    "cpu_reqs": c.cpu_reqs,
+                    **c.extra,
+                }
+                for key, c in cells.items()
+            }
+            for name, cells in acc.items()
+        },
+    }
+    (work / "router_overhead.json").write_text(json.dumps(dump, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
