@@ -33,37 +33,47 @@ echo "kernel=$(uname -r)"
 echo "cpus=$(nproc 2>/dev/null)"
 echo "mem_total_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null)"
 echo "disk_free_kib=$(df -Pk "$HOME" 2>/dev/null | awk 'NR==2 {print $4}')"
-echo "python=$(python3 -c 'import platform; print(platform.python_version())' 2>/dev/null)"
-echo "vllm=$(python3 -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null)"
 """
 
-# Run on the node by `python3 -` when it has NVML bindings (nvidia-ml-py); prints JSON.
-NVML_SCRIPT = r"""
-import json, pynvml as n
-n.nvmlInit()
-def s(x): return x.decode() if isinstance(x, bytes) else x
-out = {"driver_version": s(n.nvmlSystemGetDriverVersion()), "gpus": []}
-v = n.nvmlSystemGetCudaDriverVersion_v2()
-out["cuda_version"] = f"{v // 1000}.{v % 1000 // 10}"
-for i in range(n.nvmlDeviceGetCount()):
-    h = n.nvmlDeviceGetHandleByIndex(i)
-    mem = n.nvmlDeviceGetMemoryInfo(h)
-    g = {"index": i, "name": s(n.nvmlDeviceGetName(h)), "uuid": s(n.nvmlDeviceGetUUID(h)),
-         "memory_total_mib": mem.total // 2**20, "memory_used_mib": mem.used // 2**20}
-    try:
-        major, minor = n.nvmlDeviceGetCudaComputeCapability(h)
-        g["compute_cap"] = f"{major}.{minor}"
-    except n.NVMLError:
-        g["compute_cap"] = None
-    try:
-        g["ecc_uncorrected_volatile"] = n.nvmlDeviceGetTotalEccErrors(h, 1, 0)
-    except n.NVMLError:
-        g["ecc_uncorrected_volatile"] = None
-    procs = []
-    for p in n.nvmlDeviceGetComputeRunningProcesses(h):
-        procs.append({"pid": p.pid, "used_memory_mib": (p.usedGpuMemory or 0) // 2**20})
-    g["processes"] = procs
-    out["gpus"].append(g)
+# One Python start per node (`python3 -`): its version, vLLM's, and the GPUs through NVML when
+# the node has nvidia-ml-py (module pynvml); prints one JSON object.
+PYTHON_SCRIPT = r"""
+import json, platform
+out = {"python": platform.python_version(), "vllm": None}
+try:
+    import importlib.metadata as md
+    out["vllm"] = md.version("vllm")
+except Exception:
+    pass
+try:
+    import pynvml as n
+    n.nvmlInit()
+    def s(x): return x.decode() if isinstance(x, bytes) else x
+    nvml = {"driver_version": s(n.nvmlSystemGetDriverVersion()), "gpus": []}
+    v = n.nvmlSystemGetCudaDriverVersion_v2()
+    nvml["cuda_version"] = f"{v // 1000}.{v % 1000 // 10}"
+    for i in range(n.nvmlDeviceGetCount()):
+        h = n.nvmlDeviceGetHandleByIndex(i)
+        mem = n.nvmlDeviceGetMemoryInfo(h)
+        g = {"index": i, "name": s(n.nvmlDeviceGetName(h)), "uuid": s(n.nvmlDeviceGetUUID(h)),
+             "memory_total_mib": mem.total // 2**20, "memory_used_mib": mem.used // 2**20}
+        try:
+            major, minor = n.nvmlDeviceGetCudaComputeCapability(h)
+            g["compute_cap"] = f"{major}.{minor}"
+        except n.NVMLError:
+            g["compute_cap"] = None
+        try:
+            g["ecc_uncorrected_volatile"] = n.nvmlDeviceGetTotalEccErrors(h, 1, 0)
+        except n.NVMLError:
+            g["ecc_uncorrected_volatile"] = None
+        g["processes"] = [
+            {"pid": p.pid, "used_memory_mib": (p.usedGpuMemory or 0) // 2**20}
+            for p in n.nvmlDeviceGetComputeRunningProcesses(h)
+        ]
+        nvml["gpus"].append(g)
+    out["nvml"] = nvml
+except Exception as e:  # no bindings, or no driver: nvidia-smi tells the story
+    out["nvml_error"] = type(e).__name__
 print(json.dumps(out))
 """
 
@@ -77,16 +87,18 @@ def target(inv: Inventory, n: Node) -> Target:
 def probe_node(session: SshSession) -> dict[str, Any]:
     """Facts of one node over an open session; NodeError on failure."""
     facts: dict[str, Any] = {}
-    node = session.run(NODE_SCRIPT)
-    for line in node.stdout.splitlines():
+    for line in session.run(NODE_SCRIPT).stdout.splitlines():
         key, _, value = line.partition("=")
         facts[key] = value or None
     for key in ("cpus", "mem_total_kib", "disk_free_kib"):
         facts[key] = int(facts[key]) if (facts.get(key) or "").isdigit() else None
-    nvml = session.run("python3 -", stdin=NVML_SCRIPT)
-    if nvml.ok and nvml.stdout.strip().startswith("{"):
-        data = json.loads(nvml.stdout)
-        facts.update({"gpu_source": "nvml", **data})
+    py = session.run("python3 -", stdin=PYTHON_SCRIPT)
+    info: dict[str, Any] = {}
+    if py.ok and py.stdout.strip().startswith("{"):
+        info = json.loads(py.stdout)
+    facts["python"], facts["vllm"] = info.get("python"), info.get("vllm")
+    if "nvml" in info:
+        facts.update({"gpu_source": "nvml", **info["nvml"]})
     else:
         facts.update(_smi_facts(session))
     topo = session.run("nvidia-smi topo -m")
