@@ -45,6 +45,17 @@ def http_request(
         conn.close()
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 5 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Emulator:
     """One `python -m fleetctl emulate` subprocess."""
 
@@ -95,10 +106,4 @@ class Emulator:
         return {f.name: f for f in text_string_to_metric_families(body.decode())}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)

@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO
-from tests.procs import NAME, Emulator, free_port, http_request
+from tests.procs import NAME, Emulator, free_port, http_request, stop_process
 
 KEY = "sk-route-test-0123456789"
 CAPTURE = (REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
@@ -82,13 +82,7 @@ class Router:
         return body.decode()
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def entry(emu: Emulator, node: str, gpu: str, variant: str = "bf16", **kw) -> dict:
