@@ -22,7 +22,7 @@ from aiohttp import web
 
 from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.policy import Policy
-from fleetctl.router.scheduler import Scheduler, first_token, release
+from fleetctl.router.scheduler import Scheduler, account, first_token, release
 from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.tokens import TokenCounter
@@ -360,8 +360,6 @@ class Router:
             backend = self._retry_target(req, tried)
             if backend is not None:
                 self.metrics.retries.inc(req.model)
-                from fleetctl.router.scheduler import account
-
                 account(backend, req)
                 reason = "retry"
         self.metrics.requests.inc(req.model, tried[-1].node_class, reason, "502")
