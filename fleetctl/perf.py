@@ -232,9 +232,6 @@ class EnginePerf:
         touched = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1)
         return self.weights - self._expert_bytes * (1.0 - touched)
 
-    def active_params(self) -> float:
-        return float(self.model.params_active)
-
     def step_time(self, tokens: int, kv_tokens: float, attn_pairs: float | None = None) -> float:
         """Seconds for one engine step.
 

@@ -45,7 +45,6 @@ MIP_REL_GAP = 1e-4
 class Solution:
     counts: list[int]  # per candidate
     shapes: dict[int, list[tuple[tuple[int, ...], int]]]  # class index -> [(shape, nodes)]
-    min_ratio: float | None
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -177,7 +176,7 @@ def solve(
 ) -> Solution:
     """Choose how many of each candidate to run; `current` counts what runs now per candidate."""
     if not cands:
-        return Solution([], {}, None, {"status": "nothing to place"})
+        return Solution([], {}, {"status": "nothing to place"})
     started = time.perf_counter()
     current = list(current) or [0] * len(cands)
     prog = _Program()
@@ -242,17 +241,6 @@ def solve(
         ci: [(p, round(res.x[z])) for p, z in cols if round(res.x[z])]
         for ci, cols in shapes.items()
     }
-    ratios = []
-    for m in models:
-        d = demand(m)
-        if d:
-            cap = sum(
-                k.capacity_rps
-                for k, n in zip(cands, counts, strict=True)
-                for _ in range(n)
-                if k.model is m
-            )
-            ratios.append(cap * target_utilization / d)
     info.update(
         {
             "solver": "HiGHS (highspy)",
@@ -264,4 +252,4 @@ def solve(
             "seconds": round(time.perf_counter() - started, 4),
         }
     )
-    return Solution(counts, picked, min(ratios) if ratios else None, info)
+    return Solution(counts, picked, info)

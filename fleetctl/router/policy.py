@@ -33,7 +33,6 @@ class Policy:
 
     name = "base"
     admission = False  # whether the scheduler queues requests router-side (KV-derived caps)
-    uses_sessions = False
 
     def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
         """Backends that could ever serve `req`; an empty list comes with the reason."""
@@ -97,7 +96,6 @@ class HardwareAware(Policy):
 
     name = "hardware-aware"
     admission = True
-    uses_sessions = True
 
     def __init__(self, config: RoutingConfig | None = None, sessions: SessionTable | None = None):
         self.config = config or RoutingConfig()
