@@ -409,6 +409,130 @@ def health(
         raise typer.Exit(1)
 
 
+KnownHostsOpt = typer.Option(
+    None, "--known-hosts", help="known_hosts file (default ~/.ssh/known_hosts)."
+)
+AcceptNewOpt = typer.Option(
+    False,
+    "--accept-new-host-keys",
+    help="Trust and record unknown host keys (OpenSSH's accept-new); changed keys are refused.",
+)
+YesOpt = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")
+
+
+@app.command()
+def apply(
+    target: str = typer.Argument(
+        ...,
+        help="Inventory YAML (plans now), example:NAME, or a plan saved with `plan -o FILE.json` "
+        "(applied exactly, if the state has not changed since).",
+        show_default=False,
+    ),
+    yes: bool = YesOpt,
+    parallel: int = typer.Option(32, "--parallel", min=1, help="Nodes worked on at once."),
+    secrets_file: Path | None = typer.Option(
+        None, "--secrets-file", help="0600 file of KEY=VALUE secrets named in apply.secrets."
+    ),
+    facts: Path | None = typer.Option(None, "--facts", help="Probed facts JSON."),
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds per command on a node."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="State folder."),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
+    from fleetctl.apply.commands import Common, is_plan_file, read_plan_file, run_apply
+
+    plan_file = None
+    if is_plan_file(target):
+        inv_path, serial, deployments = read_plan_file(Path(target))
+        inv, catalog = _load(inv_path, profiles)
+        plan_file = (Path(target), serial, deployments)
+    else:
+        inv, catalog = _load(target, profiles)
+    c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
+
+    def make_plan(state):  # type: ignore[no-untyped-def]
+        import dataclasses
+
+        from fleetctl.facts import apply_facts, load_facts
+        from fleetctl.planner import plan_fleet
+
+        facts_path = facts or ((state_dir or inv.state_dir) / "facts.json")
+        planned_inv, notes = inv, list[str]()
+        if facts is not None or facts_path.is_file():
+            planned_inv, notes = apply_facts(inv, load_facts(facts_path), catalog)
+        result = plan_fleet(planned_inv, state)
+        return dataclasses.replace(result, warnings=(*notes, *result.warnings))
+
+    code = run_apply(inv, c, make_plan, plan_file, secrets_file, _console())
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+def status(
+    inventory: str = InventoryArg,
+    parallel: int = typer.Option(32, "--parallel", min=1, help="Nodes asked at once."),
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = typer.Option(30.0, "--timeout", help="Seconds per command on a node."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="State folder."),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
+    from fleetctl.apply.commands import Common, options
+    from fleetctl.apply.run import status_fleet
+    from fleetctl.state import load_state
+
+    inv, _ = _load(inventory, profiles)
+    c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
+    state = load_state(state_dir or inv.state_dir)
+    rows, summary = status_fleet(inv, state, options(inv, c))
+    good = all(r.condition == "running" for r in rows)
+    if as_json:
+        _print_json({"ok": good, **summary, "servers": [r.to_json() for r in rows]})
+    else:
+        from rich.table import Table
+
+        t = Table(title="Servers", title_justify="left", header_style="bold", pad_edge=False)
+        for col in ("node", "model", "GPUs", "port", "condition", "detail"):
+            t.add_column(col)
+        for r in rows:
+            style = "green" if r.condition == "running" else "red"
+            gpus = ",".join(map(str, r.gpus))
+            t.add_row(r.node, r.model, gpus, str(r.port), f"[{style}]{r.condition}[/]", r.detail)
+        console = _console()
+        console.print(t)
+        console.print(f"{len(rows)} servers, state serial {summary['serial']}.")
+    if not good:
+        raise typer.Exit(1)
+
+
+@app.command()
+def destroy(
+    inventory: str = InventoryArg,
+    yes: bool = YesOpt,
+    parallel: int = typer.Option(32, "--parallel", min=1, help="Nodes worked on at once."),
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds per command on a node."),
+    state_dir: Path | None = typer.Option(None, "--state-dir", help="State folder."),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Stop every server fleetctl started on the nodes and empty the state."""
+    from fleetctl.apply.commands import Common, run_destroy
+
+    inv, _ = _load(inventory, profiles)
+    c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
+    code = run_destroy(inv, c, _console())
+    if code:
+        raise typer.Exit(code)
+
+
 @app.command()
 def examples(as_json: bool = JsonOpt) -> None:
     """List the bundled example inventories (use them as example:NAME)."""

@@ -111,12 +111,36 @@ class PlannerSpec(Strict):
     enforce_eager: bool = False
 
 
+class ApplySpec(Strict):
+    """How `fleetctl apply` runs servers on the nodes."""
+
+    vllm_command: str = Field("vllm", min_length=1)  # e.g. /opt/vllm/bin/vllm
+    supervisor: Literal["auto", "systemd", "nohup"] = "auto"
+    health_timeout_s: float = Field(900.0, gt=0)  # large checkpoints load for minutes
+    stop_timeout_s: int = Field(30, ge=1)
+    # Names of secrets (e.g. HF_TOKEN, VLLM_API_KEY) every server gets in its 0600 env file;
+    # values come from the operator's environment or `--secrets-file`, never from here.
+    secrets: list[str] = Field(default_factory=list)
+
+    @field_validator("secrets")
+    @classmethod
+    def _names(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(
+                    f"{name!r} is not an environment variable name | list names only, "
+                    "e.g. [HF_TOKEN]; values come from the environment or --secrets-file"
+                )
+        return v
+
+
 class InventorySpec(Strict):
     ssh: SshSpec = Field(default_factory=SshSpec)
     nodes: list[NodeSpec] = Field(min_length=1)
     models: list[ModelSpec] = Field(default_factory=list)
     router: RouterSpec = Field(default_factory=RouterSpec)
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
+    apply: ApplySpec = Field(default_factory=ApplySpec)
 
 
 # --- the loaded inventory, with ranges expanded and names resolved ----------------------------

@@ -182,7 +182,9 @@ class TestHosts:
         key = h.dir / "host_ed25519"
         h.host_key_line = f"{h.address} {' '.join(Path(f'{key}.pub').read_text().split()[:2])}"
         # SetEnv (OpenSSH >= 8.7) is applied after sshd sets its default PATH, so the host's
-        # bin/ wins without ForceCommand or PermitUserEnvironment.
+        # bin/ wins without ForceCommand or PermitUserEnvironment. Hosts share one file
+        # system: each gets a HOME of its own (where apply keeps ~/.fleetctl).
+        (h.dir / "home").mkdir(exist_ok=True)
         (h.dir / "sshd_config").write_text(
             f"""\
 Port {h.port}
@@ -198,7 +200,7 @@ UsePAM no
 PrintMotd no
 PrintLastLog no
 PidFile {h.dir / "sshd.pid"}
-SetEnv PATH={h.dir / "bin"}:{STD_PATH}
+SetEnv PATH={h.dir / "bin"}:{STD_PATH} HOME={h.dir / "home"}
 """
         )
 

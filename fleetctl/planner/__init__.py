@@ -19,7 +19,14 @@ from fleetctl.planner.candidates import (
 )
 from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
-from fleetctl.planner.model import Deployment, ModelSummary, Plan, Server, Unplaced
+from fleetctl.planner.model import (
+    SURGE_PORT_OFFSET,
+    Deployment,
+    ModelSummary,
+    Plan,
+    Server,
+    Unplaced,
+)
 from fleetctl.planner.optimize import demand, solve
 
 if TYPE_CHECKING:
@@ -48,9 +55,22 @@ def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
     used = {id(p.cand): p.cand for p in placements}.values()
     servers = {id(k): _server(k, inv, tuple(_reasons(k, feasible, serving))) for k in used}
     base = inv.spec.planner.port_base
+    # A slot keeps the port it runs on: apply may have moved it to its surge port while
+    # replacing a server without downtime, and the router already knows it there.
+    ports = {
+        d.key: d.port
+        for d in state.deployments
+        if abs(d.port - (base + d.gpu_indices[0])) in (0, SURGE_PORT_OFFSET)
+    }
     deployments = sorted(
         (
-            Deployment(node.name, node.host, p.gpus, base + p.gpus[0], servers[id(p.cand)])
+            Deployment(
+                node.name,
+                node.host,
+                p.gpus,
+                ports.get((node.name, p.gpus), base + p.gpus[0]),
+                servers[id(p.cand)],
+            )
             for p in placements
             for node in (p.cand.cls.nodes[p.node_index],)
         ),

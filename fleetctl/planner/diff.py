@@ -33,7 +33,7 @@ def diff(desired: Sequence[Deployment], current: Sequence[Deployment]) -> tuple[
 def _what_changed(old: Deployment, new: Deployment) -> str:
     if (old.model, old.variant) != (new.model, new.variant):
         return f"was {old.model} {old.variant}"
-    before, after = _flags(old.vllm_args), _flags(new.vllm_args)
+    before, after = parse_flags(old.vllm_args), parse_flags(new.vllm_args)
     changes = [
         f"{flag} {before.get(flag, '(unset)')} -> {after.get(flag, '(unset)')}"
         for flag in sorted(before.keys() | after.keys())
@@ -44,7 +44,7 @@ def _what_changed(old: Deployment, new: Deployment) -> str:
     return "; ".join(changes[:4]) if changes else "arguments reordered"
 
 
-def _flags(args: Sequence[str]) -> dict[str, str]:
+def parse_flags(args: Sequence[str]) -> dict[str, str]:
     """`--flag value` pairs (a bare flag maps to ''), plus the positional arguments."""
     out: dict[str, str] = {}
     positional = []

@@ -15,6 +15,9 @@ def fields_of(obj: Any) -> dict[str, Any]:
 
 
 PLAN_FORMAT = 1
+# A replacement that fits beside the server it replaces starts on the slot's other port
+# (port +/- this), so both run until the new one is healthy (fleetctl/apply/steps.py).
+SURGE_PORT_OFFSET = 1000
 
 
 @dataclass(frozen=True)

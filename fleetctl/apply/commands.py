@@ -1,0 +1,174 @@
+"""The apply, status and destroy commands: load, lock, confirm, run, report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetctl.apply.credentials import load_secrets
+from fleetctl.apply.lock import StateLock
+from fleetctl.apply.run import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
+from fleetctl.errors import Location, UserError
+from fleetctl.inventory import Inventory
+from fleetctl.planner.diff import diff
+from fleetctl.planner.model import Deployment, Plan
+from fleetctl.ssh import SshOptions
+from fleetctl.state import load_state
+
+
+@dataclass(frozen=True)
+class Common:
+    """What every command that talks to the nodes takes from the command line."""
+
+    known_hosts: Path | None
+    accept_new: bool
+    timeout_s: float
+    parallel: int
+    state_dir: Path | None
+    as_json: bool
+    yes: bool
+
+
+def options(inv: Inventory, c: Common, secrets_file: Path | None = None) -> ApplyOptions:
+    a = inv.spec.apply
+    return ApplyOptions(
+        ssh=SshOptions(c.known_hosts, c.accept_new, inv.spec.ssh.connect_timeout_s, c.timeout_s),
+        parallel=c.parallel,
+        vllm_command=a.vllm_command,
+        supervisor=a.supervisor,
+        health_timeout_s=a.health_timeout_s,
+        stop_timeout_s=a.stop_timeout_s,
+        secrets=load_secrets(a.secrets, secrets_file),
+    )
+
+
+def is_plan_file(arg: str) -> bool:
+    return arg.endswith(".json")
+
+
+def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
+    """(inventory path, state serial it was made against, deployments) of a saved plan."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        deployments = [Deployment.from_json(d) for d in doc["deployments"]]
+        return str(doc["inventory"]), doc.get("state_serial"), deployments
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}", None, "check the path") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"{path} is not a plan fleetctl wrote ({type(e).__name__}: {e})",
+            None,
+            "make one with `fleetctl plan INVENTORY -o plan.json`",
+        ) from None
+
+
+def confirm(question: str, yes: bool) -> bool:
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UserError(
+            "refusing to change the fleet without confirmation",
+            None,
+            "run it in a terminal, or pass --yes",
+        )
+    import typer
+
+    return typer.confirm(question, default=False)
+
+
+def run_apply(
+    inv: Inventory,
+    c: Common,
+    make_plan: Any,
+    plan_file: tuple[Path, int | None, list[Deployment]] | None,
+    secrets_file: Path | None,
+    console: Any,
+) -> int:
+    """Plan (or read the plan), show it, confirm, carry it out. Returns the exit code."""
+    sdir = c.state_dir or inv.state_dir
+    opts = options(inv, c, secrets_file)  # bad secrets fail before anything is locked
+    with StateLock(sdir, "apply") as lock:
+        state = load_state(sdir)
+        if plan_file is not None:
+            path, serial, deployments = plan_file
+            if serial != state.serial:
+                raise UserError(
+                    f"the state changed since this plan was made (serial {serial}, now "
+                    f"{state.serial})",
+                    Location(str(path)),
+                    "make a new plan with `fleetctl plan INVENTORY -o plan.json`",
+                )
+            actions = list(diff(deployments, state.deployments))
+            plan: Plan | None = None
+        else:
+            plan = make_plan(state)
+            deployments, actions = list(plan.deployments), list(plan.actions)
+        note = lock.stale_note()
+        if not c.as_json:
+            from fleetctl.render import render_plan, summary_line
+
+            if note:
+                console.print(f"[yellow]warning:[/] {note}")
+            console.print(render_plan(plan) if plan is not None else summary_line(actions))
+        changes = [a for a in actions if a.op != "keep"]
+        if changes and not confirm(f"Apply these {len(changes)} changes?", c.yes):
+            console.print("Nothing changed.")
+            return 0
+        if not changes and not c.as_json:
+            console.print("No changes planned; checking the nodes for drift.")
+        book = StateBook(sdir, state)
+
+        def emit(node: str, msg: str) -> None:
+            if not c.as_json:
+                console.print(f"[bold]{node}[/]: {msg}", highlight=False)
+
+        outcomes = apply_fleet(inv, deployments, book, opts, emit)
+    return report(outcomes, book, c, console, "apply")
+
+
+def run_destroy(inv: Inventory, c: Common, console: Any) -> int:
+    sdir = c.state_dir or inv.state_dir
+    opts = options(inv, c)
+    with StateLock(sdir, "destroy"):
+        state = load_state(sdir)
+        n = len(state.deployments)
+        question = (
+            f"Stop {n} recorded servers and anything else fleetctl started on "
+            f"{len(inv.nodes)} nodes?"
+        )
+        if not confirm(question, c.yes):
+            console.print("Nothing changed.")
+            return 0
+        book = StateBook(sdir, state)
+
+        def emit(node: str, msg: str) -> None:
+            if not c.as_json:
+                console.print(f"[bold]{node}[/]: {msg}", highlight=False)
+
+        outcomes = destroy_fleet(inv, book, opts, emit)
+    return report(outcomes, book, c, console, "destroy")
+
+
+def report(outcomes: list[Outcome], book: StateBook, c: Common, console: Any, what: str) -> int:
+    failed = [o for o in outcomes if o.status == "failed"]
+    if c.as_json:
+        doc = {
+            "ok": not failed,
+            "state_serial": book.serial,
+            "outcomes": [o.to_json() for o in outcomes],
+        }
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+    else:
+        counts: dict[str, int] = {}
+        for o in outcomes:
+            if o.status == "ok":
+                counts[o.action] = counts.get(o.action, 0) + 1
+        done = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing to do"
+        console.print(f"{what}: {done}; {len(failed)} failed. State serial {book.serial}.")
+        for o in failed:
+            where = f" {o.model} GPUs {','.join(map(str, o.gpus))}" if o.model else ""
+            console.print(f"[red]failed[/] {o.node}{where}: {o.detail}", highlight=False)
+    return 1 if failed else 0

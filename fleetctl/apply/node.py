@@ -1,0 +1,328 @@
+"""What apply does on one node: start, stop and inspect supervised vLLM servers over SSH.
+
+Each server owns `~/.fleetctl/servers/SID/` on its node: `manifest.json` (what runs: flags
+hash, port, GPUs, start time), `env` (0600: secrets, the model's environment,
+CUDA_VISIBLE_DEVICES and a token), `pid`, and `log`. The token in the server's environment is
+inherited by every process it spawns, so a stop finds vLLM's engine processes even when they
+left the process group, and a recycled pid is never mistaken for ours.
+
+Every remote argument is shell-quoted; secrets travel on the channel's stdin into the 0600
+file and never appear on a command line. The scripts need only POSIX sh, awk and /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shlex
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from fleetctl.planner.model import Deployment
+from fleetctl.ssh import Result, quote
+
+Supervisor = Literal["auto", "systemd", "nohup"]
+TOKEN_VAR = "FLEETCTL_SERVER_TOKEN"
+
+
+class Runner(Protocol):
+    """An open session on a node (SshSession, or a local stand-in)."""
+
+    def run(
+        self, command: str, timeout_s: float | None = None, stdin: str | None = None
+    ) -> Result: ...
+
+
+def server_id(d: Deployment) -> str:
+    """The server's folder name on its node: the port makes it unique there."""
+    return f"{d.port}-{re.sub(r'[^A-Za-z0-9._-]+', '_', d.model)}"
+
+
+# Helpers every script starts with. $1.. are the script's own arguments.
+_PRELUDE = r"""
+set -u
+root="$HOME/.fleetctl/servers"
+listening() {  # is TCP port $1 in LISTEN state in this network namespace?
+  h=$(printf ':%04X' "$1")
+  awk -v h="$h" '$4 == "0A" && substr($2, length($2) - 4) == h { f = 1 } END { exit !f }' \
+    /proc/net/tcp /proc/net/tcp6 2>/dev/null
+}
+holder() {  # who listens on port $1: "pid cmdline", best effort
+  p=$(ss -ltnpH "sport = :$1" 2>/dev/null | sed -n 's/.*pid=\([0-9]*\).*/\1/p' | head -n 1)
+  if [ -n "$p" ]; then echo "$p $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)"; else echo "?"; fi
+}
+carriers() {  # pids of live processes whose environment holds token $1
+  grep -l -s -z -x "FLEETCTL_SERVER_TOKEN=$1" /proc/[0-9]*/environ 2>/dev/null \
+    | sed 's,/proc/\([0-9]*\)/environ,\1,' | while read -r p; do
+      s=$(sed 's/.*) //' /proc/$p/stat 2>/dev/null | cut -c1)
+      [ -n "$s" ] && [ "$s" != Z ] && echo "$p"
+    done
+}
+alive() {  # is the server in folder $1 running? (its supervisor knows, else its token)
+  if [ -f "$1/unit" ]; then
+    systemctl $(cat "$1/scope") is-active --quiet "$(cat "$1/unit")"
+  else
+    [ -n "$(carriers "$(cat "$1/token" 2>/dev/null)")" ]
+  fi
+}
+"""
+
+_START = r"""
+sid="$1"; port="$2"; manifest="$3"; supervisor="$4"; shift 4
+d="$root/$sid"
+mkdir -p "$root" && chmod 700 "$HOME/.fleetctl" || exit 5
+if [ -d "$d" ] && alive "$d"; then echo "fleetctl: server $sid already runs" >&2; exit 4; fi
+rm -rf "$d" && mkdir -m 700 "$d" || exit 5
+umask 077
+cat > "$d/env" || exit 5
+sed -n 's/^FLEETCTL_SERVER_TOKEN=//p' "$d/env" > "$d/token"
+if listening "$port"; then
+  echo "port $port is already taken by: $(holder "$port")" >&2
+  rm -rf "$d"; exit 3
+fi
+printf '%s\n' "$manifest" > "$d/manifest.json"
+cd "$d" || exit 5
+if [ "$supervisor" = auto ]; then
+  supervisor=nohup
+  if [ -d /run/systemd/system ] && command -v systemd-run >/dev/null; then
+    if [ "$(id -u)" = 0 ] || systemctl --user show-environment >/dev/null 2>&1; then
+      supervisor=systemd
+    fi
+  fi
+fi
+if [ "$supervisor" = systemd ]; then
+  scope=""; [ "$(id -u)" = 0 ] || scope="--user"
+  printf '%s' "$scope" > "$d/scope"
+  exe=$(command -v "$1") || { echo "fleetctl: $1 is not on the PATH" >&2; exit 127; }
+  shift
+  unit="fleetctl-$sid"
+  systemctl $scope reset-failed "$unit" >/dev/null 2>&1
+  systemd-run $scope --quiet --collect --unit "$unit" \
+    --property=EnvironmentFile="$d/env" --property=WorkingDirectory="$d" \
+    --property=StandardOutput=append:"$d/log" --property=StandardError=append:"$d/log" \
+    --property=KillMode=control-group --property=TimeoutStopSec=30 -- "$exe" "$@" || exit 6
+  printf '%s' "$unit" > "$d/unit"
+  pid=$(systemctl $scope show -p MainPID --value "$unit")
+else
+  # setsid: the server leads its own session, so it outlives this SSH channel and its
+  # group can be signalled at once. The env file is sourced, never put on a command line.
+  setsid nohup sh -c 'set -a; . ./env; set +a; exec "$@"' fleetctl-server "$@" \
+    > "$d/log" 2>&1 < /dev/null &
+  pid=$!
+fi
+echo "$pid" > "$d/pid"
+echo "supervisor=$supervisor pid=$pid"
+"""
+
+_STOP = r"""
+grace="$1"; shift
+for sid in "$@"; do
+  d="$root/$sid"
+  [ -d "$d" ] || continue
+  token=$(cat "$d/token" 2>/dev/null)
+  if [ -f "$d/unit" ]; then
+    systemctl $(cat "$d/scope") stop "$(cat "$d/unit")" >/dev/null 2>&1
+  fi
+  pid=$(cat "$d/pid" 2>/dev/null)
+  pids=$(carriers "$token")
+  [ -n "$pids" ] && kill -TERM $pids 2>/dev/null
+  n=0
+  while [ -n "$(carriers "$token")" ] && [ "$n" -lt "$((grace * 10))" ]; do
+    sleep 0.1; n=$((n + 1))
+  done
+  pids=$(carriers "$token")
+  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null && echo "killed $sid after ${grace}s: $pids"
+  rm -rf "$d"
+  echo "stopped $sid"
+done
+rmdir "$root" "$HOME/.fleetctl" 2>/dev/null
+exit 0
+"""
+
+_INSPECT = r"""
+[ -d "$root" ] || exit 0
+for d in "$root"/*/; do
+  d=${d%/}; [ -f "$d/manifest.json" ] || continue
+  echo "@@server ${d##*/}"
+  if alive "$d"; then echo "alive=1"; else echo "alive=0"; fi
+  port=$(sed -n 's/.*"port": *\([0-9]*\).*/\1/p' "$d/manifest.json")
+  if [ -n "$port" ] && listening "$port"; then
+    echo "listening=1"; echo "holder=$(holder "$port")"
+  else
+    echo "listening=0"
+  fi
+  echo "pid=$(cat "$d/pid" 2>/dev/null)"
+  echo "manifest=$(tr -d '\n' < "$d/manifest.json")"
+done
+"""
+
+_PORTS = r"""
+for port in "$@"; do
+  if listening "$port"; then echo "$port $(holder "$port")"; fi
+done
+"""
+
+_TAIL = r"""
+n="$1"; sid="$2"
+tail -n "$n" "$root/$sid/log" 2>/dev/null || echo "(no log at ~/.fleetctl/servers/$sid/log)"
+"""
+
+_ALIVE = r"""
+for sid in "$@"; do
+  if [ -d "$root/$sid" ] && alive "$root/$sid"; then echo "$sid 1"; else echo "$sid 0"; fi
+done
+"""
+
+
+def _script(body: str, *args: str) -> str:
+    return "sh -c " + shlex.quote(_PRELUDE + body) + " fleetctl " + quote(*args)
+
+
+@dataclass(frozen=True)
+class Live:
+    """One server found on a node, as its folder and the process table say."""
+
+    sid: str
+    alive: bool
+    listening: bool
+    pid: int | None
+    manifest: dict[str, Any]
+    holder: str = ""  # "pid cmdline" of whoever listens on the port
+
+    @property
+    def args_hash(self) -> str:
+        return str(self.manifest.get("args_hash", ""))
+
+    @property
+    def foreign_holder(self) -> str:
+        """The listener's command line when a process fleetctl did not start holds the port."""
+        if not self.listening or self.alive:
+            return ""
+        pid, _, cmd = self.holder.partition(" ")
+        return cmd.strip() or f"pid {pid}"
+
+
+def env_file(d: Deployment, secret_env: dict[str, str], token: str) -> str:
+    """The server's environment as `KEY='value'` lines: sh (set -a) and systemd both read it."""
+    merged = {**dict(d.env), **secret_env, TOKEN_VAR: token}
+    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(merged.items()))
+
+
+def manifest(d: Deployment, sid: str, token: str, started_at: str) -> dict[str, Any]:
+    """What the node records about a server; no secrets (the argv has none)."""
+    return {
+        "sid": sid,
+        "node": d.node,
+        "model": d.model,
+        "variant": d.variant,
+        "gpu_indices": list(d.gpu_indices),
+        "port": d.port,
+        "args_hash": d.args_hash,
+        "token": token,
+        "started_at": started_at,
+        "argv": list(d.vllm_args),
+    }
+
+
+class NodeAgent:
+    """The node-side operations, over one open session."""
+
+    def __init__(self, session: Runner, vllm_command: str = "vllm", timeout_s: float = 60):
+        self.session = session
+        self.vllm = shlex.split(vllm_command)
+        self.timeout_s = timeout_s
+
+    def start(
+        self,
+        d: Deployment,
+        secret_env: dict[str, str],
+        started_at: str,
+        supervisor: Supervisor = "auto",
+    ) -> tuple[str, str]:
+        """Start `d` detached; returns (sid, how it runs). Raises StartError."""
+        sid = server_id(d)
+        token = f"{sid}-{secrets.token_hex(8)}"
+        doc = json.dumps(manifest(d, sid, token, started_at), separators=(",", ": "))
+        argv = [*self.vllm, *d.vllm_args]
+        cmd = _script(_START, sid, str(d.port), doc, supervisor, *argv)
+        res = self.session.run(cmd, self.timeout_s, stdin=env_file(d, secret_env, token))
+        if res.exit_code == 3:
+            raise StartError("port-taken", res.stderr.strip())
+        if not res.ok:
+            raise StartError("start-failed", (res.stderr or res.stdout).strip()[-500:])
+        return sid, res.stdout.strip()
+
+    def stop(self, sids: list[str], grace_s: int = 30) -> str:
+        """Stop these servers (TERM, then KILL after `grace_s`) and remove their folders."""
+        if not sids:
+            return ""
+        res = self.session.run(_script(_STOP, str(grace_s), *sids), grace_s + self.timeout_s)
+        return res.stdout
+
+    def inspect(self) -> list[Live]:
+        """Every server fleetctl started on this node, alive or not."""
+        res = self.session.run(_script(_INSPECT), self.timeout_s)
+        return parse_inspect(res.stdout)
+
+    def alive(self, sids: list[str]) -> dict[str, bool]:
+        res = self.session.run(_script(_ALIVE, *sids), self.timeout_s)
+        out = {}
+        for line in res.stdout.splitlines():
+            sid, _, flag = line.rpartition(" ")
+            out[sid] = flag == "1"
+        return out
+
+    def ports_in_use(self, ports: list[int]) -> dict[int, str]:
+        """Which of these ports something listens on, and who."""
+        res = self.session.run(_script(_PORTS, *map(str, ports)), self.timeout_s)
+        out = {}
+        for line in res.stdout.splitlines():
+            port, _, who = line.partition(" ")
+            if port.isdigit():
+                out[int(port)] = who
+        return out
+
+    def log_tail(self, sid: str, lines: int = 30) -> str:
+        return self.session.run(_script(_TAIL, str(lines), sid), self.timeout_s).stdout
+
+
+class StartError(Exception):
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind, self.detail = kind, detail
+
+
+def parse_inspect(text: str) -> list[Live]:
+    """Read the inspect script's `@@server` blocks; a damaged manifest reads as empty."""
+    out: list[Live] = []
+    block: dict[str, str] = {}
+
+    def flush() -> None:
+        if not block:
+            return
+        try:
+            doc = json.loads(block.get("manifest", "") or "{}")
+        except ValueError:
+            doc = {}
+        pid = block.get("pid", "")
+        out.append(
+            Live(
+                sid=block["sid"],
+                alive=block.get("alive") == "1",
+                listening=block.get("listening") == "1",
+                pid=int(pid) if pid.isdigit() else None,
+                manifest=doc if isinstance(doc, dict) else {},
+                holder=block.get("holder", "").strip(),
+            )
+        )
+
+    for line in text.splitlines():
+        if line.startswith("@@server "):
+            flush()
+            block = {"sid": line.split(" ", 1)[1].strip()}
+        elif block and "=" in line:
+            key, _, value = line.partition("=")
+            block[key] = value
+    flush()
+    return out

@@ -1,0 +1,468 @@
+"""Carrying a plan out on the nodes, node by node in parallel: apply, status and destroy.
+
+One SSH connection per node does everything there: inspect what runs, stop what must go
+first, start the new servers, wait for their /health and /v1/models (polled from here, the
+way the router will reach them), then stop what they replace. state.json is rewritten for a
+node as soon as something there changed, under one in-process lock, so an apply killed at any
+moment leaves a state that a re-run (which reconciles against the nodes) converges from.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fleetctl.apply.node import Live, NodeAgent, StartError, Supervisor, server_id
+from fleetctl.apply.steps import Step, node_steps
+from fleetctl.inventory import Inventory
+from fleetctl.planner.candidates import natural_key
+from fleetctl.planner.diff import parse_flags
+from fleetctl.planner.model import Deployment
+from fleetctl.probe import target
+from fleetctl.ssh import NodeError, SshOptions, SshSession, Target
+from fleetctl.state import State, save_state
+
+Emit = Callable[[str, str], None]  # (node, message): progress for the operator
+LOG_TAIL_LINES = 30
+
+
+@dataclass(frozen=True)
+class ApplyOptions:
+    ssh: SshOptions
+    parallel: int = 32
+    vllm_command: str = "vllm"
+    supervisor: Supervisor = "auto"
+    health_timeout_s: float = 900.0
+    stop_timeout_s: int = 30
+    secrets: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def api_key(self) -> str | None:
+        return self.secrets.get("VLLM_API_KEY")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one server (or one node, when `model` is empty)."""
+
+    node: str
+    action: str
+    status: Literal["ok", "failed"]
+    model: str = ""
+    gpus: tuple[int, ...] = ()
+    port: int | None = None
+    detail: str = ""
+    log_tail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["gpus"] = list(self.gpus)
+        return d
+
+
+class StateBook:
+    """state.json, rewritten atomically whenever a node's servers change; thread-safe."""
+
+    def __init__(self, state_dir: Path, state: State):
+        self.state_dir = state_dir
+        self.serial = state.serial
+        self.by_node: dict[str, list[Deployment]] = {}
+        for d in state.deployments:
+            self.by_node.setdefault(d.node, []).append(d)
+        self._lock = threading.Lock()
+
+    def recorded(self, node: str) -> list[Deployment]:
+        with self._lock:
+            return list(self.by_node.get(node, ()))
+
+    def set_node(self, node: str, deployments: Iterable[Deployment]) -> None:
+        with self._lock:
+            self.by_node[node] = sorted(deployments, key=lambda d: (d.gpu_indices, d.port))
+            if not self.by_node[node]:
+                del self.by_node[node]
+            self.serial += 1
+            save_state(self.state_dir, self.state())
+
+    def state(self) -> State:
+        nodes = sorted(self.by_node, key=natural_key)
+        return State(self.serial, tuple(d for n in nodes for d in self.by_node[n]))
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def _url(d: Deployment, path: str) -> str:
+    host = f"[{d.host}]" if ":" in d.host else d.host
+    return f"http://{host}:{d.port}{path}"
+
+
+def ready(d: Deployment, api_key: str | None, timeout_s: float = 3.0) -> tuple[bool, str]:
+    """Is the server up: /health answers 200 and /v1/models lists the served model?"""
+    try:
+        with urllib.request.urlopen(_url(d, "/health"), timeout=timeout_s) as r:
+            if r.status != 200:
+                return False, f"/health answered {r.status}"
+        req = urllib.request.Request(_url(d, "/v1/models"))
+        if api_key:
+            req.add_header("Authorization", f"Bearer {api_key}")
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            ids = [m.get("id") for m in json.loads(r.read()).get("data", [])]
+    except urllib.error.HTTPError as e:
+        return False, f"{urllib.parse.urlsplit(e.url or '').path} answered {e.code}"
+    except (OSError, ValueError) as e:
+        return False, f"no answer ({getattr(e, 'reason', e)})"
+    if d.model not in ids:
+        return False, f"/v1/models lists {ids}, not {d.model}"
+    return True, "healthy"
+
+
+def _targets(inv: Inventory, extra: Iterable[Deployment]) -> dict[str, Target]:
+    """Every inventory node, plus nodes only state remembers (removed from the inventory)."""
+    out = {n.name: target(inv, n) for n in inv.nodes}
+    ssh = inv.spec.ssh
+    for d in extra:
+        if d.node not in out:
+            out[d.node] = Target(
+                d.node, d.host, ssh.port, ssh.user, ssh.identity_file, ssh.proxy_jump
+            )
+    return out
+
+
+def _each_node(
+    names: Sequence[str], parallel: int, work: Callable[[str], list[Outcome]]
+) -> list[Outcome]:
+    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names) or 1))) as pool:
+        results = list(pool.map(work, names))
+    return [o for r in results for o in r]
+
+
+# --- apply -------------------------------------------------------------------------------------
+
+
+def apply_fleet(
+    inv: Inventory,
+    deployments: Sequence[Deployment],
+    book: StateBook,
+    opts: ApplyOptions,
+    emit: Emit = lambda node, msg: None,
+) -> list[Outcome]:
+    """Make the nodes run exactly `deployments`; one outcome per server touched."""
+    want: dict[str, list[Deployment]] = {}
+    for d in deployments:
+        want.setdefault(d.node, []).append(d)
+    recorded = [d for n in list(book.by_node) for d in book.recorded(n)]
+    targets = _targets(inv, recorded)
+    names = sorted(set(want) | {d.node for d in recorded}, key=natural_key)
+
+    def one(name: str) -> list[Outcome]:
+        return _apply_node(targets[name], want.get(name, []), book, opts, emit)
+
+    return _each_node(names, opts.parallel, one)
+
+
+def _apply_node(
+    t: Target, want: list[Deployment], book: StateBook, opts: ApplyOptions, emit: Emit
+) -> list[Outcome]:
+    node = t.name
+    try:
+        with SshSession(t, opts.ssh) as session:
+            agent = NodeAgent(session, opts.vllm_command)
+            return _converge(node, agent, want, book, opts, emit)
+    except NodeError as e:
+        emit(node, f"[red]{e.kind}[/]: {e.detail}")
+        if not want:
+            return [Outcome(node, "stop", "failed", detail=f"{e.kind}: {e.detail}")]
+        why = f"{e.kind}: {e.detail}"
+        return [Outcome(node, "apply", "failed", d.model, d.gpu_indices, d.port, why) for d in want]
+
+
+def _converge(
+    node: str,
+    agent: NodeAgent,
+    want: list[Deployment],
+    book: StateBook,
+    opts: ApplyOptions,
+    emit: Emit,
+) -> list[Outcome]:
+    recorded = book.recorded(node)
+    live = agent.inspect()
+    steps = node_steps(node, want, live, recorded)
+    outcomes: list[Outcome] = []
+    running: dict[str, Deployment] = {}  # server folder -> what runs there at the end
+    live_deployments = {server_id(d): d for d in recorded}
+
+    for st in steps:
+        if st.kind == "keep" and st.deployment is not None:
+            running[server_id(st.deployment)] = st.deployment
+            outcomes.append(_outcome(st, "ok", "unchanged"))
+
+    # 1. Servers in the way of a new one stop first; the record drops them at once.
+    first = [sid for st in steps if st.stop_first for sid in st.stop]
+    if first:
+        for st in steps:
+            if st.stop_first and st.stop:
+                emit(node, f"stopping {', '.join(st.stop)}" + (f" ({st.note})" if st.note else ""))
+        agent.stop(first, opts.stop_timeout_s)
+        book.set_node(node, [d for sid, d in live_deployments.items() if sid not in first])
+
+    # 2. Start every new server, then 3. wait for all of them together.
+    waiting: dict[str, Step] = {}
+    for st in steps:
+        d = st.deployment
+        if d is None or st.kind == "keep":
+            continue
+        if st.kind == "adopt":
+            waiting[server_id(d)] = st
+            continue
+        try:
+            sid, how = agent.start(d, opts.secrets, _now(), opts.supervisor)
+        except StartError as e:
+            emit(node, f"[red]{e.kind}[/] {d.model} on GPUs {_gpus(d)}: {e.detail}")
+            outcomes.append(_outcome(st, "failed", f"{e.kind}: {e.detail}"))
+            continue
+        note = f"; {st.note}" if st.note else ""
+        what = f"{d.model} {d.variant} on GPUs {_gpus(d)}, port {d.port}"
+        emit(node, f"{st.kind}: {what} ({how}{note})")
+        waiting[sid] = st
+    healthy, failed = _wait(node, agent, waiting, opts, emit)
+    for sid, st in healthy.items():
+        assert st.deployment is not None
+        running[sid] = st.deployment
+        outcomes.append(_outcome(st, "ok", st.note or "healthy"))
+    for st, why, tail in failed.values():
+        outcomes.append(_outcome(st, "failed", why, tail))
+    if healthy or failed:
+        # Recorded servers not stopped yet still run (some stop in step 4): keep them listed.
+        still = {sid: d for sid, d in live_deployments.items() if sid not in first}
+        book.set_node(node, {**still, **running}.values())
+
+    # 4. What the new servers replace, and what the plan no longer has, stops last.
+    last: list[str] = []
+    for st in steps:
+        if st.stop_first or not st.stop:
+            continue
+        new = st.deployment
+        if st.kind == "replace" and new is not None and server_id(new) in failed:
+            # The new server failed: the old one goes on serving.
+            for d in st.replaced:
+                running[server_id(d)] = d
+            continue
+        last.extend(st.stop)
+        if st.kind == "stop":
+            emit(node, f"stopping {', '.join(st.stop)} ({st.note})")
+            outcomes.append(Outcome(node, "stop", "ok", detail=f"{', '.join(st.stop)}: {st.note}"))
+    if last:
+        agent.stop(last, opts.stop_timeout_s)
+    if first or last or healthy or failed or set(running) != set(live_deployments):
+        book.set_node(node, running.values())
+    return outcomes
+
+
+def _wait(
+    node: str, agent: NodeAgent, waiting: dict[str, Step], opts: ApplyOptions, emit: Emit
+) -> tuple[dict[str, Step], dict[str, tuple[Step, str, str]]]:
+    """Poll every started server until healthy, exited, or out of time."""
+    healthy: dict[str, Step] = {}
+    failed: dict[str, tuple[Step, str, str]] = {}
+    start = time.monotonic()
+    last_check, last_why = start, {sid: "" for sid in waiting}
+    pending = dict(waiting)
+    while pending:
+        for sid, st in list(pending.items()):
+            assert st.deployment is not None
+            ok, why = ready(st.deployment, opts.api_key)
+            last_why[sid] = why
+            if ok:
+                healthy[sid] = pending.pop(sid)
+                emit(
+                    node,
+                    f"healthy: {st.deployment.model} on port {st.deployment.port} "
+                    f"after {time.monotonic() - start:.0f} s",
+                )
+        if not pending:
+            break
+        now = time.monotonic()
+        if now - last_check >= 2.0:  # a server that exited will never answer: say so early
+            last_check = now
+            for sid, alive in agent.alive(list(pending)).items():
+                if not alive and sid in pending:
+                    failed[sid] = (pending.pop(sid), "exited before it was healthy", "")
+        if now - start > opts.health_timeout_s:
+            for sid in list(pending):
+                why = f"not healthy after {opts.health_timeout_s:g} s (last: {last_why[sid]})"
+                failed[sid] = (pending.pop(sid), why, "")
+        time.sleep(0.5)
+    for sid, (st, why, _) in list(failed.items()):
+        tail = agent.log_tail(sid, LOG_TAIL_LINES)
+        failed[sid] = (st, why, tail)
+        emit(node, f"[red]failed[/]: {sid}: {why}; the last lines of its log:\n{_indent(tail)}")
+    if failed:
+        agent.stop(list(failed), opts.stop_timeout_s)
+    return healthy, failed
+
+
+def _indent(text: str) -> str:
+    return "\n".join("    " + line for line in text.rstrip().splitlines())
+
+
+def _gpus(d: Deployment) -> str:
+    return ",".join(map(str, d.gpu_indices))
+
+
+def _outcome(st: Step, status: Literal["ok", "failed"], detail: str, tail: str = "") -> Outcome:
+    d = st.deployment
+    assert d is not None
+    return Outcome(st.node, st.kind, status, d.model, d.gpu_indices, d.port, detail, tail)
+
+
+# --- destroy -----------------------------------------------------------------------------------
+
+
+def destroy_fleet(
+    inv: Inventory, book: StateBook, opts: ApplyOptions, emit: Emit = lambda n, m: None
+) -> list[Outcome]:
+    """Stop every server fleetctl started on the inventory's nodes and those state names."""
+    recorded = [d for n in list(book.by_node) for d in book.recorded(n)]
+    targets = _targets(inv, recorded)
+
+    def one(name: str) -> list[Outcome]:
+        try:
+            with SshSession(targets[name], opts.ssh) as session:
+                agent = NodeAgent(session, opts.vllm_command)
+                sids = [s.sid for s in agent.inspect()]
+                if sids:
+                    emit(name, f"stopping {', '.join(sids)}")
+                agent.stop(sids, opts.stop_timeout_s)
+                left = agent.inspect()
+        except NodeError as e:
+            emit(name, f"[red]{e.kind}[/]: {e.detail}")
+            return [Outcome(name, "destroy", "failed", detail=f"{e.kind}: {e.detail}")]
+        if left:
+            return [Outcome(name, "destroy", "failed", detail=f"still there: {left[0].sid}")]
+        book.set_node(name, [])
+        return [Outcome(name, "destroy", "ok", detail=f"stopped {len(sids)} servers")]
+
+    return _each_node(sorted(targets, key=natural_key), opts.parallel, one)
+
+
+# --- status ------------------------------------------------------------------------------------
+
+Condition = Literal[
+    "running",
+    "unhealthy",
+    "dead",
+    "missing",
+    "port-taken",
+    "restarted-by-hand",
+    "unrecorded",
+    "unreachable",
+]
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    node: str
+    model: str
+    gpus: tuple[int, ...]
+    port: int | None
+    condition: Condition
+    detail: str
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["gpus"] = list(self.gpus)
+        return d
+
+
+def status_fleet(
+    inv: Inventory, state: State, opts: ApplyOptions
+) -> tuple[list[ServerStatus], dict[str, Any]]:
+    """Each recorded server as the node and its HTTP endpoints see it now."""
+    by_node: dict[str, list[Deployment]] = {}
+    for d in state.deployments:
+        by_node.setdefault(d.node, []).append(d)
+    targets = _targets(inv, state.deployments)
+
+    def one(name: str) -> list[ServerStatus]:
+        recorded = by_node.get(name, [])
+        try:
+            with SshSession(targets[name], opts.ssh) as session:
+                live = NodeAgent(session, opts.vllm_command).inspect()
+        except NodeError as e:
+            return [
+                ServerStatus(name, d.model, d.gpu_indices, d.port, "unreachable", e.detail)
+                for d in recorded
+            ]
+        return node_status(name, recorded, live, opts.api_key)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(opts.parallel, len(targets) or 1))) as pool:
+        rows = [r for rs in pool.map(one, sorted(targets, key=natural_key)) for r in rs]
+    return rows, {"serial": state.serial, "servers": len(state.deployments)}
+
+
+def node_status(
+    node: str, recorded: list[Deployment], live: list[Live], api_key: str | None
+) -> list[ServerStatus]:
+    out = []
+    by_sid = {s.sid: s for s in live}
+    for d in recorded:
+        s = by_sid.pop(server_id(d), None)
+        cond, detail = _condition(d, s, api_key)
+        out.append(ServerStatus(node, d.model, d.gpu_indices, d.port, cond, detail))
+    for s in by_sid.values():
+        m = s.manifest
+        out.append(
+            ServerStatus(
+                node,
+                str(m.get("model", "?")),
+                tuple(m.get("gpu_indices", ())),
+                m.get("port"),
+                "unrecorded",
+                f"{s.sid}: started by fleetctl but not in state ({'alive' if s.alive else 'dead'});"
+                " `fleetctl apply` adopts or stops it",
+            )
+        )
+    return out
+
+
+def _condition(d: Deployment, s: Live | None, api_key: str | None) -> tuple[Condition, str]:
+    if s is None:
+        return "missing", "no server folder on the node: it was removed or never started"
+    if s.alive and s.args_hash != d.args_hash:
+        return "restarted-by-hand", "its flags differ from the plan's"
+    if not s.alive:
+        foreign = s.foreign_holder
+        # vLLM's own flags mark a vLLM (or stand-in) started by hand, e.g. to try a flag.
+        if foreign and ("vllm" in foreign or "--max-model-len" in foreign):
+            changed = _changed_flags(d.vllm_args, foreign.split())
+            return "restarted-by-hand", f"a vLLM fleetctl did not start holds the port: {changed}"
+        if foreign:
+            return "port-taken", f"port {d.port} is held by: {foreign[:120]}"
+        return "dead", f"{s.sid} is not running (killed or crashed; pid was {s.pid})"
+    ok, why = ready(d, api_key)
+    return ("running", "healthy") if ok else ("unhealthy", why)
+
+
+def _changed_flags(planned: Sequence[str], found: Sequence[str]) -> str:
+    def after_serve(args: Sequence[str]) -> list[str]:
+        args = list(args)
+        return args[args.index("serve") + 1 :] if "serve" in args else args
+
+    a, b = parse_flags(after_serve(planned)), parse_flags(after_serve(found))
+    diffs = [
+        f"{k} {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}"
+        for k in sorted(a.keys() | b.keys())
+        if k != "(arguments)" and a.get(k) != b.get(k)
+    ]
+    return "; ".join(diffs[:4]) or "same flags, other process"

@@ -1,0 +1,492 @@
+"""`fleetctl apply`, `status` and `destroy` over real SSH to test hosts whose `vllm` is a shim
+that runs `fleetctl emulate` (the emulator stands in for GPUs; everything else is real:
+sshd, the node-side scripts, setsid supervision, ports, HTTP health waits, state files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sshhosts import TestHosts, available
+
+PY = sys.executable
+NAMES = ["a100-1", "rtx-1", "rtx-2"]
+GPU = {"a100": ("A100-SXM4-80GB", 2), "rtx": ("RTX-4090", 1)}
+SECRET = "hf_test_SECRET_c0ffee"  # must never leave the env file on the node
+
+
+def shim(gpu: str, extra: str = "", before: str = "") -> str:
+    """The node's `vllm`: forwards `vllm serve ...` to the emulator, 50x faster than life."""
+    return (
+        "#!/bin/sh\n"
+        f"{before}\n"
+        '[ "$1" = serve ] && shift\n'
+        f'exec {PY} -m fleetctl emulate --gpu {gpu} --model llama-3-8b --time-scale 50 "$@" {extra}\n'
+    )
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    why = available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"SSH test hosts are required in CI: {why}")
+        pytest.skip(why)
+    with TestHosts(len(NAMES), names=NAMES) as hs:
+        yield hs
+
+
+@pytest.fixture
+def fleet(hosts, tmp_path, monkeypatch):
+    """Fresh shims, an inventory, and afterwards no server left on any host."""
+    for i, name in enumerate(NAMES):
+        hosts.install(i, "vllm", shim(GPU[name.split("-")[0]][0]))
+    monkeypatch.setenv("HF_TOKEN", SECRET)
+    yield Fleet(hosts, tmp_path)
+    leftovers = servers_running(hosts)
+    for pid in leftovers:
+        os.kill(pid, signal.SIGKILL)
+    for h in hosts:
+        subprocess.run(["rm", "-rf", str(h.dir / "home" / ".fleetctl")], check=False)
+    assert not leftovers, f"the test left servers running: {leftovers}"
+
+
+class Fleet:
+    def __init__(self, hosts: TestHosts, tmp: Path):
+        self.hosts, self.tmp = hosts, tmp
+        self.inv = self.inventory()
+
+    def inventory(self, extra: str = "", max_context: int = 8192, util: float = 0.92) -> Path:
+        lines = [
+            f"ssh: {{user: root, identity_file: {self.hosts.client_key}, connect_timeout_s: 30}}",
+            "nodes:",
+        ]
+        for h in self.hosts:
+            gpu, count = GPU[h.name.split("-")[0]]
+            lines += [
+                f"  - name: {h.name}",
+                f"    host: {h.address}",
+                f"    gpus: {{type: {gpu}, count: {count}}}",
+            ]
+        lines += [
+            "models:",
+            "  - name: llama-3-8b",
+            "    profile: llama-3-8b",
+            "    variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}",
+            f"    max_context: {max_context}",
+            "    env: {VLLM_LOGGING_LEVEL: INFO}",
+            f"planner: {{gpu_memory_utilization: {util}}}",
+            "apply: {health_timeout_s: 30, stop_timeout_s: 5, secrets: [HF_TOKEN]}",
+            extra,
+        ]
+        path = self.tmp / "inventory.yaml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def args(self, *more: object) -> list[str]:
+        return [*map(str, more), "--known-hosts", str(self.hosts.known_hosts)]
+
+    def state(self) -> dict:
+        return json.loads((self.tmp / ".fleetctl" / "state.json").read_text())
+
+    def home(self, name: str) -> Path:
+        return self.hosts[NAMES.index(name)].dir / "home"
+
+    def manifests(self, name: str) -> list[dict]:
+        root = self.home(name) / ".fleetctl" / "servers"
+        return [json.loads(p.read_text()) for p in sorted(root.glob("*/manifest.json"))]
+
+    def pid(self, name: str, port: int) -> int:
+        root = self.home(name) / ".fleetctl" / "servers"
+        return int(next(root.glob(f"{port}-*/pid")).read_text())
+
+    def url(self, name: str, port: int) -> str:
+        return f"http://{self.hosts[NAMES.index(name)].address}:{port}"
+
+
+def servers_running(hosts: TestHosts) -> list[int]:
+    """Live processes in the hosts' namespaces that carry a fleetctl server token."""
+    out = []
+    for pid in hosts._namespace_pids(list(hosts)):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if b"FLEETCTL_SERVER_TOKEN=" in env and state != "Z":
+            out.append(pid)
+    return out
+
+
+def get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, ""
+    except OSError:
+        return 0, ""
+
+
+def wait_until(check, timeout: float = 20) -> None:
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, "timed out waiting"
+        time.sleep(0.2)
+
+
+def outcomes(r) -> list[dict]:
+    return json.loads(r.out)["outcomes"]
+
+
+# --- the normal flow ---------------------------------------------------------------------------
+
+
+def test_apply_status_reapply_destroy(cli, fleet):
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    done = outcomes(r)
+    assert sorted((o["node"], o["gpus"][0], o["action"]) for o in done) == [
+        ("a100-1", 0, "start"),
+        ("a100-1", 1, "start"),
+        ("rtx-1", 0, "start"),
+        ("rtx-2", 0, "start"),
+    ]
+    state = fleet.state()
+    assert len(state["deployments"]) == 4 and state["serial"] > 0
+    # Each server runs with the planned flags, pinned GPUs and the secret, in its 0600 files.
+    for m in fleet.manifests("a100-1"):
+        status, body = get(fleet.url("a100-1", m["port"]) + "/v1/models")
+        assert status == 200 and json.loads(body)["data"][0]["id"] == "llama-3-8b"
+        pid = fleet.pid("a100-1", m["port"])
+        env = dict(
+            kv.split("=", 1)
+            for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+            if "=" in kv
+        )
+        assert env["CUDA_VISIBLE_DEVICES"] == str(m["gpu_indices"][0])
+        assert env["HF_TOKEN"] == SECRET and env["VLLM_LOGGING_LEVEL"] == "INFO"
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        assert "--max-model-len" in cmdline and "8192" in cmdline
+        folder = fleet.home("a100-1") / ".fleetctl" / "servers" / m["sid"]
+        assert (folder / "env").stat().st_mode & 0o777 == 0o600
+    # The secret is nowhere but the node's env file and the server's environment.
+    seen = r.out + r.err + json.dumps(state)
+    for h in NAMES:
+        for m in fleet.manifests(h):
+            seen += json.dumps(m)
+            seen += (fleet.home(h) / ".fleetctl" / "servers" / m["sid"] / "log").read_text()
+            pid = fleet.pid(h, m["port"])
+            seen += Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    assert SECRET not in seen
+
+    pids = {(h, m["port"]): fleet.pid(h, m["port"]) for h in NAMES for m in fleet.manifests(h)}
+    r = cli("status", *fleet.args(fleet.inv, "--json"))
+    assert r.code == 0, r.out
+    assert {s["condition"] for s in json.loads(r.out)["servers"]} == {"running"}
+
+    # A second apply changes nothing: every server kept, no process restarted.
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0 and {o["action"] for o in outcomes(r)} == {"keep"}
+    assert pids == {
+        (h, m["port"]): fleet.pid(h, m["port"]) for h in NAMES for m in fleet.manifests(h)
+    }
+
+    r = cli("destroy", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out
+    assert servers_running(fleet.hosts) == []
+    assert not any((fleet.home(h) / ".fleetctl").exists() for h in NAMES)
+    assert fleet.state()["deployments"] == []
+
+
+def test_confirmation_is_required_without_yes(cli, fleet):
+    r = cli("apply", *fleet.args(fleet.inv))  # stdin is not a terminal under pytest
+    assert r.code == 2 and "pass --yes" in r.err
+    assert not (fleet.tmp / ".fleetctl" / "state.json").exists()
+
+
+def test_missing_secret_is_a_clear_error(cli, fleet, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN")
+    r = cli("apply", *fleet.args(fleet.inv, "--yes"))
+    assert r.code == 2
+    assert "apply.secrets: the secret HF_TOKEN has no value" in r.err
+    # A secrets file works instead, but only when no one else can read it.
+    f = fleet.tmp / "secrets.env"
+    f.write_text(f"HF_TOKEN={SECRET}\n")
+    f.chmod(0o644)
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--secrets-file", f))
+    assert r.code == 2 and f"chmod 600 {f}" in r.err
+
+
+# --- plans saved to a file ---------------------------------------------------------------------
+
+
+def test_saved_plan_applies_exactly_and_goes_stale(cli, fleet):
+    plan = fleet.tmp / "plan.json"
+    assert cli("plan", fleet.inv, "-o", plan).code == 0
+    r = cli("apply", *fleet.args(plan, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    assert len(fleet.state()["deployments"]) == 4
+    # The state has moved on since the plan was made: refused, nothing touched.
+    r = cli("apply", *fleet.args(plan, "--yes"))
+    assert r.code == 2 and "the state changed since this plan was made" in r.err
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+# --- replacements ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("util", [0.45, 0.92])
+def test_replace_start_before_stop_when_both_fit(cli, fleet, util):
+    fleet.inventory(util=util)
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    old_pid = fleet.pid("a100-1", 8000)
+    fleet.inventory(util=util, max_context=4096)
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    a100 = [o for o in outcomes(r) if o["node"] == "a100-1"]
+    assert a100 and {o["action"] for o in a100} == {"replace"}, json.dumps(outcomes(r))
+    if util == 0.45:  # two servers of 45% fit on the same GPUs: the new one starts first
+        assert [(o["gpus"], o["port"]) for o in a100] == [([0, 1], 9000)]  # one TP=2 server
+        assert a100[0]["detail"].startswith("start before stop")
+    else:
+        assert [(o["gpus"], o["port"]) for o in a100] == [([0], 8000), ([1], 8001)]
+        assert all(
+            o["detail"].startswith("stop then start: the new server needs the old one's GPU memory")
+            for o in a100
+        )
+    manifests = fleet.manifests("a100-1")
+    assert sorted(m["port"] for m in manifests) == sorted(o["port"] for o in a100)
+    assert all("4096" in m["argv"] for m in manifests)
+    assert not _alive(old_pid)  # the old server is gone
+    # The next plan keeps the slot where it now runs: nothing to do.
+    r = cli("plan", fleet.inv, "--json")
+    assert {a["op"] for a in json.loads(r.out)["actions"]} == {"keep"}
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def test_failed_replacement_keeps_the_old_server_when_it_started_first(cli, fleet):
+    fleet.inventory(util=0.45)
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    old_pid = fleet.pid("a100-1", 8000)
+    fleet.hosts.install(
+        NAMES.index("a100-1"),
+        "vllm",
+        "#!/bin/sh\necho 'RuntimeError: CUDA out of memory' >&2\nexit 1\n",
+    )
+    fleet.inventory(util=0.45, max_context=4096)
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 1
+    failed = [o for o in outcomes(r) if o["status"] == "failed"]
+    assert [(o["node"], o["gpus"], o["port"]) for o in failed] == [("a100-1", [0, 1], 9000)]
+    assert all("CUDA out of memory" in o["log_tail"] for o in failed)
+    assert _alive(old_pid)  # still serving
+    kept = [d for d in fleet.state()["deployments"] if d["node"] == "a100-1"]
+    assert [(d["port"], d["max_model_len"]) for d in kept] == [(8000, 8192)]
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+# --- faults ------------------------------------------------------------------------------------
+
+
+def test_faults_are_per_server_and_the_rest_go_on(cli, fleet):
+    # rtx-1's vLLM fails to start; a100-1's GPU 1 port is taken by something else; rtx-2 is slow.
+    fleet.hosts.install(
+        NAMES.index("rtx-1"),
+        "vllm",
+        "#!/bin/sh\necho 'loading weights...'\necho 'torch.OutOfMemoryError: CUDA out of memory' >&2\nexit 1\n",
+    )
+    fleet.hosts.install(NAMES.index("rtx-2"), "vllm", shim("RTX-4090", "--startup-delay 3"))
+    a100 = fleet.hosts[NAMES.index("a100-1")]
+    squatter = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            a100.namespace,
+            PY,
+            "-m",
+            "http.server",
+            "8001",
+            "--bind",
+            a100.address,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: get(f"http://{a100.address}:8001/")[0] in (200, 404))
+        r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+        assert r.code == 1
+        by = {(o["node"], o["gpus"][0]): o for o in outcomes(r)}
+        assert by[("rtx-1", 0)]["status"] == "failed"
+        assert "exited before it was healthy" in by[("rtx-1", 0)]["detail"]
+        assert "CUDA out of memory" in by[("rtx-1", 0)]["log_tail"]
+        assert by[("a100-1", 1)]["status"] == "failed"
+        assert re.search(
+            r"port-taken: port 8001 is already taken by: \d+ .*http\.server",
+            by[("a100-1", 1)]["detail"],
+        )
+        assert by[("a100-1", 0)]["status"] == "ok" and by[("rtx-2", 0)]["status"] == "ok"
+        recorded = {(d["node"], d["gpu_indices"][0]) for d in fleet.state()["deployments"]}
+        assert recorded == {("a100-1", 0), ("rtx-2", 0)}
+        assert fleet.manifests("rtx-1") == []  # the failed server left nothing running
+    finally:
+        squatter.kill()
+        squatter.wait()
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def test_slow_server_times_out_with_its_log(cli, fleet):
+    marker = "echo 'test-shim: loading weights for a long time' >&2"
+    fleet.hosts.install(
+        NAMES.index("rtx-2"), "vllm", shim("RTX-4090", "--startup-delay 60", before=marker)
+    )
+    inv = fleet.inv
+    inv.write_text(inv.read_text().replace("health_timeout_s: 30", "health_timeout_s: 3"))
+    r = cli("apply", *fleet.args(inv, "--yes"))
+    assert r.code == 1
+    assert re.search(
+        r"failed rtx-2 llama-3-8b GPUs 0: not healthy after 3 s \(last: /health answered 503\)",
+        r.out,
+    )
+    assert "    test-shim: loading weights for a long time" in r.out  # the log's tail
+    assert fleet.manifests("rtx-2") == []
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def test_drift_is_seen_by_status_and_fixed_by_apply(cli, fleet):
+    fleet.hosts.install(NAMES.index("rtx-2"), "vllm", shim("RTX-4090", "--crash-after 1"))
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    # rtx-1: killed; rtx-2: dies after serving a request; a100-1 GPU 1: restarted by hand.
+    os.kill(fleet.pid("rtx-1", 8000), signal.SIGKILL)
+    import urllib.request
+
+    body = json.dumps({"model": "llama-3-8b", "prompt": "hi", "max_tokens": 2}).encode()
+    req = urllib.request.Request(
+        fleet.url("rtx-2", 8000) + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    urllib.request.urlopen(req, timeout=10).read()
+    a100 = fleet.hosts[NAMES.index("a100-1")]
+    pid = fleet.pid("a100-1", 8001)
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: get(fleet.url("a100-1", 8001) + "/health")[0] == 0 or not _alive(pid))
+    argv[argv.index("--max-model-len") + 1] = "2048"
+    by_hand = subprocess.Popen(
+        ["ip", "netns", "exec", a100.namespace, *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: get(fleet.url("a100-1", 8001) + "/health")[0] == 200)
+        wait_until(lambda: not _alive(fleet.pid("rtx-2", 8000)))
+        r = cli("status", *fleet.args(fleet.inv, "--json"))
+        assert r.code == 1
+        cond = {(s["node"], s["gpus"][0]): s for s in json.loads(r.out)["servers"]}
+        assert cond[("rtx-1", 0)]["condition"] == "dead"
+        assert cond[("rtx-2", 0)]["condition"] == "dead"
+        assert cond[("a100-1", 0)]["condition"] == "running"
+        assert cond[("a100-1", 1)]["condition"] == "restarted-by-hand"
+        assert "--max-model-len 8192 -> 2048" in cond[("a100-1", 1)]["detail"]
+        # apply restarts the dead ones; the hand-started server keeps its port: named, not killed.
+        r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+        assert r.code == 1
+        by = {(o["node"], o["gpus"][0]): o for o in outcomes(r)}
+        assert by[("rtx-1", 0)]["action"] == "restart" and by[("rtx-1", 0)]["status"] == "ok"
+        assert by[("rtx-2", 0)]["action"] == "restart" and by[("rtx-2", 0)]["status"] == "ok"
+        assert (
+            by[("a100-1", 1)]["status"] == "failed" and "port-taken" in by[("a100-1", 1)]["detail"]
+        )
+        assert by_hand.poll() is None
+    finally:
+        by_hand.kill()
+        by_hand.wait()
+    # With the port free again, apply converges.
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out
+    assert cli("status", *fleet.args(fleet.inv)).code == 0
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+# --- interruptions and concurrency -------------------------------------------------------------
+
+
+def _apply_process(fleet: Fleet, *more: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PY, "-m", "fleetctl", "apply", *fleet.args(fleet.inv, "--yes", *more)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+def test_apply_killed_midway_then_rerun_converges(cli, fleet):
+    # Slow servers, so that the apply is surely killed after starting them and before
+    # recording them: the worst moment.
+    for i, name in enumerate(NAMES):
+        hosts_gpu = GPU[name.split("-")[0]][0]
+        fleet.hosts.install(i, "vllm", shim(hosts_gpu, "--startup-delay 4"))
+    p = _apply_process(fleet)
+    started = []
+    assert p.stdout is not None
+    for line in p.stdout:
+        if ": start: " in line:
+            started.append(line)
+        if len(started) == 4:
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    state_file = fleet.tmp / ".fleetctl" / "state.json"
+    recorded = json.loads(state_file.read_text())["deployments"] if state_file.exists() else []
+    assert len(recorded) < 4  # killed before it recorded them all
+    pids = sorted(servers_running(fleet.hosts))
+    assert len(pids) >= 4
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out
+    assert sorted(o["action"] for o in outcomes(r)) == ["adopt"] * (4 - len(recorded)) + [
+        "keep"
+    ] * len(recorded)
+    assert len(fleet.state()["deployments"]) == 4
+    assert sorted(servers_running(fleet.hosts)) == pids  # adopted, not started twice
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def test_two_applies_at_once_and_a_stale_lock(cli, fleet):
+    fleet.hosts.install(NAMES.index("rtx-1"), "vllm", shim("RTX-4090", "--startup-delay 3"))
+    first = _apply_process(fleet)
+    lock = fleet.tmp / ".fleetctl" / "state.lock"
+    wait_until(lambda: lock.exists() and lock.read_text().strip() != "")
+    holder = json.loads(lock.read_text())
+    r = cli("apply", *fleet.args(fleet.inv, "--yes"))
+    assert r.code == 1
+    assert f"`fleetctl apply` (pid {first.pid} on" in r.err and "holds the state lock" in r.err
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, out
+    assert holder["pid"] == first.pid
+    # A holder that died without releasing the lock: taken over, with a warning.
+    lock.write_text(json.dumps({**holder, "pid": 999999}))
+    r = cli("apply", *fleet.args(fleet.inv, "--yes"))
+    assert r.code == 0, r.out + r.err
+    assert "took over a stale state lock: `fleetctl apply` (pid 999999" in r.out
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
