@@ -129,3 +129,11 @@ def test_strict_hints_in_simulation(catalog):
     assert by_hint["int4"] and all(o.backend == "r" for o in by_hint["int4"])
     assert by_hint["fp8"] and all(o.rejected and o.backend is None for o in by_hint["fp8"])
     assert all(o.rejected is None for o in by_hint[None])
+
+
+def test_precision_hint_matches_a_format_its_family_or_its_stem():
+    from fleetctl.router.types import precision_matches
+
+    assert precision_matches("fp8", "fp8-per-channel") and precision_matches("FP8", "fp8")
+    assert precision_matches("int4", "awq-int4") and precision_matches("gptq-int4", "gptq-int4")
+    assert not precision_matches("fp8", "bf16") and not precision_matches("fp", "fp8")

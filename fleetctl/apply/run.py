@@ -164,21 +164,27 @@ def apply_fleet(
     recorded = [d for n in list(book.by_node) for d in book.recorded(n)]
     targets = _targets(inv, recorded)
     names = sorted(set(want) | {d.node for d in recorded}, key=natural_key)
+    base = inv.spec.planner.port_base
 
     def one(name: str) -> list[Outcome]:
-        return _apply_node(targets[name], want.get(name, []), book, opts, emit)
+        return _apply_node(targets[name], want.get(name, []), book, opts, emit, base)
 
     return _each_node(names, opts.parallel, one)
 
 
 def _apply_node(
-    t: Target, want: list[Deployment], book: StateBook, opts: ApplyOptions, emit: Emit
+    t: Target,
+    want: list[Deployment],
+    book: StateBook,
+    opts: ApplyOptions,
+    emit: Emit,
+    port_base: int,
 ) -> list[Outcome]:
     node = t.name
     try:
         with SshSession(t, opts.ssh) as session:
             agent = NodeAgent(session, opts.vllm_command)
-            return _converge(node, agent, want, book, opts, emit)
+            return _converge(node, agent, want, book, opts, emit, port_base)
     except NodeError as e:
         emit(node, f"[red]{e.kind}[/]: {e.detail}")
         if not want:
@@ -194,10 +200,11 @@ def _converge(
     book: StateBook,
     opts: ApplyOptions,
     emit: Emit,
+    port_base: int,
 ) -> list[Outcome]:
     recorded = book.recorded(node)
     live = agent.inspect()
-    steps = node_steps(node, want, live, recorded)
+    steps = node_steps(node, want, live, recorded, port_base)
     outcomes: list[Outcome] = []
     running: dict[str, Deployment] = {}  # server folder -> what runs there at the end
     live_deployments = {server_id(d): d for d in recorded}

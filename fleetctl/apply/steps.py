@@ -7,8 +7,8 @@ stopped. So a re-run after an apply killed at any moment converges.
 
 Replacements start the new server before stopping the old one when the two fit on the GPUs
 together (their `--gpu-memory-utilization` shares sum to at most 1); the new one then takes
-the other port of the slot's pair (port and port + SURGE_PORT_OFFSET), and the planner keeps
-whatever port a slot runs on. Otherwise the old server stops first.
+the other port of the slot's pair (port_base + first GPU, and that + SURGE_PORT_OFFSET), and
+the planner keeps whatever port a slot runs on. Otherwise the old server stops first.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def node_steps(
     want: Sequence[Deployment],
     live: Sequence[Live],
     recorded: Sequence[Deployment] = (),
+    port_base: int = 8000,
 ) -> list[Step]:
     """Steps for one node. `recorded` is what state.json says runs there (used to name the
     old side of a replacement, so that a failed start leaves it in state)."""
@@ -115,8 +116,8 @@ def node_steps(
         fits = fits and not earlier
         start = d
         if fits and any(s.alive and int(s.manifest.get("port", 0)) == d.port for s in clash):
-            surge = d.port + SURGE_PORT_OFFSET
-            alt = d.port - SURGE_PORT_OFFSET if surge > 65535 else surge
+            home = port_base + d.gpu_indices[0]
+            alt = home + SURGE_PORT_OFFSET if d.port == home else home
             if alt in taken_ports or any(int(s.manifest.get("port", 0)) == alt for s in live):
                 fits = False
             else:

