@@ -490,3 +490,25 @@ def test_two_applies_at_once_and_a_stale_lock(cli, fleet):
     assert r.code == 0, r.out + r.err
     assert "took over a stale state lock: `fleetctl apply` (pid 999999" in r.out
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def test_unreachable_node_fails_alone_and_keeps_its_record(cli, fleet):
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    before = [d for d in fleet.state()["deployments"] if d["node"] == "rtx-2"]
+    fleet.inventory(max_context=4096)  # every server must be replaced
+    i = NAMES.index("rtx-2")
+    fleet.hosts.stop(i)
+    try:
+        r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+        assert r.code == 1
+        by = {o["node"]: o for o in outcomes(r)}
+        assert by["rtx-2"]["status"] == "failed" and by["rtx-2"]["detail"].startswith("unreachable")
+        assert by["rtx-1"]["status"] == "ok" and by["rtx-1"]["action"] == "replace"
+        # What runs on the node it could not reach is still what state says.
+        assert [d for d in fleet.state()["deployments"] if d["node"] == "rtx-2"] == before
+        r = cli("destroy", *fleet.args(fleet.inv, "--yes", "--json"))
+        assert r.code == 1 and [d["node"] for d in fleet.state()["deployments"]] == ["rtx-2"]
+    finally:
+        fleet.hosts.start(i)
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+    assert fleet.state()["deployments"] == []

@@ -145,10 +145,13 @@ _INSPECT = r"""
 for d in "$root"/*/; do
   d=${d%/}; [ -f "$d/manifest.json" ] || continue
   echo "@@server ${d##*/}"
-  if alive "$d"; then echo "alive=1"; else echo "alive=0"; fi
+  if alive "$d"; then a=1; else a=0; fi
+  echo "alive=$a"
   port=$(sed -n 's/.*"port": *\([0-9]*\).*/\1/p' "$d/manifest.json")
   if [ -n "$port" ] && listening "$port"; then
-    echo "listening=1"; echo "holder=$(holder "$port")"
+    echo "listening=1"
+    # Who holds the port matters only when it is not ours (ss -p reads every process's fds).
+    [ "$a" = 0 ] && echo "holder=$(holder "$port")"
   else
     echo "listening=0"
   fi
