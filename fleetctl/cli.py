@@ -163,7 +163,9 @@ def plan(
     if notes:
         result = dataclasses.replace(result, warnings=(*notes, *result.warnings))
     if out is not None:
-        write_atomic(out, dump_json(result.to_json()) + "\n")
+        # `apply plan.json` may run from another folder: name the inventory absolutely.
+        saved = dataclasses.replace(result, inventory=str(Path(result.inventory).resolve()))
+        write_atomic(out, dump_json(saved.to_json()) + "\n")
     if as_json:
         _print_json(result.to_json())
         return

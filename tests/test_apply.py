@@ -512,3 +512,27 @@ def test_unreachable_node_fails_alone_and_keeps_its_record(cli, fleet):
         fleet.hosts.start(i)
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
     assert fleet.state()["deployments"] == []
+
+
+def test_ctrl_c_stops_waiting_at_once_and_rerun_adopts(cli, fleet):
+    for i, name in enumerate(NAMES):
+        fleet.hosts.install(i, "vllm", shim(GPU[name.split("-")[0]][0], "--startup-delay 8"))
+    p = _apply_process(fleet)
+    assert p.stdout is not None
+    started = 0
+    for line in p.stdout:
+        started += ": start: " in line
+        if started == 4:
+            break
+    p.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    p.wait(timeout=30)
+    rest = p.stdout.read()  # what the loop above had not read yet
+    assert p.returncode == 130, rest
+    assert time.monotonic() - t0 < 5  # not held until the servers are healthy
+    assert "interrupted: servers that were starting keep running" in rest
+    assert len(servers_running(fleet.hosts)) == 4  # left running, unrecorded
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out
+    assert [o["action"] for o in outcomes(r)] == ["adopt"] * 4
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0

@@ -125,7 +125,14 @@ def run_apply(
             if not c.as_json:
                 console.print(f"[bold]{node}[/]: {msg}", highlight=False)
 
-        outcomes = apply_fleet(inv, deployments, book, opts, emit)
+        try:
+            outcomes = apply_fleet(inv, deployments, book, opts, emit)
+        except KeyboardInterrupt:
+            sys.stderr.write(
+                "interrupted: servers that were starting keep running and the state records "
+                "what was confirmed; run apply again to adopt or replace them\n"
+            )
+            return 130
     return report(outcomes, book, c, console, "apply")
 
 

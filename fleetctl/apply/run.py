@@ -139,11 +139,23 @@ def _targets(inv: Inventory, extra: Iterable[Deployment]) -> dict[str, Target]:
     return out
 
 
+# Set on Ctrl-C: node workers stop waiting for health and return; what they started keeps
+# running and is adopted by the next apply.
+CANCEL = threading.Event()
+
+
 def _each_node(
     names: Sequence[str], parallel: int, work: Callable[[str], list[Outcome]]
 ) -> list[Outcome]:
-    with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names) or 1))) as pool:
+    CANCEL.clear()
+    pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names) or 1)))
+    try:
         results = list(pool.map(work, names))
+    except KeyboardInterrupt:
+        CANCEL.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
     return [o for r in results for o in r]
 
 
@@ -207,7 +219,7 @@ def _converge(
     steps = node_steps(node, want, live, recorded, port_base)
     outcomes: list[Outcome] = []
     running: dict[str, Deployment] = {}  # server folder -> what runs there at the end
-    live_deployments = {server_id(d): d for d in recorded}
+    recorded_by_sid = {server_id(d): d for d in recorded}
 
     for st in steps:
         if st.kind == "keep" and st.deployment is not None:
@@ -221,7 +233,7 @@ def _converge(
             if st.stop_first and st.stop:
                 emit(node, f"stopping {', '.join(st.stop)}" + (f" ({st.note})" if st.note else ""))
         agent.stop(first, opts.stop_timeout_s)
-        book.set_node(node, [d for sid, d in live_deployments.items() if sid not in first])
+        book.set_node(node, [d for sid, d in recorded_by_sid.items() if sid not in first])
 
     # 2. Start every new server, then 3. wait for all of them together.
     waiting: dict[str, Step] = {}
@@ -249,10 +261,17 @@ def _converge(
         outcomes.append(_outcome(st, "ok", st.note or "healthy"))
     for st, why, tail in failed.values():
         outcomes.append(_outcome(st, "failed", why, tail))
+    # Recorded servers not stopped yet still run (some stop in step 4): keep them listed.
+    still = {sid: d for sid, d in recorded_by_sid.items() if sid not in first}
     if healthy or failed:
-        # Recorded servers not stopped yet still run (some stop in step 4): keep them listed.
-        still = {sid: d for sid, d in live_deployments.items() if sid not in first}
         book.set_node(node, {**still, **running}.values())
+    if CANCEL.is_set():
+        for sid, st in waiting.items():
+            if sid not in healthy and sid not in failed:
+                why = "interrupted while it started; the next apply adopts it"
+                outcomes.append(_outcome(st, "failed", why))
+        book.set_node(node, {**still, **running}.values())
+        return outcomes
 
     # 4. What the new servers replace, and what the plan no longer has, stops last.
     last: list[str] = []
@@ -271,7 +290,7 @@ def _converge(
             outcomes.append(Outcome(node, "stop", "ok", detail=f"{', '.join(st.stop)}: {st.note}"))
     if last:
         agent.stop(last, opts.stop_timeout_s)
-    if first or last or healthy or failed or set(running) != set(live_deployments):
+    if first or last or healthy or failed or set(running) != set(recorded_by_sid):
         book.set_node(node, running.values())
     return outcomes
 
@@ -285,7 +304,7 @@ def _wait(
     start = time.monotonic()
     last_check, last_why = start, {sid: "" for sid in waiting}
     pending = dict(waiting)
-    while pending:
+    while pending and not CANCEL.is_set():
         for sid, st in list(pending.items()):
             assert st.deployment is not None
             ok, why = ready(st.deployment, opts.api_key)
