@@ -179,7 +179,14 @@ def pinned(cmd: list[str], core: int | None) -> list[str]:
 class Proc:
     """A subprocess in its own process group, logging to a file; stop() always ends it."""
 
-    def __init__(self, name: str, cmd: list[str], log_dir: Path, env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        cmd: list[str],
+        log_dir: Path,
+        env: dict[str, str] | None = None,
+        cwd: Path = REPO,
+    ):
         self.name = name
         self.log = log_dir / f"{name}.log"
         with self.log.open("w") as out:
@@ -187,7 +194,7 @@ class Proc:
                 cmd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
-                cwd=REPO,
+                cwd=cwd,
                 env={**os.environ, **(env or {})},
                 start_new_session=True,
             )
@@ -282,6 +289,7 @@ class Target:
     policy: str = ""
     version: str = ""
     unavailable: str | None = None
+    pythonpath: str = ""  # fleetctl from elsewhere (--also): its first entry is the cwd
 
 
 @dataclass
@@ -312,6 +320,12 @@ def make_targets(args: argparse.Namespace) -> list[Target]:
         Target("fleetctl round-robin", "fleetctl", "round-robin", fv),
         Target("fleetctl hardware-aware", "fleetctl", "hardware-aware", fv),
     ]
+    for spec in args.also:
+        label, _, path = spec.partition("=")
+        for policy in args.also_policies.split(","):
+            targets.append(
+                Target(f"fleetctl {policy} [{label}]", "fleetctl", policy, fv, None, path)
+            )
     python = Path(args.peers_venv) / "bin" / "python"
     for name, dist in (("vllm-router", "vllm-router"), ("sglang-router", "sglang-router")):
         v = peer_version(python, dist)
@@ -706,7 +720,10 @@ async def run_target(
     tdir = work / f"{slug}-{phase}"
     tdir.mkdir(parents=True, exist_ok=True)
     cmd = pinned(router_cmd(t, port, backends, tdir, args), args.router_core)
-    proc = Proc(f"router-{slug}-{phase}", cmd, work)
+    env, cwd = {}, REPO
+    if t.pythonpath:  # `python -m` puts its cwd first on sys.path, before PYTHONPATH
+        env, cwd = {"PYTHONPATH": t.pythonpath}, Path(t.pythonpath.split(":")[0])
+    proc = Proc(f"router-{slug}-{phase}", cmd, work, env, cwd)
     try:
         url = f"http://127.0.0.1:{port}"
         await wait_ready(session, url, proc, 60)
@@ -971,6 +988,15 @@ def main() -> None:
     ap.add_argument("--phases", default="ABC", help="any of A, B, C")
     ap.add_argument("--targets", default="", help="comma list of kinds/names (default: all)")
     ap.add_argument("--quick", action="store_true", help="smaller counts (smoke test)")
+    ap.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        metavar="LABEL=PYTHONPATH",
+        help="also measure fleetctl imported from PYTHONPATH (e.g. a checkout of an older "
+        "commit, or this tree plus a folder holding uvloop), as 'fleetctl POLICY [LABEL]'",
+    )
+    ap.add_argument("--also-policies", default="round-robin", help="policies for --also")
     ap.add_argument("--no-pin", action="store_true", help="do not use taskset")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "router_overhead"))
     args = ap.parse_args()

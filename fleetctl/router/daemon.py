@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.policy import Policy
@@ -91,6 +92,20 @@ def parse_precision(value: str | None) -> tuple[str | None, bool]:
     return hint, mode == "strict"
 
 
+_DECODER = json.JSONDecoder()
+
+
+def _usage(body: bytes) -> Any:
+    """The `usage` object of an OpenAI answer, decoded alone: vLLM puts it last, after the
+    generated text, which need not be parsed for it. Inside a JSON string every quote is
+    escaped, so `"usage":` with bare quotes can only be a key."""
+    at = body.rfind(b'"usage":')
+    if at < 0:  # spaced out differently: parse the whole answer
+        return json.loads(body)["usage"]
+    text = body[at + 8 :].decode()
+    return _DECODER.raw_decode(text, len(text) - len(text.lstrip()))[0]
+
+
 @dataclass
 class Waiter:
     request: Request
@@ -112,6 +127,8 @@ class Router:
     _kick: asyncio.Event = field(default_factory=asyncio.Event)
     _session: aiohttp.ClientSession | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # Upstream URLs, parsed once: aiohttp re-parses a str URL on every request.
+    _urls: dict[tuple[str, bool], URL] = field(default_factory=dict)
 
     @property
     def policy(self) -> Policy:
@@ -137,8 +154,13 @@ class Router:
             sock_read=self.config.upstream_timeout_s,
         )
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        # No cookie jar: a proxy must not keep a backend's cookies and replay them to the
+        # backends on other clients' requests.
         self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=connector, auto_decompress=False
+            timeout=timeout,
+            connector=connector,
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._tasks.append(asyncio.create_task(self._dispatcher()))
         if self.shared is not None:
@@ -171,6 +193,13 @@ class Router:
             except Exception as e:
                 log.warning("session store: %s", type(e).__name__)
 
+    def _wake(self) -> None:
+        """Something changed (a request ended or failed): let the dispatcher place what waits.
+        Nothing waits almost always; then waking it would cost a task switch and a new timer
+        per request for nothing."""
+        if self.waiting:
+            self._kick.set()
+
     def _background(self, coro: Any) -> None:
         """Fire and forget (a shared-store write), keeping a reference until it ends."""
         task = asyncio.create_task(coro)
@@ -202,6 +231,7 @@ class Router:
                 )
             merged.append(b)
         self.backends[:] = merged
+        self._urls.clear()
         if self.live is not None:
             self.live.backends = self.backends
         self._kick.set()
@@ -352,7 +382,7 @@ class Router:
             if isinstance(outcome, web.StreamResponse):
                 status = str(outcome.status)
                 self.metrics.requests.inc(req.model, backend.node_class, reason, status)
-                self._kick.set()
+                self._wake()
                 return outcome
             # Failed before any byte reached the client: try another backend.
             if len(tried) > self.config.max_retries:
@@ -363,7 +393,7 @@ class Router:
                 account(backend, req)
                 reason = "retry"
         self.metrics.requests.inc(req.model, tried[-1].node_class, reason, "502")
-        self._kick.set()
+        self._wake()
         return ClientError(
             502, "every backend tried failed before answering", "server_error"
         ).response()
@@ -391,9 +421,12 @@ class Router:
             headers["Authorization"] = f"Bearer {self.config.backend_api_key}"
         elif self.config.api_key is None and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]  # the client's, for vLLM
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        url = self._urls.get((b.name, chat))
+        if url is None:
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            url = self._urls[(b.name, chat)] = URL(b.name + path)
         try:
-            up = await self._session.post(b.name + path, data=raw, headers=headers)
+            up = await self._session.post(url, data=raw, headers=headers)
         except asyncio.CancelledError:
             release(b, req, first_token_seen=False)  # the client left while we connected
             raise
@@ -444,11 +477,11 @@ class Router:
         started: float,
     ) -> web.StreamResponse | None:
         out = web.StreamResponse(status=up.status, headers=self._headers(up, b))
-        chunks = up.content.iter_any()
+        # readany() directly (b"" at the end) rather than through iter_any()'s iterator: this
+        # loop runs once per chunk, and every call and exception it saves counts there.
+        read = up.content.readany
         try:
-            first = await chunks.__anext__()
-        except StopAsyncIteration:
-            first = b""
+            first = await read()
         except asyncio.CancelledError:
             release(b, req, first_token_seen=False)
             raise
@@ -459,15 +492,13 @@ class Router:
         tokens = 0
         try:
             await out.prepare(request)
+            write = out.write
             chunk = first
-            while True:
+            while chunk:
                 tokens += chunk.count(b"data: {")
-                if chunk:
-                    await out.write(chunk)  # as it arrives: no buffering
+                await write(chunk)  # as it arrives: no buffering
                 try:
-                    chunk = await chunks.__anext__()
-                except StopAsyncIteration:
-                    break
+                    chunk = await read()
                 except (TimeoutError, aiohttp.ClientError) as e:
                     # The backend died mid-stream: end the client's stream with an error event.
                     self._failed(b, req, first_token_seen=True)
@@ -507,17 +538,17 @@ class Router:
 
     def _done(self, b: Backend, req: Request, started: float, body: bytes | None) -> None:
         release(b, req)
-        self._kick.set()
+        self._wake()
         self.metrics.e2e.observe(time.monotonic() - started, req.model)
         if body:
             with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-                usage = json.loads(body)["usage"]
+                usage = _usage(body)
                 self.estimator.observe(req.model, int(usage["completion_tokens"]))
                 self.tokens.observe(req.model, req.prompt_chars, int(usage["prompt_tokens"]))
 
     def _failed(self, b: Backend, req: Request, first_token_seen: bool = False) -> None:
         release(b, req, first_token_seen)
-        self._kick.set()
+        self._wake()
         if self.live is not None:
             self.live.failed(b, time.monotonic())
 

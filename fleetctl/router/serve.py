@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
@@ -29,6 +30,31 @@ log = logging.getLogger("fleetctl.router")
 Reload = Callable[[], "list[Backend]"]
 # One line per request; never headers, so never an Authorization header or API key.
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
+
+
+class AccessLog(AbstractAccessLogger):
+    """The line aiohttp's AccessLogger writes for ACCESS_LOG_FORMAT, e.g.
+    `127.0.0.1 "POST /v1/completions HTTP/1.1" 200 512 0.001234s`, built by one format string
+    instead of a list of per-field methods and an `extra` dict nobody reads (the handler's
+    format is the message alone). It runs once per request."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        v = request.version
+        self.logger.info(
+            '%s "%s %s HTTP/%d.%d" %d %d %06fs',
+            request.remote or "-",
+            request.method,
+            request.path_qs,
+            v.major,
+            v.minor,
+            response.status,
+            response.body_length,
+            time,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.logger.isEnabledFor(logging.INFO)  # so FLEETCTL_LOG_LEVEL=WARNING skips it
 
 
 def read_secret(path: Path, what: str) -> str:
@@ -129,6 +155,13 @@ def serve(
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     logging.basicConfig(level=os.environ.get("FLEETCTL_LOG_LEVEL", "INFO"), format="%(message)s")
+    # The format prints the message alone, so skip what every log record would otherwise look
+    # up (the caller's frame, thread, process): the access log writes a record per request.
+    # (The "Optimization" section of the logging HOWTO.)
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     log.info(
         "fleetctl route-serve on http://%s:%s: %d backends, policy %s",
         host.strip("[]"),
@@ -142,6 +175,7 @@ def serve(
         port=int(port),
         handler_cancellation=True,  # a client that disconnects cancels its upstream request
         backlog=4096,  # the default 128 overflowed at 1,000 concurrent streams (measured)
+        access_log_class=AccessLog,
         access_log_format=ACCESS_LOG_FORMAT,
         print=None,
     )

@@ -1,0 +1,702 @@
+"""Issue 4 benchmark (b): p99 TTFT of an Azure trace replayed through each router, live.
+
+Run (from the repository root, in the dev venv; vllm-router lives in its own venv):
+
+    python3 -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router
+    python benchmarks/fleet_replay.py [--trace code] [--requests 2000] [--time-scale 2]
+        [--rounds 1] [--targets fleetctl,round_robin,...] [--quick]
+
+The fleet is the planner's placement for `example:seed-mixed-8b-16k` (4x A100 SXM4 80GB + 8x
+RTX 4090, Llama-3.1 8B BF16, max_model_len 16384): twelve `fleetctl emulate` processes, one
+per planned server, started with that server's vLLM flags and `--time-scale X`, fresh for
+every target (no queue or KV state leaks from one target into the next). The requests are
+the first N rows of an Azure LLM inference trace (../shared/traces), their arrivals
+compressed to 80% of the fleet's capacity exactly as `fleetctl simulate --load 0.8` does it
+(fleetctl.sim.run.compare: the planner's saturation throughput for the window's mean
+request), then X times more for the emulators' faster clock. Every target gets the same
+requests: a streamed /v1/completions with a prompt of exactly the trace's token count (the
+emulator and both routers count 4 characters per token; each prompt is unique text, so no
+prefix is shared) and max_tokens set to the trace's output length (the emulator generates
+exactly that many). No session ids: the trace has none.
+
+Targets: `fleetctl route-serve --policy hardware-aware` and vllm-router with round_robin,
+power_of_two, cache_aware and kv_aware (`--targets` also takes fleetctl-round-robin as a
+control: same policy as vllm-router's round_robin, our proxy). The load generator (this
+process, asyncio + aiohttp) sends each request at its arrival time and records, per
+request, the time to the first SSE token event and to the end of the stream; both are
+multiplied by X to give model seconds. Rounds rotate the order of the targets.
+
+Printed and written to --out: per target the TTFT mean/p50/p90/p99, E2E p99, errors, how
+the requests split between A100s and 4090s (read from the emulators' /metrics at the end),
+the emulators' preemptions, the load generator's send lag and the machine's CPU use; and
+the simulator's figures for the same requests (`fleetctl simulate`'s engine and policies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import math
+import os
+import random
+import signal
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from router_overhead import Proc, cpu_ticks, machine, peer_version, tree_cpu_s
+
+from fleetctl.catalog import load_catalog
+from fleetctl.inventory import load_inventory
+from fleetctl.planner import plan_fleet
+from fleetctl.resources import examples
+from fleetctl.sim.run import compare
+from fleetctl.sim.workload import WorkItem, load_trace
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO.parent / "shared" / "traces"
+EXAMPLE = "seed-mixed-8b-16k"
+CHARS_PER_TOKEN = 4  # what fleetctl.emulator.protocol and the router's default assume
+SIM_POLICIES = ("round-robin", "least-outstanding", "power-of-two", "kv-aware", "hardware-aware")
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass
+class Target:
+    name: str
+    kind: str  # fleetctl | vllm-router
+    policy: str
+
+
+TARGETS = [
+    Target("fleetctl hardware-aware", "fleetctl", "hardware-aware"),
+    Target("vllm-router round_robin", "vllm-router", "round_robin"),
+    Target("vllm-router power_of_two", "vllm-router", "power_of_two"),
+    Target("vllm-router cache_aware", "vllm-router", "cache_aware"),
+    Target("vllm-router kv_aware", "vllm-router", "kv_aware"),
+    Target("fleetctl round-robin", "fleetctl", "round-robin"),
+]
+DEFAULT_TARGETS = "hardware-aware,round_robin,power_of_two,cache_aware,kv_aware"
+
+
+def pick_targets(spec: str) -> list[Target]:
+    wanted = [w.strip() for w in spec.split(",") if w.strip()]
+    out = []
+    for w in wanted:
+        found = [t for t in TARGETS if t.name == w or t.policy == w or t.name.endswith(" " + w)]
+        if not found:
+            found = [t for t in TARGETS if t.name.replace(" ", "-") == w]
+        if not found:
+            raise SystemExit(f"unknown target {w!r}: use one of {[t.name for t in TARGETS]}")
+        out += [t for t in found if t not in out]
+    return out
+
+
+# --- the fleet and the workload ----------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    inventory: Path
+    model: str  # the served name
+    profile: str  # its model profile
+    servers: list[Any]  # the planner's Deployments of the model
+    inv: Any
+    plan: Any
+
+
+def planned_fleet() -> Fleet:
+    path = examples()[EXAMPLE]
+    inv = load_inventory(path, load_catalog())
+    plan = plan_fleet(inv)
+    m = inv.models[0]
+    servers = [d for d in plan.deployments if d.model == m.name]
+    return Fleet(path, m.name, m.profile.name, servers, inv, plan)
+
+
+def workload(fleet: Fleet, args: argparse.Namespace) -> tuple[list[WorkItem], dict[str, Any]]:
+    """The trace window at `args.load` of the fleet's capacity (model seconds), and the
+    simulator's figures for it."""
+    path = TRACES / f"AzureLLMInferenceTrace_{args.trace}.csv"
+    rows = load_trace(path, fleet.model, args.skip + args.requests)[args.skip :]
+    t0 = rows[0].arrival
+    # The client states max_tokens, so routers (live and simulated) know each output length.
+    rows = [replace(w, arrival=w.arrival - t0, max_tokens=w.output) for w in rows]
+    started = time.perf_counter()
+    c = compare(fleet.inv, fleet.plan, fleet.model, rows, SIM_POLICIES, load=args.load)
+    sim = c.to_json()
+    sim["wall_s"] = time.perf_counter() - started
+    return c.items, sim
+
+
+def word_pool(chars: int, seed: int = 7) -> str:
+    rng = random.Random(seed)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+        for _ in range(4000)
+    ]
+    out, n = [], 0
+    while n < chars:
+        w = rng.choice(words)
+        out.append(w)
+        n += len(w) + 1
+    return " ".join(out)
+
+
+def bodies(items: list[WorkItem], model: str) -> list[bytes]:
+    """One streamed completion per item: a prompt of exactly `prompt` tokens at 4 characters
+    per token, unique from its first characters, and max_tokens = the trace's output."""
+    longest = max(w.prompt for w in items) * CHARS_PER_TOKEN
+    pool = word_pool(2 * longest + 1000)
+    rng = random.Random(11)
+    out = []
+    for w in items:
+        head = f"request {w.id}: "
+        need = w.prompt * CHARS_PER_TOKEN - len(head)
+        start = rng.randrange(0, len(pool) - max(need, 0))
+        prompt = (head + pool[start : start + max(need, 0)])[: w.prompt * CHARS_PER_TOKEN]
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": w.output,
+            "stream": True,
+        }
+        out.append(json.dumps(body).encode())
+    return out
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (all held open while picking, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
+def emulator_cmd(d: Any, profile: str, port: int, scale: float) -> list[str]:
+    s = d.server
+    return [
+        sys.executable,
+        "-m",
+        "fleetctl",
+        "emulate",
+        "--gpu",
+        s.gpu_type,
+        "--model",
+        profile,
+        "--variant",
+        s.variant,
+        s.source,
+        "--served-model-name",
+        s.model,
+        "--port",
+        str(port),
+        "--time-scale",
+        f"{scale:g}",
+        "--tensor-parallel-size",
+        str(s.tensor_parallel_size),
+        "--max-model-len",
+        str(s.max_model_len),
+        "--gpu-memory-utilization",
+        str(s.gpu_memory_utilization),
+        "--kv-cache-dtype",
+        s.kv_cache_dtype,
+        "--max-num-batched-tokens",
+        str(s.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(s.max_num_seqs),
+    ]
+
+
+def router_cmd(
+    t: Target,
+    port: int,
+    prom: int,
+    fleet: Fleet,
+    urls: list[str],
+    work: Path,
+    args: argparse.Namespace,
+) -> tuple[list[str], dict[str, str]]:
+    if t.kind == "fleetctl":
+        entries = [
+            {
+                "url": u,
+                "node": d.node,
+                "gpu_type": d.server.gpu_type,
+                "model": d.server.model,
+                "variant": d.server.variant,
+                "kv_budget_tokens": d.server.kv_budget_tokens,
+                "max_num_seqs": d.server.max_num_seqs,
+            }
+            for u, d in zip(urls, fleet.servers, strict=True)
+        ]
+        bfile = work / "backends.yaml"
+        bfile.write_text(json.dumps({"backends": entries}, indent=1))
+        cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(fleet.inventory)]
+        cmd += ["--backends", str(bfile), "--listen", f"127.0.0.1:{port}"]
+        cmd += ["--policy", t.policy, "--state-dir", str(work / "state")]
+        # No access log line per request (vllm-router runs at warn too).
+        return cmd, {"FLEETCTL_LOG_LEVEL": "WARNING"}
+    peers = Path(args.peers_venv) / "bin"
+    cmd = [str(peers / "vllm-router"), "--worker-urls", *urls, "--policy", t.policy]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prom)]
+    cmd += ["--log-level", "warning"]
+    return cmd, {}
+
+
+async def wait_ready(
+    session: aiohttp.ClientSession, url: str, model: str, proc: Proc, limit_s: float
+) -> None:
+    """Until /health answers 200 (emulators) or a one-token completion does (routers)."""
+    end = time.monotonic() + limit_s
+    body = json.dumps({"model": model, "prompt": "ready?", "max_tokens": 1}).encode()
+    last = "no answer"
+    while time.monotonic() < end:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited: {proc.tail()}")
+        try:
+            if proc.name.startswith("emu"):
+                req = session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2))
+            else:
+                req = session.post(
+                    url + "/v1/completions",
+                    data=body,
+                    headers=JSON_HEADERS,
+                    timeout=aiohttp.ClientTimeout(total=5),
+                )
+            async with req as r:
+                await r.read()
+                if r.status == 200:
+                    return
+                last = f"HTTP {r.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            last = type(e).__name__
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{proc.name} not ready after {limit_s:.0f} s ({last}): {proc.tail()}")
+
+
+async def backend_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """Requests finished, prompt tokens and preemptions from an emulator's /metrics."""
+    want = {
+        "vllm:request_success_total": "requests",
+        "vllm:prompt_tokens_total": "prompt_tokens",
+        "vllm:num_preemptions_total": "preemptions",
+    }
+    out = dict.fromkeys(want.values(), 0.0)
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in want:
+            out[want[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+# --- the replay --------------------------------------------------------------------------------
+
+
+@dataclass
+class Sample:
+    item: int
+    lag: float  # wall s the send was late
+    ttft: float  # model s
+    e2e: float  # model s
+    ok: bool
+    error: str = ""
+
+
+@dataclass
+class Outcome:
+    target: str
+    round: int
+    samples: list[Sample]
+    wall_s: float
+    cpu: dict[str, float]
+    backends: dict[str, dict[str, Any]]
+
+
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    i: int,
+    body: bytes,
+    expect: int,
+    due: float,
+    scale: float,
+) -> Sample:
+    t0 = time.perf_counter()
+    lag = t0 - due
+    first = 0.0
+    events = 0
+    tail = b""
+    try:
+        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+            async for chunk in resp.content.iter_any():
+                joined = tail + chunk
+                n = joined.count(b"data: {") - tail.count(b"data: {")
+                if n and not first:
+                    first = time.perf_counter()
+                events += n
+                tail = joined[-32:]
+            t1 = time.perf_counter()
+            ok = resp.status == 200 and events == expect and tail.endswith(b"data: [DONE]\n\n")
+            error = "" if ok else f"HTTP {resp.status}, {events}/{expect} events"
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        t1 = time.perf_counter()
+        ok, error = False, type(e).__name__
+    ttft = ((first or t1) - t0) * scale
+    return Sample(i, lag, ttft, (t1 - t0) * scale, ok, error)
+
+
+async def replay(
+    session: aiohttp.ClientSession,
+    url: str,
+    items: list[WorkItem],
+    payloads: list[bytes],
+    scale: float,
+    drain_s: float,
+) -> list[Sample]:
+    tasks: list[asyncio.Task[Sample]] = []
+    start = time.perf_counter() + 0.2
+    for w, body in zip(items, payloads, strict=True):
+        due = start + w.arrival / scale
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(
+            asyncio.create_task(
+                send(session, url + "/v1/completions", w.id, body, w.output, due, scale)
+            )
+        )
+    done, pending = await asyncio.wait(tasks, timeout=drain_s)
+    for t in pending:
+        t.cancel()
+    samples = [t.result() for t in done]
+    for t, w in zip(tasks, items, strict=True):
+        if t in pending:
+            samples.append(Sample(w.id, 0.0, math.nan, math.nan, False, "not finished"))
+    return samples
+
+
+async def run_target(
+    t: Target,
+    rnd: int,
+    fleet: Fleet,
+    items: list[WorkItem],
+    payloads: list[bytes],
+    args: argparse.Namespace,
+    work: Path,
+) -> Outcome:
+    slug = f"{t.name.replace(' ', '-')}-r{rnd}"
+    tdir = work / slug
+    tdir.mkdir(parents=True, exist_ok=True)
+    procs: list[Proc] = []
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    connector = aiohttp.TCPConnector(limit=0)
+    try:
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            ports = free_ports(len(fleet.servers) + 2)
+            port, prom = ports.pop(), ports.pop()
+            emus = []
+            for d, p in zip(fleet.servers, ports, strict=True):
+                cmd = emulator_cmd(d, fleet.profile, p, args.time_scale)
+                emus.append(Proc(f"emu-{d.node}", cmd, tdir))
+            procs += emus
+            urls = [f"http://127.0.0.1:{p}" for p in ports]
+            for u, e in zip(urls, emus, strict=True):
+                await wait_ready(session, u, fleet.model, e, 60)
+            cmd, env = router_cmd(t, port, prom, fleet, urls, tdir, args)
+            router = Proc("router", cmd, tdir, env)
+            procs.append(router)
+            rurl = f"http://127.0.0.1:{port}"
+            await wait_ready(session, rurl, fleet.model, router, 60)
+            await asyncio.sleep(1.5)  # scrapes and health checks settle
+            print(f"  {t.name} (round {rnd + 1}): replaying {len(items)} requests", flush=True)
+            c0 = {p.name: tree_cpu_s(p.pid) for p in procs}
+            self0 = time.process_time()
+            busy0, steal0 = cpu_ticks()
+            started = time.perf_counter()
+            samples = await replay(session, rurl, items, payloads, args.time_scale, args.drain_s)
+            wall = time.perf_counter() - started
+            busy1, steal1 = cpu_ticks()
+            hz = os.sysconf("SC_CLK_TCK")
+            router_cpu = tree_cpu_s(router.pid) - c0["router"]
+            emu_cpu = sum(tree_cpu_s(e.pid) - c0[e.name] for e in emus)
+            client_cpu = time.process_time() - self0
+            machine_cpu = (busy1 - busy0) / hz
+            cpu = {
+                "router_s": router_cpu,
+                "emulators_s": emu_cpu,
+                "client_s": client_cpu,
+                "machine_s": machine_cpu,
+                "others_s": max(0.0, machine_cpu - router_cpu - emu_cpu - client_cpu),
+                "steal_s": (steal1 - steal0) / hz,
+                "cores": float(os.cpu_count() or 1),
+            }
+            backends = {}
+            for d, u in zip(fleet.servers, urls, strict=True):
+                with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
+                    counters = await backend_counters(session, u)
+                    backends[d.node] = {**counters, "gpu": d.server.gpu_type}
+            if not router.alive():
+                raise RuntimeError(f"router exited: {router.tail()}")
+            return Outcome(t.name, rnd, samples, wall, cpu, backends)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+# --- report ------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], p: float) -> float:
+    """Linear interpolation between closest ranks, as the simulator's summary computes it."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(o: Outcome, items: list[WorkItem]) -> dict[str, Any]:
+    good = [s for s in o.samples if s.ok]
+    ttft = [s.ttft for s in good]
+    errors: dict[str, int] = {}
+    for s in o.samples:
+        if not s.ok:
+            errors[s.error] = errors.get(s.error, 0) + 1
+    a100 = [b for b in o.backends.values() if str(b["gpu"]).startswith("A100")]
+    total_req = sum(b["requests"] for b in o.backends.values()) or 1
+    total_tok = sum(b["prompt_tokens"] for b in o.backends.values()) or 1
+    long_ids = {w.id for w in items if w.prompt + w.output > 4096}
+    long_ttft = [s.ttft for s in good if s.item in long_ids]
+    short_ttft = [s.ttft for s in good if s.item not in long_ids]
+    cpu = o.cpu
+    return {
+        "requests": len(o.samples),
+        "completed": len(good),
+        "errors": errors,
+        "ttft_mean_s": statistics.fmean(ttft) if ttft else math.nan,
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p90_s": pct(ttft, 90),
+        "ttft_p99_s": pct(ttft, 99),
+        "ttft_p99_long_s": pct(long_ttft, 99),
+        "ttft_p99_short_s": pct(short_ttft, 99),
+        "e2e_p99_s": pct([s.e2e for s in good], 99),
+        "a100_request_share": sum(b["requests"] for b in a100) / total_req,
+        "a100_prompt_share": sum(b["prompt_tokens"] for b in a100) / total_tok,
+        "preemptions": sum(b["preemptions"] for b in o.backends.values()),
+        "lag_p99_ms": pct([s.lag for s in o.samples if s.lag == s.lag], 99) * 1000,
+        "lag_max_ms": max((s.lag for s in o.samples), default=0.0) * 1000,
+        "wall_s": o.wall_s,
+        "machine_cpu_pct": 100 * cpu["machine_s"] / (o.wall_s * cpu["cores"]),
+        "router_cpu_pct": 100 * cpu["router_s"] / o.wall_s,
+        "emulators_cpu_pct": 100 * cpu["emulators_s"] / o.wall_s,
+        "client_cpu_pct": 100 * cpu["client_s"] / o.wall_s,
+        "others_cpu_pct": 100 * cpu["others_s"] / o.wall_s,
+    }
+
+
+def s3(x: float) -> str:
+    return "-" if x != x else f"{x:.2f}"
+
+
+def report(
+    targets: list[Target], outcomes: list[Outcome], items: list[WorkItem], sim: dict[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    per: dict[str, list[dict[str, Any]]] = {}
+    for o in outcomes:
+        per.setdefault(o.target, []).append(summarize(o, items))
+    rows: dict[str, dict[str, Any]] = {}
+    for t in targets:
+        runs = per.get(t.name)
+        if not runs:
+            continue
+        row = dict(runs[0])
+        if len(runs) > 1:
+            # Counts add up; each latency figure is the median over rounds.
+            for k in row:
+                if k in ("requests", "completed", "preemptions"):
+                    row[k] = sum(r[k] for r in runs)
+                elif k == "errors":
+                    merged: dict[str, int] = {}
+                    for r in runs:
+                        for e, n in r["errors"].items():
+                            merged[e] = merged.get(e, 0) + n
+                    row[k] = merged
+                else:
+                    row[k] = statistics.median(r[k] for r in runs)
+            row["ttft_p99_rounds"] = [r["ttft_p99_s"] for r in runs]
+        rows[t.name] = row
+    base = rows.get("fleetctl hardware-aware")
+    lines = [
+        "| router, policy | requests | completed | errors | TTFT mean s | p50 | p90 | p99 "
+        "| p99 / fleetctl's | p99 long (>4K) | p99 short | E2E p99 s | A100 share of requests "
+        "(of prompt tokens) | preemptions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    best = min((r["ttft_p99_s"] for r in rows.values()), default=math.nan)
+    for name, r in rows.items():
+        ratio = r["ttft_p99_s"] / base["ttft_p99_s"] if base else math.nan
+        mark = " **lowest p99**" if r["ttft_p99_s"] == best else ""
+        lines.append(
+            f"| {name}{mark} | {r['requests']} | {r['completed']} | {sum(r['errors'].values())} "
+            f"| {s3(r['ttft_mean_s'])} | {s3(r['ttft_p50_s'])} | {s3(r['ttft_p90_s'])} "
+            f"| {s3(r['ttft_p99_s'])} | {ratio:.2f}x | {s3(r['ttft_p99_long_s'])} "
+            f"| {s3(r['ttft_p99_short_s'])} | {s3(r['e2e_p99_s'])} "
+            f"| {r['a100_request_share']:.0%} ({r['a100_prompt_share']:.0%}) "
+            f"| {r['preemptions']:.0f} |"
+        )
+    lines += [
+        "",
+        "| router, policy | wall s | send lag p99 / max ms | machine CPU % | router % of a core "
+        "| emulators % | load generator % | other tenants % |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        lines.append(
+            f"| {name} | {r['wall_s']:.0f} | {r['lag_p99_ms']:.1f} / {r['lag_max_ms']:.0f} "
+            f"| {r['machine_cpu_pct']:.0f} | {r['router_cpu_pct']:.0f} "
+            f"| {r['emulators_cpu_pct']:.0f} | {r['client_cpu_pct']:.0f} "
+            f"| {r['others_cpu_pct']:.0f} |"
+        )
+    lines += [
+        "",
+        "Simulated (`fleetctl simulate`'s engine and policies, same requests and load; the "
+        "simulator's least-outstanding is what vllm-router's kv_aware falls back to here):",
+        "",
+        "| policy (simulated) | TTFT mean s | p50 | p90 | p99 | E2E p99 s | preemptions |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in sim["policies"].items():
+        lines.append(
+            f"| {name} | {s3(s['ttft_mean_s'])} | {s3(s['ttft_p50_s'])} | {s3(s['ttft_p90_s'])} "
+            f"| {s3(s['ttft_p99_s'])} | {s3(s['e2e_p99_s'])} | {s['preemptions']} |"
+        )
+    return "\n".join(lines), rows
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+async def bench(
+    targets: list[Target],
+    fleet: Fleet,
+    items: list[WorkItem],
+    payloads: list[bytes],
+    args: argparse.Namespace,
+    work: Path,
+) -> list[Outcome]:
+    outcomes = []
+    for rnd in range(args.rounds):
+        order = targets[rnd % len(targets) :] + targets[: rnd % len(targets)]
+        for t in order:
+            try:
+                o = await run_target(t, rnd, fleet, items, payloads, args, work)
+            except RuntimeError as e:
+                print(f"  {t.name}: FAILED: {e}", flush=True)
+                continue
+            s = summarize(o, items)
+            print(
+                f"    done in {s['wall_s']:.0f} s: {s['completed']}/{s['requests']} ok, TTFT "
+                f"p50/p99 {s3(s['ttft_p50_s'])}/{s3(s['ttft_p99_s'])} s, A100 share "
+                f"{s['a100_request_share']:.0%}, lag p99 {s['lag_p99_ms']:.0f} ms, machine CPU "
+                f"{s['machine_cpu_pct']:.0f}% (router {s['router_cpu_pct']:.0f}%, emulators "
+                f"{s['emulators_cpu_pct']:.0f}%, client {s['client_cpu_pct']:.0f}%)",
+                flush=True,
+            )
+            outcomes.append(o)
+    return outcomes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--trace", default="code", choices=("code", "conv"))
+    ap.add_argument("--requests", type=int, default=2000, help="first N rows of the trace")
+    ap.add_argument("--skip", type=int, default=0, help="rows of the trace to skip first")
+    ap.add_argument("--load", type=float, default=0.8, help="share of the fleet's capacity")
+    ap.add_argument("--time-scale", type=float, default=2.0, help="emulators run X times faster")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--targets", default=DEFAULT_TARGETS)
+    ap.add_argument("--drain-s", type=float, default=120.0, help="wall s to wait for the last")
+    ap.add_argument("--peers-venv", default="/tmp/peers-venv")
+    ap.add_argument("--quick", action="store_true", help="300 requests, one round (smoke test)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "fleet_replay"))
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.rounds = 300, 1
+    targets = pick_targets(args.targets)
+    vr = peer_version(Path(args.peers_venv) / "bin" / "python", "vllm-router")
+    if vr is None and any(t.kind == "vllm-router" for t in targets):
+        raise SystemExit(f"vllm-router is not installed in {args.peers_venv}")
+    work = Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    fleet = planned_fleet()
+    items, sim = workload(fleet, args)
+    payloads = bodies(items, fleet.model)
+    span = items[-1].arrival
+    print(
+        f"{len(items)} requests of the {args.trace} trace over {span:.0f} model s "
+        f"({sim['offered_rps']:.1f} req/s = {sim['load']:.0%} of the planner's "
+        f"{sim['capacity_rps']:.1f} req/s), {span / args.time_scale:.0f} wall s per target at "
+        f"time scale {args.time_scale:g}; simulated in {sim['wall_s']:.1f} s",
+        flush=True,
+    )
+    started = time.monotonic()
+    outcomes = asyncio.run(bench(targets, fleet, items, payloads, args, work))
+    took = time.monotonic() - started
+    table, rows = report(targets, outcomes, items, sim)
+    mean_prompt = statistics.fmean(w.prompt for w in items)
+    mean_out = statistics.fmean(w.output for w in items)
+    print()
+    print(f"- Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`".strip())
+    print(f"- Machine: {machine()}")
+    print(f"- Date: {datetime.date.today().isoformat()}; the run took {took:.0f} s")
+    print(f"- vllm-router {vr or '-'}; fleetctl from this checkout")
+    print(
+        f"- Workload: rows {args.skip}-{args.skip + len(items) - 1} of "
+        f"AzureLLMInferenceTrace_{args.trace}.csv, mean prompt {mean_prompt:.0f} / output "
+        f"{mean_out:.0f} tokens, {sum(w.prompt + w.output > 4096 for w in items)} requests over "
+        f"4,096 tokens; offered {sim['offered_rps']:.2f} req/s ({sim['load']:.0%} of "
+        f"{sim['capacity_rps']:.2f}); time scale {args.time_scale:g}; {args.rounds} round(s)"
+    )
+    print()
+    print(table)
+    dump = {
+        "args": vars(args),
+        "sim": sim,
+        "rows": rows,
+        "outcomes": [
+            {
+                "target": o.target,
+                "round": o.round,
+                "wall_s": o.wall_s,
+                "cpu": o.cpu,
+                "backends": o.backends,
+                "samples": [s.__dict__ for s in o.samples],
+            }
+            for o in outcomes
+        ],
+    }
+    (work / "fleet_replay.json").write_text(json.dumps(dump, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
