@@ -13,7 +13,10 @@ Objective, in one solve (terms in decreasing weight):
     workload), piecewise linear, so no model's workload size biases who gets the spare GPUs;
   - a penalty for deployments whose KV cache holds fewer than `warn_sequences_below`
     sequences at max_context (the seed's lesson: weights fit, KV does not);
-  - a small bonus for replicas that stay where they run now (adding a node does not reshuffle).
+  - a small bonus for replicas that stay where they run now (adding a node does not reshuffle);
+  - a bonus per GPU in use, larger than the KV penalty, so that penalty chooses between GPUs
+    but never leaves one idle that some model could use (fairness's gain from one more
+    replica shrinks as 1/n, and at 55 RTX 4090s it fell below the penalty).
 The problem size depends on the number of classes and candidates, not on the number of nodes.
 """
 
@@ -36,6 +39,7 @@ SHORTFALL_WEIGHT = 20.0  # per unit of workload not covered (log's slope is 1 at
 RATIO_CAP = 100.0  # capacity beyond 100x the workload earns nothing more
 KV_STARVED_PENALTY = 0.05  # log units (~5% of a model's capacity), scaled by the shortfall
 STAY_BONUS = 5e-3  # per replica that stays where the current state has it
+GPU_USE_BONUS = 1.2 * KV_STARVED_PENALTY  # per GPU a deployment uses
 LOG_BREAKPOINTS = np.geomspace(1e-3, RATIO_CAP, 30)
 SOLVER_TIME_LIMIT_S = 20.0
 MIP_REL_GAP = 1e-4
@@ -187,7 +191,8 @@ def solve(
         if k.model.spec.max_replicas is not None:
             hi = min(hi, k.model.spec.max_replicas)
         short = max(0.0, 1.0 - k.sequences_at_max_len / warn_sequences_below)
-        y.append(prog.col(0, hi, KV_STARVED_PENALTY * short, integer=True))
+        cost = KV_STARVED_PENALTY * short - GPU_USE_BONUS * k.tp
+        y.append(prog.col(0, hi, cost, integer=True))
         if current[o]:  # k <= min(y, current): replicas that stay put
             stay = prog.col(0, current[o], -STAY_BONUS)
             prog.row({stay: 1.0, y[o]: -1.0}, -math.inf, 0.0)
