@@ -92,6 +92,9 @@ class RouterSpec(Strict):
     long_context_tokens: int = Field(4096, gt=0)
     bandwidth_saturation: float = Field(0.85, gt=0, le=1)
     aging: AgingSpec = Field(default_factory=AgingSpec)
+    # Port of a dcgm-exporter on every node (usually 9400): the router then reads each GPU's
+    # DCGM_FI_DEV_MEM_COPY_UTIL for memory-bandwidth saturation.
+    dcgm_exporter_port: int | None = Field(None, ge=1, le=65535)
 
     @field_validator("listen")
     @classmethod

@@ -28,6 +28,8 @@ class BackendEntry(Strict):
     kv_budget_tokens: int | None = Field(None, gt=0)
     max_num_seqs: int | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+    gpus: tuple[int, ...] = ()  # GPU indices on its node, to read them from DCGM
+    dcgm_url: str | None = Field(None, pattern=r"^https?://[^/\s]+(/.*)?$")
 
 
 def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Backend]:
@@ -64,7 +66,9 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         )
         perf = EnginePerf(gpu, model, fmt, e.tensor_parallel_size)
         node = e.node or url.split("//", 1)[1].split("/")[0]
-        out.append(Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf))
+        b = Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf)
+        b.gpus, b.dcgm_url = e.gpus, e.dcgm_url or ""
+        out.append(b)
     return out
 
 
@@ -107,9 +111,19 @@ def backends_from_state(inv: Inventory, state_dir: Path) -> list[Backend]:
                 s.kv_budget_tokens,
                 s.max_num_seqs,
                 perf,
+                gpus=d.gpu_indices,
+                dcgm_url=dcgm_url(inv, d.host),
             )
         )
     return out
+
+
+def dcgm_url(inv: Inventory, host: str) -> str:
+    """The node's dcgm-exporter page when the inventory says every node runs one."""
+    port = inv.spec.router.dcgm_exporter_port
+    if port is None:
+        return ""
+    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
 
 
 def load_backends(

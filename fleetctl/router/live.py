@@ -1,4 +1,5 @@
-"""Live backend state: /metrics scrapes, bandwidth from vLLM's read-byte counter, ejection."""
+"""Live backend state: /metrics scrapes, memory-bandwidth utilization (DCGM, else vLLM's
+read-byte counter, else the perf model), ejection."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from fleetctl.router.scrape import parse_vllm_metrics
+from fleetctl.router.scrape import parse_dcgm_mem_copy, parse_vllm_metrics
 from fleetctl.router.types import Backend
 
 
@@ -42,6 +43,8 @@ class LiveState:
     eject_after: int = 3
     max_backoff: float = 30.0
     live: dict[str, Liveness] = field(default_factory=dict)
+    # dcgm-exporter URL -> (when scraped, memory-copy utilization % by GPU index)
+    dcgm: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
 
     def state(self, b: Backend) -> Liveness:
         return self.live.setdefault(b.name, Liveness())
@@ -83,7 +86,13 @@ class LiveState:
     async def run(self, session: aiohttp.ClientSession) -> None:
         while True:
             started = time.monotonic()
-            await asyncio.gather(*(self.scrape(session, b) for b in list(self.backends)))
+            backends = list(self.backends)
+            dcgm_urls = {b.dcgm_url for b in backends if b.dcgm_url}
+            await asyncio.gather(
+                *(self.scrape(session, b) for b in backends),
+                *(self.scrape_dcgm(session, url) for url in dcgm_urls),
+            )
+            self.apply_dcgm(backends, time.monotonic())
             self.expire_all(time.monotonic())
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
@@ -123,6 +132,27 @@ class LiveState:
             s.read_bytes, s.read_at = m.read_bytes, now
         elif b.perf is not None:
             b.bandwidth_util = modelled_bandwidth(b)
+
+    async def scrape_dcgm(self, session: aiohttp.ClientSession, url: str) -> None:
+        """One node's dcgm-exporter page; a failure only leaves the last reading to go stale."""
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                if r.status == 200:
+                    self.dcgm[url] = (time.monotonic(), parse_dcgm_mem_copy(await r.text()))
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass
+
+    def apply_dcgm(self, backends: list[Backend], now: float) -> None:
+        """DCGM's reading wins over vLLM's counter and the model where it is fresh: it is the
+        device's own measure, and it also sees memory traffic of processes besides vLLM. A
+        server on several GPUs counts as busy as its busiest one (TP steps wait for it)."""
+        for b in backends:
+            reading = self.dcgm.get(b.dcgm_url) if b.dcgm_url else None
+            if reading is None or now - reading[0] > self.stale_after:
+                continue
+            values = [reading[1][g] for g in b.gpus if g in reading[1]]
+            if values:
+                b.bandwidth_util = min(1.0, max(values) / 100.0)
 
     def expire(self, b: Backend, now: float) -> None:
         """Forget scraped figures that are too old to trust."""

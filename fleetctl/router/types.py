@@ -75,6 +75,10 @@ class Backend:
     # Set for a node whose driver, CUDA or vLLM differs from its class (`fleetctl health`):
     # it then forms a class of its own, so sessions never mix it with the others.
     class_tag: str = ""
+    # The GPU indices on its node, and that node's dcgm-exporter /metrics URL, when known:
+    # DCGM then gives the measured memory-bandwidth utilization (fleetctl/router/live.py).
+    gpus: tuple[int, ...] = ()
+    dcgm_url: str = ""
 
     @property
     def node_class(self) -> str:
