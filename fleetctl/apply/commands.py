@@ -159,6 +159,17 @@ def run_destroy(inv: Inventory, c: Common, console: Any) -> int:
     return report(outcomes, book, c, console, "destroy")
 
 
+PAST = {
+    "start": "started",
+    "restart": "restarted",
+    "replace": "replaced",
+    "adopt": "adopted",
+    "keep": "unchanged",
+    "stop": "stopped",
+    "destroy": "nodes cleaned",
+}
+
+
 def report(outcomes: list[Outcome], book: StateBook, c: Common, console: Any, what: str) -> int:
     failed = [o for o in outcomes if o.status == "failed"]
     if c.as_json:
@@ -173,7 +184,7 @@ def report(outcomes: list[Outcome], book: StateBook, c: Common, console: Any, wh
         for o in outcomes:
             if o.status == "ok":
                 counts[o.action] = counts.get(o.action, 0) + 1
-        done = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing to do"
+        done = ", ".join(f"{n} {PAST[k]}" for k, n in sorted(counts.items())) or "nothing to do"
         console.print(f"{what}: {done}; {len(failed)} failed. State serial {book.serial}.")
         for o in failed:
             where = f" {o.model} GPUs {','.join(map(str, o.gpus))}" if o.model else ""
