@@ -536,3 +536,26 @@ def test_ctrl_c_stops_waiting_at_once_and_rerun_adopts(cli, fleet):
     assert r.code == 0, r.out
     assert [o["action"] for o in outcomes(r)] == ["adopt"] * 4
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+@pytest.mark.parametrize("delays", [(1.5, 2.5, 3.5, 5.0)])
+def test_killed_at_several_moments_then_one_apply_converges(cli, fleet, delays):
+    """SIGKILL the apply at different moments, alternating between two plans (create, then
+    replace every server): one more apply always ends with exactly the plan running."""
+    for i, name in enumerate(NAMES):
+        fleet.hosts.install(i, "vllm", shim(GPU[name.split("-")[0]][0], "--startup-delay 2"))
+    for n, delay in enumerate(delays):
+        fleet.inventory(max_context=8192 if n % 2 == 0 else 4096)
+        p = _apply_process(fleet)
+        time.sleep(delay)
+        p.kill()
+        p.wait()
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    state = fleet.state()["deployments"]
+    assert all(d["max_model_len"] == 4096 for d in state)
+    live = {(h, m["port"]) for h in NAMES for m in fleet.manifests(h)}
+    assert live == {(d["node"], d["port"]) for d in state}  # nothing extra, nothing missing
+    assert len(servers_running(fleet.hosts)) == len(state)
+    assert cli("status", *fleet.args(fleet.inv)).code == 0
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
