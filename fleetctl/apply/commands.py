@@ -79,6 +79,39 @@ def confirm(question: str, yes: bool) -> bool:
     return typer.confirm(question, default=False)
 
 
+class NodeProgress:
+    """Per-node event lines, and a bar of nodes done when the output is a terminal."""
+
+    def __init__(self, console: Any, what: str, quiet: bool):
+        self.console, self.what, self.quiet = console, what, quiet
+        self.bar: Any = None
+        self.task: Any = None
+
+    def __enter__(self) -> NodeProgress:
+        if not self.quiet and self.console.is_terminal:
+            from rich.progress import Progress
+
+            self.bar = Progress(console=self.console, transient=True)
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def started(self, nodes: int) -> None:
+        if self.bar is not None:
+            self.task = self.bar.add_task(self.what, total=nodes)
+
+    def done(self, node: str) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.advance(self.task)
+
+    def emit(self, node: str, msg: str) -> None:
+        if not self.quiet:
+            self.console.print(f"[bold]{node}[/]: {msg}", highlight=False)
+
+
 def run_apply(
     inv: Inventory,
     c: Common,
@@ -120,13 +153,9 @@ def run_apply(
         if not changes and not c.as_json:
             console.print("No changes planned; checking the nodes for drift.")
         book = StateBook(sdir, state)
-
-        def emit(node: str, msg: str) -> None:
-            if not c.as_json:
-                console.print(f"[bold]{node}[/]: {msg}", highlight=False)
-
         try:
-            outcomes = apply_fleet(inv, deployments, book, opts, emit)
+            with NodeProgress(console, "applying", c.as_json) as p:
+                outcomes = apply_fleet(inv, deployments, book, opts, p.emit, p.started, p.done)
         except KeyboardInterrupt:
             sys.stderr.write(
                 "interrupted: servers that were starting keep running and the state records "
@@ -150,12 +179,8 @@ def run_destroy(inv: Inventory, c: Common, console: Any) -> int:
             console.print("Nothing changed.")
             return 0
         book = StateBook(sdir, state)
-
-        def emit(node: str, msg: str) -> None:
-            if not c.as_json:
-                console.print(f"[bold]{node}[/]: {msg}", highlight=False)
-
-        outcomes = destroy_fleet(inv, book, opts, emit)
+        with NodeProgress(console, "destroying", c.as_json) as p:
+            outcomes = destroy_fleet(inv, book, opts, p.emit, p.started, p.done)
     return report(outcomes, book, c, console, "destroy")
 
 

@@ -33,6 +33,14 @@ from fleetctl.ssh import NodeError, SshOptions, SshSession, Target
 from fleetctl.state import State, save_state
 
 Emit = Callable[[str, str], None]  # (node, message): progress for the operator
+Started = Callable[[int], None]  # how many nodes this run works on
+Done = Callable[[str], None]  # a node is finished
+
+
+def _nothing(*_: object) -> None:
+    pass
+
+
 LOG_TAIL_LINES = 30
 
 
@@ -145,12 +153,24 @@ CANCEL = threading.Event()
 
 
 def _each_node(
-    names: Sequence[str], parallel: int, work: Callable[[str], list[Outcome]]
+    names: Sequence[str],
+    parallel: int,
+    work: Callable[[str], list[Outcome]],
+    started: Started = _nothing,
+    done: Done = _nothing,
 ) -> list[Outcome]:
     CANCEL.clear()
+    started(len(names))
+
+    def one(name: str) -> list[Outcome]:
+        try:
+            return work(name)
+        finally:
+            done(name)
+
     pool = ThreadPoolExecutor(max_workers=max(1, min(parallel, len(names) or 1)))
     try:
-        results = list(pool.map(work, names))
+        results = list(pool.map(one, names))
     except KeyboardInterrupt:
         CANCEL.set()
         pool.shutdown(wait=True, cancel_futures=True)
@@ -167,7 +187,9 @@ def apply_fleet(
     deployments: Sequence[Deployment],
     book: StateBook,
     opts: ApplyOptions,
-    emit: Emit = lambda node, msg: None,
+    emit: Emit = _nothing,
+    started: Started = _nothing,
+    done: Done = _nothing,
 ) -> list[Outcome]:
     """Make the nodes run exactly `deployments`; one outcome per server touched."""
     want: dict[str, list[Deployment]] = {}
@@ -181,7 +203,7 @@ def apply_fleet(
     def one(name: str) -> list[Outcome]:
         return _apply_node(targets[name], want.get(name, []), book, opts, emit, base)
 
-    return _each_node(names, opts.parallel, one)
+    return _each_node(names, opts.parallel, one, started, done)
 
 
 def _apply_node(
@@ -356,7 +378,12 @@ def _outcome(st: Step, status: Literal["ok", "failed"], detail: str, tail: str =
 
 
 def destroy_fleet(
-    inv: Inventory, book: StateBook, opts: ApplyOptions, emit: Emit = lambda n, m: None
+    inv: Inventory,
+    book: StateBook,
+    opts: ApplyOptions,
+    emit: Emit = _nothing,
+    started: Started = _nothing,
+    done: Done = _nothing,
 ) -> list[Outcome]:
     """Stop every server fleetctl started on the inventory's nodes and those state names."""
     recorded = [d for n in list(book.by_node) for d in book.recorded(n)]
@@ -379,7 +406,7 @@ def destroy_fleet(
         book.set_node(name, [])
         return [Outcome(name, "destroy", "ok", detail=f"stopped {len(sids)} servers")]
 
-    return _each_node(sorted(targets, key=natural_key), opts.parallel, one)
+    return _each_node(sorted(targets, key=natural_key), opts.parallel, one, started, done)
 
 
 # --- status ------------------------------------------------------------------------------------
