@@ -217,7 +217,7 @@ def _apply_node(
     node = t.name
     try:
         with SshSession(t, opts.ssh) as session:
-            agent = NodeAgent(session, opts.vllm_command)
+            agent = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s)
             return _converge(node, agent, want, book, opts, emit, port_base)
     except NodeError as e:
         emit(node, f"[red]{e.kind}[/]: {e.detail}")
@@ -392,7 +392,7 @@ def destroy_fleet(
     def one(name: str) -> list[Outcome]:
         try:
             with SshSession(targets[name], opts.ssh) as session:
-                agent = NodeAgent(session, opts.vllm_command)
+                agent = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s)
                 sids = [s.sid for s in agent.inspect()]
                 if sids:
                     emit(name, f"stopping {', '.join(sids)}")
@@ -451,7 +451,7 @@ def status_fleet(
         recorded = by_node.get(name, [])
         try:
             with SshSession(targets[name], opts.ssh) as session:
-                live = NodeAgent(session, opts.vllm_command).inspect()
+                live = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s).inspect()
         except NodeError as e:
             return [
                 ServerStatus(name, d.model, d.gpu_indices, d.port, "unreachable", e.detail)
