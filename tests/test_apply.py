@@ -126,6 +126,16 @@ def servers_running(hosts: TestHosts) -> list[int]:
     return out
 
 
+def squat(host, port: int) -> subprocess.Popen:
+    """Something else listening on a port of a test host, as a stray process would."""
+    cmd = ["ip", "netns", "exec", host.namespace, PY, "-m", "http.server", str(port)]
+    p = subprocess.Popen(
+        [*cmd, "--bind", host.address], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_until(lambda: get(f"http://{host.address}:{port}/")[0] in (200, 404))
+    return p
+
+
 def get(url: str) -> tuple[int, str]:
     import urllib.error
     import urllib.request
@@ -309,24 +319,8 @@ def test_faults_are_per_server_and_the_rest_go_on(cli, fleet):
     )
     fleet.hosts.install(NAMES.index("rtx-2"), "vllm", shim("RTX-4090", "--startup-delay 3"))
     a100 = fleet.hosts[NAMES.index("a100-1")]
-    squatter = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            a100.namespace,
-            PY,
-            "-m",
-            "http.server",
-            "8001",
-            "--bind",
-            a100.address,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    squatter = squat(a100, 8001)
     try:
-        wait_until(lambda: get(f"http://{a100.address}:8001/")[0] in (200, 404))
         r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
         assert r.code == 1
         by = {(o["node"], o["gpus"][0]): o for o in outcomes(r)}
@@ -558,4 +552,25 @@ def test_killed_at_several_moments_then_one_apply_converges(cli, fleet, delays):
     assert live == {(d["node"], d["port"]) for d in state}  # nothing extra, nothing missing
     assert len(servers_running(fleet.hosts)) == len(state)
     assert cli("status", *fleet.args(fleet.inv)).code == 0
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def test_replacement_refused_its_port_keeps_the_old_server(cli, fleet):
+    fleet.inventory(util=0.45)
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    old_pid = fleet.pid("a100-1", 8000)
+    a100 = fleet.hosts[NAMES.index("a100-1")]
+    squatter = squat(a100, 9000)
+    try:
+        fleet.inventory(util=0.45, max_context=4096)
+        r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+        assert r.code == 1
+        [o] = [o for o in outcomes(r) if o["node"] == "a100-1"]
+        assert o["status"] == "failed" and o["detail"].startswith("port-taken: port 9000")
+        assert _alive(old_pid)  # the surge port was taken: the old server goes on
+        kept = [d for d in fleet.state()["deployments"] if d["node"] == "a100-1"]
+        assert [(d["port"], d["max_model_len"]) for d in kept] == [(8000, 8192)]
+    finally:
+        squatter.kill()
+        squatter.wait()
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0

@@ -259,6 +259,7 @@ def _converge(
 
     # 2. Start every new server, then 3. wait for all of them together.
     waiting: dict[str, Step] = {}
+    refused: set[str] = set()  # servers that could not even start
     for st in steps:
         d = st.deployment
         if d is None or st.kind == "keep":
@@ -271,6 +272,7 @@ def _converge(
         except StartError as e:
             emit(node, f"[red]{e.kind}[/] {d.model} on GPUs {_gpus(d)}: {e.detail}")
             outcomes.append(_outcome(st, "failed", f"{e.kind}: {e.detail}"))
+            refused.add(server_id(d))
             continue
         note = f"; {st.note}" if st.note else ""
         what = f"{d.model} {d.variant} on GPUs {_gpus(d)}, port {d.port}"
@@ -301,7 +303,7 @@ def _converge(
         if st.stop_first or not st.stop:
             continue
         new = st.deployment
-        if st.kind == "replace" and new is not None and server_id(new) in failed:
+        if st.kind == "replace" and new is not None and server_id(new) in {*failed, *refused}:
             # The new server failed: the old one goes on serving.
             for d in st.replaced:
                 running[server_id(d)] = d
