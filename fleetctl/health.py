@@ -124,14 +124,15 @@ def check_gpus(facts: dict[str, Any], deployments: Sequence[Deployment]) -> list
             owner = planned.get((name, idx))
             if owner is None:
                 continue
+            ours = f.get("fleetctl_pids")
             for p in g.get("processes") or []:
                 used = p.get("used_memory_mib") or 0
                 pname = str(p.get("process_name") or "")
-                if (
-                    used >= FOREIGN_MIB
-                    and "vllm" not in pname.lower()
-                    and "python" not in pname.lower()
-                ):
+                if ours is not None:  # the probe knows fleetctl's servers: match by pid
+                    foreign = p.get("pid") not in ours
+                else:  # facts from before apply existed: a name is all there is
+                    foreign = "vllm" not in pname.lower() and "python" not in pname.lower()
+                if used >= FOREIGN_MIB and foreign:
                     out.append(
                         Check(
                             "foreign-process",

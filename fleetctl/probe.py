@@ -33,6 +33,8 @@ echo "kernel=$(uname -r)"
 echo "cpus=$(nproc 2>/dev/null)"
 echo "mem_total_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null)"
 echo "disk_free_kib=$(df -Pk "$HOME" 2>/dev/null | awk 'NR==2 {print $4}')"
+echo "fleetctl_pids=$(grep -l -s -z '^FLEETCTL_SERVER_TOKEN=' /proc/[0-9]*/environ 2>/dev/null \
+  | sed 's,/proc/\([0-9]*\)/environ,\1,' | tr '\n' ' ')"
 """
 
 # One Python start per node (`python3 -`): its version, vLLM's, and the GPUs through NVML when
@@ -92,6 +94,9 @@ def probe_node(session: SshSession) -> dict[str, Any]:
         facts[key] = value or None
     for key in ("cpus", "mem_total_kib", "disk_free_kib"):
         facts[key] = int(facts[key]) if (facts.get(key) or "").isdigit() else None
+    # Processes of servers `fleetctl apply` started (they carry its token, children included):
+    # `health` tells them from foreign processes on the GPUs by pid, not by name.
+    facts["fleetctl_pids"] = sorted(int(p) for p in (facts.get("fleetctl_pids") or "").split())
     py = session.run("python3 -", stdin=PYTHON_SCRIPT)
     info: dict[str, Any] = {}
     if py.ok and py.stdout.strip().startswith("{"):

@@ -202,6 +202,11 @@ def test_apply_status_reapply_destroy(cli, fleet):
     assert SECRET not in seen
 
     pids = {(h, m["port"]): fleet.pid(h, m["port"]) for h in NAMES for m in fleet.manifests(h)}
+    # A probe names the servers' processes, so `health` tells them from foreign GPU users.
+    r = cli("probe", *fleet.args(fleet.inv, "--json"))
+    probed = json.loads(r.out)["nodes"]
+    for (h, _), pid in pids.items():
+        assert pid in probed[h]["fleetctl_pids"]
     r = cli("status", *fleet.args(fleet.inv, "--json"))
     assert r.code == 0, r.out
     assert {s["condition"] for s in json.loads(r.out)["servers"]} == {"running"}

@@ -123,3 +123,18 @@ def test_servers_against_the_plan(emu, tmp_path, catalog):
     assert "not mistral-7b" in h.check_servers([wrong])[0].detail
     gone = dataclasses.replace(good, port=1)
     assert h.check_servers([gone], timeout=1)[0].status == "fail"
+
+
+def test_foreign_process_by_pid_when_the_probe_knows_fleetctls_servers(tmp_path, catalog):
+    """With `fleetctl_pids` (servers apply started, children included) a python notebook
+    on a planned GPU is foreign too; our vLLM engine process is not, whatever its name."""
+    inv = load_inventory(write(tmp_path, INV), catalog)
+    plan = plan_fleet(inv)
+    procs = [
+        {"pid": 7, "process_name": "VLLM::EngineCore", "used_memory_mib": 20000},
+        {"pid": 55, "process_name": "python3 train.py", "used_memory_mib": 4000},
+    ]
+    f = facts(**{"rtx-1": {"gpus": [gpu(processes=procs)], "fleetctl_pids": [6, 7]}})
+    checks = h.check_gpus(f, plan.deployments)
+    assert [(c.check, c.node) for c in checks] == [("foreign-process", "rtx-1")]
+    assert "pid 55" in checks[0].detail
