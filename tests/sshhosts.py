@@ -35,6 +35,17 @@ def available() -> str | None:
     return None
 
 
+def require() -> None:
+    """Skip the calling test where test hosts cannot be built, but fail it in CI."""
+    import pytest
+
+    why = available()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"SSH test hosts are required in CI: {why}")
+        pytest.skip(why)
+
+
 def _run(*cmd: str, stdin: str | None = None) -> str:
     p = subprocess.run(cmd, input=stdin, capture_output=True, text=True)
     if p.returncode != 0:

@@ -11,7 +11,6 @@ puts FP8 on one of them (the fp8-per-channel format is declared for that one onl
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sshhosts import STD_PATH, TestHosts, available
+from tests.sshhosts import STD_PATH, TestHosts, require
 from tests.test_apply import servers_running
 from tests.vllm_real.server import ensure_env, server_env
 
@@ -83,11 +82,7 @@ def _free_port() -> int:
 
 
 def test_apply_bf16_and_fp8_route_and_destroy(cli, tmp_path, monkeypatch):
-    why = available()
-    if why:
-        if os.environ.get("CI"):
-            pytest.fail(f"SSH test hosts are required in CI: {why}")
-        pytest.skip(why)
+    require()
     env_dir = ensure_env()
     full = server_env(env_dir)
     env = {k: full[k] for k in SERVER_ENV_KEYS}
