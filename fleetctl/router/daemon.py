@@ -19,7 +19,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from yarl import URL
 
 from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.policy import Policy
@@ -28,6 +27,7 @@ from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.types import Backend, Decision, OutputEstimator, Request
+from fleetctl.router.upstream import Response, Upstream, UpstreamError
 
 log = logging.getLogger("fleetctl.router")
 
@@ -125,10 +125,9 @@ class Router:
     waiting: dict[int, Waiter] = field(default_factory=dict)
     _ids: int = 0
     _kick: asyncio.Event = field(default_factory=asyncio.Event)
-    _session: aiohttp.ClientSession | None = None
+    _session: aiohttp.ClientSession | None = None  # for /metrics scrapes
+    _upstream: Upstream | None = None  # for the proxied requests: cheaper than aiohttp's client
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    # Upstream URLs, parsed once: aiohttp re-parses a str URL on every request.
-    _urls: dict[tuple[str, bool], URL] = field(default_factory=dict)
 
     @property
     def policy(self) -> Policy:
@@ -148,6 +147,7 @@ class Router:
         return app
 
     async def _start(self, app: web.Application) -> None:
+        self._upstream = Upstream(self.config.connect_timeout_s, self.config.upstream_timeout_s)
         timeout = aiohttp.ClientTimeout(
             total=None,
             connect=self.config.connect_timeout_s,
@@ -179,6 +179,8 @@ class Router:
             await cancel(t)
         if self._session is not None:
             await self._session.close()
+        if self._upstream is not None:
+            self._upstream.close()
         if self.shared is not None:
             await self.shared.close()
 
@@ -231,7 +233,6 @@ class Router:
                 )
             merged.append(b)
         self.backends[:] = merged
-        self._urls.clear()
         if self.live is not None:
             self.live.backends = self.backends
         self._kick.set()
@@ -415,29 +416,26 @@ class Router:
         started: float,
     ) -> web.StreamResponse | None:
         """Send to `b`; None when it failed before the first byte (the caller may retry)."""
-        assert self._session is not None
+        assert self._upstream is not None
         headers = {"Content-Type": "application/json"}
         if self.config.backend_api_key:
             headers["Authorization"] = f"Bearer {self.config.backend_api_key}"
         elif self.config.api_key is None and "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]  # the client's, for vLLM
-        url = self._urls.get((b.name, chat))
-        if url is None:
-            path = "/v1/chat/completions" if chat else "/v1/completions"
-            url = self._urls[(b.name, chat)] = URL(b.name + path)
+        url = b.name + ("/v1/chat/completions" if chat else "/v1/completions")
         try:
-            up = await self._session.post(url, data=raw, headers=headers)
+            up = await self._upstream.post(url, raw, headers)
         except asyncio.CancelledError:
             release(b, req, first_token_seen=False)  # the client left while we connected
             raise
-        except (TimeoutError, aiohttp.ClientError, OSError):
+        except (TimeoutError, UpstreamError, OSError):
             self._failed(b, req)
             return None
-        # Leaving this block closes the upstream connection: vLLM sees a disconnect and
-        # aborts the request, which is what a client that went away needs.
-        async with up:
+        # Leaving this block before the answer's end closes the upstream connection: vLLM
+        # sees a disconnect and aborts the request, which is what a client that went away needs.
+        with up:
             if up.status in RETRY_STATUSES:
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                with contextlib.suppress(UpstreamError, TimeoutError):
                     await up.read()
                 self._failed(b, req)
                 return None
@@ -450,7 +448,7 @@ class Router:
     async def _relay_whole(
         self,
         request: web.Request,
-        up: aiohttp.ClientResponse,
+        up: Response,
         req: Request,
         b: Backend,
         started: float,
@@ -460,7 +458,7 @@ class Router:
         except asyncio.CancelledError:
             release(b, req, first_token_seen=False)
             raise
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, UpstreamError):
             self._failed(b, req)
             return None
         self._first(b, req, started)
@@ -471,21 +469,20 @@ class Router:
     async def _relay_stream(
         self,
         request: web.Request,
-        up: aiohttp.ClientResponse,
+        up: Response,
         req: Request,
         b: Backend,
         started: float,
     ) -> web.StreamResponse | None:
         out = web.StreamResponse(status=up.status, headers=self._headers(up, b))
-        # readany() directly (b"" at the end) rather than through iter_any()'s iterator: this
-        # loop runs once per chunk, and every call and exception it saves counts there.
-        read = up.content.readany
+        # Whatever has arrived, at once (b"" at the end): this loop runs once per chunk.
+        read = up.read_chunk
         try:
             first = await read()
         except asyncio.CancelledError:
             release(b, req, first_token_seen=False)
             raise
-        except (TimeoutError, aiohttp.ClientError):
+        except (TimeoutError, UpstreamError):
             self._failed(b, req)
             return None  # nothing reached the client yet: retry elsewhere
         self._first(b, req, started)
@@ -499,7 +496,7 @@ class Router:
                 await write(chunk)  # as it arrives: no buffering
                 try:
                     chunk = await read()
-                except (TimeoutError, aiohttp.ClientError) as e:
+                except (TimeoutError, UpstreamError) as e:
                     # The backend died mid-stream: end the client's stream with an error event.
                     self._failed(b, req, first_token_seen=True)
                     err = {
@@ -520,7 +517,7 @@ class Router:
         self._done(b, req, started, None)
         return out
 
-    def _headers(self, up: aiohttp.ClientResponse, b: Backend) -> dict[str, str]:
+    def _headers(self, up: Response, b: Backend) -> dict[str, str]:
         h = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
         h["X-Fleet-Backend"] = b.node
         h["X-Fleet-Class"] = b.node_class

@@ -1,0 +1,317 @@
+"""A lean HTTP/1.1 client for the router's POSTs to its backends: keep-alive pool, no extras."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import ssl
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from multidict import CIMultiDict
+
+MAX_HEAD = 64 * 1024  # status line and headers
+HIGH_WATER = 256 * 1024  # unread body bytes before the socket stops being read
+
+
+class UpstreamError(Exception):
+    """The backend broke the exchange: it closed early or answered something not HTTP/1.x."""
+
+
+class ServerDisconnected(UpstreamError):
+    pass
+
+
+class BadResponse(UpstreamError):
+    pass
+
+
+class _Conn(asyncio.Protocol):
+    """One connection. The protocol only buffers; parsing happens in the reading coroutine."""
+
+    def __init__(self, pool: collections.deque[_Conn]):
+        self.pool = pool
+        self.buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.closed = False
+        self.idle = False  # in the pool
+        self.received = 0  # bytes of the current response so far
+        self.paused = False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.idle:  # an idle connection must stay silent
+            self.abort()
+            return
+        self.buf += data
+        self.received += len(data)
+        if len(self.buf) > HIGH_WATER and self.transport is not None:
+            self.transport.pause_reading()  # a slow client: let TCP push back on the backend
+            self.paused = True
+        self._wake()
+
+    def eof_received(self) -> None:
+        self._lost()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost()
+
+    def _lost(self) -> None:
+        self.closed = True
+        if self.idle:  # closed by the server while idle: forget it
+            self.idle = False
+            self.pool.remove(self)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def wait(self, timeout: float) -> None:
+        """Until more bytes (or the end) arrive; TimeoutError after `timeout` of silence."""
+        if self.closed:
+            raise ServerDisconnected("the backend closed the connection")
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class Response:
+    """Status and headers of an answer; the body is read whole or piece by piece as it comes."""
+
+    def __init__(self, conn: _Conn, upstream: Upstream, status: int, headers: CIMultiDict[str]):
+        self._conn, self._upstream = conn, upstream
+        self.status, self.headers = status, headers
+        self._reusable = "close" not in headers.get("Connection", "").lower()
+        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        length = headers.get("Content-Length")
+        # _left: bytes of the body (or of the current chunk) still to come; below 0, what the
+        # chunked parser expects next: -1 a size line, -2 the CRLF after data, -3 trailers.
+        if status in (204, 304):
+            self._left, self._chunked = 0, False
+        elif self._chunked:
+            self._left = -1
+        elif length is not None and length.isdigit():
+            self._left = int(length)
+        else:
+            self._left, self._reusable = -4, False  # -4: until the server closes
+        self.done = self._left == 0
+
+    async def read(self) -> bytes:
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    async def read_chunk(self) -> bytes:
+        """The body bytes that have arrived (waiting for some if none have); b"" at the end."""
+        conn = self._conn
+        while not self.done:
+            data = self._take(conn.buf)
+            if data or self.done:
+                return data
+            if conn.closed and self._left == -4:
+                self.done = True
+                break
+            await conn.wait(self._upstream.read_timeout)
+        return b""
+
+    def _take(self, buf: bytearray) -> bytes:
+        if not self._chunked:
+            if self._left == -4 or len(buf) <= self._left:
+                data = bytes(buf)
+                buf.clear()
+            else:
+                data = bytes(buf[: self._left])
+                del buf[: self._left]
+            if self._left != -4:
+                self._left -= len(data)
+                self.done = self._left == 0
+            return data
+        out = []
+        while not self.done:
+            if self._left > 0:  # inside a chunk
+                if not buf:
+                    break
+                piece = bytes(buf[: self._left])
+                del buf[: len(piece)]
+                out.append(piece)
+                self._left -= len(piece)
+                if self._left:
+                    break
+                self._left = -2
+            end = buf.find(b"\r\n")
+            if end < 0:
+                if len(buf) > MAX_HEAD:
+                    raise BadResponse("chunk line too long")
+                break
+            line = bytes(buf[:end])
+            del buf[: end + 2]
+            if self._left == -2:  # the CRLF that ends a chunk's data
+                if line:
+                    raise BadResponse("chunk data overran its size")
+                self._left = -1
+            elif self._left == -1:
+                try:
+                    size = int(line.split(b";", 1)[0], 16)
+                except ValueError:
+                    raise BadResponse(f"bad chunk size {line[:20]!r}") from None
+                self._left = size if size else -3
+            elif not line:  # -3: trailers end with an empty line
+                self.done = True
+        return b"".join(out)
+
+    def close(self) -> None:
+        """Back to the pool when the answer was read to its end; otherwise the connection is
+        dropped, which tells a vLLM server to abort the request."""
+        conn = self._conn
+        if self.done and self._reusable and not conn.closed and not conn.buf:
+            self._upstream._release(conn)
+        else:
+            conn.abort()
+
+    def __enter__(self) -> Response:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Upstream:
+    """POSTs to backends over kept-alive HTTP/1.1 connections, at most `max_idle` idle each."""
+
+    def __init__(self, connect_timeout: float, read_timeout: float, max_idle: int = 256):
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.max_idle = max_idle
+        self._pools: dict[tuple[str, int, bool], collections.deque[_Conn]] = {}
+        self._targets: dict[str, tuple[tuple[str, int, bool], str, str, str]] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _target(self, url: str) -> tuple[tuple[str, int, bool], str, str, str]:
+        """(host, port, tls), request line and Host header, server name, Basic auth: parsed
+        once per URL."""
+        got = self._targets.get(url)
+        if got is None:
+            u = urlsplit(url)
+            tls = u.scheme == "https"
+            host = u.hostname or ""
+            head = f"POST {u.path or '/'} HTTP/1.1\r\nHost: {u.netloc.rpartition('@')[2]}\r\n"
+            auth = ""
+            if u.username is not None:  # credentials in the URL: Basic auth, as aiohttp does
+                cred = f"{unquote(u.username)}:{unquote(u.password or '')}".encode()
+                auth = f"Authorization: Basic {base64.b64encode(cred).decode()}\r\n"
+            key = (host, u.port or (443 if tls else 80), tls)
+            got = self._targets[url] = (key, head, host, auth)
+        return got
+
+    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
+        """Send; return once the status and headers are in. A kept-alive connection that the
+        server closed before answering anything gets the request again on a fresh one: it
+        cannot have been processed."""
+        key, head, host, auth = self._target(url)
+        text = [head, f"Content-Length: {len(body)}\r\n"]
+        for k, v in headers.items():
+            if "\n" in v or "\r" in v:  # would split the request: never send it
+                raise ValueError(f"header {k} holds a line break")
+            text.append(f"{k}: {v}\r\n")
+        if auth and "Authorization" not in headers:
+            text.append(auth)
+        data = "".join(text).encode("latin-1") + b"\r\n" + body
+        pool = self._pools.setdefault(key, collections.deque())
+        if pool:  # the most recently used: the least likely to have been timed out
+            conn = pool.pop()
+            conn.idle = False
+        else:
+            conn = await self._connect(key, host, pool)
+        while True:
+            reused = conn.received > 0
+            conn.received = 0
+            try:
+                assert conn.transport is not None
+                conn.transport.write(data)
+                return await self._head(conn)
+            except ServerDisconnected:
+                conn.abort()
+                if not reused or conn.received:
+                    raise
+            except BaseException:  # timeout, bad answer, cancelled: the connection is unusable
+                conn.abort()
+                raise
+            conn = await self._connect(key, host, pool)
+
+    async def _connect(self, key: tuple[str, int, bool], sni: str, pool: Any) -> _Conn:
+        loop = asyncio.get_running_loop()
+        if key[2] and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(
+                lambda: _Conn(pool),
+                key[0],
+                key[1],
+                ssl=self._ssl if key[2] else None,
+                server_hostname=sni if key[2] else None,
+            ),
+            self.connect_timeout,
+        )
+        return conn
+
+    async def _head(self, conn: _Conn) -> Response:
+        buf = conn.buf
+        while True:
+            while (end := buf.find(b"\r\n\r\n")) < 0:
+                if len(buf) > MAX_HEAD:
+                    raise BadResponse("response head too long")
+                await conn.wait(self.read_timeout)
+            lines = buf[:end].decode("latin-1").split("\r\n")
+            del buf[: end + 4]
+            version, _, rest = lines[0].partition(" ")
+            if not version.startswith("HTTP/1.") or not rest[:3].isdigit():
+                raise BadResponse(f"not an HTTP/1.x answer: {lines[0][:40]!r}")
+            if not rest.startswith("1"):  # skip interim answers (100 Continue, 103 hints)
+                break
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip():
+                raise BadResponse(f"bad header line {line[:40]!r}")
+            headers.add(name, value.strip())
+        resp = Response(conn, self, int(rest[:3]), headers)
+        if version != "HTTP/1.1":
+            resp._reusable = False
+        return resp
+
+    def _release(self, conn: _Conn) -> None:
+        if len(conn.pool) < self.max_idle:
+            conn.idle = True
+            conn.pool.append(conn)
+        else:
+            conn.abort()
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            while pool:
+                conn = pool.pop()
+                conn.idle = False
+                conn.abort()
