@@ -486,7 +486,7 @@ def status(
 ) -> None:
     """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
     from fleetctl.apply.commands import Common, options
-    from fleetctl.apply.run import status_fleet
+    from fleetctl.apply.status import status_fleet
     from fleetctl.state import load_state
 
     inv, _ = _load(inventory, profiles)

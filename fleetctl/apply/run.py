@@ -1,4 +1,4 @@
-"""Carrying a plan out on the nodes, node by node in parallel: apply, status and destroy.
+"""Carrying a plan out on the nodes, node by node in parallel: apply and destroy.
 
 One SSH connection per node does everything there: inspect what runs, stop what must go
 first, start the new servers, wait for their /health and /v1/models (polled from here, the
@@ -22,11 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fleetctl.apply.node import Live, NodeAgent, StartError, Supervisor, server_id
+from fleetctl.apply.node import NodeAgent, StartError, Supervisor, server_id
 from fleetctl.apply.steps import Step, node_steps
 from fleetctl.inventory import Inventory
 from fleetctl.planner.candidates import natural_key
-from fleetctl.planner.diff import parse_flags
 from fleetctl.planner.model import Deployment
 from fleetctl.probe import target
 from fleetctl.ssh import NodeError, SshOptions, SshSession, Target
@@ -135,7 +134,7 @@ def ready(d: Deployment, api_key: str | None, timeout_s: float = 3.0) -> tuple[b
     return True, "healthy"
 
 
-def _targets(inv: Inventory, extra: Iterable[Deployment]) -> dict[str, Target]:
+def node_targets(inv: Inventory, extra: Iterable[Deployment]) -> dict[str, Target]:
     """Every inventory node, plus nodes only state remembers (removed from the inventory)."""
     out = {n.name: target(inv, n) for n in inv.nodes}
     ssh = inv.spec.ssh
@@ -196,7 +195,7 @@ def apply_fleet(
     for d in deployments:
         want.setdefault(d.node, []).append(d)
     recorded = [d for n in list(book.by_node) for d in book.recorded(n)]
-    targets = _targets(inv, recorded)
+    targets = node_targets(inv, recorded)
     names = sorted(set(want) | {d.node for d in recorded}, key=natural_key)
     base = inv.spec.planner.port_base
 
@@ -389,7 +388,7 @@ def destroy_fleet(
 ) -> list[Outcome]:
     """Stop every server fleetctl started on the inventory's nodes and those state names."""
     recorded = [d for n in list(book.by_node) for d in book.recorded(n)]
-    targets = _targets(inv, recorded)
+    targets = node_targets(inv, recorded)
 
     def one(name: str) -> list[Outcome]:
         try:
@@ -409,115 +408,3 @@ def destroy_fleet(
         return [Outcome(name, "destroy", "ok", detail=f"stopped {len(sids)} servers")]
 
     return _each_node(sorted(targets, key=natural_key), opts.parallel, one, started, done)
-
-
-# --- status ------------------------------------------------------------------------------------
-
-Condition = Literal[
-    "running",
-    "unhealthy",
-    "dead",
-    "missing",
-    "port-taken",
-    "restarted-by-hand",
-    "unrecorded",
-    "unreachable",
-]
-
-
-@dataclass(frozen=True)
-class ServerStatus:
-    node: str
-    model: str
-    gpus: tuple[int, ...]
-    port: int | None
-    condition: Condition
-    detail: str
-
-    def to_json(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["gpus"] = list(self.gpus)
-        return d
-
-
-def status_fleet(
-    inv: Inventory, state: State, opts: ApplyOptions
-) -> tuple[list[ServerStatus], dict[str, Any]]:
-    """Each recorded server as the node and its HTTP endpoints see it now."""
-    by_node: dict[str, list[Deployment]] = {}
-    for d in state.deployments:
-        by_node.setdefault(d.node, []).append(d)
-    targets = _targets(inv, state.deployments)
-
-    def one(name: str) -> list[ServerStatus]:
-        recorded = by_node.get(name, [])
-        try:
-            with SshSession(targets[name], opts.ssh) as session:
-                live = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s).inspect()
-        except NodeError as e:
-            return [
-                ServerStatus(name, d.model, d.gpu_indices, d.port, "unreachable", e.detail)
-                for d in recorded
-            ]
-        return node_status(name, recorded, live, opts.api_key)
-
-    with ThreadPoolExecutor(max_workers=max(1, min(opts.parallel, len(targets) or 1))) as pool:
-        rows = [r for rs in pool.map(one, sorted(targets, key=natural_key)) for r in rs]
-    return rows, {"serial": state.serial, "servers": len(state.deployments)}
-
-
-def node_status(
-    node: str, recorded: list[Deployment], live: list[Live], api_key: str | None
-) -> list[ServerStatus]:
-    out = []
-    by_sid = {s.sid: s for s in live}
-    for d in recorded:
-        s = by_sid.pop(server_id(d), None)
-        cond, detail = _condition(d, s, api_key)
-        out.append(ServerStatus(node, d.model, d.gpu_indices, d.port, cond, detail))
-    for s in by_sid.values():
-        m = s.manifest
-        out.append(
-            ServerStatus(
-                node,
-                str(m.get("model", "?")),
-                tuple(m.get("gpu_indices", ())),
-                m.get("port"),
-                "unrecorded",
-                f"{s.sid}: started by fleetctl but not in state ({'alive' if s.alive else 'dead'});"
-                " `fleetctl apply` adopts or stops it",
-            )
-        )
-    return out
-
-
-def _condition(d: Deployment, s: Live | None, api_key: str | None) -> tuple[Condition, str]:
-    if s is None:
-        return "missing", "no server folder on the node: it was removed or never started"
-    if s.alive and s.args_hash != d.args_hash:
-        return "restarted-by-hand", "its flags differ from the plan's"
-    if not s.alive:
-        foreign = s.foreign_holder
-        # vLLM's own flags mark a vLLM (or stand-in) started by hand, e.g. to try a flag.
-        if foreign and ("vllm" in foreign or "--max-model-len" in foreign):
-            changed = _changed_flags(d.vllm_args, foreign.split())
-            return "restarted-by-hand", f"a vLLM fleetctl did not start holds the port: {changed}"
-        if foreign:
-            return "port-taken", f"port {d.port} is held by: {foreign[:120]}"
-        return "dead", f"{s.sid} is not running (killed or crashed; pid was {s.pid})"
-    ok, why = ready(d, api_key)
-    return ("running", "healthy") if ok else ("unhealthy", why)
-
-
-def _changed_flags(planned: Sequence[str], found: Sequence[str]) -> str:
-    def after_serve(args: Sequence[str]) -> list[str]:
-        args = list(args)
-        return args[args.index("serve") + 1 :] if "serve" in args else args
-
-    a, b = parse_flags(after_serve(planned)), parse_flags(after_serve(found))
-    diffs = [
-        f"{k} {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}"
-        for k in sorted(a.keys() | b.keys())
-        if k != "(arguments)" and a.get(k) != b.get(k)
-    ]
-    return "; ".join(diffs[:4]) or "same flags, other process"
