@@ -106,8 +106,10 @@ if [ "$supervisor" = systemd ]; then
   pid=$(systemctl $scope show -p MainPID --value "$unit")
 else
   # setsid: the server leads its own session, so it outlives this SSH channel and its
-  # group can be signalled at once. The env file is sourced, never put on a command line.
-  setsid nohup sh -c 'set -a; . ./env; set +a; exec "$@"' fleetctl-server "$@" \
+  # group can be signalled at once. The env file is sourced, never put on a command line;
+  # the token (no secret) is set by `env` first, so the process carries it from its start.
+  setsid nohup env "FLEETCTL_SERVER_TOKEN=$(cat "$d/token")" \
+    sh -c 'set -a; . ./env; set +a; exec "$@"' fleetctl-server "$@" \
     > "$d/log" 2>&1 < /dev/null &
   pid=$!
 fi
