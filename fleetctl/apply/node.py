@@ -162,12 +162,6 @@ for d in "$root"/*/; do
 done
 """
 
-_PORTS = r"""
-for port in "$@"; do
-  if listening "$port"; then echo "$port $(holder "$port")"; fi
-done
-"""
-
 _TAIL = r"""
 n="$1"; sid="$2"
 tail -n "$n" "$root/$sid/log" 2>/dev/null || echo "(no log at ~/.fleetctl/servers/$sid/log)"
@@ -198,6 +192,18 @@ class Live:
     @property
     def args_hash(self) -> str:
         return str(self.manifest.get("args_hash", ""))
+
+    @property
+    def port(self) -> int:
+        return int(self.manifest.get("port", 0))
+
+    @property
+    def gpus(self) -> set[int]:
+        return set(self.manifest.get("gpu_indices", ()))
+
+    @property
+    def argv(self) -> list[str]:
+        return list(self.manifest.get("argv", ()))
 
     @property
     def foreign_holder(self) -> str:
@@ -276,16 +282,6 @@ class NodeAgent:
         for line in res.stdout.splitlines():
             sid, _, flag = line.rpartition(" ")
             out[sid] = flag == "1"
-        return out
-
-    def ports_in_use(self, ports: list[int]) -> dict[int, str]:
-        """Which of these ports something listens on, and who."""
-        res = self.session.run(_script(_PORTS, *map(str, ports)), self.timeout_s)
-        out = {}
-        for line in res.stdout.splitlines():
-            port, _, who = line.partition(" ")
-            if port.isdigit():
-                out[int(port)] = who
         return out
 
     def log_tail(self, sid: str, lines: int = 30) -> str:

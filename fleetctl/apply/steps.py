@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fleetctl.apply.node import Live, server_id
+from fleetctl.apply.node import Live
 from fleetctl.planner.model import SURGE_PORT_OFFSET, Deployment
 
 StepKind = Literal["keep", "adopt", "start", "restart", "replace", "stop"]
@@ -84,21 +84,17 @@ def node_steps(
             pending.append(d)
 
     others = [s for s in live if s.sid not in used]
-    taken_ports = {int(s.manifest.get("port", 0)) for s in live if s.sid in used}
+    taken_ports = {s.port for s in live if s.sid in used}
     claimed: dict[str, int] = {}  # server folder -> index in steps of the step stopping it
     for d in pending:
         gpus = set(d.gpu_indices)
-        overlap = [s for s in others if set(s.manifest.get("gpu_indices", ())) & gpus]
-        same_port = [s for s in others if int(s.manifest.get("port", 0)) == d.port]
-        clash = [s for s in {s.sid: s for s in overlap + same_port}.values()]
+        overlap = [s for s in others if s.gpus & gpus]
+        same_port = [s for s in others if s.port == d.port]
+        clash = list({s.sid: s for s in overlap + same_port}.values())
         mine = [s for s in clash if s.sid not in claimed]
         alive = [s for s in mine if s.alive]
         dead = tuple(s.sid for s in mine if not s.alive)
-        old = tuple(
-            recorded_by_port[int(s.manifest.get("port", 0))]
-            for s in alive
-            if int(s.manifest.get("port", 0)) in recorded_by_port
-        )
+        old = tuple(recorded_by_port[s.port] for s in alive if s.port in recorded_by_port)
         shared = [s for s in overlap if s.alive]
         if not shared and not any(s.alive for s in same_port):
             kind: StepKind = "start" if not dead else "restart"
@@ -107,7 +103,7 @@ def node_steps(
             steps.append(Step(kind, node, d, dead, True, note))
             taken_ports.add(d.port)
             continue
-        fits = all(_util(s.manifest.get("argv", ())) + _util(d.vllm_args) <= 1.0 for s in shared)
+        fits = all(_util(s.argv) + _util(d.vllm_args) <= 1.0 for s in shared)
         # A server another step already stops must be gone before this one starts too:
         # make that step stop first (rare: one server split into several).
         earlier = {claimed[s.sid] for s in clash if s.sid in claimed}
@@ -115,10 +111,10 @@ def node_steps(
             steps[i] = dataclasses.replace(steps[i], stop_first=True)
         fits = fits and not earlier
         start = d
-        if fits and any(s.alive and int(s.manifest.get("port", 0)) == d.port for s in clash):
+        if fits and any(s.alive and s.port == d.port for s in clash):
             home = port_base + d.gpu_indices[0]
             alt = home + SURGE_PORT_OFFSET if d.port == home else home
-            if alt in taken_ports or any(int(s.manifest.get("port", 0)) == alt for s in live):
+            if alt in taken_ports or any(s.port == alt for s in live):
                 fits = False
             else:
                 start = dataclasses.replace(d, port=alt)
@@ -140,7 +136,3 @@ def node_steps(
             why = "not in the plan" if s.alive else "not in the plan (was not running)"
             steps.append(Step("stop", node, None, (s.sid,), False, why))
     return steps
-
-
-def start_sid(step: Step) -> str | None:
-    return server_id(step.deployment) if step.deployment is not None else None
