@@ -585,6 +585,9 @@ class Router:
             self.metrics.queue.set(str(prio), value=depth.get(prio, 0))
         for b in self.backends:
             self.metrics.up.set(b.name, b.node_class, value=1.0 if b.healthy else 0.0)
+            self.metrics.outstanding.set(b.name, value=b.outstanding)
+            self.metrics.reserved.set(b.name, value=b.reserved_tokens)
+            self.metrics.prefill.set(b.name, value=b.pending_prefill)
             if self.live is not None:
                 age = (
                     now - self.live.state(b).scraped_at

@@ -120,6 +120,23 @@ class RouterMetrics:
             "Age of the last good /metrics scrape.",
             ("backend",),
         )
+        # What the router holds against each backend: a leak shows here as a value that never
+        # returns to 0 when the fleet is idle.
+        self.outstanding = Gauge(
+            "fleetctl_backend_outstanding_requests",
+            "Requests the router has in flight at a backend.",
+            ("backend",),
+        )
+        self.reserved = Gauge(
+            "fleetctl_backend_reserved_tokens",
+            "Prompt plus expected output tokens of the requests in flight at a backend.",
+            ("backend",),
+        )
+        self.prefill = Gauge(
+            "fleetctl_backend_pending_prefill_tokens",
+            "Prompt tokens in flight at a backend that have not produced a token yet.",
+            ("backend",),
+        )
 
     def render(self) -> str:
         lines: list[str] = []
@@ -133,6 +150,9 @@ class RouterMetrics:
             self.ejections,
             self.retries,
             self.scrape_age,
+            self.outstanding,
+            self.reserved,
+            self.prefill,
         ):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"
