@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import aiohttp
 from aiohttp import web
@@ -92,18 +92,28 @@ def parse_precision(value: str | None) -> tuple[str | None, bool]:
     return hint, mode == "strict"
 
 
-_DECODER = json.JSONDecoder()
+def _answer(body: bytes) -> dict[str, Any] | None:
+    """A 200 answer's JSON object, or None when it is not one (a broken backend). Parsed
+    whole: only a parse proves it is JSON, and an answer holds the generated text, not the
+    prompt, so it is small (~10 us for a 256-token completion)."""
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
-def _usage(body: bytes) -> Any:
-    """The `usage` object of an OpenAI answer, decoded alone: vLLM puts it last, after the
-    generated text, which need not be parsed for it. Inside a JSON string every quote is
-    escaped, so `"usage":` with bare quotes can only be a key."""
-    at = body.rfind(b'"usage":')
-    if at < 0:  # spaced out differently: parse the whole answer
-        return json.loads(body)["usage"]
-    text = body[at + 8 :].decode()
-    return _DECODER.raw_decode(text, len(text) - len(text.lstrip()))[0]
+def _count(value: object) -> TypeGuard[int]:
+    """A token count a backend may report: an int (not a bool) below 2**31."""
+    return type(value) is int and 0 <= value < 2**31
+
+
+def _header_value(value: str) -> str:
+    """`value` with CR, LF and other control characters escaped: whatever reaches a response
+    header cannot split it, even when validation upstream missed one."""
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in value)
 
 
 @dataclass
@@ -431,6 +441,9 @@ class Router:
         except (TimeoutError, UpstreamError, OSError):
             self._failed(b, req)
             return None
+        except Exception:  # a bug here, not the backend's: still never leave the counters raised
+            release(b, req, first_token_seen=False)
+            raise
         # Leaving this block before the answer's end closes the upstream connection: vLLM
         # sees a disconnect and aborts the request, which is what a client that went away needs.
         with up:
@@ -461,9 +474,14 @@ class Router:
         except (TimeoutError, UpstreamError):
             self._failed(b, req)
             return None
+        answer = _answer(data) if up.status == 200 else None
+        if up.status == 200 and answer is None:
+            log.warning("backend %s answered 200 with a body that is not a JSON object", b.name)
+            self._failed(b, req)
+            return None
         self._first(b, req, started)
         out = web.Response(body=data, status=up.status, headers=self._headers(up, b))
-        self._done(b, req, started, data if up.status == 200 else None)
+        self._done(b, req, started, answer)
         return out
 
     async def _relay_stream(
@@ -487,6 +505,7 @@ class Router:
             return None  # nothing reached the client yet: retry elsewhere
         self._first(b, req, started)
         tokens = 0
+        released = False
         try:
             await out.prepare(request)
             write = out.write
@@ -499,6 +518,7 @@ class Router:
                 except (TimeoutError, UpstreamError) as e:
                     # The backend died mid-stream: end the client's stream with an error event.
                     self._failed(b, req, first_token_seen=True)
+                    released = True
                     err = {
                         "error": {
                             "message": f"backend failed mid-stream ({type(e).__name__})",
@@ -506,12 +526,17 @@ class Router:
                             "code": 502,
                         }
                     }
-                    await out.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    # A blank line first ends an event the backend left half-written.
+                    sep = b"" if chunk.endswith(b"\n\n") else b"\n\n"
+                    await out.write(sep + b"data: " + json.dumps(err).encode() + b"\n\n")
                     await out.write_eof()
                     return out
             await out.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
-            release(b, req)  # the client went away; closing `up` aborts the upstream request
+        except BaseException:
+            # The client went away (or the write failed): closing `up` aborts the upstream
+            # request. Released once, whatever happened.
+            if not released:
+                release(b, req)
             raise
         self.estimator.observe(req.model, max(1, tokens - 1))
         self._done(b, req, started, None)
@@ -519,9 +544,11 @@ class Router:
 
     def _headers(self, up: Response, b: Backend) -> dict[str, str]:
         h = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
-        h["X-Fleet-Backend"] = b.node
-        h["X-Fleet-Class"] = b.node_class
-        h["X-Fleet-Precision"] = b.variant
+        # The backend's own headers were checked as they were parsed (upstream.py); these come
+        # from inventory, state or a backends file.
+        h["X-Fleet-Backend"] = _header_value(b.node)
+        h["X-Fleet-Class"] = _header_value(b.node_class)
+        h["X-Fleet-Precision"] = _header_value(b.variant)
         return h
 
     def _first(self, b: Backend, req: Request, started: float) -> None:
@@ -533,15 +560,20 @@ class Router:
         if self.shared is not None:
             self._background(self.shared.add_ttft(now - started))
 
-    def _done(self, b: Backend, req: Request, started: float, body: bytes | None) -> None:
+    def _done(
+        self, b: Backend, req: Request, started: float, answer: dict[str, Any] | None
+    ) -> None:
         release(b, req)
         self._wake()
         self.metrics.e2e.observe(time.monotonic() - started, req.model)
-        if body:
-            with contextlib.suppress(ValueError, AttributeError, TypeError, KeyError):
-                usage = _usage(body)
-                self.estimator.observe(req.model, int(usage["completion_tokens"]))
-                self.tokens.observe(req.model, req.prompt_chars, int(usage["prompt_tokens"]))
+        usage = answer.get("usage") if answer else None
+        if isinstance(usage, dict):
+            # Learned from only when sane: a broken backend must not skew the estimates.
+            out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+            if _count(out):
+                self.estimator.observe(req.model, out)
+            if _count(prompt):
+                self.tokens.observe(req.model, req.prompt_chars, prompt)
 
     def _failed(self, b: Backend, req: Request, first_token_seen: bool = False) -> None:
         release(b, req, first_token_seen)
