@@ -48,6 +48,45 @@ def _root(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
 ) -> None:
     """fleetctl: run a mixed GPU fleet serving open-weight LLMs with vLLM."""
+    if debug:
+        _debug_logging()
+
+
+class _Stderr:
+    """A logging stream that is whatever sys.stderr is at the time (tests swap it)."""
+
+    def write(self, text: str) -> None:
+        sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _debug_logging() -> None:
+    """--debug: paramiko's own log and each SSH failure's traceback go to stderr.
+
+    Without it they stay quiet (fleetctl.ssh silences paramiko): one line per node is enough.
+    """
+    import logging
+
+    for name in ("paramiko", "fleetctl.ssh"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        if not any(getattr(h, "fleetctl_debug", False) for h in logger.handlers):
+            handler = logging.StreamHandler(_Stderr())
+            handler.setFormatter(logging.Formatter("debug: %(name)s: %(message)s"))
+            handler.fleetctl_debug = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)
+
+
+def _unchecked(console: Any, lines: list[str], total: int, verb: str = "check") -> None:
+    """One line per node that could not be reached, then how many: unwrapped, no markup."""
+    for line in lines:
+        console.print(line, style="red", markup=False, highlight=False, soft_wrap=True)
+    if lines:
+        console.print(
+            f"could not {verb} {len(lines)} of {total} nodes", style="red", highlight=False
+        )
 
 
 def _console() -> Any:
@@ -168,6 +207,7 @@ def plan(
         write_atomic(out, dump_json(saved.to_json()) + "\n")
     if as_json:
         _print_json(result.to_json())
+        _incomplete(result)
         return
     from fleetctl.render import render_plan
 
@@ -175,6 +215,19 @@ def plan(
     console.print(render_plan(result, explain))
     if out is not None:
         console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")
+    _incomplete(result)
+
+
+def _incomplete(result: Any) -> None:
+    """Exit 3 when a model could not be placed: the plan is valid, but not all of it."""
+    if not result.unplaced:
+        return
+    names = ", ".join(u.model for u in result.unplaced)
+    sys.stderr.write(
+        f"plan incomplete: {len(result.unplaced)} model(s) could not be placed ({names}); "
+        "the rest of the plan is valid (exit code 3)\n"
+    )
+    raise typer.Exit(3)
 
 
 @app.command()
@@ -338,14 +391,16 @@ def probe(
             facts = probe_fleet(inv, options, parallel, on_done=lambda _: bar.advance(task))
     path = (state_dir or inv.state_dir) / "facts.json"
     write_atomic(path, json.dumps(facts, indent=2) + "\n")
-    failed = {n: f["error"] for n, f in facts["nodes"].items() if "error" in f}
+    failed = [f["error"] for _, f in sorted(facts["nodes"].items()) if "error" in f]
     if as_json:
         _print_json(facts)
     else:
         from fleetctl.render import facts_table
 
-        _console().print(facts_table(facts))
-        _console().print(f"Saved to {path}.")
+        console = _console()
+        console.print(facts_table(facts))
+        _unchecked(console, [e.get("line") or e["detail"] for e in failed], len(inv.nodes), "probe")
+        console.print(f"Saved to {path}.")
     if failed:
         raise typer.Exit(1)
 
@@ -405,8 +460,12 @@ def health(
         style = {"ok": "green", "warn": "yellow", "fail": "red"}
         for c in checks:
             t.add_row(c.check, c.node, f"[{style[c.status]}]{c.status}[/]", c.detail)
-        _console().print(t)
-        _console().print("[green]healthy[/]" if healthy else "[red]unhealthy[/]")
+        console = _console()
+        console.print(t)
+        unreached = sum(1 for f in facts["nodes"].values() if "error" in f)
+        if unreached:
+            console.print(f"[red]could not check {unreached} of {len(inv.nodes)} nodes[/]")
+        console.print("[green]healthy[/]" if healthy else "[red]unhealthy[/]")
     if not healthy:
         raise typer.Exit(1)
 
@@ -493,7 +552,9 @@ def status(
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
     state = load_state(state_dir or inv.state_dir)
     rows, summary = status_fleet(inv, state, options(inv, c))
-    good = all(r.condition == "running" for r in rows)
+    unreachable = summary["unreachable"]
+    # Every server running, and every node asked: nothing unchecked passes for fine.
+    good = all(r.condition == "running" for r in rows) and not unreachable
     if as_json:
         _print_json({"ok": good, **summary, "servers": [r.to_json() for r in rows]})
     else:
@@ -505,9 +566,13 @@ def status(
         for r in rows:
             style = "green" if r.condition == "running" else "red"
             gpus = ",".join(map(str, r.gpus))
-            t.add_row(r.node, r.model, gpus, str(r.port), f"[{style}]{r.condition}[/]", r.detail)
+            # An unreachable node's one line follows the table, once per node, not per server.
+            detail = "node not checked: see below" if r.condition == "unreachable" else r.detail
+            t.add_row(r.node, r.model, gpus, str(r.port), f"[{style}]{r.condition}[/]", detail)
         console = _console()
-        console.print(t)
+        if rows:
+            console.print(t)
+        _unchecked(console, [u["line"] for u in unreachable], summary["nodes"])
         console.print(f"{len(rows)} servers, state serial {summary['serial']}.")
     if not good:
         raise typer.Exit(1)

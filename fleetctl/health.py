@@ -40,9 +40,8 @@ def check_reachability(facts: dict[str, Any]) -> list[Check]:
     out = []
     for name, f in sorted(facts["nodes"].items()):
         if "error" in f:
-            out.append(
-                Check("reachable", name, "fail", f"{f['error']['kind']}: {f['error']['detail']}")
-            )
+            err = f["error"]  # the one line an operator reads: node (address): what: what to do
+            out.append(Check("reachable", name, "fail", err.get("line") or err["detail"]))
         elif f.get("gpu_error"):
             out.append(Check("reachable", name, "fail", f"GPU driver: {f['gpu_error']['message']}"))
         else:

@@ -193,7 +193,7 @@ def probe_fleet(
             with SshSession(target(inv, n), options) as session:
                 entry.update(probe_node(session))
         except NodeError as e:
-            entry["error"] = {"kind": e.kind, "detail": e.detail}
+            entry["error"] = e.to_json()
         if on_done:
             on_done(n.name)
         return n.name, entry

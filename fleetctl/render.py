@@ -232,8 +232,8 @@ def facts_table(facts: dict[str, object]) -> Table:
     for name in sorted(nodes, key=natural_key):
         f = nodes[name]
         if "error" in f:
-            err = f["error"]
-            t.add_row(name, Text(err["kind"], style="red"), Text(err["detail"], style="red"))
+            # The node's one line (what happened, what to do) follows the table, unwrapped.
+            t.add_row(name, Text(f["error"]["kind"], style="red"))
             continue
         gpus = f.get("gpus") or []
         kinds: dict[str, int] = defaultdict(int)

@@ -8,14 +8,32 @@ changed key is always refused. One connection per node serves all its commands.
 
 from __future__ import annotations
 
+import errno
+import logging
+import math
 import shlex
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fleetctl.errors import UserError
+
+# paramiko logs handshake failures (with tracebacks) from its transport thread: they would
+# bury the one line per node that fleetctl prints, so they stay here unless --debug asks.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+logging.getLogger("paramiko").propagate = False
+log = logging.getLogger("fleetctl.ssh")
+
+# The same ranges the inventory enforces, held again here: a timeout that is infinite or
+# too large for a socket would hang or overflow the first connection.
+MAX_CONNECT_TIMEOUT_S = 300.0
+MAX_COMMAND_TIMEOUT_S = 86_400.0
+
 ErrorKind = Literal[
     "unreachable",
+    "not-ssh",
     "auth-failed",
     "host-key-unknown",
     "host-key-changed",
@@ -25,11 +43,23 @@ ErrorKind = Literal[
 
 
 class NodeError(Exception):
-    """A named failure on one node; it never stops the other nodes."""
+    """A named failure on one node; it never stops the other nodes.
 
-    def __init__(self, kind: ErrorKind, detail: str):
+    `detail` says what happened and what to do; `where` is the address it happened at.
+    """
+
+    def __init__(self, kind: ErrorKind, detail: str, where: str = "", node: str = ""):
         super().__init__(f"{kind}: {detail}")
-        self.kind, self.detail = kind, detail
+        self.kind, self.detail, self.where, self.node = kind, detail, where, node
+
+    def line(self, node: str | None = None) -> str:
+        """The operator's one line: `a100-1 (10.0.1.11:22): what happened: what to do`."""
+        name = node or self.node
+        head = f"{name} ({self.where})" if self.where else name
+        return f"{head}: {self.detail}" if head else self.detail
+
+    def to_json(self) -> dict[str, str]:
+        return {"kind": self.kind, "detail": self.detail, "where": self.where, "line": self.line()}
 
 
 @dataclass(frozen=True)
@@ -43,6 +73,10 @@ class Target:
     identity_file: str | None = None
     proxy_jump: str | None = None
 
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
 
 @dataclass(frozen=True)
 class Result:
@@ -55,6 +89,16 @@ class Result:
         return self.exit_code == 0
 
 
+def _seconds(value: float, what: str, ceiling: float) -> float:
+    if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise UserError(
+            f"the {what} must be a finite number of seconds above 0, got {value!r}",
+            None,
+            f"use a value up to {ceiling:g}",
+        )
+    return min(float(value), ceiling)
+
+
 @dataclass(frozen=True)
 class SshOptions:
     known_hosts: Path | None = None  # default ~/.ssh/known_hosts
@@ -63,10 +107,155 @@ class SshOptions:
     command_timeout_s: float = 30.0
     ssh_config: Path | None = None  # default ~/.ssh/config
 
+    def __post_init__(self) -> None:
+        c = _seconds(self.connect_timeout_s, "SSH connect timeout", MAX_CONNECT_TIMEOUT_S)
+        r = _seconds(self.command_timeout_s, "command timeout", MAX_COMMAND_TIMEOUT_S)
+        object.__setattr__(self, "connect_timeout_s", c)
+        object.__setattr__(self, "command_timeout_s", r)
+
+    @property
+    def known_hosts_path(self) -> Path:
+        return self.known_hosts or Path.home() / ".ssh" / "known_hosts"
+
 
 def quote(*args: str) -> str:
     """A remote command line with every argument shell-quoted."""
     return " ".join(shlex.quote(a) for a in args)
+
+
+# --- failures, and what they mean to an operator ---------------------------------------------
+
+
+class NoBanner(Exception):
+    """The TCP connection opened but no SSH banner came: silence, other words, or a close."""
+
+    def __init__(self, received: bytes, closed: bool = False):
+        super().__init__(f"no SSH banner (received {received[:40]!r}, closed={closed})")
+        self.received, self.closed = received, closed
+
+
+class Handshake(Exception):
+    """The banner came but key exchange did not finish in time."""
+
+
+class UnknownHostKey(Exception):
+    """The host is not in known_hosts and accept-new is off (OpenSSH's StrictHostKeyChecking)."""
+
+    def __init__(self, host: str):
+        super().__init__(f"{host} not found in known_hosts")
+        self.host = host
+
+
+class JumpFailed(Exception):
+    """The ProxyJump hop failed: `error` is the hop's own failure."""
+
+    def __init__(self, hop: str, error: NodeError):
+        super().__init__(f"via {hop}: {error}")
+        self.hop, self.error = hop, error
+
+
+def describe(e: BaseException, t: Target, o: SshOptions) -> NodeError:
+    """What a connection failure means, and what to do about it, as one line (pure)."""
+    kind, what = _classify(e, t, o)
+    return NodeError(kind, what, t.address, t.name)
+
+
+def _classify(e: BaseException, t: Target, o: SshOptions) -> tuple[ErrorKind, str]:
+    wait = f"{o.connect_timeout_s:g} s"
+    if isinstance(e, NodeError):
+        return e.kind, e.detail
+    if isinstance(e, JumpFailed):
+        inner = e.error
+        hop = f"via jump host {e.hop}"
+        return inner.kind, f"{hop}: {inner.detail}"
+    if isinstance(e, NoBanner):
+        if e.received:
+            said = _shown(e.received)
+            return "not-ssh", (
+                f"answered {said} instead of an SSH banner: port {t.port} is not sshd's; "
+                "check the node's port (nodes[].port, ssh.port)"
+            )
+        if e.closed:
+            return "unreachable", (
+                "closed the connection before its SSH banner: sshd may be refusing this client "
+                "(MaxStartups, TCP wrappers, fail2ban)"
+            )
+        return "timeout", f"no SSH banner within {wait}: is sshd listening there?"
+    if isinstance(e, Handshake):
+        return "timeout", f"SSH key exchange did not finish within {wait}: is the host overloaded?"
+    if isinstance(e, UnknownHostKey):
+        return "host-key-unknown", (
+            f"host key unknown (not in {o.known_hosts_path}): pass --accept-new-host-keys to "
+            f"trust it on first use, or add it with `ssh-keyscan -p {t.port} {t.host} >> "
+            f"{o.known_hosts_path}`"
+        )
+    if isinstance(e, socket.gaierror):
+        return "unreachable", (
+            f"cannot resolve host name '{t.host}' ({e.strerror or e}): check nodes[].host in "
+            "the inventory, or DNS"
+        )
+    if isinstance(e, ConnectionRefusedError):
+        return "unreachable", f"connection refused: is sshd running there, on port {t.port}?"
+    if isinstance(e, TimeoutError):
+        return "timeout", (
+            f"no answer within {wait} connecting: is the host up, or does a firewall drop "
+            f"port {t.port}?"
+        )
+    if isinstance(e, ConnectionResetError | EOFError | BrokenPipeError):
+        return "unreachable", (
+            "the connection was closed during the SSH handshake: sshd may be refusing this "
+            "client (MaxStartups, TCP wrappers, fail2ban)"
+        )
+    if isinstance(e, FileNotFoundError) and e.filename:
+        return "auth-failed", (
+            f"identity file {e.filename} does not exist: fix ssh.identity_file in the inventory "
+            "(or IdentityFile in ~/.ssh/config)"
+        )
+    if isinstance(e, OSError) and not type(e).__module__.startswith("paramiko"):
+        if e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EHOSTDOWN):
+            said = (e.strerror or "no route to host").lower()
+            return "unreachable", f"{said}: is the address right, and the network (VPN, routes) up?"
+        return "unreachable", f"cannot connect: {e.strerror or e}"
+    return _classify_paramiko(e, t)
+
+
+def _classify_paramiko(e: BaseException, t: Target) -> tuple[ErrorKind, str]:
+    import paramiko
+
+    user = t.user or "the local user"
+    if isinstance(e, paramiko.BadHostKeyException):
+        return "host-key-changed", (
+            "host key CHANGED since known_hosts recorded it (a reinstall, or a "
+            "man-in-the-middle): refusing; if the host was reinstalled, remove the old key "
+            f"with `ssh-keygen -R {t.host}` and connect again"
+        )
+    if isinstance(e, paramiko.PasswordRequiredException):
+        return "auth-failed", (
+            f"identity file {t.identity_file or '(default)'} is encrypted: load it into "
+            "ssh-agent (`ssh-add`), which fleetctl uses"
+        )
+    if isinstance(e, paramiko.AuthenticationException) or "No authentication methods" in str(e):
+        keys = (
+            f"key {t.identity_file} and the agent's keys"
+            if t.identity_file
+            else "the agent's keys and ~/.ssh/id_*"
+        )
+        return "auth-failed", (
+            f"authentication as {user} failed (tried {keys}): set ssh.identity_file or "
+            "nodes[].user in the inventory, or IdentityFile in ~/.ssh/config"
+        )
+    if isinstance(e, paramiko.ChannelException):
+        return "unreachable", f"the jump host could not open a connection here: {e.text}"
+    if isinstance(e, paramiko.IncompatiblePeer):
+        return "not-ssh", f"speaks an SSH version fleetctl cannot use: {e}"
+    return "unreachable", f"SSH handshake failed: {_shown(str(e).encode())}"
+
+
+def _shown(data: bytes, limit: int = 40) -> str:
+    """The first line of what a peer said, printable and short, quoted."""
+    first = data.split(b"\n", 1)[0].rstrip(b"\r")
+    text = "".join(c if c.isprintable() else "?" for c in first.decode("utf-8", "replace"))
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 class SshSession:
@@ -76,7 +265,7 @@ class SshSession:
         self.target = target
         self.options = options
         self._client: Any = None
-        self._jump: Any = None
+        self._jump: SshSession | None = None
 
     def __enter__(self) -> SshSession:
         self.connect()
@@ -86,74 +275,92 @@ class SshSession:
         self.close()
 
     def connect(self) -> None:
+        """Open the connection; NodeError (one line, see `describe`) on any failure.
+
+        One deadline, the connect timeout, covers TCP, the banner and key exchange: paramiko's
+        own banner and auth timeouts (15 s and 30 s) would otherwise outlast it.
+        """
+        t = self.target
+        try:
+            t = _resolve(self.target, self.options)
+            self._client = self._open(t, time.monotonic() + self.options.connect_timeout_s)
+        except Exception as e:
+            self.close()
+            err = describe(e, t, self.options)
+            log.debug("%s", err.line(), exc_info=True)
+            raise err from e
+
+    def _open(self, t: Target, deadline: float) -> Any:
         import paramiko
 
-        t, o = _resolve(self.target, self.options), self.options
-        known = o.known_hosts or Path.home() / ".ssh" / "known_hosts"
+        o = self.options
+        if t.identity_file and not Path(t.identity_file).expanduser().is_file():
+            raise FileNotFoundError(errno.ENOENT, "no such file", t.identity_file)
+        heard = b""
+        if t.proxy_jump:
+            sock: Any = self._jump_channel(t, deadline)
+        else:
+            sock = socket.create_connection((t.host, t.port), timeout=_left(deadline))
+            heard = _await_banner(sock, deadline)
         client = paramiko.SSHClient()
-        if known.exists():
-            client.load_host_keys(str(known))
+        self._client = client  # closed by connect() if what follows fails
+        if o.known_hosts_path.exists():
+            client.load_host_keys(str(o.known_hosts_path))
         client.set_missing_host_key_policy(
-            _AcceptNew(known) if o.accept_new else paramiko.RejectPolicy()
+            _AcceptNew(o.known_hosts_path) if o.accept_new else _RejectUnknown()
         )
-        sock = self._jump_channel(t, o) if t.proxy_jump else None
         try:
             client.connect(
                 t.host,
                 port=t.port,
                 username=t.user,
                 key_filename=[str(Path(t.identity_file).expanduser())] if t.identity_file else None,
-                timeout=o.connect_timeout_s,
-                banner_timeout=o.connect_timeout_s,
-                auth_timeout=o.connect_timeout_s,
+                timeout=_left(deadline),
+                banner_timeout=_left(deadline),
+                auth_timeout=_left(deadline),
+                channel_timeout=_left(deadline),
                 sock=sock,
                 allow_agent=True,
                 look_for_keys=t.identity_file is None,
             )
-        except paramiko.BadHostKeyException as e:
-            raise NodeError(
-                "host-key-changed",
-                f"{t.host}'s host key differs from known_hosts: refusing (if the host was "
-                f"reinstalled, remove its old line with `ssh-keygen -R {t.host}`)",
-            ) from e
         except paramiko.SSHException as e:
-            if "not found in known_hosts" in str(e):
-                raise NodeError(
-                    "host-key-unknown",
-                    f"{t.host} is not in {known}: "
-                    "add it (ssh-keyscan) or pass --accept-new-host-keys",
-                ) from e
-            if isinstance(e, paramiko.AuthenticationException):
-                raise NodeError("auth-failed", f"{t.user or 'the user'}@{t.host}: {e}") from e
-            raise NodeError("unreachable", f"{t.host}:{t.port}: {e}") from e
-        except TimeoutError as e:
-            raise NodeError(
-                "timeout", f"{t.host}:{t.port}: no answer in {o.connect_timeout_s:g} s"
-            ) from e
-        except OSError as e:
-            raise NodeError("unreachable", f"{t.host}:{t.port}: {e.strerror or e}") from e
-        self._client = client
+            # paramiko stops waiting at the deadline and then fails on the missing session:
+            # what it never got (the banner, the key exchange) is the real story.
+            transport = client.get_transport()
+            if transport is not None and not transport.remote_version:
+                raise NoBanner(heard) from e
+            if transport is not None and transport.host_key is None:
+                raise Handshake(str(e)) from e
+            raise
+        return client
 
-    def _jump_channel(self, t: Target, o: SshOptions) -> Any:
+    def _jump_channel(self, t: Target, deadline: float) -> Any:
         """A channel through the ProxyJump host, as `ssh -J` makes."""
-        user, _, hostport = (t.proxy_jump or "").rpartition("@")
-        host, _, port = hostport.partition(":")
+        spec = t.proxy_jump or ""
+        user, _, hostport = spec.rpartition("@")
+        host, port = _host_port(hostport)
         # The jump host takes the same user and key unless the ProxyJump spec names a user.
-        hop = Target(f"{t.name}-jump", host, int(port or 22), user or t.user, t.identity_file)
-        jump = SshSession(hop, o)
-        jump.connect()
+        hop = Target(f"{t.name}-jump", host, port, user or t.user, t.identity_file)
+        left = max(0.1, deadline - time.monotonic())
+        jump = SshSession(hop, _with_connect_timeout(self.options, left))
         self._jump = jump
-        transport = jump._client.get_transport()
         try:
-            return transport.open_channel("direct-tcpip", (t.host, t.port), ("127.0.0.1", 0))
-        except Exception as e:
-            raise NodeError("unreachable", f"{t.host}:{t.port} via {host}: {e}") from e
+            jump.connect()
+        except NodeError as e:
+            raise JumpFailed(spec, e) from e
+        transport = jump._client.get_transport()
+        return transport.open_channel(
+            "direct-tcpip", (t.host, t.port), ("127.0.0.1", 0), timeout=_left(deadline)
+        )
 
     def run(self, command: str, timeout_s: float | None = None, stdin: str | None = None) -> Result:
         """Run a shell command line (quote its arguments with `quote`)."""
         if self._client is None:
             self.connect()
-        limit = timeout_s or self.options.command_timeout_s
+        limit = self.options.command_timeout_s
+        if timeout_s is not None and math.isfinite(timeout_s) and timeout_s > 0:
+            limit = min(timeout_s, MAX_COMMAND_TIMEOUT_S)
+        t = self.target
         try:
             stdin_f, stdout_f, stderr_f = self._client.exec_command(command, timeout=limit)
             if stdin is not None:
@@ -164,7 +371,9 @@ class SshSession:
             while not channel.exit_status_ready():
                 if time.monotonic() > deadline:
                     channel.close()
-                    raise NodeError("timeout", f"`{command[:60]}` ran past {limit:g} s")
+                    raise NodeError(
+                        "timeout", f"`{command[:60]}` ran past {limit:g} s", t.address, t.name
+                    )
                 time.sleep(0.01)
             out = stdout_f.read().decode("utf-8", "replace")
             err = stderr_f.read().decode("utf-8", "replace")
@@ -172,11 +381,13 @@ class SshSession:
         except NodeError:
             raise
         except (OSError, EOFError) as e:
-            raise NodeError("unreachable", f"{self.target.host}: connection lost ({e})") from e
+            what = f"connection lost ({e or type(e).__name__}): is the host still up?"
+            raise NodeError("unreachable", what, t.address, t.name) from e
         except Exception as e:  # paramiko raises its own socket.timeout subclasses
             if "timed out" in str(e).lower() or isinstance(e, TimeoutError):
-                raise NodeError("timeout", f"`{command[:60]}` ran past {limit:g} s") from e
-            raise NodeError("command-failed", f"`{command[:60]}`: {e}") from e
+                what = f"`{command[:60]}` ran past {limit:g} s"
+                raise NodeError("timeout", what, t.address, t.name) from e
+            raise NodeError("command-failed", f"`{command[:60]}`: {e}", t.address, t.name) from e
 
     def close(self) -> None:
         if self._client is not None:
@@ -185,6 +396,53 @@ class SshSession:
         if self._jump is not None:
             self._jump.close()
             self._jump = None
+
+
+def _left(deadline: float) -> float:
+    """Seconds until the deadline, never zero (a zero timeout means "do not wait" to sockets)."""
+    return max(0.05, deadline - time.monotonic())
+
+
+def _await_banner(sock: socket.socket, deadline: float) -> bytes:
+    """The first bytes the server sends, left unread for paramiko; NoBanner if none come.
+
+    Waiting here, before paramiko starts its transport thread, is what makes a silent host a
+    clean timeout: paramiko would block on the banner past the deadline and then log it.
+    """
+    sock.settimeout(_left(deadline))
+    try:
+        data = sock.recv(256, socket.MSG_PEEK)
+    except TimeoutError:
+        sock.close()
+        raise NoBanner(b"") from None
+    except OSError:
+        sock.close()
+        raise
+    if not data:
+        sock.close()
+        raise NoBanner(b"", closed=True)
+    return data
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    """HOST, HOST:PORT or [V6]:PORT, as ProxyJump writes them."""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port = text.partition(":")
+    else:
+        host, port = text, ""
+    if not host or (port and not (port.isdigit() and 1 <= int(port) <= 65535)):
+        raise NodeError(
+            "unreachable",
+            f"proxy_jump {text[:80]!r} is not [user@]host[:port]: fix ssh.proxy_jump",
+        )
+    return host, int(port or 22)
+
+
+def _with_connect_timeout(o: SshOptions, seconds: float) -> SshOptions:
+    return SshOptions(o.known_hosts, o.accept_new, seconds, o.command_timeout_s, o.ssh_config)
 
 
 def _resolve(t: Target, o: SshOptions) -> Target:
@@ -204,6 +462,13 @@ def _resolve(t: Target, o: SshOptions) -> Target:
         t.identity_file or (files[0] if files else None),
         t.proxy_jump or cfg.get("proxyjump"),
     )
+
+
+class _RejectUnknown:
+    """paramiko policy for an unknown host: refuse it (OpenSSH's StrictHostKeyChecking=yes)."""
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        raise UnknownHostKey(hostname)
 
 
 class _AcceptNew:

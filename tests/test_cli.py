@@ -167,3 +167,34 @@ def test_console_script_has_no_traceback_and_help_is_fast(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert "HEAVY []" in r.stdout, r.stdout
+
+
+UNPLACEABLE = """\
+nodes:
+  - name: rtx-[1:2]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: small
+    profile: llama-3-8b
+    variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}
+    max_context: 4096
+  - name: big
+    profile: llama-3-70b
+    variants: {bf16: {source: meta-llama/Meta-Llama-3-70B-Instruct}}
+    max_context: 8192
+"""
+
+
+def test_plan_exits_3_when_a_model_cannot_be_placed(cli, tmp_path):
+    inv = write(tmp_path, UNPLACEABLE)
+    out = tmp_path / "plan.json"
+    r = cli("plan", inv, "-o", out)
+    assert r.code == 3, r.err
+    assert "small" in r.out and "unplaced: big" in r.out  # the plan is still shown in full
+    assert "plan incomplete: 1 model(s) could not be placed (big)" in r.err
+    saved = json.loads(out.read_text())  # and still saved
+    assert [u["model"] for u in saved["unplaced"]] == ["big"] and saved["deployments"]
+    r = cli("plan", inv, "--json")
+    assert r.code == 3 and json.loads(r.out)["unplaced"][0]["model"] == "big"
+    r = cli("plan", write(tmp_path, UNPLACEABLE.split("  - name: big")[0]))
+    assert r.code == 0, r.err

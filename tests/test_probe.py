@@ -140,6 +140,14 @@ def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
         assert nodes["rtx-8"]["error"]["kind"] == "unreachable"
         assert nodes["rtx-7"]["error"]["kind"] == "host-key-changed"
         assert nodes["rtx-6"]["error"]["kind"] == "timeout"
+        # Each is one line naming the node and its address, what happened and what to do.
+        rtx8, rtx7 = hosts[NAMES.index("rtx-8")], hosts[NAMES.index("rtx-7")]
+        assert nodes["rtx-8"]["error"]["line"] == (
+            f"rtx-8 ({rtx8.address}:22): connection refused: is sshd running there, on port 22?"
+        )
+        changed = nodes["rtx-7"]["error"]["line"]
+        assert changed.startswith(f"rtx-7 ({rtx7.address}:22): host key CHANGED")
+        assert "man-in-the-middle" in changed and f"ssh-keygen -R {rtx7.address}" in changed
         assert nodes["rtx-5"].get("gpu_error") and not nodes["rtx-5"]["gpus"]
         assert {n: nodes[n].get("error") for n in NAMES[:8] if "error" in nodes[n]} == {}
         # A host missing from known_hosts is refused, or recorded with --accept-new-host-keys.
@@ -147,7 +155,9 @@ def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
         empty.write_text("")
         one = inventory(tmp_path, hosts, only=0)
         r = cli("probe", one, "--known-hosts", empty, "--json")
-        assert json.loads(r.out)["nodes"]["a100-1"]["error"]["kind"] == "host-key-unknown"
+        unknown = json.loads(r.out)["nodes"]["a100-1"]["error"]
+        assert unknown["kind"] == "host-key-unknown"
+        assert "--accept-new-host-keys" in unknown["line"] and str(empty) in unknown["line"]
         r = cli("probe", one, "--known-hosts", empty, "--accept-new-host-keys", "--json")
         assert "error" not in json.loads(r.out)["nodes"]["a100-1"]
         assert hosts[0].address in empty.read_text()
@@ -157,7 +167,16 @@ def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
         r = cli(
             "probe", inventory(tmp_path, hosts, other), "--known-hosts", hosts.known_hosts, "--json"
         )
-        assert json.loads(r.out)["nodes"]["a100-1"]["error"]["kind"] == "auth-failed"
+        auth = json.loads(r.out)["nodes"]["a100-1"]["error"]
+        assert auth["kind"] == "auth-failed"
+        assert f"as root failed (tried key {other}" in auth["line"]
+        assert "identity_file" in auth["line"]
+        # The table says the same, one line per node, and no paramiko noise reaches it.
+        r = cli("probe", inventory(tmp_path, hosts, other), "--known-hosts", hosts.known_hosts)
+        assert r.code == 1
+        lines = [ln for ln in r.out.splitlines() if ln.startswith("a100-1 (")]
+        assert len(lines) == 1 and "authentication as root failed" in lines[0]
+        assert "Traceback" not in r.out + r.err and "paramiko" not in r.out + r.err
     finally:
         hosts.start(NAMES.index("rtx-8"))
 
@@ -174,3 +193,13 @@ def test_proxy_jump(cli, hosts, tmp_path):
     r = cli("probe", inv, "--known-hosts", hosts.known_hosts, "--json")
     assert r.code == 0, r.out
     assert json.loads(r.out)["nodes"]["rtx-1"]["hostname"] == "rtx-1"
+    # A jump host that refuses: the line names the hop, not only the node.
+    inv.write_text(inv.read_text().replace(f"root@{jump}", f"root@{jump}:2222"))
+    r = cli("probe", inv, "--known-hosts", hosts.known_hosts, "--json")
+    assert r.code == 1
+    line = json.loads(r.out)["nodes"]["rtx-1"]["error"]["line"]
+    rtx1 = hosts[NAMES.index("rtx-1")].address
+    assert line == (
+        f"rtx-1 ({rtx1}:22): via jump host root@{jump}:2222: connection refused: "
+        "is sshd running there, on port 2222?"
+    )

@@ -219,7 +219,7 @@ def _apply_node(
             agent = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s)
             return _converge(node, agent, want, book, opts, emit, port_base)
     except NodeError as e:
-        emit(node, f"[red]{e.kind}[/]: {e.detail}")
+        emit(node, _unreachable(e))
         if not want:
             return [Outcome(node, "stop", "failed", detail=f"{e.kind}: {e.detail}")]
         why = f"{e.kind}: {e.detail}"
@@ -361,6 +361,14 @@ def _wait(
     return healthy, failed
 
 
+def _unreachable(e: NodeError) -> str:
+    """The node's one SSH failure line, after the node name that `emit` prints."""
+    from rich.markup import escape
+
+    where = f" ({escape(e.where)})" if e.where else ""
+    return f"[red]{e.kind}[/]{where}: {escape(e.detail)}"
+
+
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.rstrip().splitlines())
 
@@ -400,7 +408,7 @@ def destroy_fleet(
                 agent.stop(sids, opts.stop_timeout_s)
                 left = agent.inspect()
         except NodeError as e:
-            emit(name, f"[red]{e.kind}[/]: {e.detail}")
+            emit(name, _unreachable(e))
             return [Outcome(name, "destroy", "failed", detail=f"{e.kind}: {e.detail}")]
         if left:
             return [Outcome(name, "destroy", "failed", detail=f"still there: {left[0].sid}")]

@@ -46,27 +46,42 @@ class ServerStatus:
 def status_fleet(
     inv: Inventory, state: State, opts: ApplyOptions
 ) -> tuple[list[ServerStatus], dict[str, Any]]:
-    """Each recorded server as the node and its HTTP endpoints see it now."""
+    """Each recorded server as the node and its HTTP endpoints see it now.
+
+    The summary's `unreachable` lists every node that could not be checked, one error each,
+    servers recorded there or not: a node nobody could ask is not a node known to be fine.
+    """
     by_node: dict[str, list[Deployment]] = {}
     for d in state.deployments:
         by_node.setdefault(d.node, []).append(d)
     targets = node_targets(inv, state.deployments)
 
-    def one(name: str) -> list[ServerStatus]:
+    def one(name: str) -> tuple[str, list[ServerStatus], NodeError | None]:
         recorded = by_node.get(name, [])
         try:
             with SshSession(targets[name], opts.ssh) as session:
                 live = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s).inspect()
         except NodeError as e:
-            return [
-                ServerStatus(name, d.model, d.gpu_indices, d.port, "unreachable", e.detail)
+            rows = [
+                ServerStatus(name, d.model, d.gpu_indices, d.port, "unreachable", e.line(name))
                 for d in recorded
             ]
-        return node_status(name, recorded, live, opts.api_key)
+            return name, rows, e
+        return name, node_status(name, recorded, live, opts.api_key), None
 
     with ThreadPoolExecutor(max_workers=max(1, min(opts.parallel, len(targets) or 1))) as pool:
-        rows = [r for rs in pool.map(one, sorted(targets, key=natural_key)) for r in rs]
-    return rows, {"serial": state.serial, "servers": len(state.deployments)}
+        done = list(pool.map(one, sorted(targets, key=natural_key)))
+    rows = [r for _, rs, _ in done for r in rs]
+    unreachable = [
+        {"node": name, **e.to_json(), "line": e.line(name)} for name, _, e in done if e is not None
+    ]
+    summary = {
+        "serial": state.serial,
+        "servers": len(state.deployments),
+        "nodes": len(targets),
+        "unreachable": unreachable,
+    }
+    return rows, summary
 
 
 def node_status(
