@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import socket
 import subprocess
 import sys
@@ -268,3 +269,21 @@ def test_debug_shows_the_details(tmp_path, garbage):
     p, _ = fleetctl(tmp_path, "--debug", "probe", inv, "--known-hosts", tmp_path / "known_hosts")
     assert p.returncode == 1
     assert "Traceback" in p.stderr and "paramiko" in p.stderr
+
+
+def test_status_of_a_fleet_it_could_not_reach_is_not_ok(tmp_path, refused, silent):
+    inv = inventory(tmp_path, {"rtx-1": refused, "rtx-2": silent.port})
+    p, _ = fleetctl(tmp_path, "status", inv, "--known-hosts", tmp_path / "known_hosts", "--json")
+    assert p.returncode == 1, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["ok"] is False and doc["servers"] == []
+    assert [u["node"] for u in doc["unreachable"]] == ["rtx-1", "rtx-2"]
+    assert [u["kind"] for u in doc["unreachable"]] == ["unreachable", "timeout"]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_a_command_timeout_that_is_not_a_finite_number_is_refused(tmp_path, refused, value):
+    inv = inventory(tmp_path, {"rtx-1": refused})
+    p, _ = fleetctl(tmp_path, "probe", inv, "--timeout", value)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("error: the command timeout must be a finite number")
