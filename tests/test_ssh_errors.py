@@ -193,6 +193,21 @@ def test_garbage_instead_of_a_banner(tmp_path, garbage):
     assert "'HTTP/1.1 400 Bad Request'" in e.line() and "\n" not in e.line()
 
 
+def test_a_banner_then_silence_fails_within_the_connect_timeout(tmp_path):
+    srv = Loopback(b"SSH-2.0-OpenSSH_9.6\r\n")
+    try:
+        start = time.monotonic()
+        e = connect(tmp_path, srv.port)
+        assert time.monotonic() - start < CONNECT_TIMEOUT_S + 5
+    finally:
+        srv.close()
+    assert e.kind == "timeout"
+    assert e.line() == (
+        f"n1 (127.0.0.1:{srv.port}): SSH key exchange did not finish within 2 s: "
+        "is the host overloaded?"
+    )
+
+
 def test_refused(tmp_path, refused):
     e = connect(tmp_path, refused)
     assert e.kind == "unreachable"
