@@ -123,6 +123,7 @@ def build_router(
         live,
         shared=shared,
         tokens=TokenCounter(local),
+        known_formats=frozenset(catalog.formats),
     )
 
 

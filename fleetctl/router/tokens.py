@@ -23,7 +23,8 @@ def prompt_text(body: dict[str, Any], chat: bool) -> tuple[str, int]:
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
-                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+                found = (p.get("text") for p in content if isinstance(p, dict))
+                parts.extend(t for t in found if isinstance(t, str))
         return "\n".join(parts), 0
     prompt = body.get("prompt", "")
     if isinstance(prompt, str):
