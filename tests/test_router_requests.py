@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import time
 
 import pytest
+from aiohttp import web
 
-from tests.procs import NAME
+from fleetctl.router.daemon import DaemonConfig
+from fleetctl.router.daemon import Router as DaemonRouter
+from fleetctl.router.policy import make_policy
+from fleetctl.router.scheduler import Scheduler
+from fleetctl.router.serve import server_options
+from fleetctl.router.types import Backend
+from tests.procs import NAME, free_port
 from tests.test_route_serve import Router
 from tests.test_router_hostile import Hostile
 
@@ -118,3 +129,91 @@ def test_json_nested_to_the_limit_is_served(router):
 def test_bad_fields_are_400s(router, fields, words):
     status, message = error(router, completion(**fields))
     assert status == 400 and words in message, message
+
+
+class InProcess:
+    """The router's app, served in a thread with serve.py's limits and a given config, in front
+    of one backend. For limits the CLI does not expose, so that a test can set them low."""
+
+    def __init__(self, config: DaemonConfig, backend_url: str):
+        backend = Backend(backend_url, "n0", "RTX-4090", NAME, "bf16", kv_tokens=100_000)
+        self.router = DaemonRouter([backend], Scheduler(make_policy("round-robin")), config)
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        assert ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(self.router.app(), **server_options(self.router.config))
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        self.loop.run_until_complete(site.start())
+        ready.set()
+        self.loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture(scope="module")
+def strict_router():
+    server = Hostile()
+    config = DaemonConfig(body_timeout_s=0.5, idle_timeout_s=0.5, linger_s=0.1)
+    r = InProcess(config, f"http://127.0.0.1:{server.port}")
+    try:
+        yield r
+    finally:
+        r.stop()
+        server.loop.call_soon_threadsafe(server.loop.stop)
+
+
+def exchange(port: int, data: bytes) -> tuple[bytes, float]:
+    """Send `data`, then read until the router closes the connection: (what came back, seconds
+    it took). The socket timeout only stops a hung test."""
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+        s.sendall(data)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got, time.monotonic() - started
+
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_a_request_head_that_never_ends_is_dropped_after_the_idle_timeout(strict_router):
+    got, took = exchange(strict_router.port, HEAD + b"X-Slow: 1\r\n")
+    assert got == b"" and took >= 0.4
+
+
+def test_a_request_body_that_never_ends_is_a_408_and_closed(strict_router):
+    got, took = exchange(strict_router.port, HEAD + b'Content-Length: 100\r\n\r\n{"model"')
+    assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+    assert b"not received within 0.5 s" in got and took >= 0.4
+
+
+def test_a_whole_request_is_still_served(strict_router):
+    body = json.dumps(completion()).encode()
+    got, _ = exchange(
+        strict_router.port,
+        HEAD + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body),
+    )
+    assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        HEAD + b"X-Long: " + b"a" * 9000 + b"\r\n",  # one header over MAX_FIELD_BYTES
+        b"POST /v1/" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n",  # request line too long
+        HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(200)),  # over MAX_HEADERS lines
+    ],
+    ids=["header-too-long", "request-line-too-long", "too-many-headers"],
+)
+def test_request_heads_past_the_limits_are_refused(strict_router, head):
+    got, _ = exchange(strict_router.port, head + b"Content-Length: 2\r\n\r\n{}")
+    assert got.split(b" ", 2)[1] in (b"400", b"431"), got[:200]

@@ -22,7 +22,12 @@ from aiohttp import web
 
 from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.policy import Policy
-from fleetctl.router.request import PRIORITY_CLASSES, ClientError, parse_request
+from fleetctl.router.request import (
+    MAX_JSON_DEPTH,
+    PRIORITY_CLASSES,
+    ClientError,
+    parse_request,
+)
 from fleetctl.router.scheduler import Scheduler, account, first_token, release
 from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
@@ -53,6 +58,15 @@ class DaemonConfig:
     api_key: str | None = None  # clients must send it as a Bearer token
     backend_api_key: str | None = None  # sent to backends instead of the client's header
     priority_classes: int = PRIORITY_CLASSES  # X-Priority from 0 to this minus one
+    max_json_depth: int = MAX_JSON_DEPTH
+    # A slow client cannot hold a connection: its request body must arrive within this
+    # (408 otherwise), and its request head within idle_timeout_s of the connection opening
+    # or of its last answer (serve.py), or the connection is closed.
+    body_timeout_s: float = 60.0
+    idle_timeout_s: float = 75.0  # above the 60 s idle timeout of the usual load balancers
+    # After an early answer (408, 413), the unread rest of a body is read and dropped this
+    # long, so that the client gets the answer rather than a reset; then the connection closes.
+    linger_s: float = 2.0
 
 
 def _answer(body: bytes) -> dict[str, Any] | None:
@@ -288,10 +302,15 @@ class Router:
     ) -> tuple[bytes, dict[str, Any], Request]:
         self._authorize(request)
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise ClientError(
                 413, f"request body over {self.config.max_body_bytes} bytes"
+            ) from None
+        except TimeoutError:
+            raise ClientError(
+                408, f"request body not received within {self.config.body_timeout_s:g} s"
             ) from None
         p = parse_request(
             raw,
@@ -300,6 +319,7 @@ class Router:
             self._served,
             self.known_formats,
             self.config.priority_classes,
+            self.config.max_json_depth,
         )
         prompt_tokens, chars = await self.tokens.count(p.model, p.body, chat)
         req = Request(

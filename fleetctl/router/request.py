@@ -41,7 +41,10 @@ class ClientError(Exception):
                 "code": self.status,
             }
         }
-        return web.json_response(body, status=self.status)
+        resp = web.json_response(body, status=self.status)
+        if self.status == 408:  # the rest of the body may still come: drop the connection
+            resp.force_close()
+        return resp
 
 
 @dataclass(frozen=True, slots=True)

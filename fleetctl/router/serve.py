@@ -10,6 +10,7 @@ import signal
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -30,6 +31,11 @@ log = logging.getLogger("fleetctl.router")
 Reload = Callable[[], "list[Backend]"]
 # One line per request; never headers, so never an Authorization header or API key.
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
+# Request heads, as aiohttp parses them (its defaults, stated): longer lines or fields are a
+# 400 "Line is too long" / "Got more than 8190 bytes", more header lines a 400 too.
+MAX_LINE_BYTES = 8190  # the request line
+MAX_FIELD_BYTES = 8190  # one header line
+MAX_HEADERS = 128  # header lines per request
 
 
 class AccessLog(AbstractAccessLogger):
@@ -127,6 +133,19 @@ def build_router(
     )
 
 
+def server_options(config: DaemonConfig) -> dict[str, Any]:
+    """aiohttp's per-connection limits. keepalive_timeout also bounds how long a request head
+    may take: aiohttp closes a connection whose head is not whole by then."""
+    return {
+        "max_line_size": MAX_LINE_BYTES,
+        "max_field_size": MAX_FIELD_BYTES,
+        "max_headers": MAX_HEADERS,
+        "keepalive_timeout": config.idle_timeout_s,
+        "lingering_time": config.linger_s,
+        "handler_cancellation": True,  # a client that disconnects cancels its upstream request
+    }
+
+
 def serve(
     router: Router,
     listen: str,
@@ -174,11 +193,11 @@ def serve(
         app,
         host=host.strip("[]"),
         port=int(port),
-        handler_cancellation=True,  # a client that disconnects cancels its upstream request
         backlog=4096,  # the default 128 overflowed at 1,000 concurrent streams (measured)
         access_log_class=AccessLog,
         access_log_format=ACCESS_LOG_FORMAT,
         print=None,
+        **server_options(router.config),
     )
 
 
