@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from fleetctl.router.upstream import ServerDisconnected, Upstream
+from fleetctl.router.upstream import BadResponse, ServerDisconnected, Upstream
 from tests.procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -311,6 +311,52 @@ def test_cancelled_reader_closes_the_connection():
                 await task
             await asyncio.wait_for(closed.wait(), 2)
             assert not any(up._pools.values())  # not kept for reuse either
+            up.close()
+
+    run(main())
+
+
+def test_an_answer_read_whole_is_capped():
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + b"400\r\n"
+        + b"x" * 1024
+        + b"\r\n" * 2
+    )
+
+    async def main() -> None:
+        up = Upstream(5, 5, max_body=1000)
+        for answer in (big, chunked):
+            async with Raw(answering(answer)) as srv:
+                resp = await up.post(srv.url, b"{}", {})
+                with resp, pytest.raises(BadResponse, match="over 1000"):
+                    await resp.read()
+        up.close()
+
+    run(main())
+
+
+def test_endless_interim_answers_are_refused():
+    async def main() -> None:
+        async with Raw(answering(b"HTTP/1.1 100 Continue\r\n\r\n" * 20 + OK)) as srv:
+            up = Upstream(5, 5)
+            with pytest.raises(BadResponse, match="interim"):
+                await up.post(srv.url, b"{}", {})
+            up.close()
+
+    run(main())
+
+
+def test_good_chunks_come_out_before_the_error_that_follows_them():
+    async def main() -> None:
+        answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n-1\r\n"
+        async with Raw(answering(answer)) as srv:
+            up = Upstream(5, 5)
+            with await up.post(srv.url, b"{}", {}) as resp:
+                assert await resp.read_chunk() == b"ab"
+                with pytest.raises(BadResponse, match="chunk size"):
+                    await resp.read_chunk()
             up.close()
 
     run(main())
