@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,8 +19,8 @@ from fleetctl.router.policy import make_policy
 from fleetctl.router.scheduler import Scheduler
 from fleetctl.router.serve import server_options
 from fleetctl.router.types import Backend
-from tests.procs import NAME, free_port
-from tests.test_route_serve import Router
+from tests.procs import NAME, free_port, http_request
+from tests.test_route_serve import INVENTORY, Router
 from tests.test_router_hostile import Hostile
 
 RANGE = "from 0 (most urgent) to 9"
@@ -217,3 +219,45 @@ def test_a_whole_request_is_still_served(strict_router):
 def test_request_heads_past_the_limits_are_refused(strict_router, head):
     got, _ = exchange(strict_router.port, head + b"Content-Length: 2\r\n\r\n{}")
     assert got.split(b" ", 2)[1] in (b"400", b"431"), got[:200]
+
+
+def test_values_written_into_headers_cannot_split_them():
+    """A node name with CR/LF (validation should have refused it) is escaped where the
+    X-Fleet-Backend header is written, and the request is still served."""
+    server = Hostile()
+    r = InProcess(DaemonConfig(), f"http://127.0.0.1:{server.port}")
+    r.router.backends[0].node = "evil\r\nSet-Cookie: a=b\x00"
+    try:
+        status, headers, body = http_request(r.port, "POST", "/v1/completions", completion())
+        assert status == 200, body
+        assert headers["X-Fleet-Backend"] == "evil\\x0d\\x0aSet-Cookie: a=b\\x00"
+        assert "Set-Cookie" not in headers
+    finally:
+        r.stop()
+        server.loop.call_soon_threadsafe(server.loop.stop)
+
+
+def test_a_backends_file_node_name_with_control_characters_is_refused(tmp_path):
+    bad = {"url": "http://127.0.0.1:9", "node": "a\r\nb", "gpu_type": "RTX-4090", "model": NAME}
+    path = tmp_path / "backends.yaml"
+    path.write_text(json.dumps({"backends": [bad]}))
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(INVENTORY)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fleetctl",
+            "route-serve",
+            str(inv),
+            "--backends",
+            str(path),
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "node" in out.stderr and "Traceback" not in out.stderr
