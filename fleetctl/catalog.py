@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from fleetctl.errors import Location, UserError, did_you_mean
+from fleetctl.errors import Location, UserError, did_you_mean, shown
 from fleetctl.resources import bundled
 from fleetctl.validation import Strict, validate
+from fleetctl.vllm_flags import ServeFlags, parse_help
 from fleetctl.yamlsrc import load_yaml
 
 Architecture = Literal["volta", "turing", "ampere", "ada", "hopper", "blackwell"]
@@ -160,6 +163,25 @@ class Catalog:
     models: dict[str, ModelProfile] = field(default_factory=dict)
     formats: dict[str, FormatProfile] = field(default_factory=dict)
     origin: dict[tuple[str, str], Path] = field(default_factory=dict)
+    # `vllm serve --help=all` of each vLLM release, by version (profiles/vllm/VERSION.txt).
+    vllm_help: dict[str, Path] = field(default_factory=dict)
+
+    def serve_flags(self, version: str | None, where: Location | None = None) -> ServeFlags:
+        """The flags of that release's `vllm serve` (default: the newest one known)."""
+        if not self.vllm_help:
+            raise UserError("no vLLM flag list found", where, "add profiles/vllm/VERSION.txt")
+        if version is None:
+            version = max(self.vllm_help, key=_version_key)
+        path = self.vllm_help.get(version)
+        if path is None:
+            known = ", ".join(sorted(self.vllm_help, key=_version_key))
+            raise UserError(
+                f"no `vllm serve --help=all` for vLLM {shown(version)} (known: {known})",
+                where,
+                f"save it as profiles/vllm/{version}.txt in a --profiles folder, or pick a "
+                "known version",
+            )
+        return _serve_flags(path, version)
 
     def gpu(self, name: str, where: Location | None = None) -> GpuProfile:
         """A GPU by profile name or by any alias (e.g. what nvidia-smi prints), any case."""
@@ -186,6 +208,16 @@ class Catalog:
             if _norm(key) == _norm(name):
                 return f
         raise _unknown("quantization format", name, [*self.formats], where, "one of")
+
+
+@functools.lru_cache(maxsize=8)
+def _serve_flags(path: Path, version: str) -> ServeFlags:
+    return parse_help(path.read_text(encoding="utf-8"), version)
+
+
+def _version_key(version: str) -> tuple[tuple[int, str], ...]:
+    """0.32.0 < 0.32.1 < 0.33.0; a part that is not a number sorts as text."""
+    return tuple((int(p), "") if p.isdigit() else (-1, p) for p in re.split(r"[.+-]", version))
 
 
 def _norm(name: str) -> str:
@@ -225,6 +257,8 @@ def load_catalog(extra: list[Path] | None = None) -> Catalog:
                     del table[same]  # a user's profile overrides a bundled one by name
                 table[profile.name] = profile
                 cat.origin[(kind, profile.name)] = path
+        for path in sorted((folder / "vllm").glob("*.txt")):
+            cat.vllm_help[path.stem] = path
     # Aliases must point at one GPU only, or nvidia-smi names would be ambiguous.
     seen: dict[str, str] = {}
     for gpu in cat.gpus.values():

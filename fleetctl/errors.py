@@ -40,19 +40,36 @@ class UserError(FleetError):
         super().__init__(self.line())
 
     def line(self) -> str:
-        where = str(self.where)
-        text = f"{where}: {self.what}" if where else self.what
-        return f"{text} ({self.fix})" if self.fix else text
+        # Every value quoted in `what` is cut by shown(); this bounds what slipped through.
+        where = _cut(str(self.where), 300)
+        what = _cut(self.what, 400)
+        fix = _cut(self.fix, 400) if self.fix else None
+        text = f"{where}: {what}" if where else what
+        return f"{text} ({fix})" if fix else text
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class OperationError(FleetError):
     """An operation failed for reasons outside the user's input (exit code 1)."""
 
 
+def shown(value: object, limit: int = 80) -> str:
+    """`value` as an error quotes it: repr, cut to about `limit` characters."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 12]}... ({len(str(value))} chars)"
+
+
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str | None:
     """The closest known name to `word`, case-insensitively, or None when nothing is close."""
     import difflib
 
+    if len(word) > 100:  # nothing that long is a typo of a name, and difflib is quadratic
+        return None
     lowered = {c.lower(): c for c in choices}
     hits = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
     return lowered[hits[0]] if hits else None

@@ -3,93 +3,135 @@
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
+from fleetctl import names
 from fleetctl.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile
-from fleetctl.errors import UserError
+from fleetctl.errors import UserError, shown
+from fleetctl.limits import (
+    MAX_CONNECT_TIMEOUT_S,
+    MAX_GPUS,
+    MAX_MODEL_NAME,
+    MAX_MODELS,
+    MAX_NAME,
+    MAX_NODES,
+    MAX_RATE,
+    MAX_REPLICAS,
+    MAX_TIMEOUT_S,
+    MAX_TOKENS,
+    SURGE_PORT_OFFSET,
+)
 from fleetctl.validation import Strict, validate
+from fleetctl.vllm_flags import check_args
 from fleetctl.yamlsrc import Source, load_yaml
 
 # --- the schema, as written in YAML ------------------------------------------------------------
 
+# Variables fleetctl sets in every server's environment itself.
+RESERVED_ENV = {
+    "CUDA_VISIBLE_DEVICES": "the plan picks each server's GPUs: limit them with 'placement'",
+    "FLEETCTL_SERVER_TOKEN": "apply sets it to find the server's processes: remove it",
+}
+
+
+def _env_key(key: str) -> str:
+    names.env_key(key)
+    if key in RESERVED_ENV:
+        raise ValueError(f"{key} is set by fleetctl | {RESERVED_ENV[key]}")
+    return key
+
+
+def _variant(key: str) -> str:
+    return names.name(key, "variant")
+
+
+User = Annotated[str, AfterValidator(names.user)]
+Labels = dict[
+    Annotated[str, AfterValidator(lambda v: names.name(v, "label"))],
+    Annotated[str, AfterValidator(lambda v: names.name(v, "label value"))],
+]
+
 
 class SshSpec(Strict):
-    user: str | None = None
+    user: User | None = None
     identity_file: str | None = None
     port: int = Field(22, ge=1, le=65535)
     proxy_jump: str | None = None
-    connect_timeout_s: float = Field(10.0, gt=0)
+    connect_timeout_s: float = Field(10.0, gt=0, le=MAX_CONNECT_TIMEOUT_S)
+
+    @field_validator("proxy_jump")
+    @classmethod
+    def _jump(cls, v: str | None) -> str | None:
+        if v is not None:
+            names.jump(v)  # parsed now, so a bad hop fails here and not after confirmation
+        return v
 
 
 class GpuSpec(Strict):
-    type: str = Field(min_length=1)
+    type: str = Field(min_length=1, max_length=MAX_NAME * 2)
     count: int = Field(1, ge=1, le=64)
 
 
 class NodeSpec(Strict):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1)  # a name or a range, checked once expanded
     host: str | None = None
     port: int | None = Field(None, ge=1, le=65535)
-    user: str | None = None
+    user: User | None = None
     gpus: GpuSpec
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: Labels = Field(default_factory=dict)
 
 
 class VariantSpec(Strict):
-    source: str = Field(min_length=1)
-    revision: str | None = None
+    source: Annotated[str, Field(min_length=1), AfterValidator(names.source)]
+    revision: Annotated[str, AfterValidator(names.revision)] | None = None
 
 
 class WorkloadSpec(Strict):
-    requests_per_s: float = Field(gt=0)
-    mean_prompt_tokens: int = Field(gt=0)
-    mean_output_tokens: int = Field(gt=0)
+    requests_per_s: float = Field(gt=0, le=MAX_RATE)
+    mean_prompt_tokens: int = Field(gt=0, le=MAX_TOKENS)
+    mean_output_tokens: int = Field(gt=0, le=MAX_TOKENS)
 
 
 class PlacementSpec(Strict):
-    gpu_types: tuple[str, ...] = ()
-    labels: dict[str, str] = Field(default_factory=dict)
+    gpu_types: tuple[str, ...] = Field((), max_length=64)
+    labels: Labels = Field(default_factory=dict)
 
 
 class ModelSpec(Strict):
-    name: str = Field(min_length=1)
-    profile: str = Field(min_length=1)
-    variants: dict[str, VariantSpec | None] = Field(min_length=1)
-    max_context: int = Field(gt=0)
+    name: Annotated[str, AfterValidator(names.model_name)]
+    profile: str = Field(min_length=1, max_length=MAX_MODEL_NAME)
+    variants: dict[Annotated[str, AfterValidator(_variant)], VariantSpec | None] = Field(
+        min_length=1
+    )
+    max_context: int = Field(gt=0, le=MAX_TOKENS)
     workload: WorkloadSpec | None = None
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int | None = Field(None, ge=1)
-    min_sequences: int = Field(1, ge=1)
+    min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
+    max_replicas: int | None = Field(None, ge=1, le=MAX_REPLICAS)
+    min_sequences: int = Field(1, ge=1, le=MAX_REPLICAS)
     gpu_memory_utilization: float | None = Field(None, gt=0.1, le=0.99)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
-    vllm_args: tuple[str, ...] = ()
-    env: dict[str, str] = Field(default_factory=dict)
-
-    @field_validator("name")
-    @classmethod
-    def _served_name(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]*", v):
-            raise ValueError(
-                f"model name {v!r} is not a valid served model name | "
-                "use letters, digits, '.', '_', '-', ':' or '/'"
-            )
-        return v
+    vllm_args: tuple[str, ...] = Field((), max_length=256)  # checked against vLLM's flags
+    env: dict[Annotated[str, AfterValidator(_env_key)], str] = Field(
+        default_factory=dict, max_length=256
+    )
 
 
 class AgingSpec(Strict):
-    factor: float = Field(2.0, gt=0)
-    window_s: float = Field(60.0, gt=0)
+    factor: float = Field(2.0, gt=0, le=1000)
+    window_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S)
     enabled: bool = True
 
 
 class RouterSpec(Strict):
     listen: str = "127.0.0.1:8080"
-    long_context_tokens: int = Field(4096, gt=0)
+    long_context_tokens: int = Field(4096, gt=0, le=MAX_TOKENS)
     bandwidth_saturation: float = Field(0.85, gt=0, le=1)
     aging: AgingSpec = Field(default_factory=AgingSpec)
     # Port of a dcgm-exporter on every node (usually 9400): the router then reads each GPU's
@@ -101,16 +143,21 @@ class RouterSpec(Strict):
     def _listen(cls, v: str) -> str:
         host, sep, port = v.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"listen address {v!r} is not HOST:PORT | write e.g. 127.0.0.1:8080")
+            raise ValueError(
+                f"listen address {shown(v)} is not HOST:PORT | write e.g. 127.0.0.1:8080"
+            )
+        names.host(host[1:-1] if host.startswith("[") and host.endswith("]") else host)
         return v
 
 
 class PlannerSpec(Strict):
     gpu_memory_utilization: float = Field(0.92, gt=0.1, le=0.99)
     target_utilization: float = Field(0.8, gt=0, le=1)
-    warn_sequences_below: int = Field(8, ge=1)
-    port_base: int = Field(8000, ge=1024, le=65000)
-    max_num_batched_tokens: int = Field(8192, ge=256)
+    warn_sequences_below: int = Field(8, ge=1, le=MAX_REPLICAS)
+    # Every port a plan may use, the surge port (+1000) of the last GPU included, must be
+    # at most 65535: checked against the largest node in _check_ports.
+    port_base: int = Field(8000, ge=1024, le=65535 - SURGE_PORT_OFFSET)
+    max_num_batched_tokens: int = Field(8192, ge=256, le=MAX_TOKENS)
     enforce_eager: bool = False
 
 
@@ -118,22 +165,40 @@ class ApplySpec(Strict):
     """How `fleetctl apply` runs servers on the nodes."""
 
     vllm_command: str = Field("vllm", min_length=1)  # e.g. /opt/vllm/bin/vllm
+    # The vLLM release the nodes run: vllm_args are checked against its `serve --help=all`
+    # (profiles/vllm/VERSION.txt). Default: the newest release fleetctl has a flag list for.
+    vllm_version: str | None = Field(None, max_length=64)
     supervisor: Literal["auto", "systemd", "nohup"] = "auto"
-    health_timeout_s: float = Field(900.0, gt=0)  # large checkpoints load for minutes
-    stop_timeout_s: int = Field(30, ge=1)
+    health_timeout_s: float = Field(900.0, gt=0, le=MAX_TIMEOUT_S)  # large checkpoints load slowly
+    stop_timeout_s: int = Field(30, ge=1, le=3600)
     # Names of secrets (e.g. HF_TOKEN, VLLM_API_KEY) every server gets in its 0600 env file;
     # values come from the operator's environment or `--secrets-file`, never from here.
-    secrets: list[str] = Field(default_factory=list)
+    secrets: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("vllm_command")
+    @classmethod
+    def _command(cls, v: str) -> str:
+        try:
+            words = shlex.split(v)
+        except ValueError:
+            raise ValueError(
+                f"vllm_command {shown(v)} has unbalanced quotes | close the quote"
+            ) from None
+        if not words:
+            raise ValueError("vllm_command is empty | write e.g. vllm or /opt/vllm/bin/vllm")
+        names.command_word(words[0])
+        return v
 
     @field_validator("secrets")
     @classmethod
     def _names(cls, v: list[str]) -> list[str]:
         for name in v:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            if not names.ENV_KEY.fullmatch(name):
                 raise ValueError(
-                    f"{name!r} is not an environment variable name | list names only, "
+                    f"{shown(name)} is not an environment variable name | list names only, "
                     "e.g. [HF_TOKEN]; values come from the environment or --secrets-file"
                 )
+            _env_key(name)
         return v
 
 
@@ -195,36 +260,51 @@ class Inventory:
         return next(m for m in self.models if m.name == name)
 
 
-_RANGE = re.compile(r"\[(\d+):(\d+)\]")
-_MALFORMED = "{!r} has a malformed range | write a range as [FIRST:LAST], e.g. [1:8]"
+_RANGE = re.compile(r"\[(\d{1,9}):(\d{1,9})\]")
+_MALFORMED = " has a malformed range | write a range as [FIRST:LAST], e.g. [1:8]"
 
 
-def expand_range(text: str) -> list[str]:
-    """`rtx-[1:8]` -> rtx-1 .. rtx-8; `[01:10]` keeps the zero padding; no range -> [text]."""
+def _range(text: str) -> tuple[re.Match[str] | None, int]:
+    """The range in `text` and how many values it expands to, without expanding it."""
     matches = list(_RANGE.finditer(text))
     if not matches:
         if "[" in text or "]" in text:
-            raise ValueError(
-                f"{text!r} has a malformed range | write a range as [FIRST:LAST], e.g. [1:8]"
-            )
-        return [text]
+            raise ValueError(shown(text) + _MALFORMED)
+        return None, 1
     if len(matches) > 1:
-        raise ValueError(f"{text!r} has more than one range | use one [FIRST:LAST] range per value")
+        raise ValueError(
+            f"{shown(text)} has more than one range | use one [FIRST:LAST] range per value"
+        )
     m = matches[0]
     first, last = int(m.group(1)), int(m.group(2))
     if last < first:
         raise ValueError(
             f"range [{m.group(1)}:{m.group(2)}] runs backwards | write [{last}:{first}]"
         )
-    if last - first >= 100_000:
-        raise ValueError(f"range [{first}:{last}] is too large | split it into ranges under 100000")
-    width = len(m.group(1)) if m.group(1).startswith("0") and len(m.group(1)) > 1 else 0
-    rest = text[m.end() :]
-    if "[" in rest or "]" in rest or "[" in text[: m.start()] or "]" in text[: m.start()]:
+    outside = text[: m.start()] + text[m.end() :]
+    if "[" in outside or "]" in outside:
+        raise ValueError(shown(text) + _MALFORMED)
+    return m, last - first + 1
+
+
+def range_size(text: str) -> int:
+    return _range(text)[1]
+
+
+def expand_range(text: str) -> list[str]:
+    """`rtx-[1:8]` -> rtx-1 .. rtx-8; `[01:10]` keeps the zero padding; no range -> [text]."""
+    m, n = _range(text)
+    if m is None:
+        return [text]
+    if n > MAX_NODES:
         raise ValueError(
-            f"{text!r} has a malformed range | write a range as [FIRST:LAST], e.g. [1:8]"
+            f"range [{m.group(1)}:{m.group(2)}] expands to {n} values, more than {MAX_NODES} "
+            "| split the fleet, or raise FLEETCTL_MAX_NODES"
         )
-    return [f"{text[: m.start()]}{i:0{width}d}{rest}" for i in range(first, last + 1)]
+    first = int(m.group(1))
+    width = len(m.group(1)) if m.group(1).startswith("0") and len(m.group(1)) > 1 else 0
+    head, tail = text[: m.start()], text[m.end() :]
+    return [f"{head}{i:0{width}d}{tail}" for i in range(first, first + n)]
 
 
 def load_inventory(path: str | Path, catalog: Catalog) -> Inventory:
@@ -237,9 +317,50 @@ def load_inventory(path: str | Path, catalog: Catalog) -> Inventory:
             "see the examples that `fleetctl examples` lists",
         )
     spec = validate(InventorySpec, src)
+    _check_size(spec, src)
     nodes = _expand_nodes(spec, src, catalog)
+    _check_ports(spec, nodes, src)
     models = _resolve_models(spec, src, catalog)
     return Inventory(Path(path), spec, nodes, models)
+
+
+def _check_size(spec: InventorySpec, src: Source) -> None:
+    """Count nodes and GPUs before expanding anything: a 1 KB file of ranges can name millions."""
+    nodes = gpus = 0
+    for i, ns in enumerate(spec.nodes):
+        n = _checked(range_size, ns.name, src, ("nodes", i, "name"))
+        nodes += n
+        gpus += n * ns.gpus.count
+        if nodes > MAX_NODES or gpus > MAX_GPUS:
+            what = f"{nodes} nodes" if nodes > MAX_NODES else f"{gpus} GPUs"
+            raise UserError(
+                f"the nodes up to here expand to {what}, more than the limit of {MAX_NODES} "
+                f"nodes and {MAX_GPUS} GPUs",
+                src.at(("nodes", i, "name")),
+                "split the fleet into several inventories, or raise FLEETCTL_MAX_NODES",
+            )
+    if len(spec.models) > MAX_MODELS:
+        raise UserError(
+            f"the inventory lists {len(spec.models)} models, more than {MAX_MODELS}",
+            src.at(("models",)),
+            "split it into several inventories",
+        )
+
+
+def _check_ports(spec: InventorySpec, nodes: tuple[Node, ...], src: Source) -> None:
+    """Every port a plan may give a server, its surge port included, must exist."""
+    if not nodes:
+        return
+    base = spec.planner.port_base
+    widest = max(nodes, key=lambda n: n.gpu_count)
+    top = base + widest.gpu_count - 1 + SURGE_PORT_OFFSET
+    if top > 65535:
+        raise UserError(
+            f"port_base {base} gives {widest.name}'s last GPU the replacement port {top}, "
+            "past 65535",
+            src.at(("planner", "port_base")),
+            f"lower port_base to at most {65535 - SURGE_PORT_OFFSET - widest.gpu_count + 1}",
+        )
 
 
 def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[Node, ...]:
@@ -248,18 +369,25 @@ def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[N
     by_addr: dict[tuple[str, int], str] = {}
     for i, ns in enumerate(spec.nodes):
         gpu = catalog.gpu(ns.gpus.type, src.at(("nodes", i, "gpus", "type")))
-        names = _expand(ns.name, src, ("nodes", i, "name"))
-        hosts = _expand(ns.host, src, ("nodes", i, "host")) if ns.host else names
-        if len(hosts) != len(names):
+        names_ = _checked(expand_range, ns.name, src, ("nodes", i, "name"))
+        hosts = _checked(expand_range, ns.host, src, ("nodes", i, "host")) if ns.host else names_
+        if len(hosts) != len(names_):
             raise UserError(
-                f"name expands to {len(names)} node(s) but host to {len(hosts)}",
+                f"name expands to {len(names_)} node(s) but host to {len(hosts)}",
                 src.at(("nodes", i, "host")),
                 "give host a range of the same length as name",
             )
+        # Checked once expanded ("rtx-[1:8]" is no name); the first and last stand for all,
+        # since only the range's digits differ between them.
+        for value in {names_[0], names_[-1]}:
+            _checked(lambda v: names.name(v, "node name"), value, src, ("nodes", i, "name"))
+        if ns.host:  # without one, the name is an alias ~/.ssh/config may resolve
+            for value in {hosts[0], hosts[-1]}:
+                _checked(names.host, value, src, ("nodes", i, "host"))
         port = ns.port or spec.ssh.port
         line = src.line_of(("nodes", i))
         labels = tuple(sorted(ns.labels.items()))
-        for name, host in zip(names, hosts, strict=True):
+        for name, host in zip(names_, hosts, strict=True):
             if name in by_name:
                 raise UserError(
                     f"duplicate node name '{name}' (first defined in nodes[{by_name[name]}])",
@@ -281,19 +409,35 @@ def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[N
     return tuple(out)
 
 
-def _expand(value: str, src: Source, path: tuple[Any, ...]) -> list[str]:
+def _checked(check: Any, value: Any, src: Source, path: tuple[Any, ...]) -> Any:
+    """`check(value)`, with its ValueError("what | fix") turned into a located UserError."""
     try:
-        return expand_range(value)
+        return check(value)
     except ValueError as e:
         what, _, fix = str(e).partition(" | ")
-        raise UserError(what, src.at(path), fix) from None
+        raise UserError(what, src.at(path), fix or None) from None
 
 
 def _resolve_models(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[Model, ...]:
     out: list[Model] = []
     seen: dict[str, int] = {}
+    flags = None
+    secrets = set(spec.apply.secrets)
     for i, ms in enumerate(spec.models):
         at = ("models", i)
+        if ms.vllm_args:
+            flags = flags or catalog.serve_flags(
+                spec.apply.vllm_version, src.at(("apply", "vllm_version"))
+            )
+            _checked(partial(check_args, flags=flags), ms.vllm_args, src, (*at, "vllm_args"))
+        for key in ms.env:
+            if key in secrets:
+                raise UserError(
+                    f"{key} is both a secret (apply.secrets) and set in env",
+                    src.at((*at, "env", key)),
+                    "remove it from env: a secret's value comes from the environment or "
+                    "--secrets-file, never from the inventory",
+                )
         if ms.name in seen:
             raise UserError(
                 f"duplicate model name '{ms.name}' (first in models[{seen[ms.name]}])",

@@ -6,16 +6,20 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from fleetctl.errors import UserError, did_you_mean
+from fleetctl.errors import UserError, did_you_mean, shown
+from fleetctl.limits import MAX_TEXT
 from fleetctl.yamlsrc import Path_, Source
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class Strict(BaseModel):
-    """Base of every user-facing schema: frozen, and unknown keys are errors, not ignored."""
+    """Base of every user-facing schema: frozen, unknown keys are errors, numbers are finite
+    and text is bounded."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, str_max_length=MAX_TEXT
+    )
 
 
 def validate(cls: type[M], src: Source, data: Any = None, prefix: Path_ = ()) -> M:
@@ -60,11 +64,16 @@ def describe(err: Any, cls: type[BaseModel], loc: Path_) -> tuple[str, str]:
             if hint
             else (f"known keys: {', '.join(sorted(known))}" if known else "remove it")
         )
-        return f"unknown key '{field}'", fix
+        return f"unknown key {shown(field, 60)}", fix
     if kind == "missing":
         return f"missing required key '{field}'", f"add '{field}:'"
     if kind in ("int_type", "int_parsing", "int_from_float"):
         return f"expected a whole number, got {_show(got)}", "write a number such as 8"
+    if kind == "finite_number":
+        return f"expected a finite number, got {_show(got)}", "write a number such as 0.9"
+    if kind == "string_too_long":
+        n = err.get("ctx", {}).get("max_length", MAX_TEXT)
+        return f"text longer than {n} characters", "shorten it"
     if kind in ("float_type", "float_parsing"):
         return f"expected a number, got {_show(got)}", "write a number such as 0.9"
     if kind in ("bool_type", "bool_parsing"):
@@ -89,8 +98,7 @@ def describe(err: Any, cls: type[BaseModel], loc: Path_) -> tuple[str, str]:
 def _show(v: Any) -> str:
     if isinstance(v, dict | list):
         return "a mapping" if isinstance(v, dict) else "a list"
-    text = repr(v)
-    return text if len(text) <= 40 else text[:37] + "..."
+    return shown(v, 60)
 
 
 def _known_keys(cls: type[BaseModel], loc: Path_) -> list[str]:

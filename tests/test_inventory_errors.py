@@ -45,7 +45,7 @@ CASES = [
         "tab-indent",
         bad("    host: 10.0.2.[21:22]", "\thost: 10.0.2.[21:22]"),
         7,
-        ["YAML syntax error"],
+        ["a tab is used for indentation", "indent with spaces"],
     ),
     ("not-a-mapping", "- just\n- a list\n", 1, ["must be a mapping"]),
     ("unknown-top-key", GOOD + "nodez: []\n", 16, ["unknown key 'nodez'", "did you mean 'nodes'"]),

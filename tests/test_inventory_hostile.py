@@ -1,0 +1,426 @@
+"""Hostile and broken inventories are refused at the door: one located line, exit code 2,
+within bounded time and memory, before anything reaches a node."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import pytest
+
+from tests.conftest import write
+from tests.test_inventory_errors import GOOD, bad
+
+MODEL_END = "    workload: {requests_per_s: 5, mean_prompt_tokens: 1000, mean_output_tokens: 200}\n"
+
+
+def model_extra(text: str) -> str:
+    """GOOD with `text` (model-level keys) added to its model; they start on line 16."""
+    return GOOD.replace(MODEL_END, MODEL_END + text)
+
+
+BOMB = "a: &a [x,x,x,x,x,x,x,x,x]\n" + "".join(
+    f"{c}: &{c} [{', '.join(['*' + p] * 9)}]\n" for p, c in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
+# (id, inventory text, line the error must name, words the message must contain)
+CASES = [
+    # --- YAML itself
+    ("alias-bomb", BOMB, None, ["expands to more than", "alias"]),
+    ("recursive-alias", "nodes: &n [*n]\n", 1, ["recursive alias"]),
+    ("recursive-merge", "ssh: &s {<<: *s, port: 22}\nnodes: []\n", 1, ["recursive alias"]),
+    (
+        "python-tag",
+        "nodes: !!python/object/apply:os.system ['touch /tmp/x']\n",
+        1,
+        ["'!!python/object/apply:os.system' is not allowed"],
+    ),
+    (
+        "binary-tag",
+        bad("name: rtx-[1:2]", "name: !!binary 'cnR4'"),
+        6,
+        ["'!!binary' is not allowed"],
+    ),
+    (
+        "bad-binary",
+        bad("name: rtx-[1:2]", "name: !!binary '%%%'"),
+        6,
+        ["'!!binary' is not allowed"],
+    ),
+    ("custom-tag", bad("type: RTX-4090", "type: !gpu RTX-4090"), 8, ["'!gpu' is not allowed"]),
+    ("set-tag", GOOD + "x: !!set {a, b}\n", 16, ["'!!set' is not allowed"]),
+    (
+        "date-name",
+        bad("name: rtx-[1:2]", "name: 2024-01-01"),
+        6,
+        ["'2024-01-01' reads as a date", "quote it"],
+    ),
+    ("multi-document", GOOD + "---\nnodes: []\n", 16, ["more than one YAML document"]),
+    ("nul-byte", bad("name: rtx-[1:2]", "name: rtx\x00-[1:2]"), 6, ["control character 0x00"]),
+    ("deep-nesting", GOOD + "x: " + "[" * 100 + "]" * 100 + "\n", 16, ["nests deeper than 64"]),
+    # --- numbers
+    ("inf-rate", bad("requests_per_s: 5", "requests_per_s: .inf"), 15, ["finite number"]),
+    (
+        "nan-timeout",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {connect_timeout_s: .nan}"),
+        1,
+        ["finite number"],
+    ),
+    (
+        "inf-connect-timeout",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, connect_timeout_s: .inf}"),
+        1,
+        ["ssh.connect_timeout_s", "finite number"],
+    ),
+    (
+        "huge-connect-timeout",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, connect_timeout_s: 1e9}"),
+        1,
+        ["less than or equal to 300"],
+    ),
+    (
+        "inf-health-timeout",
+        GOOD + "apply: {health_timeout_s: .inf}\n",
+        16,
+        ["apply.health_timeout_s", "finite"],
+    ),
+    (
+        "huge-stop-timeout",
+        GOOD + "apply: {stop_timeout_s: 99999999}\n",
+        16,
+        ["less than or equal to 3600"],
+    ),
+    (
+        "inf-aging",
+        GOOD + "router: {aging: {window_s: .inf}}\n",
+        16,
+        ["router.aging.window_s", "finite"],
+    ),
+    (
+        "huge-context",
+        bad("max_context: 8192", "max_context: 99999999999"),
+        14,
+        ["max_context", "less than or equal to 10000000"],
+    ),
+    (
+        "port-base-overflow",
+        GOOD + "planner: {port_base: 65000}\n",
+        16,
+        ["planner.port_base", "less than or equal to"],
+    ),
+    (
+        "surge-port-overflow",
+        bad("count: 2}", "count: 64}") + "planner: {port_base: 64500}\n",
+        16,
+        ["a100-1's last GPU the replacement port 65563", "at most 64472"],
+    ),
+    (
+        "million-nodes",
+        bad(
+            "  - name: rtx-[1:2]\n    host: 10.0.2.[21:22]\n    gpus: {type: RTX-4090, count: 1}\n",
+            "".join(f"  - {{name: 'x{i}-[1:99999]', gpus: {{type: L4}}}}\n" for i in range(10)),
+        ),
+        6,
+        ["expand to 100001 nodes", "more than the limit of 10000 nodes"],
+    ),
+    (
+        "huge-range-digits",
+        bad("name: rtx-[1:2]", "name: rtx-[1:" + "9" * 500 + "]"),
+        6,
+        ["malformed range"],
+    ),
+    # --- names and hosts
+    (
+        "name-shell",
+        bad("name: rtx-[1:2]\n    host: 10.0.2.[21:22]", "name: 'rtx;touch /tmp/x'"),
+        6,
+        ["node name", "not a valid name"],
+    ),
+    (
+        "name-crlf",
+        bad("name: rtx-[1:2]\n    host: 10.0.2.[21:22]", 'name: "rtx\\r\\nX-Evil: 1"'),
+        6,
+        ["control character 0x0d"],
+    ),
+    ("name-emoji", bad("name: rtx-[1:2]", "name: rtx-🔥[1:2]"), 6, ["not a valid name"]),
+    (
+        "name-too-long",
+        bad("name: rtx-[1:2]", "name: " + "r" * 70 + "-[1:2]"),
+        6,
+        ["longer than 63"],
+    ),
+    ("host-url", bad("host: 10.0.2.[21:22]", "host: 'ssh://10.0.2.[21:22]'"), 7, ["URL scheme"]),
+    (
+        "host-user",
+        bad("host: 10.0.2.[21:22]", "host: root@10.0.2.[21:22]"),
+        7,
+        ["holds a user", "'user:'"],
+    ),
+    (
+        "host-port",
+        bad("host: 10.0.2.[21:22]", "host: 'gpu-[1:2]:2222'"),
+        7,
+        ["holds a port", "'port:'"],
+    ),
+    (
+        "host-bad-ipv4",
+        bad("host: 10.0.2.[21:22]", "host: 10.0.2.[299:300]"),
+        7,
+        ["not a hostname, IPv4 or IPv6"],
+    ),
+    ("host-shell", bad("host: 10.0.2.[21:22]", "host: '$(reboot)-[1:2]'"), 7, ["not a hostname"]),
+    (
+        "host-option",
+        bad("host: 10.0.2.[21:22]", "host: '-oProxyCommand=x[1:2]'"),
+        7,
+        ["not a hostname"],
+    ),
+    (
+        "label-key",
+        bad(
+            "gpus: {type: RTX-4090, count: 1}",
+            "gpus: {type: RTX-4090, count: 1}\n    labels: {'a b': x}",
+        ),
+        9,
+        ["label", "not a valid name"],
+    ),
+    (
+        "label-value",
+        bad(
+            "gpus: {type: RTX-4090, count: 1}",
+            "gpus: {type: RTX-4090, count: 1}\n    labels: {rack: 'r1;ls'}",
+        ),
+        9,
+        ["label value", "not a valid name"],
+    ),
+    (
+        "variant-name-shell",
+        bad("bf16: {source", "'bf16;x': {source"),
+        13,
+        ["variant", "not a valid name"],
+    ),
+    (
+        "model-name-space",
+        bad("  - name: llama-3-8b", "  - name: 'llama 3'"),
+        10,
+        ["not a valid served model name"],
+    ),
+    (
+        "user-shell",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: 'ubuntu;id', port: 22}"),
+        1,
+        ["not a login name"],
+    ),
+    (
+        "long-value-clipped",
+        bad("type: RTX-4090", "type: " + "Z" * 1_000_000),
+        8,
+        ["longer than 126 characters"],
+    ),
+    # --- env, source, vllm_args, secrets
+    (
+        "env-key-injection",
+        model_extra("    env: {'X=1; touch /tmp/x; Y': v}\n"),
+        16,
+        ["environment variable name", "not valid"],
+    ),
+    (
+        "env-key-reserved",
+        model_extra("    env: {CUDA_VISIBLE_DEVICES: '0'}\n"),
+        16,
+        ["CUDA_VISIBLE_DEVICES is set by fleetctl", "placement"],
+    ),
+    (
+        "env-secret-overlap",
+        model_extra("    env: {HF_TOKEN: abc}\n") + "apply: {secrets: [HF_TOKEN]}\n",
+        16,
+        ["HF_TOKEN is both a secret", "never from the inventory"],
+    ),
+    (
+        "source-option",
+        bad("source: meta-llama/Meta-Llama-3-8B-Instruct", "source: '--trust-remote-code'"),
+        13,
+        ["starts with '-'", "vllm_args"],
+    ),
+    (
+        "source-garbage",
+        bad("source: meta-llama/Meta-Llama-3-8B-Instruct", "source: 'a b c'"),
+        13,
+        ["neither a Hugging Face id nor a path"],
+    ),
+    (
+        "revision-option",
+        bad(
+            "source: meta-llama/Meta-Llama-3-8B-Instruct",
+            "source: meta-llama/Meta-Llama-3-8B-Instruct, revision: '--x'",
+        ),
+        13,
+        ["not a branch, tag or commit"],
+    ),
+    (
+        "vllm-args-port",
+        model_extra("    vllm_args: ['--port', '9000']\n"),
+        16,
+        ["'--port' is set by the plan", "port_base"],
+    ),
+    (
+        "vllm-args-port-eq",
+        model_extra("    vllm_args: ['--port=9000']\n"),
+        16,
+        ["'--port' is set by the plan"],
+    ),
+    (
+        "vllm-args-max-len",
+        model_extra("    vllm_args: ['--max_model_len', '4096']\n"),
+        16,
+        ["set by the plan", "max_context"],
+    ),
+    (
+        "vllm-args-tp-alias",
+        model_extra("    vllm_args: ['-tp', '2']\n"),
+        16,
+        ["'-tp' is set by the plan"],
+    ),
+    (
+        "vllm-args-api-key",
+        model_extra("    vllm_args: ['--api-key', 'sk-123']\n"),
+        16,
+        ["set by the plan", "apply.secrets"],
+    ),
+    (
+        "vllm-args-served-name",
+        model_extra("    vllm_args: ['--served-model-name', 'x']\n"),
+        16,
+        ["set by the plan", "'name'"],
+    ),
+    (
+        "vllm-args-unknown",
+        model_extra("    vllm_args: ['--enable-prefx-caching']\n"),
+        16,
+        ["not a flag of vLLM 0.32.0", "did you mean --enable-prefix-caching"],
+    ),
+    (
+        "vllm-args-positional",
+        model_extra("    vllm_args: ['other/model']\n"),
+        16,
+        ["is not an option", "source"],
+    ),
+    (
+        "vllm-args-missing-value",
+        model_extra("    vllm_args: ['--block-size']\n"),
+        16,
+        ["--block-size needs a value"],
+    ),
+    (
+        "vllm-version-unknown",
+        model_extra("    vllm_args: ['--seed', '1']\n") + "apply: {vllm_version: '0.1.0'}\n",
+        17,
+        ["no `vllm serve --help=all` for vLLM '0.1.0'", "0.32.0"],
+    ),
+    (
+        "vllm-command-option",
+        GOOD + "apply: {vllm_command: '-c touch'}\n",
+        16,
+        ["vllm_command starts with '-c'"],
+    ),
+    # --- SSH settings
+    (
+        "jump-url",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, proxy_jump: 'ssh://bastion'}"),
+        1,
+        ["proxy_jump", "URL scheme"],
+    ),
+    (
+        "jump-bad-port",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, proxy_jump: 'bastion:99999'}"),
+        1,
+        ["proxy_jump port '99999'"],
+    ),
+    (
+        "jump-two-hops",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, proxy_jump: 'a,b'}"),
+        1,
+        ["several hops"],
+    ),
+    (
+        "jump-shell",
+        bad("ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, proxy_jump: 'x;id'}"),
+        1,
+        ["proxy_jump", "not a hostname"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_hostile_inventory_is_one_clear_line(cli, tmp_path, text, line, words):
+    path = write(tmp_path, text)
+    t0 = time.monotonic()
+    r = cli("validate", path)
+    assert r.code == 2, (r.out, r.err)
+    assert r.out == ""
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err
+    msg = lines[0]
+    where = f"error: {path}:{line}:" if line else f"error: {path}"
+    assert msg.startswith(where), msg
+    for w in words:
+        assert w in msg, (w, msg)
+    assert msg.endswith(")"), "every error says how to fix it"
+    assert len(msg) < 400 + len(str(path)), "a bad value is quoted at most ~80 characters"
+    assert "internal error" not in r.err and "<unicode string>" not in r.err
+    assert time.monotonic() - t0 < 30  # bounded, not a timing claim (benchmarks/ measures it)
+
+
+def test_safe_values_still_pass(cli, tmp_path):
+    """The grammars refuse the hostile, not the ordinary: IPv6 hosts, HF ids, paths, flags."""
+    text = (
+        bad("host: 10.0.2.[21:22]", "host: 'fd00::[21:22]'")
+        .replace("source: meta-llama/Meta-Llama-3-8B-Instruct", "source: /models/llama-3-8b")
+        .replace(
+            MODEL_END,
+            MODEL_END
+            + "    env: {VLLM_LOGGING_LEVEL: 'DEBUG', HF_HUB_OFFLINE: '1'}\n"
+            + "    vllm_args: ['--enable-prefix-caching', '--block-size', '32', '--seed', '-1',"
+            + " '--compilation-config.mode', '3', '--no-enable-log-requests']\n",
+        )
+    )
+    text = text.replace(
+        "ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, proxy_jump: 'jump@[fd00::1]:2222'}"
+    )
+    text += "apply: {secrets: [HF_TOKEN], vllm_command: /opt/vllm/bin/vllm}\n"
+    r = cli("validate", write(tmp_path, text))
+    assert r.code == 0, r.err
+
+
+def test_oversized_file_is_refused_before_parsing(cli, tmp_path, monkeypatch):
+    import fleetctl.yamlsrc
+
+    monkeypatch.setattr(fleetctl.yamlsrc, "MAX_FILE_BYTES", 1000)
+    path = write(tmp_path, GOOD + "#" * 2000 + "\n")
+    r = cli("validate", path)
+    assert (
+        r.code == 2
+        and "larger than 1000 bytes" in r.err
+        and "FLEETCTL_MAX_INVENTORY_BYTES" in r.err
+    )
+
+
+def test_alias_bomb_is_refused_in_bounded_memory(tmp_path):
+    """Run in a child whose address space is capped: expansion must stop long before."""
+    import subprocess
+
+    path = write(tmp_path, BOMB)
+    code = (
+        "import resource, sys;"
+        "resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30));"
+        "from fleetctl.cli import main;"
+        f"sys.argv = ['fleetctl', 'validate', {str(path)!r}];"
+        "main()"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "expands to more than" in r.stderr
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 1 << 20  # KiB: under 1 GiB
