@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+
+import pytest
 
 from fleetctl.apply.node import Live, env_file, manifest, parse_inspect, server_id
 from fleetctl.apply.steps import node_steps
@@ -101,13 +104,36 @@ def test_one_server_split_in_two_stops_it_first():
     assert steps[1].stop == () and steps[1].stop_first
 
 
-def test_env_file_quotes_values_and_carries_the_token():
+def test_env_file_quotes_values_and_carries_the_token(tmp_path):
     d = dep((0, 1))
-    text = env_file(d, {"HF_TOKEN": "hf_a'b c"}, "tok-1")
-    assert "CUDA_VISIBLE_DEVICES=0,1\n" in text
-    assert "HF_TOKEN='hf_a'\"'\"'b c'\n" in text  # shell-quoted: sourcing it gives the value back
-    assert "FLEETCTL_SERVER_TOKEN=tok-1\n" in text
+    hostile = "hf_a'b c $(touch x) `id` ${HOME} \\ \" ; & | % \u00e9"
+    text = env_file(d, {"HF_TOKEN": hostile}, "tok-1")
+    assert "CUDA_VISIBLE_DEVICES='0,1'\n" in text
+    assert "FLEETCTL_SERVER_TOKEN='tok-1'\n" in text
     assert "hf_a" not in str(manifest(d, server_id(d), "tok-1", "now"))
+    # Sourced by a real sh, as the node does, it gives back exactly the values and runs nothing.
+    (tmp_path / "env").write_text(text)
+    out = subprocess.run(
+        ["sh", "-c", "set -a; . ./env; set +a; printf '%s' \"$HF_TOKEN\""],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert out == hostile
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(
+    ("env", "why"),
+    [
+        ({"X=1; touch /tmp/x; Y": "v"}, "not an environment variable name"),
+        ({"OK": "line\nbreak"}, "control character"),
+    ],
+)
+def test_env_file_refuses_what_the_inventory_would(env, why):
+    with pytest.raises(ValueError, match=why):
+        env_file(dep((0,)), env, "tok-1")
 
 
 def test_parse_inspect_reads_blocks_and_survives_a_damaged_manifest():

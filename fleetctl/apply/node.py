@@ -19,6 +19,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from fleetctl.errors import shown
+from fleetctl.names import ENV_KEY, control_char
 from fleetctl.planner.model import Deployment
 from fleetctl.ssh import Result, quote
 
@@ -59,6 +61,15 @@ carriers() {  # pids of live processes whose environment holds token $1
       [ -n "$s" ] && [ "$s" != Z ] && echo "$p"
     done
 }
+dollars() {  # $1 with every $ doubled, and nothing else changed
+  s=$1; out=""
+  while :; do
+    case $s in
+      *'$'*) out="$out${s%%\$*}\$\$"; s=${s#*\$} ;;
+      *) printf '%s' "$out$s"; return ;;
+    esac
+  done
+}
 alive() {  # is the server in folder $1 running? (its supervisor knows, else its token)
   if [ -f "$1/unit" ]; then
     systemctl $(cat "$1/scope") is-active --quiet "$(cat "$1/unit")"
@@ -76,7 +87,12 @@ if [ -d "$d" ] && alive "$d"; then echo "fleetctl: server $sid already runs" >&2
 rm -rf "$d" && mkdir -m 700 "$d" || exit 5
 umask 077
 cat > "$d/env" || exit 5
-sed -n 's/^FLEETCTL_SERVER_TOKEN=//p' "$d/env" > "$d/token"
+# Defense in depth: the file is sourced by sh, so every line must be KEY='quoted value'.
+if grep -q -v -E "^[A-Za-z_][A-Za-z0-9_]*='([^']|'\\\\'')*'$" "$d/env"; then
+  echo "fleetctl: refusing an env file line that is not KEY='value'" >&2
+  rm -rf "$d"; exit 5
+fi
+sed -n "s/^FLEETCTL_SERVER_TOKEN='\\(.*\\)'\$/\\1/p" "$d/env" > "$d/token"
 if listening "$port"; then
   echo "port $port is already taken by: $(holder "$port")" >&2
   rm -rf "$d"; exit 3
@@ -97,6 +113,11 @@ if [ "$supervisor" = systemd ]; then
   exe=$(command -v "$1") || { echo "fleetctl: $1 is not on the PATH" >&2; exit 127; }
   shift
   unit="fleetctl-$sid"
+  # systemd expands $VAR and ${VAR} in a unit's command line (from the env file: a secret
+  # would land on the command line); $$ is its escape for a literal $.
+  n=$#
+  for a in "$@"; do set -- "$@" "$(dollars "$a")"; done
+  shift "$n"
   systemctl $scope reset-failed "$unit" >/dev/null 2>&1
   systemd-run $scope --quiet --collect --unit "$unit" \
     --property=EnvironmentFile="$d/env" --property=WorkingDirectory="$d" \
@@ -215,9 +236,23 @@ class Live:
 
 
 def env_file(d: Deployment, secret_env: dict[str, str], token: str) -> str:
-    """The server's environment as `KEY='value'` lines: sh (set -a) and systemd both read it."""
+    """The server's environment as `KEY='value'` lines: sh (set -a) and systemd both read it.
+
+    The inventory refuses bad names and control characters already; a plan file or a caller
+    that skipped it is refused here too, since the node sources this file with sh.
+    """
     merged = {**dict(d.env), **secret_env, TOKEN_VAR: token}
-    return "".join(f"{k}={shlex.quote(v)}\n" for k, v in sorted(merged.items()))
+    for k, v in merged.items():
+        if not ENV_KEY.fullmatch(k):
+            raise ValueError(f"not an environment variable name: {shown(k)}")
+        if control_char(v) is not None:
+            raise ValueError(f"environment variable {k} holds a control character")
+    return "".join(f"{k}={_squote(v)}\n" for k, v in sorted(merged.items()))
+
+
+def _squote(value: str) -> str:
+    """Always single-quoted (the node checks every line's form): ' becomes '\\''."""
+    return "'" + value.replace("'", "'\\''") + "'"
 
 
 def manifest(d: Deployment, sid: str, token: str, started_at: str) -> dict[str, Any]:
