@@ -114,12 +114,18 @@ def _resolve_inventory_path(arg: str) -> Path:
     return Path(arg)
 
 
-def _load(inventory: str, profiles: list[Path] | None) -> tuple[Inventory, Catalog]:
+def _load(
+    inventory: str, profiles: list[Path] | None, ssh: bool = False
+) -> tuple[Inventory, Catalog]:
+    """Load the inventory; `ssh`: this command connects, so its key files must exist."""
     from fleetctl.catalog import load_catalog
     from fleetctl.inventory import load_inventory
 
     catalog = load_catalog(profiles)
-    return load_inventory(_resolve_inventory_path(inventory), catalog), catalog
+    inv = load_inventory(_resolve_inventory_path(inventory), catalog)
+    if ssh:
+        inv.check_ssh_files()
+    return inv, catalog
 
 
 def dump_json(data: Any) -> str:
@@ -322,6 +328,7 @@ def route_serve(
         upstream_timeout_s=upstream_timeout,
         api_key=key or None,
         backend_api_key=backend_key,
+        priority_classes=inv.spec.router.priority_classes,
     )
 
     def make():  # type: ignore[no-untyped-def]
@@ -379,7 +386,7 @@ def probe(
     from fleetctl.ssh import SshOptions
     from fleetctl.state import write_atomic
 
-    inv, _ = _load(inventory, profiles)
+    inv, _ = _load(inventory, profiles, ssh=True)
     options = SshOptions(known_hosts, accept_new, inv.spec.ssh.connect_timeout_s, timeout)
     if as_json or not sys.stderr.isatty():
         facts = probe_fleet(inv, options, parallel)
@@ -424,7 +431,7 @@ def health(
     from fleetctl.ssh import SshOptions
     from fleetctl.state import load_state, write_atomic
 
-    inv, _ = _load(inventory, profiles)
+    inv, _ = _load(inventory, profiles, ssh=True)
     sdir = state_dir or inv.state_dir
     facts_path = sdir / "facts.json"
     try:
@@ -508,10 +515,10 @@ def apply(
     plan_file = None
     if is_plan_file(target):
         inv_path, serial, deployments = read_plan_file(Path(target))
-        inv, catalog = _load(inv_path, profiles)
+        inv, catalog = _load(inv_path, profiles, ssh=True)
         plan_file = (Path(target), serial, deployments)
     else:
-        inv, catalog = _load(target, profiles)
+        inv, catalog = _load(target, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
 
     def make_plan(state):  # type: ignore[no-untyped-def]
@@ -548,7 +555,7 @@ def status(
     from fleetctl.apply.status import status_fleet
     from fleetctl.state import load_state
 
-    inv, _ = _load(inventory, profiles)
+    inv, _ = _load(inventory, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
     state = load_state(state_dir or inv.state_dir)
     rows, summary = status_fleet(inv, state, options(inv, c))
@@ -593,7 +600,7 @@ def destroy(
     """Stop every server fleetctl started on the nodes and empty the state."""
     from fleetctl.apply.commands import Common, run_destroy
 
-    inv, _ = _load(inventory, profiles)
+    inv, _ = _load(inventory, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
     code = run_destroy(inv, c, _console())
     if code:

@@ -134,6 +134,8 @@ class RouterSpec(Strict):
     long_context_tokens: int = Field(4096, gt=0, le=MAX_TOKENS)
     bandwidth_saturation: float = Field(0.85, gt=0, le=1)
     aging: AgingSpec = Field(default_factory=AgingSpec)
+    # X-Priority and the body's `priority` take 0 (most urgent) to priority_classes - 1.
+    priority_classes: int = Field(10, ge=1, le=1000)
     # Port of a dcgm-exporter on every node (usually 9400): the router then reads each GPU's
     # DCGM_FI_DEV_MEM_COPY_UTIL for memory-bandwidth saturation.
     dcgm_exporter_port: int | None = Field(None, ge=1, le=65535)
@@ -251,6 +253,19 @@ class Inventory:
     spec: InventorySpec
     nodes: tuple[Node, ...]
     models: tuple[Model, ...]
+    source: Source | None = None  # where each field was written, for later errors
+
+    def check_ssh_files(self) -> None:
+        """Name a missing identity file before any connection is tried (then every node
+        would fail with the same authentication error)."""
+        path = self.spec.ssh.identity_file
+        if path is not None and not Path(path).expanduser().is_file():
+            where = self.source.at(("ssh", "identity_file")) if self.source else None
+            raise UserError(
+                f"identity_file {shown(path)} does not exist",
+                where,
+                "fix the path, or remove it to use ~/.ssh/config, the agent and default keys",
+            )
 
     @property
     def state_dir(self) -> Path:
@@ -321,7 +336,7 @@ def load_inventory(path: str | Path, catalog: Catalog) -> Inventory:
     nodes = _expand_nodes(spec, src, catalog)
     _check_ports(spec, nodes, src)
     models = _resolve_models(spec, src, catalog)
-    return Inventory(Path(path), spec, nodes, models)
+    return Inventory(Path(path), spec, nodes, models, src)
 
 
 def _check_size(spec: InventorySpec, src: Source) -> None:

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from fleetctl import names
 from fleetctl.errors import UserError
+from fleetctl.limits import MAX_CONNECT_TIMEOUT_S as MAX_CONNECT
+from fleetctl.limits import MAX_TIMEOUT_S
 
 # paramiko logs handshake failures (with tracebacks) from its transport thread: they would
 # bury the one line per node that fleetctl prints, so they stay here unless --debug asks.
@@ -26,10 +29,10 @@ logging.getLogger("paramiko").addHandler(logging.NullHandler())
 logging.getLogger("paramiko").propagate = False
 log = logging.getLogger("fleetctl.ssh")
 
-# The same ranges the inventory enforces, held again here: a timeout that is infinite or
-# too large for a socket would hang or overflow the first connection.
-MAX_CONNECT_TIMEOUT_S = 300.0
-MAX_COMMAND_TIMEOUT_S = 86_400.0
+# The same ranges the inventory enforces (limits.py), held again here: a timeout that is
+# infinite or too large for a socket would hang or overflow the first connection.
+MAX_CONNECT_TIMEOUT_S = MAX_CONNECT
+MAX_COMMAND_TIMEOUT_S = MAX_TIMEOUT_S
 
 ErrorKind = Literal[
     "unreachable",
@@ -337,10 +340,15 @@ class SshSession:
     def _jump_channel(self, t: Target, deadline: float) -> Any:
         """A channel through the ProxyJump host, as `ssh -J` makes."""
         spec = t.proxy_jump or ""
-        user, _, hostport = spec.rpartition("@")
-        host, port = _host_port(hostport)
+        try:  # the inventory's is parsed at validation; ~/.ssh/config's only here
+            hop_at = names.jump(spec)
+        except ValueError as e:
+            what, _, fix = str(e).partition(" | ")
+            raise NodeError("unreachable", f"{what}: {fix}") from None
         # The jump host takes the same user and key unless the ProxyJump spec names a user.
-        hop = Target(f"{t.name}-jump", host, port, user or t.user, t.identity_file)
+        hop = Target(
+            f"{t.name}-jump", hop_at.host, hop_at.port, hop_at.user or t.user, t.identity_file
+        )
         left = max(0.1, deadline - time.monotonic())
         jump = SshSession(hop, _with_connect_timeout(self.options, left))
         self._jump = jump
@@ -422,23 +430,6 @@ def _await_banner(sock: socket.socket, deadline: float) -> bytes:
         sock.close()
         raise NoBanner(b"", closed=True)
     return data
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    """HOST, HOST:PORT or [V6]:PORT, as ProxyJump writes them."""
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest.removeprefix(":")
-    elif text.count(":") == 1:
-        host, _, port = text.partition(":")
-    else:
-        host, port = text, ""
-    if not host or (port and not (port.isdigit() and 1 <= int(port) <= 65535)):
-        raise NodeError(
-            "unreachable",
-            f"proxy_jump {text[:80]!r} is not [user@]host[:port]: fix ssh.proxy_jump",
-        )
-    return host, int(port or 22)
 
 
 def _with_connect_timeout(o: SshOptions, seconds: float) -> SshOptions:

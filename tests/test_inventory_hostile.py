@@ -424,3 +424,21 @@ def test_alias_bomb_is_refused_in_bounded_memory(tmp_path):
     assert r.returncode == 2, r.stderr
     assert "expands to more than" in r.stderr
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 1 << 20  # KiB: under 1 GiB
+
+
+@pytest.mark.parametrize("command", ["probe", "health", "status", "apply", "destroy"])
+def test_missing_identity_file_is_named_before_any_connection(cli, tmp_path, command):
+    # The node is a loopback port nothing listens on: were a connection tried, it would be
+    # refused and reported per node, not as this one line with exit code 2.
+    text = (
+        "ssh: {user: root, identity_file: ~/no-such-key-fleetctl, port: 1}\n"
+        "nodes:\n  - {name: n1, host: 127.0.0.1, gpus: {type: L4}}\n"
+    )
+    r = (
+        cli(command, write(tmp_path, text), "--yes")
+        if command in ("apply", "destroy")
+        else cli(command, write(tmp_path, text))
+    )
+    assert r.code == 2, (r.out, r.err)
+    assert "ssh.identity_file: identity_file '~/no-such-key-fleetctl' does not exist" in r.err
+    assert "refused" not in r.out + r.err

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
+from fleetctl import names
 from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
@@ -19,7 +21,7 @@ from fleetctl.yamlsrc import load_yaml
 
 class BackendEntry(Strict):
     url: str = Field(pattern=r"^https?://[^/\s]+(/.*)?$")
-    node: str | None = None
+    node: Annotated[str, AfterValidator(lambda v: names.name(v, "node name"))] | None = None
     gpu_type: str
     model: str
     variant: str = "bf16"
