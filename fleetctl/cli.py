@@ -510,12 +510,19 @@ def apply(
     as_json: bool = JsonOpt,
 ) -> None:
     """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
-    from fleetctl.apply.commands import Common, is_plan_file, read_plan_file, run_apply
+    from fleetctl.apply.commands import (
+        Common,
+        check_saved_plan,
+        is_plan_file,
+        read_plan_file,
+        run_apply,
+    )
 
     plan_file = None
     if is_plan_file(target):
         inv_path, serial, deployments = read_plan_file(Path(target))
         inv, catalog = _load(inv_path, profiles, ssh=True)
+        check_saved_plan(Path(target), deployments, inv)
         plan_file = (Path(target), serial, deployments)
     else:
         inv, catalog = _load(target, profiles, ssh=True)

@@ -442,3 +442,31 @@ def test_missing_identity_file_is_named_before_any_connection(cli, tmp_path, com
     assert r.code == 2, (r.out, r.err)
     assert "ssh.identity_file: identity_file '~/no-such-key-fleetctl' does not exist" in r.err
     assert "refused" not in r.out + r.err
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("host", "10.9.9.9", "is not in the inventory"),
+        ("vllm_args", ["serve", "x", "--host", "h", "--port", "1", "--a\nb"], "control character"),
+        ("env", {"X; touch /tmp/x; Y": "1"}, "environment differs"),
+        ("port", 70000, "is not 1..65535"),
+    ],
+)
+def test_an_edited_plan_file_is_refused_before_any_connection(cli, tmp_path, field, value, words):
+    import json
+
+    inv = write(
+        tmp_path,
+        "ssh: {user: root, port: 1}\nnodes:\n  - {name: n1, host: 127.0.0.1, gpus: {type: L4}}\n"
+        "models:\n  - {name: m, profile: llama-3-8b, max_context: 4096,\n"
+        "     variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}}\n",
+    )
+    plan = tmp_path / "plan.json"
+    assert cli("plan", inv, "-o", plan).code == 0
+    doc = json.loads(plan.read_text())
+    doc["deployments"][0][field] = value
+    plan.write_text(json.dumps(doc))
+    r = cli("apply", plan, "--yes")
+    assert r.code == 2, (r.out, r.err)
+    assert words in r.err and "deployments[0]" in r.err and "refused" not in r.out + r.err

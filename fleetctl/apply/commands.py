@@ -11,8 +11,9 @@ from typing import Any
 from fleetctl.apply.credentials import load_secrets
 from fleetctl.apply.lock import StateLock
 from fleetctl.apply.run import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
-from fleetctl.errors import Location, UserError
+from fleetctl.errors import Location, UserError, shown
 from fleetctl.inventory import Inventory
+from fleetctl.names import control_char
 from fleetctl.planner.diff import diff
 from fleetctl.planner.model import Deployment, Plan
 from fleetctl.ssh import SshOptions
@@ -63,6 +64,36 @@ def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
             None,
             "make one with `fleetctl plan INVENTORY -o plan.json`",
         ) from None
+
+
+def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) -> None:
+    """A saved plan is a file anyone could have edited: each server in it must be one the
+    inventory could have planned (its node, host, GPUs, model and source), its arguments and
+    environment must pass the inventory's own checks, before anything reaches a node."""
+    nodes = {n.name: n for n in inv.nodes}
+    models = {m.name: m for m in inv.models}
+    for i, d in enumerate(deployments):
+        where = Location(str(path), None, f"deployments[{i}]")
+        node, model = nodes.get(d.node), models.get(d.model)
+        problem = None
+        if node is None or node.host != d.host:
+            problem = f"node {shown(d.node)} at {shown(d.host)} is not in the inventory"
+        elif model is None or d.server.source not in {v.source for v in model.variants}:
+            problem = f"model {shown(d.model)} with its source is not in the inventory"
+        elif not d.gpu_indices or not all(0 <= g < 64 for g in d.gpu_indices):
+            problem = f"GPUs {shown(list(d.gpu_indices))} are not GPU indices"
+        elif not 0 < d.port <= 65535:
+            problem = f"port {d.port} is not 1..65535"
+        elif any(control_char(a) for a in d.vllm_args):
+            problem = "an argument holds a control character"
+        elif dict(d.server.env) != dict(model.spec.env):
+            problem = "its environment differs from the inventory's"
+        if problem:
+            raise UserError(
+                f"{problem}: this plan was not made from {inv.path}",
+                where,
+                "make a new plan with `fleetctl plan INVENTORY -o plan.json`",
+            )
 
 
 def confirm(question: str, yes: bool) -> bool:
