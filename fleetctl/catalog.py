@@ -193,7 +193,7 @@ class Catalog:
     def find_gpu(self, name: str) -> GpuProfile | None:
         key = _norm(name)
         for gpu in self.gpus.values():
-            if key == _norm(gpu.name) or key in {_norm(a) for a in gpu.aliases}:
+            if key in _names_of(gpu):
                 return gpu
         return None
 
@@ -208,6 +208,12 @@ class Catalog:
             if _norm(key) == _norm(name):
                 return f
         raise _unknown("quantization format", name, [*self.formats], where, "one of")
+
+
+@functools.lru_cache(maxsize=256)
+def _names_of(gpu: GpuProfile) -> frozenset[str]:
+    """Every normalised name a GPU answers to (asked once per node of a large inventory)."""
+    return frozenset(_norm(n) for n in (gpu.name, *gpu.aliases))
 
 
 @functools.lru_cache(maxsize=8)

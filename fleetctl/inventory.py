@@ -331,6 +331,13 @@ def load_inventory(path: str | Path, catalog: Catalog) -> Inventory:
             src.at(()),
             "see the examples that `fleetctl examples` lists",
         )
+    listed = src.data.get("nodes")
+    if isinstance(listed, list) and len(listed) > MAX_NODES:  # before validating each one
+        raise UserError(
+            f"the inventory lists {len(listed)} nodes, more than the limit of {MAX_NODES}",
+            src.at(("nodes",)),
+            "split the fleet into several inventories, or raise FLEETCTL_MAX_NODES",
+        )
     spec = validate(InventorySpec, src)
     _check_size(spec, src)
     nodes = _expand_nodes(spec, src, catalog)

@@ -21,10 +21,11 @@ def _env_int(name: str, default: int) -> int:
 
 
 # An inventory or profile file larger than this is refused before it is parsed.
-MAX_FILE_BYTES = _env_int("FLEETCTL_MAX_INVENTORY_BYTES", 4 * 2**20)
+# 1 MiB holds 10,000 nodes written out one per line (780 KB); ranges need far less.
+MAX_FILE_BYTES = _env_int("FLEETCTL_MAX_INVENTORY_BYTES", 2**20)
 # Scalars, mappings and lists a YAML document may hold once aliases are expanded: bounds
 # "billion laughs" documents, which are tiny on disk and exponential once expanded.
-MAX_YAML_VALUES = 250_000
+MAX_YAML_VALUES = 150_000
 MAX_YAML_DEPTH = 64
 # Nodes and GPUs after range expansion; checked before anything is expanded.
 MAX_NODES = _env_int("FLEETCTL_MAX_NODES", 10_000)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ipaddress
 import re
-import unicodedata
 from dataclasses import dataclass
 
 from fleetctl.errors import shown
@@ -24,12 +23,15 @@ _REVISION = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._/-]*")
 _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 
+# Unicode's Cc (C0, DEL, C1) and the line and paragraph separators (Zl, Zp).
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_IPV4 = re.compile(r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}")
+
+
 def control_char(text: str) -> str | None:
     """The first control or line-separator character in `text`, or None."""
-    for ch in text:
-        if unicodedata.category(ch) in ("Cc", "Zl", "Zp"):
-            return ch
-    return None
+    m = _CONTROL.search(text)
+    return m.group() if m else None
 
 
 def name(value: str, what: str = "name") -> str:
@@ -68,6 +70,8 @@ def host(value: str) -> str:
         )
     if value.startswith("[") and value.endswith("]"):
         raise ValueError(f"host {shown(value)} has brackets | write the IPv6 address without them")
+    if _IPV4.fullmatch(value):  # the common case, without ipaddress's cost per node
+        return value
     try:
         ipaddress.ip_address(value)
         return value

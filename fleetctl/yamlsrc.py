@@ -27,6 +27,7 @@ Path_ = tuple[str | int, ...]
 _TAG = "tag:yaml.org,2002:"
 _PLAIN = {_TAG + t for t in ("str", "int", "float", "bool", "null", "map", "seq")}
 _MERGE = _TAG + "merge"
+_STR = _TAG + "str"
 
 
 @dataclass
@@ -232,6 +233,8 @@ class _Builder:
                 self.at(node, path),
                 "remove it: names, hosts, paths and values are single-line text",
             )
+        if node.tag == _STR:  # most scalars: skip the constructor's bookkeeping
+            return node.value
         return self.scalars.construct_object(node)
 
     def key(self, node: yaml.Node, path: Path_) -> Any:
