@@ -528,6 +528,8 @@ def apply(
         inv, catalog = _load(target, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
 
+    planned: list[Any] = []
+
     def make_plan(state):  # type: ignore[no-untyped-def]
         import dataclasses
 
@@ -539,11 +541,14 @@ def apply(
         if facts is not None or facts_path.is_file():
             planned_inv, notes = apply_facts(inv, load_facts(facts_path), catalog)
         result = plan_fleet(planned_inv, state)
+        planned.append(result)
         return dataclasses.replace(result, warnings=(*notes, *result.warnings))
 
     code = run_apply(inv, c, make_plan, plan_file, secrets_file, _console())
     if code:
         raise typer.Exit(code)
+    if planned:  # applied as planned, but a model is missing from the plan: say so, exit 3
+        _incomplete(planned[0])
 
 
 @app.command()

@@ -25,7 +25,8 @@ _USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 # Unicode's Cc (C0, DEL, C1) and the line and paragraph separators (Zl, Zp).
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_IPV4 = re.compile(r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?:\.(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)){3}")
+_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)"
+_IPV4 = re.compile(rf"{_OCTET}(?:\.{_OCTET}){{3}}")
 
 
 def control_char(text: str) -> str | None:
