@@ -210,17 +210,22 @@ CASES = [
 )
 def test_bad_inventory_is_one_clear_line(cli, tmp_path, text, line, words):
     path = write(tmp_path, text)
-    r = cli("validate", path)
+    assert_one_clear_line(cli("validate", path), path, line, words)
+
+
+def assert_one_clear_line(r, path, line: int | None, words: list[str]) -> str:
+    """Exit 2, nothing on stdout, one line on stderr: where (file:line), what, and a fix."""
     assert r.code == 2, (r.out, r.err)
     assert r.out == ""
     lines = r.err.strip().splitlines()
     assert len(lines) == 1, r.err
     msg = lines[0]
-    assert msg.startswith(f"error: {path}:{line}:"), msg
+    assert msg.startswith(f"error: {path}:{line}:" if line else f"error: {path}"), msg
     for w in words:
         assert w in msg, (w, msg)
     assert "(" in msg and msg.endswith(")"), "every error says how to fix it"
-    assert "Traceback" not in r.err
+    assert "Traceback" not in r.err and "internal error" not in r.err
+    return msg
 
 
 def test_good_inventory_validates(cli, tmp_path):
