@@ -150,7 +150,7 @@ def check_servers(
     """Each planned server's /health, /v1/models (model and max_model_len) and KV saturation."""
 
     def one(d: Deployment) -> list[Check]:
-        base = f"http://{d.host}:{d.port}"
+        base = d.url()
         where = f"{d.model} on {base}"
         try:
             status, _ = _get(base + "/health", timeout)

@@ -151,6 +151,11 @@ def command_word(value: str) -> str:
     return value
 
 
+def http_url(host: str, port: int, path: str = "") -> str:
+    """`http://host:port/path`, with an IPv6 address in brackets: every server URL's one home."""
+    return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
+
+
 @dataclass(frozen=True)
 class Jump:
     """One ProxyJump hop, as `[user@]host[:port]` names it."""

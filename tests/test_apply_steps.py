@@ -153,3 +153,33 @@ def test_parse_inspect_reads_blocks_and_survives_a_damaged_manifest():
     assert (b.alive, b.pid, b.manifest) == (False, None, {})
     squatted = dataclasses.replace(a, alive=False)
     assert squatted.foreign_holder == "python3 -m vllm serve x"
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [("10.0.1.11", "http://10.0.1.11:8000/health"), ("fd00::11", "http://[fd00::11]:8000/health")],
+)
+def test_a_server_url_brackets_an_ipv6_host(host, url):
+    """One URL builder for apply's health waits, health checks and the router's backends:
+    without brackets an IPv6 node applies and then every routed request fails."""
+    d = dataclasses.replace(dep((0,)), host=host, port=8000)
+    assert d.url("/health") == url
+
+
+def test_the_router_reaches_an_ipv6_node_in_brackets(tmp_path):
+    from fleetctl.catalog import load_catalog
+    from fleetctl.inventory import load_inventory
+    from fleetctl.planner import plan_fleet
+    from fleetctl.router.backends import backends_from_state
+    from fleetctl.state import State, save_state
+
+    inv_path = tmp_path / "inventory.yaml"
+    inv_path.write_text(
+        "nodes:\n  - {name: n1, host: 'fd00::11', gpus: {type: L4}}\n"
+        "models:\n  - {name: m, profile: llama-3-8b, max_context: 4096,\n"
+        "     variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}}\n"
+    )
+    inv = load_inventory(inv_path, load_catalog())
+    save_state(tmp_path, State(1, plan_fleet(inv).deployments))
+    [b] = backends_from_state(inv, tmp_path)
+    assert b.name.startswith("http://[fd00::11]:"), b.name  # a backend is named by its URL

@@ -109,18 +109,13 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def _url(d: Deployment, path: str) -> str:
-    host = f"[{d.host}]" if ":" in d.host else d.host
-    return f"http://{host}:{d.port}{path}"
-
-
 def ready(d: Deployment, api_key: str | None, timeout_s: float = 3.0) -> tuple[bool, str]:
     """Is the server up: /health answers 200 and /v1/models lists the served model?"""
     try:
-        with urllib.request.urlopen(_url(d, "/health"), timeout=timeout_s) as r:
+        with urllib.request.urlopen(d.url("/health"), timeout=timeout_s) as r:
             if r.status != 200:
                 return False, f"/health answered {r.status}"
-        req = urllib.request.Request(_url(d, "/v1/models"))
+        req = urllib.request.Request(d.url("/v1/models"))
         if api_key:
             req.add_header("Authorization", f"Bearer {api_key}")
         with urllib.request.urlopen(req, timeout=timeout_s) as r:

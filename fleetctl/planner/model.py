@@ -6,6 +6,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fleetctl.names import http_url
+
 Op = Literal["create", "replace", "delete", "keep"]
 
 
@@ -81,6 +83,10 @@ class Deployment:
     @property
     def capacity_rps(self) -> float:
         return self.server.capacity_rps
+
+    def url(self, path: str = "") -> str:
+        """Where the server answers HTTP, as the router and health checks reach it."""
+        return http_url(self.host, self.port, path)
 
     @property
     def vllm_args(self) -> tuple[str, ...]:

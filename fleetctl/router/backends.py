@@ -102,7 +102,7 @@ def backends_from_state(inv: Inventory, state_dir: Path) -> list[Backend]:
             fmt = next((v.format for v in model.variants if v.format.name == d.variant), None)
             if fmt is not None:
                 perf = EnginePerf(gpu, model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype)
-        url = f"http://{d.host}:{d.port}"
+        url = d.url()
         out.append(
             Backend(
                 url,
@@ -125,7 +125,7 @@ def dcgm_url(inv: Inventory, host: str) -> str:
     port = inv.spec.router.dcgm_exporter_port
     if port is None:
         return ""
-    return f"http://[{host}]:{port}/metrics" if ":" in host else f"http://{host}:{port}/metrics"
+    return names.http_url(host, port, "/metrics")
 
 
 def load_backends(
