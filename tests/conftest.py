@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,24 @@ REPO = Path(__file__).resolve().parent.parent
 class Result:
     def __init__(self, code: int, out: str, err: str):
         self.code, self.out, self.err = code, out, err
+
+
+# Loggers that `fleetctl --debug` turns up in-process (fleetctl.cli._debug_logging).
+DEBUG_LOGGERS = ("paramiko", "fleetctl.ssh")
+
+
+@pytest.fixture(autouse=True)
+def _loggers_restored() -> Iterator[None]:
+    """Undo what an in-process `--debug` did to logging, so that it cannot leak paramiko's
+    log into the output of every later test in this process (which then depend on order)."""
+    saved = {
+        n: (logging.getLogger(n).level, list(logging.getLogger(n).handlers)) for n in DEBUG_LOGGERS
+    }
+    yield
+    for name, (level, handlers) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.handlers[:] = handlers
 
 
 @pytest.fixture

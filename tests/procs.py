@@ -80,7 +80,9 @@ class Emulator:
         status, _, answer = http_request(self.port, method, path, body, headers, timeout)
         return status, answer
 
-    def first_answer(self, deadline_s: float = 20) -> int:
+    # Deadlines below only stop a test that would hang: each wait ends at its event (the port
+    # answers, /health says 200), and a loaded machine may take many seconds to start Python.
+    def first_answer(self, deadline_s: float = 60) -> int:
         """Status of the first /health answer once the port accepts connections."""
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
@@ -91,7 +93,7 @@ class Emulator:
                 time.sleep(0.02)
         raise AssertionError(f"emulator did not listen: {self.log.read_text()}")
 
-    def wait_healthy(self, deadline_s: float = 20) -> None:
+    def wait_healthy(self, deadline_s: float = 60) -> None:
         end = time.monotonic() + deadline_s
         while self.first_answer(deadline_s) != 200:
             assert time.monotonic() < end, "emulator never became healthy"

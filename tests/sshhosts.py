@@ -102,7 +102,7 @@ class TestHosts:
 
     __test__ = False  # not a pytest test class despite the name
 
-    def __init__(self, n: int, names: list[str] | None = None, start_timeout: float = 30):
+    def __init__(self, n: int, names: list[str] | None = None, start_timeout: float = 120):
         if not 1 <= n <= 253:
             raise ValueError("1 to 253 hosts fit one /24")
         self.names = names or [f"host{i}" for i in range(n)]

@@ -18,18 +18,24 @@ import pytest
 from tests.sshhosts import TestHosts, require
 
 PY = sys.executable
+GATE_PY = Path(__file__).resolve().parent / "gate.py"
 NAMES = ["a100-1", "rtx-1", "rtx-2"]
 GPU = {"a100": ("A100-SXM4-80GB", 2), "rtx": ("RTX-4090", 1)}
 SECRET = "hf_test_SECRET_c0ffee"  # must never leave the env file on the node
 
 
-def shim(gpu: str, extra: str = "", before: str = "") -> str:
-    """The node's `vllm`: forwards `vllm serve ...` to the emulator, 50x faster than life."""
+def shim(gpu: str, extra: str = "", before: str = "", gate: Path | None = None) -> str:
+    """The node's `vllm`: forwards `vllm serve ...` to the emulator, 50x faster than life.
+
+    With `gate`, the server does not even listen until the test creates that file: it stays
+    "loading" for exactly as long as the test needs, however fast or slow the machine is."""
+    wait = f"{PY} {GATE_PY} {gate} -- " if gate is not None else ""
     return (
         "#!/bin/sh\n"
         f"{before}\n"
         '[ "$1" = serve ] && shift\n'
-        f'exec {PY} -m fleetctl emulate --gpu {gpu} --model llama-3-8b --time-scale 50 "$@" {extra}\n'
+        f"exec {wait}{PY} -m fleetctl emulate --gpu {gpu} --model llama-3-8b --time-scale 50 "
+        f'"$@" {extra}\n'
     )
 
 
@@ -80,12 +86,22 @@ class Fleet:
             f"    max_context: {max_context}",
             "    env: {VLLM_LOGGING_LEVEL: INFO}",
             f"planner: {{gpu_memory_utilization: {util}}}",
-            "apply: {health_timeout_s: 30, stop_timeout_s: 5, secrets: [HF_TOKEN]}",
+            # health_timeout_s only bounds a server that never becomes healthy (a healthy one
+            # ends the wait at once): wide, for a loaded machine starting four at once.
+            "apply: {health_timeout_s: 60, stop_timeout_s: 5, secrets: [HF_TOKEN]}",
             extra,
         ]
         path = self.tmp / "inventory.yaml"
         path.write_text("\n".join(lines) + "\n")
         return path
+
+    @property
+    def gate(self) -> Path:
+        """Servers started from `shim(..., gate=fleet.gate)` wait until this file exists."""
+        return self.tmp / "gate"
+
+    def open_gate(self) -> None:
+        self.gate.touch()
 
     def args(self, *more: object) -> list[str]:
         return [*map(str, more), "--known-hosts", str(self.hosts.known_hosts)]
@@ -145,11 +161,12 @@ def get(url: str) -> tuple[int, str]:
         return 0, ""
 
 
-def wait_until(check, timeout: float = 20) -> None:
+def wait_until(check, timeout: float = 60) -> None:
+    """Wait for a condition; the timeout only stops a test that would hang, it decides nothing."""
     end = time.monotonic() + timeout
     while not check():
         assert time.monotonic() < end, "timed out waiting"
-        time.sleep(0.2)
+        time.sleep(0.1)
 
 
 def outcomes(r) -> list[dict]:
@@ -349,11 +366,13 @@ def test_slow_server_times_out_with_its_log(cli, fleet):
         NAMES.index("rtx-2"), "vllm", shim("RTX-4090", "--startup-delay 60", before=marker)
     )
     inv = fleet.inv
-    inv.write_text(inv.read_text().replace("health_timeout_s: 30", "health_timeout_s: 3"))
+    # The emulator must be listening (and answering 503) before the timeout ends: it takes
+    # about 1 s to start on a loaded 2-core machine, so 10 s leaves a wide margin.
+    inv.write_text(inv.read_text().replace("health_timeout_s: 60", "health_timeout_s: 10"))
     r = cli("apply", *fleet.args(inv, "--yes"))
     assert r.code == 1
     assert re.search(
-        r"failed rtx-2 llama-3-8b GPUs 0: not healthy after 3 s \(last: /health answered 503\)",
+        r"failed rtx-2 llama-3-8b GPUs 0: not healthy after 10 s \(last: /health answered 503\)",
         r.out,
     )
     assert "    test-shim: loading weights for a long time" in r.out  # the log's tail
@@ -426,58 +445,89 @@ def _alive(pid: int) -> bool:
 # --- interruptions and concurrency -------------------------------------------------------------
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _apply_process(fleet: Fleet, *more: str) -> subprocess.Popen:
+    # A shell without job control starts background jobs (`pytest ... &`, nohup, CI runners)
+    # with SIGINT ignored, and Python then keeps ignoring it: Ctrl-C must reach this apply.
     return subprocess.Popen(
         [PY, "-m", "fleetctl", "apply", *fleet.args(fleet.inv, "--yes", *more)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, "COLUMNS": "200"},
+        preexec_fn=_default_sigint,
     )
 
 
-def test_apply_killed_midway_then_rerun_converges(cli, fleet):
-    # Slow servers, so that the apply is surely killed after starting them and before
-    # recording them: the worst moment.
-    for i, name in enumerate(NAMES):
-        hosts_gpu = GPU[name.split("-")[0]][0]
-        fleet.hosts.install(i, "vllm", shim(hosts_gpu, "--startup-delay 4"))
-    p = _apply_process(fleet)
-    started = []
+def _read_until(p: subprocess.Popen, marker: str, count: int = 1) -> list[str]:
+    """apply's output lines up to the `count`-th that holds `marker` (or to its end)."""
     assert p.stdout is not None
+    lines, seen = [], 0
     for line in p.stdout:
-        if ": start: " in line:
-            started.append(line)
-        if len(started) == 4:
+        lines.append(line)
+        seen += marker in line
+        if seen == count:
             break
-    p.send_signal(signal.SIGKILL)
+    return lines
+
+
+def _stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        p.kill()
     p.wait()
+
+
+def _gated_fleet(fleet: Fleet) -> None:
+    """Every server started from now on waits at the gate before it even listens."""
+    for i, name in enumerate(NAMES):
+        fleet.hosts.install(i, "vllm", shim(GPU[name.split("-")[0]][0], gate=fleet.gate))
+
+
+def test_apply_killed_midway_then_rerun_converges(cli, fleet):
+    # Servers that cannot become healthy until the test says so: the apply is surely killed
+    # after starting them and before recording them, the worst moment.
+    _gated_fleet(fleet)
+    p = _apply_process(fleet)
+    try:
+        started = _read_until(p, ": start: ", 4)
+        assert sum(": start: " in line for line in started) == 4, "".join(started)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        _stop(p)
     state_file = fleet.tmp / ".fleetctl" / "state.json"
     recorded = json.loads(state_file.read_text())["deployments"] if state_file.exists() else []
-    assert len(recorded) < 4  # killed before it recorded them all
-    wait_until(lambda: len(servers_running(fleet.hosts)) >= 4, timeout=10)
+    assert recorded == []  # killed before it recorded any (none could be healthy)
+    wait_until(lambda: len(servers_running(fleet.hosts)) == 4)
     pids = sorted(servers_running(fleet.hosts))
+    fleet.open_gate()
     r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
     assert r.code == 0, r.out
-    assert sorted(o["action"] for o in outcomes(r)) == ["adopt"] * (4 - len(recorded)) + [
-        "keep"
-    ] * len(recorded)
+    assert [o["action"] for o in outcomes(r)] == ["adopt"] * 4
     assert len(fleet.state()["deployments"]) == 4
     assert sorted(servers_running(fleet.hosts)) == pids  # adopted, not started twice
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
 
 
 def test_two_applies_at_once_and_a_stale_lock(cli, fleet):
-    fleet.hosts.install(NAMES.index("rtx-1"), "vllm", shim("RTX-4090", "--startup-delay 3"))
+    # rtx-1's server waits at the gate, so the first apply surely holds the lock meanwhile.
+    fleet.hosts.install(NAMES.index("rtx-1"), "vllm", shim("RTX-4090", gate=fleet.gate))
     first = _apply_process(fleet)
-    lock = fleet.tmp / ".fleetctl" / "state.lock"
-    wait_until(lambda: lock.exists() and lock.read_text().strip() != "")
-    holder = json.loads(lock.read_text())
-    r = cli("apply", *fleet.args(fleet.inv, "--yes"))
-    assert r.code == 1
-    assert f"`fleetctl apply` (pid {first.pid} on" in r.err and "holds the state lock" in r.err
-    out, _ = first.communicate(timeout=120)
-    assert first.returncode == 0, out
+    try:
+        lock = fleet.tmp / ".fleetctl" / "state.lock"
+        started = _read_until(first, "rtx-1: start: ")
+        assert "rtx-1: start: " in started[-1], "".join(started)
+        holder = json.loads(lock.read_text())
+        r = cli("apply", *fleet.args(fleet.inv, "--yes"))
+        assert r.code == 1
+        assert f"`fleetctl apply` (pid {first.pid} on" in r.err and "holds the state lock" in r.err
+        fleet.open_gate()
+        out, _ = first.communicate(timeout=120)
+        assert first.returncode == 0, "".join(started) + out
+    finally:
+        _stop(first)
     assert holder["pid"] == first.pid
     # A holder that died without releasing the lock: taken over, with a warning.
     lock.write_text(json.dumps({**holder, "pid": 999999}))
@@ -509,42 +559,66 @@ def test_unreachable_node_fails_alone_and_keeps_its_record(cli, fleet):
     assert fleet.state()["deployments"] == []
 
 
+# Bound on how long apply may take to return after Ctrl-C. The servers wait at the gate, so
+# an apply that kept waiting for them would only return at its health timeout (60 s).
+INTERRUPT_BOUND_S = 15
+
+
 def test_ctrl_c_stops_waiting_at_once_and_rerun_adopts(cli, fleet):
-    for i, name in enumerate(NAMES):
-        fleet.hosts.install(i, "vllm", shim(GPU[name.split("-")[0]][0], "--startup-delay 20"))
+    _gated_fleet(fleet)  # no server can become healthy before the interrupt, however slow
     p = _apply_process(fleet)
-    assert p.stdout is not None
-    started = 0
-    for line in p.stdout:
-        started += ": start: " in line
-        if started == 4:
-            break
-    p.send_signal(signal.SIGINT)
-    t0 = time.monotonic()
-    p.wait(timeout=30)
-    rest = p.stdout.read()  # what the loop above had not read yet
+    try:
+        started = _read_until(p, ": start: ", 4)
+        assert sum(": start: " in line for line in started) == 4, "".join(started)
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        p.wait(timeout=60)
+        waited = time.monotonic() - t0
+        assert p.stdout is not None
+        rest = p.stdout.read()  # what the loop above had not read yet
+    finally:
+        _stop(p)
     assert p.returncode == 130, rest
-    assert time.monotonic() - t0 < 10  # not held until the servers are healthy (20 s)
+    assert waited < INTERRUPT_BOUND_S, rest  # not held until the health timeout
     assert "interrupted: servers that were starting keep running" in rest
-    wait_until(lambda: len(servers_running(fleet.hosts)) == 4)  # left running, unrecorded
+    assert "healthy: " not in rest
+    state_file = fleet.tmp / ".fleetctl" / "state.json"
+    recorded = json.loads(state_file.read_text())["deployments"] if state_file.exists() else []
+    assert recorded == []  # left running, unrecorded
+    wait_until(lambda: len(servers_running(fleet.hosts)) == 4)
+    fleet.open_gate()
     r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
     assert r.code == 0, r.out
     assert [o["action"] for o in outcomes(r)] == ["adopt"] * 4
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
 
 
-@pytest.mark.parametrize("delays", [(1.5, 2.5, 3.5, 5.0)])
-def test_killed_at_several_moments_then_one_apply_converges(cli, fleet, delays):
+# Moments at which an apply is SIGKILLed, each with the plan it carries out (8192 tokens: the
+# first servers; 4096: every server replaced). Each moment is an event in apply's own output,
+# not a delay, so each run of the test kills at the same points of the protocol.
+# Each marker surely comes: the servers the one before left running need stopping, starting
+# or adopting under the other plan.
+KILL_MOMENTS = [
+    (8192, ": start: ", 1),  # one server started, none healthy or recorded
+    (4096, "stopping ", 1),  # replacing: an old server stopped first, its record dropped
+    (8192, "healthy: ", 1),  # back again: one server healthy, not recorded yet
+    (4096, "healthy: ", 1),  # replacing again: the same moment, from the other side
+]
+
+
+def test_killed_at_several_moments_then_one_apply_converges(cli, fleet):
     """SIGKILL the apply at different moments, alternating between two plans (create, then
     replace every server): one more apply always ends with exactly the plan running."""
     for i, name in enumerate(NAMES):
         fleet.hosts.install(i, "vllm", shim(GPU[name.split("-")[0]][0], "--startup-delay 2"))
-    for n, delay in enumerate(delays):
-        fleet.inventory(max_context=8192 if n % 2 == 0 else 4096)
+    for max_context, marker, count in KILL_MOMENTS:
+        fleet.inventory(max_context=max_context)
         p = _apply_process(fleet)
-        time.sleep(delay)
-        p.kill()
-        p.wait()
+        try:
+            lines = _read_until(p, marker, count)
+            assert sum(marker in line for line in lines) == count, "".join(lines)
+        finally:
+            _stop(p)
     r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
     assert r.code == 0, r.out + r.err
     state = fleet.state()["deployments"]

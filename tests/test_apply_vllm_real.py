@@ -104,8 +104,8 @@ def test_apply_bf16_and_fp8_route_and_destroy(cli, tmp_path, monkeypatch):
             f"      fp8-per-channel: {{source: {env_dir / 'models' / MODEL}}}\n"
             "    max_context: 512\n"
             "    min_replicas: 2\n"
-            "    vllm_args: [--enforce-eager]\n"
             f"    env: {json.dumps(env)}\n"
+            "planner: {enforce_eager: true}\n"
             "apply:\n"
             f"  vllm_command: {env_dir / 'bin' / 'vllm'}\n"
             "  health_timeout_s: 600\n"
@@ -157,7 +157,7 @@ def test_apply_bf16_and_fp8_route_and_destroy(cli, tmp_path, monkeypatch):
                 )
             base = f"http://127.0.0.1:{port}"
             try:
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + 60  # only stops a hang
                 while True:
                     try:
                         if _get(base + "/health", key=None) is not None:

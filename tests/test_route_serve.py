@@ -55,7 +55,7 @@ class Router:
         cmd += ["--listen", f"127.0.0.1:{self.port}", *extra]
         with self.log.open("w") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-        end = time.monotonic() + 20
+        end = time.monotonic() + 60  # only stops a hang: it answers as soon as it listens
         while True:
             assert self.proc.poll() is None, self.log.read_text()
             try:
@@ -90,7 +90,11 @@ def entry(emu: Emulator, node: str, gpu: str, variant: str = "bf16", **kw) -> di
 
 
 class RawBackend:
-    """A real HTTP server that streams fixed bytes in odd chunks, slowly, and says when."""
+    """A real HTTP server that streams fixed bytes in odd chunks and says when.
+
+    After the first chunk it waits until the test says its client has that chunk
+    (`client_has_first`): a router that buffered would hold the first chunk back until the
+    last one, and the client would see them all at once, after the last was sent."""
 
     CHUNKS: ClassVar[list[bytes]] = [
         b'data: {"a": 1}\n\n',
@@ -98,11 +102,13 @@ class RawBackend:
         b" 2}\n\n",
         b"data: [DONE]\n\n",
     ]
-    GAP_S = 0.4
+    GAP_S = 0.05
+    WAIT_S = 30  # how long the backend waits for the client's first chunk (a buffering router)
 
     def __init__(self):
         self.port = free_port()
         self.sent_at: list[float] = []
+        self.client_has_first = threading.Event()
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
@@ -126,9 +132,12 @@ class RawBackend:
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for chunk in self.CHUNKS:
+        for i, chunk in enumerate(self.CHUNKS):
             self.sent_at.append(time.monotonic())
             await resp.write(chunk)
+            if i == 0:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, self.client_has_first.wait, self.WAIT_S)
             await asyncio.sleep(self.GAP_S)
         await resp.write_eof()
         return resp
@@ -229,7 +238,9 @@ def test_openai_client_streams_chat_through_the_router(fleet):
 
 def test_streaming_is_byte_exact_and_unbuffered(fleet):
     router, raw = fleet["raw"]
-    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=10)
+    raw.client_has_first.clear()
+    raw.sent_at.clear()
+    conn = http.client.HTTPConnection("127.0.0.1", router.port, timeout=2 * RawBackend.WAIT_S)
     conn.request(
         "POST",
         "/v1/completions",
@@ -239,6 +250,7 @@ def test_streaming_is_byte_exact_and_unbuffered(fleet):
     resp = conn.getresponse()
     first = resp.read1(64)
     got_first_at = time.monotonic()
+    raw.client_has_first.set()  # the backend sends the rest only now
     rest = resp.read()
     conn.close()
     assert first + rest == b"".join(RawBackend.CHUNKS)
@@ -329,9 +341,22 @@ def test_backend_dying_mid_stream_ends_with_an_error_event(fleet):
     assert b'"error"' in data and b"mid-stream" in data
 
 
+def _aborted(emu: Emulator) -> float:
+    """Requests the emulator ended because their client went away."""
+    family = emu.metrics()["vllm:request_success"]
+    return sum(s.value for s in family.samples if s.labels.get("finished_reason") == "abort")
+
+
 def test_client_disconnect_cancels_the_upstream_request(fleet):
     r = fleet["main"]
     emus = fleet["emus"]
+    by_node = {
+        "a100-1": emus["a100"],
+        "rtx-1": emus["rtx1"],
+        "rtx-2": emus["rtx2"],
+        "rtx-3": emus["int4"],
+    }
+    aborted = {node: _aborted(emu) for node, emu in by_node.items()}
     conn = http.client.HTTPConnection("127.0.0.1", r.port, timeout=20)
     body = {"model": NAME, "prompt": "x", "max_tokens": 4000, "stream": True}
     conn.request(
@@ -341,46 +366,85 @@ def test_client_disconnect_cancels_the_upstream_request(fleet):
     resp.read1(16)
     backend = resp.getheader("X-Fleet-Backend")
     conn.close()
-    emu = {
-        "a100-1": emus["a100"],
-        "rtx-1": emus["rtx1"],
-        "rtx-2": emus["rtx2"],
-        "rtx-3": emus["int4"],
-    }[backend]
-    end = time.monotonic() + 10
+    emu = by_node[backend]
+    # The request ends on the backend as an abort: had the router let it run, it would end
+    # (about 3 s later) as a finished one. The bound only stops a hang.
+    end = time.monotonic() + 60
     while True:
         running = emu.metrics()["vllm:num_requests_running"].samples[0].value
-        if running == 0:
+        if _aborted(emu) != aborted[backend]:  # read second: an abort in between is seen
             break
+        assert running > 0, "the backend finished generating for a client that left"
         assert time.monotonic() < end, "the backend kept generating for a client that left"
-        time.sleep(0.1)
+        time.sleep(0.05)
+    assert _aborted(emu) == aborted[backend] + 1
+    assert emu.metrics()["vllm:num_requests_running"].samples[0].value == 0
+
+
+def _router_state(r: Router) -> tuple[float, float, float]:
+    """(requests on the backend, low-priority requests queued, aging boosts so far)."""
+    families = {f.name: f for f in text_string_to_metric_families(r.metrics())}
+
+    def total(name: str, **labels: str) -> float:
+        family = families.get(name)
+        samples = family.samples if family else []
+        return sum(s.value for s in samples if all(s.labels.get(k) == v for k, v in labels.items()))
+
+    return (
+        total("fleetctl_backend_outstanding_requests"),
+        total("fleetctl_queue_depth", priority="5"),
+        total("fleetctl_aging_boosts"),
+    )
+
+
+def _wait_for(check, what: str, timeout: float = 60) -> None:
+    """Wait for a condition; the timeout only stops a test that would hang."""
+    end = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def test_aging_lets_low_priority_through(fleet):
     r = fleet["narrow"]  # one backend, one request at a time
-    results = {}
+    results: dict[str, int] = {}
+    done_at: dict[str, float] = {}
 
-    def call(name, prio, tokens):
-        results[name] = r.complete(max_tokens=tokens, headers={"X-Priority": str(prio)})[0]
+    def call(name, prio, tokens, stream=False):
+        headers = {"X-Priority": str(prio)}
+        results[name] = r.complete(max_tokens=tokens, headers=headers, stream=stream)[0]
+        done_at[name] = time.monotonic()
 
-    # At time scale 20 a 400-token answer takes ~0.4 s: twelve of them keep a backlog.
-    hi = [threading.Thread(target=call, args=(f"hi{i}", 0, 400)) for i in range(12)]
-    for t in hi[:3]:
-        t.start()
-    time.sleep(0.3)
+    _, _, boosts_before = _router_state(r)
+    # The arrival order is set by waiting on the router's own metrics, not by sleeps: a long
+    # high-priority request holds the backend (about 2 s at time scale 20), the low-priority
+    # one queues behind it, and only then do eleven more high-priority ones arrive. The first
+    # streams, so its first token gives aging a TTFT (the threshold) long before it ends.
+    first = threading.Thread(target=call, args=("hi0", 0, 2000, True))
+    first.start()
+    _wait_for(lambda: _router_state(r)[0] == 1, "the first request on the backend")
     low = threading.Thread(target=call, args=("low", 5, 4))
     low.start()
-    for t in hi[3:]:
-        t.start()
-        time.sleep(0.1)
-    low.join(60)
-    done_low = time.monotonic()
+
+    def low_arrived() -> bool:
+        # Queued at priority 5, or already boosted out of it (the only way out while the
+        # backend is busy).
+        _, queued_low, boosts = _router_state(r)
+        return queued_low == 1 or boosts > boosts_before
+
+    _wait_for(low_arrived, "the low-priority request in the queue")
+    assert "hi0" not in results, "the backend was free again before the backlog formed"
+    hi = [threading.Thread(target=call, args=(f"hi{i}", 0, 400)) for i in range(1, 12)]
     for t in hi:
-        t.join(60)
+        t.start()
+    for t in [first, low, *hi]:
+        t.join(120)
     assert results["low"] == 200 and all(results[f"hi{i}"] == 200 for i in range(12))
-    assert time.monotonic() - done_low > 0.5  # it overtook high-priority work
-    families = {f.name: f for f in text_string_to_metric_families(r.metrics())}
-    assert families["fleetctl_aging_boosts"].samples[0].value >= 1
+    # Without aging, priority 0 always goes first and the low one would end last. Boosted,
+    # it keeps its place in arrival order: ahead of every high-priority request after it.
+    later = [f"hi{i}" for i in range(1, 12)]
+    assert all(done_at["low"] < done_at[h] for h in later), done_at
+    assert _router_state(r)[2] >= boosts_before + 1
 
 
 def test_secrets_never_reach_logs_or_metrics(fleet):
@@ -441,7 +505,7 @@ def redis_url(tmp_path_factory):
         stderr=subprocess.DEVNULL,
     )
     try:
-        end = time.monotonic() + 10
+        end = time.monotonic() + 60  # only stops a hang
         import socket
 
         while True:
@@ -517,15 +581,12 @@ def test_sighup_reloads_the_backends_file(fleet, tmp_path):
         both = [entry(emus["rtx1"], "rtx-1", "RTX-4090"), entry(emus["rtx2"], "rtx-2", "RTX-4090")]
         path.write_text(json.dumps({"backends": both}))
         r.proc.send_signal(signal.SIGHUP)
-        end = time.monotonic() + 5
-        while _backend_count(r) != 2:
-            assert time.monotonic() < end, r.log.read_text()
-            time.sleep(0.05)
+        _wait_for(lambda: _backend_count(r) == 2, "the reload")
         # A broken file is refused and the old backends stay.
         path.write_text("backends: [{url: nope}]")
         r.proc.send_signal(signal.SIGHUP)
-        time.sleep(0.5)
-        assert _backend_count(r) == 2 and "reload failed" in r.log.read_text()
+        _wait_for(lambda: "reload failed" in r.log.read_text(), "the failed reload's log line")
+        assert _backend_count(r) == 2
         assert r.complete()[0] == 200
     finally:
         r.stop()
@@ -573,7 +634,7 @@ def test_backends_come_from_applied_state_and_follow_it(fleet, tmp_path, catalog
     r = Router.__new__(Router)
     r.port, r.proc, r.log = port, proc, log
     try:
-        end = time.monotonic() + 20
+        end = time.monotonic() + 60  # only stops a hang
         while True:
             try:
                 assert _backend_count(r) == 1
@@ -584,9 +645,6 @@ def test_backends_come_from_applied_state_and_follow_it(fleet, tmp_path, catalog
         status, headers, _ = r.complete()
         assert status == 200 and headers["X-Fleet-Backend"] == deps[0].node
         save_state(state_dir, State(2, tuple(deps)))  # `fleetctl apply` added a server
-        end = time.monotonic() + 5
-        while _backend_count(r) != 2:
-            assert time.monotonic() < end, log.read_text()
-            time.sleep(0.1)
+        _wait_for(lambda: _backend_count(r) == 2, "the state file's new backend")
     finally:
         r.stop()

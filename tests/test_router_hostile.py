@@ -187,8 +187,9 @@ def hostile(tmp_path_factory):
         "gpu_type": "RTX-4090",
         "model": NAME,
     }
-    # A backend that stalls is given up after 1 s of silence.
-    router = Router(tmp, [backend], "--upstream-timeout", "1", name="hostile")
+    # A backend that stalls is given up after 2 s of silence (a good answer from the in-process
+    # backend takes milliseconds: 2 s leaves a loaded machine a wide margin).
+    router = Router(tmp, [backend], "--upstream-timeout", "2", name="hostile")
     try:
         yield router, server, backend["url"]
     finally:
