@@ -155,7 +155,13 @@ for sid in "$@"; do
     sleep 0.1; n=$((n + 1))
   done
   pids=$(carriers "$token")
-  [ -n "$pids" ] && kill -KILL $pids 2>/dev/null && echo "killed $sid after ${grace}s: $pids"
+  if [ -n "$pids" ]; then
+    kill -KILL $pids 2>/dev/null && echo "killed $sid after ${grace}s: $pids"
+    # SIGKILL is asynchronous: wait (bounded) until they are gone, so a replacement on the
+    # same port does not find it still taken.
+    n=0
+    while [ -n "$(carriers "$token")" ] && [ "$n" -lt 50 ]; do sleep 0.1; n=$((n + 1)); done
+  fi
   rm -rf "$d"
   echo "stopped $sid"
 done
