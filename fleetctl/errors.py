@@ -56,6 +56,13 @@ class OperationError(FleetError):
     """An operation failed for reasons outside the user's input (exit code 1)."""
 
 
+def what_and_fix(e: object) -> tuple[str, str | None]:
+    """A validator's ValueError("what | how to fix") (or its text), split; the fix may be
+    absent. Validators below the layer that knows the file and line raise in this form."""
+    what, _, fix = str(e).partition(" | ")
+    return what, fix or None
+
+
 def shown(value: object, limit: int = 80) -> str:
     """`value` as an error quotes it: repr, cut to about `limit` characters."""
     text = repr(value)

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, Field, field_validator
 
 from fleetctl import names
 from fleetctl.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile
-from fleetctl.errors import UserError, shown
+from fleetctl.errors import UserError, shown, what_and_fix
 from fleetctl.limits import (
     MAX_CONNECT_TIMEOUT_S,
     MAX_GPUS,
@@ -436,8 +436,8 @@ def _checked(check: Any, value: Any, src: Source, path: tuple[Any, ...]) -> Any:
     try:
         return check(value)
     except ValueError as e:
-        what, _, fix = str(e).partition(" | ")
-        raise UserError(what, src.at(path), fix or None) from None
+        what, fix = what_and_fix(e)
+        raise UserError(what, src.at(path), fix) from None
 
 
 def _resolve_models(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[Model, ...]:

@@ -10,7 +10,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from fleetctl.errors import shown
+from fleetctl.errors import shown, what_and_fix
 from fleetctl.limits import MAX_HOST, MAX_MODEL_NAME, MAX_NAME, MAX_TEXT
 
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
@@ -192,7 +192,7 @@ def jump(spec: str) -> Jump:
     try:
         host(addr)
     except ValueError as e:
-        what, _, _ = str(e).partition(" | ")
+        what = what_and_fix(e)[0]
         raise ValueError(f"proxy_jump {shown(spec)}: {what} | write [user@]host[:port]") from None
     port = 22
     if port_text:

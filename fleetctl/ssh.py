@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fleetctl import names
-from fleetctl.errors import UserError
+from fleetctl.errors import UserError, what_and_fix
 from fleetctl.limits import MAX_CONNECT_TIMEOUT_S as MAX_CONNECT
 from fleetctl.limits import MAX_TIMEOUT_S
 
@@ -343,7 +343,7 @@ class SshSession:
         try:  # the inventory's is parsed at validation; ~/.ssh/config's only here
             hop_at = names.jump(spec)
         except ValueError as e:
-            what, _, fix = str(e).partition(" | ")
+            what, fix = what_and_fix(e)
             raise NodeError("unreachable", f"{what}: {fix}") from None
         # The jump host takes the same user and key unless the ProxyJump spec names a user.
         hop = Target(

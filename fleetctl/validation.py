@@ -6,7 +6,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from fleetctl.errors import UserError, did_you_mean, shown
+from fleetctl.errors import UserError, did_you_mean, shown, what_and_fix
 from fleetctl.limits import MAX_TEXT
 from fleetctl.yamlsrc import Path_, Source
 
@@ -89,9 +89,8 @@ def describe(err: Any, cls: type[BaseModel], loc: Path_) -> tuple[str, str]:
     if kind == "literal_error":
         return f"{_show(got)} is not allowed: {err['msg'].lower()}", "use one of the listed values"
     if kind == "value_error":
-        msg = str(err["ctx"]["error"]) if "ctx" in err else err["msg"]
-        what, _, fix = msg.partition(" | ")
-        return what, fix or "change the value"
+        problem, how = what_and_fix(err["ctx"]["error"] if "ctx" in err else err["msg"])
+        return problem, how or "change the value"
     return f"{err['msg'].lower()}", "fix the value"
 
 

@@ -115,11 +115,7 @@ def parse_yaml(text: str, file: str = "<string>") -> Source:
     if root is None:  # an empty document: point at its first line
         src.lines[()] = 1
         return src
-    builder = _Builder(src)
-    try:
-        src.data = builder.build(root, ())
-    except RecursionError:  # deep merge chains inside libyaml's own structures
-        raise UserError("the document nests too deeply", Location(file), "flatten it") from None
+    src.data = _Builder(src).build(root, ())
     return src
 
 
@@ -172,6 +168,7 @@ class _Builder:
         self.scalars = _Scalars()
         self.values = 0
         self.active: set[int] = set()  # nodes being built: one seen again is a recursive alias
+        self.depth = 0  # nesting being built, merges (`<<`) included
 
     def at(self, node: yaml.Node, path: Path_) -> Location:
         return Location(self.src.file, node.start_mark.line + 1, dotted(path) or None)
@@ -184,7 +181,7 @@ class _Builder:
                 self.at(node, path),
                 "write it out without aliases that repeat large parts (an alias bomb?)",
             )
-        if len(path) > MAX_YAML_DEPTH:
+        if self.depth > MAX_YAML_DEPTH:
             raise UserError(
                 f"the document nests deeper than {MAX_YAML_DEPTH} levels",
                 self.at(node, path),
@@ -201,11 +198,13 @@ class _Builder:
             return self.scalar(node, path)
         self.check_tag(node, path)
         self.active.add(id(node))
+        self.depth += 1
         try:
             if isinstance(node, yaml.MappingNode):
                 return self.mapping(node, path)
             return [self.build(item, (*path, i)) for i, item in enumerate(node.value)]
         finally:
+            self.depth -= 1
             self.active.discard(id(node))
 
     def check_tag(self, node: yaml.Node, path: Path_) -> None:

@@ -3,7 +3,6 @@ within bounded time and memory, before anything reaches a node."""
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 
@@ -399,7 +398,9 @@ def test_oversized_file_is_refused_before_parsing(cli, tmp_path, monkeypatch):
 
 
 def test_alias_bomb_is_refused_in_bounded_memory(tmp_path):
-    """Run in a child whose address space is capped: expansion must stop long before."""
+    """Run in a child whose address space is capped at 1 GiB: were expansion unbounded it
+    would end in MemoryError (exit 1), not in this refusal. (RUSAGE_CHILDREN's peak would
+    count every child pytest ever waited for, so it is no measure of this one.)"""
     import subprocess
 
     path = write(tmp_path, BOMB)
@@ -413,7 +414,6 @@ def test_alias_bomb_is_refused_in_bounded_memory(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "expands to more than" in r.stderr
-    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 1 << 20  # KiB: under 1 GiB
 
 
 @pytest.mark.parametrize("command", ["probe", "health", "status", "apply", "destroy"])
