@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from fleetctl.inventory import Inventory
-from fleetctl.planner.model import Deployment
+from fleetctl.plan import Deployment
 from fleetctl.router.scrape import parse_vllm_metrics
 
 Status = Literal["ok", "warn", "fail"]

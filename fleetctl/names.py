@@ -6,6 +6,7 @@ the door. Each check raises ValueError("what | how to fix"), the form validation
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -202,3 +203,12 @@ def jump(spec: str) -> Jump:
             )
         port = int(port_text)
     return Jump(user or None, addr, port)
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def natural_key(name: str) -> tuple[object, ...]:
+    """Sort rtx-2 before rtx-10 (cached: big plans sort the same node names many times)."""
+    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))

@@ -11,8 +11,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from fleetctl.planner.candidates import natural_key
-from fleetctl.planner.model import Action, Deployment, Plan
+from fleetctl.names import natural_key
+from fleetctl.plan import Action, Deployment, Plan
 
 if TYPE_CHECKING:
     from fleetctl.catalog import Catalog

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetctl.errors import OperationError
-from fleetctl.planner.model import Deployment
+from fleetctl.plan import Deployment
 
 STATE_FORMAT = 1
 

@@ -14,8 +14,8 @@ from fleetctl.apply.run import ApplyOptions, Outcome, StateBook, apply_fleet, de
 from fleetctl.errors import Location, UserError, shown
 from fleetctl.inventory import Inventory
 from fleetctl.names import control_char
+from fleetctl.plan import Deployment, Plan
 from fleetctl.planner.diff import diff
-from fleetctl.planner.model import Deployment, Plan
 from fleetctl.ssh import SshOptions
 from fleetctl.state import load_state
 

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 
 from fleetctl.errors import shown
 from fleetctl.names import ENV_KEY, control_char
-from fleetctl.planner.model import Deployment
+from fleetctl.plan import Deployment
 from fleetctl.ssh import Result, quote
 
 Supervisor = Literal["auto", "systemd", "nohup"]

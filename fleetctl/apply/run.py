@@ -25,8 +25,8 @@ from typing import Any, Literal
 from fleetctl.apply.node import NodeAgent, StartError, Supervisor, server_id
 from fleetctl.apply.steps import Step, node_steps
 from fleetctl.inventory import Inventory
-from fleetctl.planner.candidates import natural_key
-from fleetctl.planner.model import Deployment
+from fleetctl.names import natural_key
+from fleetctl.plan import Deployment
 from fleetctl.probe import target
 from fleetctl.ssh import NodeError, SshOptions, SshSession, Target
 from fleetctl.state import State, save_state

@@ -10,9 +10,9 @@ from typing import Any, Literal
 from fleetctl.apply.node import Live, NodeAgent, server_id
 from fleetctl.apply.run import ApplyOptions, node_targets, ready
 from fleetctl.inventory import Inventory
-from fleetctl.planner.candidates import natural_key
+from fleetctl.names import natural_key
+from fleetctl.plan import Deployment
 from fleetctl.planner.diff import parse_flags
-from fleetctl.planner.model import Deployment
 from fleetctl.ssh import NodeError, SshSession
 from fleetctl.state import State
 

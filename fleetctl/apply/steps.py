@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fleetctl.apply.node import Live
-from fleetctl.planner.model import SURGE_PORT_OFFSET, Deployment
+from fleetctl.limits import SURGE_PORT_OFFSET
+from fleetctl.plan import Deployment
 
 StepKind = Literal["keep", "adopt", "start", "restart", "replace", "stop"]
 

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 from fleetctl.inventory import Inventory, Model
+from fleetctl.limits import SURGE_PORT_OFFSET
+from fleetctl.names import natural_key
 from fleetctl.perf import GB
+from fleetctl.plan import (
+    Deployment,
+    ModelSummary,
+    Plan,
+    Server,
+    Unplaced,
+)
 from fleetctl.planner.candidates import (
     Candidate,
     NodeClass,
     candidates,
-    natural_key,
     node_classes,
     prune_dominated,
     tp_sizes,
@@ -19,26 +26,14 @@ from fleetctl.planner.candidates import (
 )
 from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
-from fleetctl.planner.model import (
-    SURGE_PORT_OFFSET,
-    Deployment,
-    ModelSummary,
-    Plan,
-    Server,
-    Unplaced,
-)
 from fleetctl.planner.optimize import demand, solve
-
-if TYPE_CHECKING:
-    from fleetctl.state import State
+from fleetctl.state import State
 
 __all__ = ["plan_fleet"]
 
 
 def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
     """The plan for `inv`, keeping what `state` runs where it is still a good answer."""
-    from fleetctl.state import State  # state.py reads Deployments from this package
-
     state = state or State()
     classes = node_classes(inv)
     feasible, rejected = candidates(inv, classes)

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
 
 from fleetctl.catalog import GpuProfile
 from fleetctl.inventory import Inventory, Model, Node, Variant
+from fleetctl.names import natural_key
 from fleetctl.perf import EnginePerf, KvBudget, kv_budget, max_sequences, vllm_batch_defaults
 
 TP_SIZES = (1, 2, 4, 8)
-_DIGITS = re.compile(r"(\d+)")
 # Mean request shape assumed when a model has no workload: a chat turn.
 DEFAULT_PROMPT, DEFAULT_OUTPUT = 1000, 200
-
-
-@functools.lru_cache(maxsize=1 << 17)
-def natural_key(name: str) -> tuple[object, ...]:
-    """Sort rtx-2 before rtx-10 (cached: big plans sort the same node names many times)."""
-    return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
 
 
 @dataclass(frozen=True)

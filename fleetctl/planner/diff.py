@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fleetctl.planner.candidates import natural_key
-from fleetctl.planner.model import Action, Deployment
+from fleetctl.names import natural_key
+from fleetctl.plan import Action, Deployment
 
 
 def diff(desired: Sequence[Deployment], current: Sequence[Deployment]) -> tuple[Action, ...]:

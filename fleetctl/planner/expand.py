@@ -6,8 +6,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fleetctl.plan import Deployment
 from fleetctl.planner.candidates import Candidate, NodeClass
-from fleetctl.planner.model import Deployment
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fleetctl.inventory import Inventory
 from fleetctl.perf import EnginePerf
-from fleetctl.planner.model import Deployment
+from fleetctl.plan import Deployment
 from fleetctl.router.policy import RoutingConfig, make_policy
 from fleetctl.router.scheduler import Aging, Scheduler, first_token, release
 from fleetctl.router.types import Backend, OutputEstimator, Request

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from fleetctl.inventory import Inventory
-from fleetctl.planner.model import Plan
+from fleetctl.plan import Plan
 from fleetctl.router.policy import RoutingConfig
 from fleetctl.router.scheduler import Aging
 from fleetctl.sim.fleet import Server, SimResult, servers_from_plan, simulate

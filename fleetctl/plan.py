@@ -9,7 +9,6 @@ from typing import Any, Literal
 # A replacement that fits beside the server it replaces starts on the slot's other port
 # (port +/- SURGE_PORT_OFFSET), so both run until the new one is healthy (apply/steps.py);
 # limits.py holds it because validation checks every such port exists.
-from fleetctl.limits import SURGE_PORT_OFFSET as SURGE_PORT_OFFSET
 from fleetctl.names import http_url
 
 Op = Literal["create", "replace", "delete", "keep"]
