@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fleetctl.inventory import Inventory
@@ -36,6 +36,10 @@ class Server:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+
+
+# Events between progress reports: often enough for a smooth bar, rare enough to cost nothing.
+PROGRESS_EVERY = 4096
 
 
 def servers_from_plan(deployments: Sequence[Deployment], inv: Inventory) -> list[Server]:
@@ -140,8 +144,12 @@ def simulate(
     output_estimate: dict[str, int] | None = None,
     drain_s: float | None = None,
     admission: bool | None = None,
+    progress: Callable[[float], None] | None = None,
 ) -> SimResult:
-    """Run `items` through the scheduler and `policy_name` over engines built from `servers`."""
+    """Run `items` through the scheduler and `policy_name` over engines built from `servers`.
+
+    `progress`, if given, hears the share of the arrivals' span simulated so far, now and then.
+    """
     policy = make_policy(policy_name, seed, config)
     if admission is not None:
         policy.admission = admission
@@ -224,6 +232,7 @@ def simulate(
 
     index = {b.name: i for i, b in enumerate(backends)}
     n = 0
+    events = 0
     while True:
         t_arr = items[n].arrival if n < len(items) else math.inf
         while heap and heap[0][1] != version[heap[0][2]]:
@@ -232,6 +241,9 @@ def simulate(
         now = min(t_arr, t_eng)
         if now == math.inf or now > horizon:
             break
+        events += 1
+        if progress is not None and events % PROGRESS_EVERY == 0:
+            progress(min(1.0, now / last) if last > 0 else 1.0)
         if t_eng <= t_arr:
             _, _, i = heapq.heappop(heap)
             finished = engines[i].advance(now)
