@@ -15,7 +15,10 @@ from fleetctl.names import natural_key
 from fleetctl.plan import Action, Deployment, Plan
 
 if TYPE_CHECKING:
+    from fleetctl.apply.status import ServerStatus
     from fleetctl.catalog import Catalog
+    from fleetctl.facts import Facts
+    from fleetctl.health import Check
 
 OP_STYLE = {"create": "green", "replace": "yellow", "delete": "red", "keep": "dim"}
 OP_MARK = {"create": "+", "replace": "~", "delete": "-", "keep": " "}
@@ -222,37 +225,67 @@ def profiles_table(cat: Catalog) -> RenderableType:
     return Group(gpus, models, formats)
 
 
-def facts_table(facts: dict[str, object]) -> Table:
+def facts_table(facts: Facts) -> Table:
     """One row per probed node: reachability, GPUs, driver, CUDA, vLLM, interconnect."""
     t = Table(title="Facts", title_justify="left", header_style="bold", pad_edge=False)
     for col in ("node", "status", "GPUs", "driver", "CUDA", "vLLM", "link", "hostname"):
         t.add_column(col)
-    nodes = facts.get("nodes", {})
-    assert isinstance(nodes, dict)
-    for name in sorted(nodes, key=natural_key):
-        f = nodes[name]
-        if "error" in f:
+    for name in sorted(facts.nodes, key=natural_key):
+        f = facts.nodes[name]
+        if f.error is not None:
             # The node's one line (what happened, what to do) follows the table, unwrapped.
-            t.add_row(name, Text(f["error"]["kind"], style="red"))
+            t.add_row(name, Text(f.error.kind, style="red"))
             continue
-        gpus = f.get("gpus") or []
         kinds: dict[str, int] = defaultdict(int)
-        for g in gpus:
-            kinds[str(g.get("name"))] += 1
+        for g in f.gpus:
+            kinds[str(g.name)] += 1
         gpu_text = ", ".join(f"{n}x {k}" for k, n in kinds.items()) or "none"
         status = (
-            Text("gpu: " + f["gpu_error"]["kind"], style="yellow")
-            if f.get("gpu_error")
+            Text("gpu: " + f.gpu_error.kind, style="yellow")
+            if f.gpu_error
             else Text("ok", style="green")
         )
         t.add_row(
             name,
             status,
             gpu_text,
-            str(f.get("driver_version") or "-"),
-            str(f.get("cuda_version") or "-"),
-            str(f.get("vllm") or "-"),
-            str(f.get("interconnect") or "-"),
-            str(f.get("hostname") or "-"),
+            f.driver_version or "-",
+            f.cuda_version or "-",
+            f.vllm or "-",
+            f.interconnect or "-",
+            f.hostname or "-",
+        )
+    return t
+
+
+_STATUS_STYLE = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def health_table(checks: Iterable[Check]) -> Table:
+    """One row per health check: what was checked, on which node, and what it found."""
+    t = Table(title="Health", title_justify="left", header_style="bold", pad_edge=False)
+    for col in ("check", "node", "status", "detail"):
+        t.add_column(col)
+    for c in checks:
+        t.add_row(c.check, c.node, Text(c.status, style=_STATUS_STYLE[c.status]), c.detail)
+    return t
+
+
+def status_table(rows: Iterable[ServerStatus]) -> Table:
+    """One row per recorded server, as its node and its HTTP endpoints see it now."""
+    t = Table(title="Servers", title_justify="left", header_style="bold", pad_edge=False)
+    for col in ("node", "model", "GPUs", "port", "condition", "detail"):
+        t.add_column(col)
+    for r in rows:
+        style = "green" if r.condition == "running" else "red"
+        # An unreachable node's one line follows the table, once per node, not per server.
+        detail = "node not checked: see below" if r.condition == "unreachable" else r.detail
+        t.add_row(
+            r.node,
+            r.model,
+            ",".join(map(str, r.gpus)),
+            str(r.port),
+            Text(r.condition, style=style),
+            detail,
         )
     return t
