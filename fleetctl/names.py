@@ -154,7 +154,7 @@ def command_word(value: str) -> str:
 
 def http_url(host: str, port: int, path: str = "") -> str:
     """`http://host:port/path`, with an IPv6 address in brackets: every server URL's one home."""
-    return f"http://[{host}]:{port}{path}" if ":" in host else f"http://{host}:{port}{path}"
+    return f"http://{host_port(host, port)}{path}"
 
 
 @dataclass(frozen=True)
@@ -212,3 +212,9 @@ _DIGITS = re.compile(r"(\d+)")
 def natural_key(name: str) -> tuple[object, ...]:
     """Sort rtx-2 before rtx-10 (cached: big plans sort the same node names many times)."""
     return tuple(int(p) if p.isdigit() else p for p in _DIGITS.split(name))
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 address in brackets (`[fd00::11]:22`), as OpenSSH and URLs
+    write it: the one home of every SSH target, server address and URL authority."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -78,7 +78,7 @@ class Target:
 
     @property
     def address(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return names.host_port(self.host, self.port)
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,12 @@ class SshOptions:
     @property
     def known_hosts_path(self) -> Path:
         return self.known_hosts or Path.home() / ".ssh" / "known_hosts"
+
+
+def known_hosts_name(host: str, port: int) -> str:
+    """How known_hosts names a host, as OpenSSH (and paramiko) write it: the bare address on
+    port 22, `[host]:port` on any other (IPv4, IPv6 or a name alike)."""
+    return host if port == 22 else f"[{host}]:{port}"
 
 
 def quote(*args: str) -> str:
@@ -230,7 +236,8 @@ def _classify_paramiko(e: BaseException, t: Target) -> tuple[ErrorKind, str]:
         return "host-key-changed", (
             "host key CHANGED since known_hosts recorded it (a reinstall, or a "
             "man-in-the-middle): refusing; if the host was reinstalled, remove the old key "
-            f"with `ssh-keygen -R {t.host}` and connect again"
+            f"with `ssh-keygen -R {shlex.quote(known_hosts_name(t.host, t.port))}` and connect "
+            "again"
         )
     if isinstance(e, paramiko.PasswordRequiredException):
         return "auth-failed", (

@@ -70,18 +70,26 @@ def _keygen(*paths: Path) -> None:
             )
 
 
-def _free_subnet() -> ipaddress.IPv4Network:
-    """A 10.231.x.0/24 that overlaps no route in any table (the default route aside)."""
-    routes = json.loads(_run("ip", "-j", "-4", "route", "show", "table", "all") or "[]")
-    used = []
+def _routes(family: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """Destinations of every route of one family ("-4" or "-6"), in every table."""
+    routes = json.loads(_run("ip", "-j", family, "route", "show", "table", "all") or "[]")
+    out = []
     for r in routes:
         dst = r.get("dst", "default")
         if dst != "default":
-            used.append(ipaddress.ip_network(dst if "/" in dst else dst + "/32", strict=False))
+            one = "/32" if family == "-4" else "/128"
+            out.append(ipaddress.ip_network(dst if "/" in dst else dst + one, strict=False))
+    return out
+
+
+def _free_subnet() -> tuple[ipaddress.IPv4Network, ipaddress.IPv6Network]:
+    """A 10.231.x.0/24 and its fd00:f1ee:0:x::/64 (a ULA) that overlap no route in any table."""
+    used4, used6 = _routes("-4"), _routes("-6")
     for x in [*range(secrets.randbelow(256), 256), *range(256)]:
-        net = ipaddress.IPv4Network(f"10.231.{x}.0/24")
-        if not any(net.overlaps(u) for u in used):
-            return net
+        net4 = ipaddress.IPv4Network(f"10.231.{x}.0/24")
+        net6 = ipaddress.IPv6Network(f"fd00:f1ee:0:{x:x}::/64")
+        if not any(net4.overlaps(u) for u in used4) and not any(net6.overlaps(u) for u in used6):
+            return net4, net6
     raise RuntimeError("no free 10.231.x.0/24 subnet")
 
 
@@ -91,18 +99,39 @@ class Host:
     address: str
     namespace: str
     dir: Path
-    host_key_line: str = ""  # the *current* key; the run's known_hosts keeps the first one
+    host_key: str = ""  # "type base64": the *current* key; the run's known_hosts keeps the first
+    address6: str = ""  # an IPv6 address on its veth, when the hosts were built with ipv6=True
     port: int = 22
     ssh_options: dict[str, str] = field(default_factory=dict)  # ssh_config keywords
     proc: subprocess.Popen | None = None
 
+    @property
+    def host_key_line(self) -> str:
+        """The known_hosts line of the current key, for the IPv4 address."""
+        return f"{self.address} {self.host_key}"
+
+    @property
+    def known_hosts_lines(self) -> str:
+        """known_hosts lines of the current key for each address (port 22: no brackets)."""
+        return "".join(f"{a} {self.host_key}\n" for a in (self.address, self.address6) if a)
+
 
 class TestHosts:
-    """`with TestHosts(n) as hosts:` gives n hosts reachable as root@hosts[i].address by key."""
+    """`with TestHosts(n) as hosts:` gives n hosts reachable as root@hosts[i].address by key.
+
+    With ipv6=True each host also has hosts[i].address6 (fd00:f1ee:0:x::N/64) on its veth and the
+    bridge fd00:f1ee:0:x::1, sshd listens on both families, and known_hosts has both addresses.
+    """
 
     __test__ = False  # not a pytest test class despite the name
 
-    def __init__(self, n: int, names: list[str] | None = None, start_timeout: float = 120):
+    def __init__(
+        self,
+        n: int,
+        names: list[str] | None = None,
+        start_timeout: float = 120,
+        ipv6: bool = False,
+    ):
         if not 1 <= n <= 253:
             raise ValueError("1 to 253 hosts fit one /24")
         self.names = names or [f"host{i}" for i in range(n)]
@@ -111,6 +140,8 @@ class TestHosts:
         self.run_id = secrets.token_hex(3)
         self.bridge = f"fl{self.run_id}"  # interface names are 15 characters at most
         self.start_timeout = start_timeout
+        self.ipv6 = ipv6
+        self.gateway6 = ""  # the bridge's IPv6 address, the hosts' neighbour in the root namespace
         self.hosts: list[Host] = []
         self.dir = Path(tempfile.mkdtemp(prefix=f"fleetctl-ssh-{self.run_id}-"))
         self.client_key = self.dir / "client_ed25519"
@@ -147,15 +178,21 @@ class TestHosts:
         # route, and 64 veth pairs still come up in one `ip -batch`.
         with LOCK.open("w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            net = _free_subnet()
-            gw = net.network_address + 1
+            net, net6 = _free_subnet()
+            gw, gw6 = net.network_address + 1, net6.network_address + 1
             cmds = [
                 f"link add {self.bridge} type bridge",
                 f"addr add {gw}/24 dev {self.bridge}",
                 f"link set {self.bridge} up",
             ]
+            # nodad: no duplicate address detection, so an address is usable once the link
+            # has carrier (the wait below sees it), not a second or more later.
+            if self.ipv6:
+                self.gateway6 = str(gw6)
+                cmds.insert(2, f"addr add {gw6}/64 dev {self.bridge} nodad")
             for i, h in enumerate(self.hosts):
                 h.address = str(gw + 1 + i)
+                h.address6 = str(gw6 + 1 + i) if self.ipv6 else ""
                 veth = f"{self.bridge}h{i}"
                 cmds += [
                     f"netns add {h.namespace}",
@@ -177,21 +214,47 @@ class TestHosts:
                 "StrictHostKeyChecking": "yes",
                 "BatchMode": "yes",
             }
-        self.known_hosts.write_text("".join(h.host_key_line + "\n" for h in self.hosts))
+        self.known_hosts.write_text("".join(h.known_hosts_lines for h in self.hosts))
         self.ssh_config.write_text(
             "".join(
                 f"Host {h.name}\n" + "".join(f"  {k} {v}\n" for k, v in h.ssh_options.items())
                 for h in self.hosts
             )
         )
-        net_up = 'ip link set lo up && ip addr add "$2"/24 dev eth0 && ip link set eth0 up && '
+        net_up = 'ip link set lo up && ip addr add "$2"/24 dev eth0 && '
+        if self.ipv6:
+            net_up += 'ip addr add "$4"/64 dev eth0 nodad && '
+        net_up += "ip link set eth0 up && "
         for h in self.hosts:
             self._spawn(h, net_up)
         self._wait_listening(self.hosts)
+        if self.ipv6:
+            self._wait_ipv6_usable()
+
+    def _wait_ipv6_usable(self) -> None:
+        """Until every IPv6 address (bridge and hosts) is no longer tentative.
+
+        An address on a link without carrier stays tentative (not usable as a source or a
+        destination) until the link comes up; the bridge gets carrier only with its first port.
+        """
+        where = [(None, self.bridge, self.gateway6)]
+        where += [(h.namespace, "eth0", h.address6) for h in self.hosts]
+        end = time.monotonic() + self.start_timeout
+        while where:
+            ns, dev, addr = where[0]
+            cmd = ["ip", *(["-n", ns] if ns else []), "-j", "-6", "addr", "show", "dev", dev]
+            infos = [a for link in json.loads(_run(*cmd) or "[]") for a in link["addr_info"]]
+            ours = [a for a in infos if a.get("local") == addr]
+            if ours and not any(a.get("tentative") or a.get("dadfailed") for a in ours):
+                where.pop(0)
+                continue
+            if time.monotonic() > end:
+                raise RuntimeError(f"IPv6 on {dev} of {ns or 'the bridge'} not usable: {infos}")
+            time.sleep(0.01)
 
     def _write_config(self, h: Host) -> None:
         key = h.dir / "host_ed25519"
-        h.host_key_line = f"{h.address} {' '.join(Path(f'{key}.pub').read_text().split()[:2])}"
+        h.host_key = " ".join(Path(f"{key}.pub").read_text().split()[:2])
         # SetEnv (OpenSSH >= 8.7) is applied after sshd sets its default PATH, so the host's
         # bin/ wins without ForceCommand or PermitUserEnvironment. Hosts share one file
         # system: each gets a HOME of its own (where apply keeps ~/.fleetctl).
@@ -200,6 +263,7 @@ class TestHosts:
             f"""\
 Port {h.port}
 ListenAddress 0.0.0.0
+{"ListenAddress ::" if self.ipv6 else ""}
 HostKey {key}
 AuthorizedKeysFile {self.dir / "authorized_keys"}
 StrictModes no
@@ -219,7 +283,7 @@ SetEnv PATH={h.dir / "bin"}:{STD_PATH} HOME={h.dir / "home"}
         # ip netns exec and unshare exec in place, so the Popen's pid is sshd's own pid.
         script = f'{net_up}hostname "$1" && exec {SSHD} -D -e -f "$3"'
         cmd = ["ip", "netns", "exec", h.namespace, "unshare", "--uts", "sh", "-c", script]
-        cmd += ["sh", h.name, h.address, str(h.dir / "sshd_config")]
+        cmd += ["sh", h.name, h.address, str(h.dir / "sshd_config"), h.address6]
         with (h.dir / "sshd.log").open("w") as log:
             h.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
@@ -230,7 +294,9 @@ SetEnv PATH={h.dir / "bin"}:{STD_PATH} HOME={h.dir / "home"}
         while waiting:
             for h in list(waiting):
                 log = (h.dir / "sshd.log").read_text()
-                if "Server listening on 0.0.0.0" in log:
+                if "Server listening on 0.0.0.0" in log and (
+                    not self.ipv6 or "Server listening on :: " in log
+                ):
                     waiting.remove(h)
                 elif h.proc is None or h.proc.poll() is not None:
                     raise RuntimeError(f"sshd of {h.name} exited: {log}")
@@ -304,14 +370,15 @@ SetEnv PATH={h.dir / "bin"}:{STD_PATH} HOME={h.dir / "home"}
         path.chmod(0o755)
         return path
 
-    def ssh_argv(self, i: int, *command: str) -> list[str]:
-        """The real ssh client's argv running `command` on host i; -F none keeps ~/.ssh out."""
+    def ssh_argv(self, i: int, *command: str, address: str | None = None) -> list[str]:
+        """The real ssh client's argv running `command` on host i (at `address`, default its
+        IPv4 one); -F none keeps ~/.ssh out."""
         opts = self.hosts[i].ssh_options
         argv = [SSH, "-F", "none", "-o", "ConnectTimeout=5"]
         for k, v in opts.items():
             if k != "HostName":
                 argv += ["-o", f"{k}={v}"]
-        return [*argv, opts["HostName"], *command]
+        return [*argv, address or opts["HostName"], *command]
 
     def close(self) -> None:
         """Remove everything this run made; safe to call twice or after a failed setup."""
