@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Awaitable, Callable
 
 import pytest
 from aiohttp import web
 
-from fleetctl.router.upstream import BadResponse, ServerDisconnected, Upstream
+from fleetctl.router.transport import TRANSPORTS, Transport, make_transport
+from fleetctl.router.upstream import BadResponse, ServerDisconnected, UpstreamError
 from tests.procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+Client = Callable[..., Transport]
+
+
+@pytest.fixture(params=TRANSPORTS)
+def client(request: pytest.FixtureRequest) -> Client:
+    """Each test runs against both transports: the fast one and aiohttp's (the reference)."""
+    return functools.partial(make_transport, request.param)
 
 
 class Raw:
@@ -73,7 +82,7 @@ async def until(check: Callable[[], bool]) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_request_bytes_and_content_length_body():
+def test_request_bytes_and_content_length_body(client: Client):
     seen: list[bytes] = []
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -83,7 +92,7 @@ def test_request_bytes_and_content_length_body():
 
     async def main() -> None:
         async with Raw(handler) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             resp = await up.post(srv.url, b'{"a": 1}', {"Authorization": "Bearer k"})
             with resp:
                 assert resp.status == 201
@@ -92,21 +101,25 @@ def test_request_bytes_and_content_length_body():
                 assert await resp.read() == b"hello"
             up.close()
         port = srv.url.split(":")[2].split("/")[0]
-        assert seen == [
-            b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:" + port.encode() + b"\r\n"
-            b"Content-Length: 8\r\nAuthorization: Bearer k\r\n\r\n" + b'{"a": 1}'
-        ]
+        [got] = seen
+        head, body = got.split(b"\r\n\r\n")
+        request_line, host, *rest = head.split(b"\r\n")
+        assert request_line == b"POST /v1/completions HTTP/1.1"
+        assert host == b"Host: 127.0.0.1:" + port.encode()
+        # Nothing else: the transport adds no header of its own (order is free).
+        assert sorted(rest) == [b"Authorization: Bearer k", b"Content-Length: 8"]
+        assert body == b'{"a": 1}'
 
     run(main())
 
 
-def test_chunked_body_with_extensions_and_trailers():
+def test_chunked_body_with_extensions_and_trailers(client: Client):
     body = b"4;ext=1\r\nWiki\r\n6\r\npedia \r\nE\r\nin \r\n\r\nchunks.\r\n0\r\nX-T: 1\r\n\r\n"
     head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
     async def main() -> None:
         async with Raw(answering(head + body, OK)) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             with await up.post(srv.url, b"{}", {}) as resp:
                 assert await resp.read() == b"Wikipedia in \r\n\r\nchunks."
             with await up.post(srv.url, b"{}", {}) as resp:  # the trailers were consumed
@@ -117,14 +130,14 @@ def test_chunked_body_with_extensions_and_trailers():
     run(main())
 
 
-def test_until_close_body_and_connection_close_are_not_reused():
+def test_until_close_body_and_connection_close_are_not_reused(client: Client):
     async def main() -> None:
         async def until_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             await request(r)
             w.write(b"HTTP/1.1 200 OK\r\n\r\nall of it")
 
         async with Raw(until_close) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             for _ in range(2):
                 with await up.post(srv.url, b"{}", {}) as resp:
                     assert await resp.read() == b"all of it"
@@ -139,7 +152,7 @@ def test_until_close_body_and_connection_close_are_not_reused():
     run(main())
 
 
-def test_stream_delivers_each_chunk_before_the_next_is_sent():
+def test_stream_delivers_each_chunk_before_the_next_is_sent(client: Client):
     async def main() -> None:
         got_first = asyncio.Event()
 
@@ -153,7 +166,7 @@ def test_stream_delivers_each_chunk_before_the_next_is_sent():
             await r.read()
 
         async with Raw(handler) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             with await up.post(srv.url, b"{}", {}) as resp:
                 assert await resp.read_chunk() == b'data: {"a": 1}\n\n'
                 got_first.set()
@@ -164,7 +177,7 @@ def test_stream_delivers_each_chunk_before_the_next_is_sent():
     run(main())
 
 
-def test_keep_alive_reuses_one_connection():
+def test_keep_alive_reuses_one_connection(client: Client):
     async def main() -> None:
         peers: list[object] = []
 
@@ -178,7 +191,7 @@ def test_keep_alive_reuses_one_connection():
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
-        up = Upstream(5, 5)
+        up = client(5, 5)
         for n in (1, 2):
             with await up.post(f"http://127.0.0.1:{port}/v1/completions", b"{}", {}) as resp:
                 assert await resp.read() == b'{"n": %d}' % n
@@ -189,27 +202,27 @@ def test_keep_alive_reuses_one_connection():
     run(main())
 
 
-def test_idle_connection_closed_by_the_server_is_replaced():
+def test_idle_connection_closed_by_the_server_is_replaced(client: Client):
     async def main() -> None:
         async def one_then_close(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             await request(r)
             w.write(OK)  # keep-alive by default, then it closes anyway
 
         async with Raw(one_then_close) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             for _ in range(2):
                 with await up.post(srv.url, b"{}", {}) as resp:
                     assert await resp.read() == b"ok"
                 # The server's close reaches the idle connection, which is seen closed while
                 # idle and so dropped (never handed out for the next request).
-                await until(lambda: not any(up._pools.values()))
+                await until(lambda: not up.idle_connections())
             assert srv.conns == 2
             up.close()
 
     run(main())
 
 
-def test_reused_connection_dropped_before_answering_is_retried_once():
+def test_reused_connection_dropped_before_answering_is_retried_once(client: Client):
     async def main() -> None:
         # The first connection answers once, then drops the next request unanswered: the race
         # of a server's keep-alive timeout. Later connections answer.
@@ -221,7 +234,7 @@ def test_reused_connection_dropped_before_answering_is_retried_once():
             await request(r)
 
         async with Raw(handler) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             for _ in range(2):
                 with await up.post(srv.url, b"{}", {}) as resp:
                     assert await resp.read() == b"ok"
@@ -231,7 +244,7 @@ def test_reused_connection_dropped_before_answering_is_retried_once():
     run(main())
 
 
-def test_no_retry_once_the_server_answered_or_on_a_fresh_connection():
+def test_no_retry_once_the_server_answered_or_on_a_fresh_connection(client: Client):
     async def main() -> None:
         async def partial_second(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             await request(r)
@@ -240,7 +253,7 @@ def test_no_retry_once_the_server_answered_or_on_a_fresh_connection():
             w.write(b"HTTP/1.1 200 OK\r\nContent-Le")  # then drops it
 
         async with Raw(partial_second) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             with await up.post(srv.url, b"{}", {}) as resp:
                 await resp.read()
             with pytest.raises(ServerDisconnected):
@@ -259,16 +272,16 @@ def test_no_retry_once_the_server_answered_or_on_a_fresh_connection():
     run(main())
 
 
-def test_connection_refused():
+def test_connection_refused(client: Client):
     async def main() -> None:
-        up = Upstream(5, 5)
+        up = client(5, 5)
         with pytest.raises(ConnectionRefusedError):
             await up.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}", {})
 
     run(main())
 
 
-def test_read_timeouts_before_the_head_and_between_chunks():
+def test_read_timeouts_before_the_head_and_between_chunks(client: Client):
     async def main() -> None:
         async def silent(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             await request(r)
@@ -281,7 +294,7 @@ def test_read_timeouts_before_the_head_and_between_chunks():
 
         # A connect timeout far above the read timeout: only the read timeout can end the wait
         # within the upper bound, which leaves a loaded machine plenty of room.
-        up = Upstream(30, 0.3)
+        up = client(30, 0.3)
         async with Raw(silent) as srv:
             t = time.monotonic()
             with pytest.raises(TimeoutError):
@@ -297,7 +310,7 @@ def test_read_timeouts_before_the_head_and_between_chunks():
     run(main())
 
 
-def test_cancelled_reader_closes_the_connection():
+def test_cancelled_reader_closes_the_connection(client: Client):
     async def main() -> None:
         closed = asyncio.Event()
 
@@ -316,7 +329,7 @@ def test_cancelled_reader_closes_the_connection():
                 await resp.read_chunk()  # waits for a chunk that never comes
 
         async with Raw(handler) as srv:
-            up = Upstream(5, 60)
+            up = client(5, 60)
             task = asyncio.create_task(reader())
             await got_first.wait()  # the reader ran on into the second read, and waits there
             assert not task.done()
@@ -324,23 +337,23 @@ def test_cancelled_reader_closes_the_connection():
             with pytest.raises(asyncio.CancelledError):
                 await task
             await closed.wait()  # `run`'s bound stops it if the connection stays open
-            assert not any(up._pools.values())  # not kept for reuse either
+            assert not up.idle_connections()  # not kept for reuse either
             up.close()
 
     run(main())
 
 
-def test_an_answer_read_whole_is_capped():
+def test_an_answer_read_whole_is_capped(client: Client):
     big = b"HTTP/1.1 200 OK\r\nContent-Length: 2000\r\n\r\n" + b"x" * 2000
     chunked = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         + b"400\r\n"
         + b"x" * 1024
-        + b"\r\n" * 2
+        + b"\r\n0\r\n\r\n"
     )
 
     async def main() -> None:
-        up = Upstream(5, 5, max_body=1000)
+        up = client(5, 5, max_body=1000)
         for answer in (big, chunked):
             async with Raw(answering(answer)) as srv:
                 resp = await up.post(srv.url, b"{}", {})
@@ -351,10 +364,13 @@ def test_an_answer_read_whole_is_capped():
     run(main())
 
 
-def test_endless_interim_answers_are_refused():
+def test_endless_interim_answers_are_refused(client: Client):
+    if client.args == ("reference",):
+        pytest.xfail("aiohttp's client skips any number of 1xx answers (known difference)")
+
     async def main() -> None:
         async with Raw(answering(b"HTTP/1.1 100 Continue\r\n\r\n" * 20 + OK)) as srv:
-            up = Upstream(5, 5)
+            up = client(5, 5)
             with pytest.raises(BadResponse, match="interim"):
                 await up.post(srv.url, b"{}", {})
             up.close()
@@ -362,15 +378,120 @@ def test_endless_interim_answers_are_refused():
     run(main())
 
 
-def test_good_chunks_come_out_before_the_error_that_follows_them():
+def test_good_chunks_come_out_before_the_error_that_follows_them(client: Client):
     async def main() -> None:
         answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n-1\r\n"
         async with Raw(answering(answer)) as srv:
-            up = Upstream(5, 5)
-            with await up.post(srv.url, b"{}", {}) as resp:
-                assert await resp.read_chunk() == b"ab"
-                with pytest.raises(BadResponse, match="chunk size"):
-                    await resp.read_chunk()
+            up = client(5, 5)
+            got = b""
+            with (
+                pytest.raises(BadResponse, match="chunk size"),
+                await up.post(srv.url, b"{}", {}) as resp,
+            ):
+                while chunk := await resp.read_chunk():
+                    got += chunk
+            # The fast client hands out the good data first; aiohttp parses the packet whole
+            # and refuses it all, which is as safe.
+            assert got == (b"ab" if client.args == ("fast",) else b"")
             up.close()
+
+    run(main())
+
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+CHUNKED = HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+MALFORMED = {
+    "content-length-not-ascii-digits": HEAD + b"Content-Length: \xb2\r\n\r\n{}",
+    "content-length-negative": HEAD + b"Content-Length: -1\r\n\r\n{}",
+    "content-length-huge-number": HEAD + b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n{}",
+    "content-length-conflicting": HEAD + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    "content-length-and-chunked": HEAD
+    + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    "status-line-garbage": b"HTPT/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+    "status-code-not-ascii-digits": b"HTTP/1.1 \xb2\xb2\xb2 OK\r\nContent-Length: 2\r\n\r\n{}",
+    "status-code-out-of-range": b"HTTP/1.1 099 Odd\r\nContent-Length: 2\r\n\r\n{}",
+    "header-huge": HEAD + b"X-Big: " + b"a" * 200_000 + b"\r\n\r\n",
+    "headers-too-many": HEAD + b"".join(b"X-H%d: v\r\n" % i for i in range(1000)) + b"\r\n",
+    "header-value-with-lf": HEAD + b"X-Evil: a\nSet-Cookie: b=c\r\nContent-Length: 2\r\n\r\n{}",
+    "header-line-without-colon": HEAD + b"Nonsense\r\n\r\n{}",
+    "chunk-size-not-hex": CHUNKED + b"zz\r\n{}\r\n0\r\n\r\n",
+    "chunk-size-negative": CHUNKED + b"-2\r\n{}\r\n0\r\n\r\n",
+    "chunk-size-0x-prefix": CHUNKED + b"0x2\r\n{}\r\n0\r\n\r\n",
+    "chunk-overruns-its-size": CHUNKED + b"2\r\nabcdef\r\n0\r\n\r\n",
+    "chunk-size-huge": CHUNKED + b"f" * 100 + b"\r\n",
+    "chunked-truncated": CHUNKED + b"9\r\n{",
+    "content-length-truncated": HEAD + b"Content-Length: 9\r\n\r\n{",
+    "closed-before-status": b"",
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_a_malformed_answer_is_an_upstream_error(client: Client, name: str):
+    """Every way an answer can be broken ends in UpstreamError (at the head or in the body),
+    never in another exception and never in a body taken as whole."""
+    answer = MALFORMED[name]
+    if name == "header-value-with-lf" and client.args == ("reference",):
+        # RFC 9112 2.2 lets a recipient take a bare LF as a line end, as aiohttp's parser
+        # does: two clean header lines, which are safe to relay; only a value holding the LF
+        # would not be.
+        return run(header_values_are_clean(client, answer))
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await request(r)
+        w.write(answer)  # then the server closes
+
+    async def main() -> None:
+        async with Raw(handler) as srv:
+            up = client(5, 5)
+            with pytest.raises(UpstreamError), await up.post(srv.url, b"{}", {}) as resp:
+                await resp.read()
+            up.close()
+
+    run(main())
+
+
+async def header_values_are_clean(client: Client, answer: bytes) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await request(r)
+        w.write(answer)
+
+    async with Raw(handler) as srv:
+        up = client(5, 5)
+        with await up.post(srv.url, b"{}", {}) as resp:
+            assert all("\n" not in v and "\r" not in v for _, v in resp.headers.items())
+        up.close()
+
+
+def test_a_connection_idle_past_the_expiry_is_never_sent_on(client: Client):
+    """A backend's keep-alive timeout closes an idle connection; a request sent as it does is
+    lost (or, if retried, sent twice). The client expires idle connections before the backend
+    would, so it never writes on one the backend considers dead. The server here closes
+    lazily: it sees the idle timeout only when the next request arrives, and counts those."""
+    keep_alive = 0.5
+    dead_sends = 0
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal dead_sends
+        answered = None
+        while await request(r):
+            if answered is not None and time.monotonic() - answered >= keep_alive:
+                dead_sends += 1
+                return  # closed without an answer, as the timed-out server would
+            w.write(OK)
+            await w.drain()
+            answered = time.monotonic()
+
+    async def main() -> None:
+        async with Raw(handler) as srv:
+            up = client(5, 5, idle_timeout=keep_alive / 2)
+            for _ in range(2):
+                with await up.post(srv.url, b"{}", {}) as resp:
+                    assert await resp.read() == b"ok"
+                # Time passing is what is tested: idle past the client's expiry and the
+                # server's keep-alive timeout.
+                await asyncio.sleep(keep_alive * 1.5)
+            up.close()
+            assert dead_sends == 0
+            assert srv.conns == 2
 
     run(main())

@@ -17,6 +17,9 @@ MAX_INTERIM = 8  # 1xx answers before the final one
 MAX_HEADERS = 100  # header lines in an answer (as Python's http.client)
 MAX_BODY = 128 * 2**20  # an answer read whole (not streamed): the router holds it in memory
 HIGH_WATER = 256 * 1024  # unread body bytes before the socket stops being read
+# A pooled connection idle this long is closed, not reused: below the backend's keep-alive
+# timeout (uvicorn's, so vLLM's, is 5 s), so that a request never races the backend's close.
+IDLE_TIMEOUT = 4.0
 
 # RFC 9112: status-line = HTTP-version SP 3DIGIT SP [reason]; ASCII digits only (str.isdigit
 # takes "²", which int() refuses).
@@ -50,6 +53,7 @@ class _Conn(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False
         self.idle = False  # in the pool
+        self.idle_since = 0.0  # loop time it went into the pool
         self.received = 0  # bytes of the current response so far
         self.paused = False
         self.reset = False  # lost by an error (a reset), not by an orderly close
@@ -260,9 +264,10 @@ class Upstream:
         read_timeout: float,
         max_idle: int = 256,
         max_body: int = MAX_BODY,
+        idle_timeout: float = IDLE_TIMEOUT,
     ):
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
-        self.max_idle, self.max_body = max_idle, max_body
+        self.max_idle, self.max_body, self.idle_timeout = max_idle, max_body, idle_timeout
         self._pools: dict[tuple[str, int, bool], collections.deque[_Conn]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], str, str, str]] = {}
         self._ssl: ssl.SSLContext | None = None
@@ -300,7 +305,15 @@ class Upstream:
         # go on; latin-1 would fail on any character past U+00FF.
         data = "".join(text).encode("utf-8", "surrogateescape") + b"\r\n" + body
         pool = self._pools.setdefault(key, collections.deque())
-        if pool:  # the most recently used: the least likely to have been timed out
+        if pool:
+            # The oldest sit on the left: close those idle too long, then take the most
+            # recently used, the least likely to be near the backend's keep-alive timeout.
+            stale = asyncio.get_running_loop().time() - self.idle_timeout
+            while pool and pool[0].idle_since < stale:
+                old = pool.popleft()
+                old.idle = False
+                old.abort()
+        if pool:
             conn = pool.pop()
             conn.idle = False
         else:
@@ -358,9 +371,14 @@ class Upstream:
     def _release(self, conn: _Conn) -> None:
         if len(conn.pool) < self.max_idle:
             conn.idle = True
+            conn.idle_since = asyncio.get_running_loop().time()
             conn.pool.append(conn)
         else:
             conn.abort()
+
+    def idle_connections(self) -> int:
+        """Connections in the pool (open, waiting for a request)."""
+        return sum(len(pool) for pool in self._pools.values())
 
     def close(self) -> None:
         for pool in self._pools.values():
