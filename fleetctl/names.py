@@ -74,6 +74,13 @@ def host(value: str) -> str:
         raise ValueError(f"host {shown(value)} has brackets | write the IPv6 address without them")
     if _IPV4.fullmatch(value):  # the common case, without ipaddress's cost per node
         return value
+    if "%" in value and ":" in value:
+        # A zone names an interface of this machine: the node binds its server to the same
+        # address on interfaces of its own, and a URL would need the zone escaped.
+        raise ValueError(
+            f"host {shown(value)} has an IPv6 zone ('%...') | write a global or unique-local "
+            "address such as fd00::11, or a hostname"
+        )
     try:
         ipaddress.ip_address(value)
         return value
