@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from fleetctl.catalog import load_catalog
-from fleetctl.cli import dump_json
+from fleetctl.jsonout import dump_json
 from fleetctl.inventory import load_inventory
 from fleetctl.planner import plan_fleet
 

@@ -267,10 +267,6 @@ class Inventory:
                 "fix the path, or remove it to use ~/.ssh/config, the agent and default keys",
             )
 
-    @property
-    def state_dir(self) -> Path:
-        return self.path.parent / ".fleetctl"
-
     def model(self, name: str) -> Model:
         return next(m for m in self.models if m.name == name)
 

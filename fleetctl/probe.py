@@ -3,12 +3,15 @@ connection per node, in parallel, with a named error per node that failed."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
+from fleetctl.facts import Facts, GpuFacts, GpuProcess, NodeFacts, Problem
 from fleetctl.facts_parse import (
     COMPUTE_APPS_FIELDS,
     QUERY_FIELDS,
@@ -22,8 +25,6 @@ from fleetctl.facts_parse import (
 )
 from fleetctl.inventory import Inventory, Node
 from fleetctl.ssh import NodeError, Result, SshOptions, SshSession, Target, quote
-
-FACTS_FORMAT = 1
 
 # Node facts as KEY=VALUE lines: one round trip, and every value quoted by the shell itself.
 NODE_SCRIPT = r"""
@@ -86,54 +87,85 @@ def target(inv: Inventory, n: Node) -> Target:
     return Target(n.name, n.host, n.port, n.user or ssh.user, ssh.identity_file, ssh.proxy_jump)
 
 
-def probe_node(session: SshSession) -> dict[str, Any]:
+def probe_node(session: SshSession) -> NodeFacts:
     """Facts of one node over an open session; NodeError on failure."""
-    facts: dict[str, Any] = {}
+    kv: dict[str, str | None] = {}
     for line in session.run(NODE_SCRIPT).stdout.splitlines():
         key, _, value = line.partition("=")
-        facts[key] = value or None
-    for key in ("cpus", "mem_total_kib", "disk_free_kib"):
-        facts[key] = int(facts[key]) if (facts.get(key) or "").isdigit() else None
-    # Processes of servers `fleetctl apply` started (they carry its token, children included):
-    # `health` tells them from foreign processes on the GPUs by pid, not by name.
-    facts["fleetctl_pids"] = sorted(int(p) for p in (facts.get("fleetctl_pids") or "").split())
+        kv[key] = value or None
     py = session.run("python3 -", stdin=PYTHON_SCRIPT)
     info: dict[str, Any] = {}
     if py.ok and py.stdout.strip().startswith("{"):
         info = json.loads(py.stdout)
-    facts["python"], facts["vllm"] = info.get("python"), info.get("vllm")
-    if "nvml" in info:
-        facts.update({"gpu_source": "nvml", **info["nvml"]})
-    else:
-        facts.update(_smi_facts(session))
+    gpus = _nvml_gpus(info["nvml"]) if "nvml" in info else _smi_gpus(session)
     topo = session.run("nvidia-smi topo -m")
     parsed = parse_topo(topo.stdout + topo.stderr) if topo.ok else None
-    facts["interconnect"] = parsed.get("interconnect") if isinstance(parsed, dict) else None
-    return facts
+    return NodeFacts(
+        hostname=kv.get("hostname"),
+        os=kv.get("os"),
+        kernel=kv.get("kernel"),
+        cpus=_int(kv.get("cpus")),
+        mem_total_kib=_int(kv.get("mem_total_kib")),
+        disk_free_kib=_int(kv.get("disk_free_kib")),
+        # Processes of servers `fleetctl apply` started (they carry its token, children
+        # included): `health` tells them from foreign processes on the GPUs by pid, not name.
+        fleetctl_pids=tuple(sorted(int(p) for p in (kv.get("fleetctl_pids") or "").split())),
+        python=info.get("python"),
+        vllm=info.get("vllm"),
+        gpu_source=gpus.source,
+        driver_version=gpus.driver_version,
+        cuda_version=gpus.cuda_version,
+        gpus=gpus.gpus,
+        gpu_error=gpus.error,
+        interconnect=parsed.get("interconnect") if isinstance(parsed, dict) else None,
+    )
 
 
-def _smi_facts(session: SshSession) -> dict[str, Any]:
+def _int(text: str | None) -> int | None:
+    return int(text) if text and text.isdigit() else None
+
+
+@dataclass(frozen=True)
+class _Gpus:
+    """A node's GPUs and driver, from whichever source answered."""
+
+    source: str
+    gpus: tuple[GpuFacts, ...] = ()
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    error: Problem | None = None
+
+
+def _nvml_gpus(nvml: dict[str, Any]) -> _Gpus:
+    """The probe script's NVML JSON (it runs on the node, so it is read defensively)."""
+    gpus = tuple(
+        GpuFacts(
+            index=g.get("index"),
+            name=g.get("name"),
+            uuid=g.get("uuid"),
+            memory_total_mib=g.get("memory_total_mib"),
+            memory_used_mib=g.get("memory_used_mib"),
+            compute_cap=g.get("compute_cap"),
+            ecc_uncorrected_volatile=g.get("ecc_uncorrected_volatile"),
+            processes=tuple(
+                GpuProcess(p.get("pid"), p.get("used_memory_mib")) for p in g.get("processes", [])
+            ),
+        )
+        for g in nvml.get("gpus", [])
+    )
+    return _Gpus("nvml", gpus, nvml.get("driver_version"), nvml.get("cuda_version"))
+
+
+def _smi_gpus(session: SshSession) -> _Gpus:
     """GPUs from nvidia-smi's CSV query; driver errors become the node's `gpu_error`."""
     fields: tuple[str, ...] = QUERY_FIELDS
-    res = session.run(
-        "nvidia-smi " + quote(f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits")
-    )
-    rows = parse_smi_query_csv(res.stdout + res.stderr, fields)
+    rows = _query(session, fields)
     if isinstance(rows, SmiError) and rows.kind == "invalid_field":
-        fields = QUERY_FIELDS_LEGACY
-        res = session.run(
-            "nvidia-smi "
-            + quote(f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits")
-        )
-        rows = parse_smi_query_csv(res.stdout + res.stderr, fields)
+        rows = _query(session, QUERY_FIELDS_LEGACY)
     if isinstance(rows, SmiError):
         if rows.kind == "no_devices":
-            return {"gpu_source": "nvidia-smi", "gpus": []}
-        return {
-            "gpu_source": "nvidia-smi",
-            "gpus": [],
-            "gpu_error": {"kind": rows.kind, "message": rows.message},
-        }
+            return _Gpus("nvidia-smi")
+        return _Gpus("nvidia-smi", error=Problem(rows.kind, rows.message))
     table = parse_smi_table(session.run("nvidia-smi").stdout)
     apps_res = session.run(
         "nvidia-smi "
@@ -142,32 +174,32 @@ def _smi_facts(session: SshSession) -> dict[str, Any]:
         )
     )
     apps = parse_compute_apps_csv(apps_res.stdout + apps_res.stderr)
-    by_uuid: dict[str, list[dict[str, Any]]] = {}
+    by_uuid: dict[str, list[GpuProcess]] = {}
     if not isinstance(apps, SmiError):
         for a in apps:
             by_uuid.setdefault(a.gpu_uuid, []).append(
-                {"pid": a.pid, "process_name": a.process_name, "used_memory_mib": a.used_memory_mib}
+                GpuProcess(a.pid, a.used_memory_mib, a.process_name)
             )
-    gpus = [
-        {
-            "index": r.index,
-            "name": r.name,
-            "uuid": r.uuid,
-            "memory_total_mib": r.memory_total_mib,
-            "memory_used_mib": r.memory_used_mib,
-            "compute_cap": r.compute_cap,
-            "ecc_uncorrected_volatile": r.ecc_uncorrected_volatile,
-            "retired_pages_pending": r.retired_pages_pending,
-            "processes": by_uuid.get(r.uuid or "", []),
-        }
+    gpus = tuple(
+        GpuFacts(
+            index=r.index,
+            name=r.name,
+            uuid=r.uuid,
+            memory_total_mib=r.memory_total_mib,
+            memory_used_mib=r.memory_used_mib,
+            compute_cap=r.compute_cap,
+            ecc_uncorrected_volatile=r.ecc_uncorrected_volatile,
+            retired_pages_pending=r.retired_pages_pending,
+            processes=tuple(by_uuid.get(r.uuid or "", [])),
+        )
         for r in rows
-    ]
-    return {
-        "gpu_source": "nvidia-smi",
-        "driver_version": rows[0].driver_version if rows else None,
-        "cuda_version": None if isinstance(table, SmiError) else table.cuda_version,
-        "gpus": gpus,
-    }
+    )
+    return _Gpus(
+        "nvidia-smi",
+        gpus,
+        rows[0].driver_version if rows else None,
+        None if isinstance(table, SmiError) else table.cuda_version,
+    )
 
 
 def _query(session: SshSession, fields: tuple[str, ...]) -> list[GpuRow] | SmiError:
@@ -182,33 +214,31 @@ def probe_fleet(
     parallel: int = 32,
     nodes: Sequence[Node] | None = None,
     on_done: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> Facts:
     """Facts for every node, probed `parallel` at a time; failed nodes carry `error`."""
     todo = list(nodes if nodes is not None else inv.nodes)
 
-    def one(n: Node) -> tuple[str, dict[str, Any]]:
-        started = dt.datetime.now(dt.UTC)
-        entry: dict[str, Any] = {"host": n.host, "probed_at": started.isoformat(timespec="seconds")}
+    def one(n: Node) -> tuple[str, NodeFacts]:
+        started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         try:
             with SshSession(target(inv, n), options) as session:
-                entry.update(probe_node(session))
+                found = probe_node(session)
         except NodeError as e:
-            entry["error"] = e.to_json()
+            found = NodeFacts(error=Problem(e.kind, e.detail, e.line(), e.where))
         if on_done:
             on_done(n.name)
-        return n.name, entry
+        return n.name, dataclasses.replace(found, host=n.host, probed_at=started)
 
     with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(todo) or 1))) as pool:
         results = dict(pool.map(one, todo))
-    return {
-        "format": FACTS_FORMAT,
-        "probed_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "inventory": str(inv.path),
-        "nodes": results,
-    }
+    return Facts(
+        nodes=results,
+        probed_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        inventory=str(inv.path),
+    )
 
 
-def local_facts() -> dict[str, Any]:
+def local_facts() -> NodeFacts:
     """This machine's facts, through NVML directly (`fleetctl probe --local`)."""
     import subprocess
 

@@ -19,7 +19,7 @@ class Result:
         self.code, self.out, self.err = code, out, err
 
 
-# Loggers that `fleetctl --debug` turns up in-process (fleetctl.cli._debug_logging).
+# Loggers that `fleetctl --debug` turns up in-process (fleetctl.cli.common.debug_logging).
 DEBUG_LOGGERS = ("paramiko", "fleetctl.ssh")
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from fleetctl.apply.node import Live, env_file, manifest, parse_inspect, server_id
 from fleetctl.apply.steps import node_steps
-from fleetctl.planner.model import Deployment, Server
+from fleetctl.plan import Deployment, Server
 
 
 def server(max_len: int = 8192, util: float = 0.92, tp: int = 1) -> Server:
@@ -171,7 +171,8 @@ def test_the_router_reaches_an_ipv6_node_in_brackets(tmp_path):
     from fleetctl.inventory import load_inventory
     from fleetctl.planner import plan_fleet
     from fleetctl.router.backends import backends_from_state
-    from fleetctl.state import State, save_state
+    from fleetctl.state import State
+    from fleetctl.statedir import StateDir
 
     inv_path = tmp_path / "inventory.yaml"
     inv_path.write_text(
@@ -180,6 +181,6 @@ def test_the_router_reaches_an_ipv6_node_in_brackets(tmp_path):
         "     variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}}\n"
     )
     inv = load_inventory(inv_path, load_catalog())
-    save_state(tmp_path, State(1, plan_fleet(inv).deployments))
-    [b] = backends_from_state(inv, tmp_path)
+    StateDir(tmp_path).save_state(State(1, plan_fleet(inv).deployments))
+    [b] = backends_from_state(inv, StateDir(tmp_path))
     assert b.name.startswith("http://[fd00::11]:"), b.name  # a backend is named by its URL

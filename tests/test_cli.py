@@ -58,13 +58,14 @@ def test_saved_plan_round_trips_and_diffs_against_state(cli, tmp_path):
     assert r.code == 0, r.err
     saved = json.loads(out.read_text())
     # Record it as applied state: the next plan keeps everything.
-    from fleetctl.planner.model import Deployment
-    from fleetctl.state import State, load_state, save_state
+    from fleetctl.plan import Deployment
+    from fleetctl.state import State
+    from fleetctl.statedir import StateDir
 
     deployments = tuple(Deployment.from_json(d) for d in saved["deployments"])
     assert [d.to_json() for d in deployments] == saved["deployments"]
-    save_state(tmp_path / ".fleetctl", State(1, deployments))
-    assert load_state(tmp_path / ".fleetctl").deployments == deployments
+    StateDir(tmp_path / ".fleetctl").save_state(State(1, deployments))
+    assert StateDir(tmp_path / ".fleetctl").load_state().deployments == deployments
     r = cli("plan", inv, "--json")
     assert {a["op"] for a in json.loads(r.out)["actions"]} == {"keep"}
     # Lowering the context length replaces every server.
@@ -191,7 +192,7 @@ def test_plan_exits_3_when_a_model_cannot_be_placed(cli, tmp_path):
     r = cli("plan", inv, "-o", out)
     assert r.code == 3, r.err
     assert "small" in r.out and "unplaced: big" in r.out  # the plan is still shown in full
-    assert "plan incomplete: 1 model(s) could not be placed (big)" in r.err
+    assert "plan incomplete: 1 model could not be placed (big)" in r.err
     saved = json.loads(out.read_text())  # and still saved
     assert [u["model"] for u in saved["unplaced"]] == ["big"] and saved["deployments"]
     r = cli("plan", inv, "--json")

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from fleetctl import health as h
+from fleetctl.facts import Facts
 from fleetctl.inventory import load_inventory
 from fleetctl.planner import plan_fleet
 from tests.conftest import write
@@ -26,7 +27,7 @@ models:
 
 
 def facts(**nodes):
-    return {"nodes": nodes}
+    return Facts.from_json({"nodes": nodes})
 
 
 def gpu(index=0, uuid="GPU-a", name="NVIDIA GeForce RTX 4090", **kw):

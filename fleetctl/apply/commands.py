@@ -13,11 +13,13 @@ from fleetctl.apply.lock import StateLock
 from fleetctl.apply.run import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
 from fleetctl.errors import Location, UserError, shown
 from fleetctl.inventory import Inventory
+from fleetctl.jsonout import print_json
 from fleetctl.names import control_char
 from fleetctl.plan import Deployment, Plan
 from fleetctl.planner.diff import diff
 from fleetctl.ssh import SshOptions
-from fleetctl.state import load_state
+from fleetctl.statedir import StateDir
+from fleetctl.text import plural
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,16 @@ class Common:
     yes: bool
 
 
-def options(inv: Inventory, c: Common, secrets_file: Path | None = None) -> ApplyOptions:
+def options(
+    inv: Inventory,
+    c: Common,
+    secrets_file: Path | None = None,
+    needs: tuple[str, ...] | None = None,
+) -> ApplyOptions:
+    """What apply's machinery needs; `needs` narrows the secrets read to those a command uses
+    (status only sends VLLM_API_KEY, destroy none), so it never asks for one it won't send."""
     a = inv.spec.apply
+    names = a.secrets if needs is None else [n for n in a.secrets if n in needs]
     return ApplyOptions(
         ssh=SshOptions(c.known_hosts, c.accept_new, inv.spec.ssh.connect_timeout_s, c.timeout_s),
         parallel=c.parallel,
@@ -42,7 +52,7 @@ def options(inv: Inventory, c: Common, secrets_file: Path | None = None) -> Appl
         supervisor=a.supervisor,
         health_timeout_s=a.health_timeout_s,
         stop_timeout_s=a.stop_timeout_s,
-        secrets=load_secrets(a.secrets, secrets_file),
+        secrets=load_secrets(names, secrets_file),
     )
 
 
@@ -152,10 +162,10 @@ def run_apply(
     console: Any,
 ) -> int:
     """Plan (or read the plan), show it, confirm, carry it out. Returns the exit code."""
-    sdir = c.state_dir or inv.state_dir
+    sdir = StateDir.of(inv, c.state_dir)
     opts = options(inv, c, secrets_file)  # bad secrets fail before anything is locked
     with StateLock(sdir, "apply") as lock:
-        state = load_state(sdir)
+        state = sdir.load_state()
         if plan_file is not None:
             path, serial, deployments = plan_file
             if serial != state.serial:
@@ -178,7 +188,7 @@ def run_apply(
                 console.print(f"[yellow]warning:[/] {note}")
             console.print(render_plan(plan) if plan is not None else summary_line(actions))
         changes = [a for a in actions if a.op != "keep"]
-        if changes and not confirm(f"Apply these {len(changes)} changes?", c.yes):
+        if changes and not confirm(f"Apply {plural(len(changes), 'change')}?", c.yes):
             console.print("Nothing changed.")
             return 0
         if not changes and not c.as_json:
@@ -197,14 +207,14 @@ def run_apply(
 
 
 def run_destroy(inv: Inventory, c: Common, console: Any) -> int:
-    sdir = c.state_dir or inv.state_dir
-    opts = options(inv, c)
+    sdir = StateDir.of(inv, c.state_dir)
+    opts = options(inv, c, needs=())
     with StateLock(sdir, "destroy"):
-        state = load_state(sdir)
+        state = sdir.load_state()
         n = len(state.deployments)
         question = (
-            f"Stop {n} recorded servers and anything else fleetctl started on "
-            f"{len(inv.nodes)} nodes?"
+            f"Stop {plural(n, 'recorded server')} and anything else fleetctl started on "
+            f"{plural(len(inv.nodes), 'node')}?"
         )
         if not confirm(question, c.yes):
             console.print("Nothing changed.")
@@ -234,7 +244,7 @@ def report(outcomes: list[Outcome], book: StateBook, c: Common, console: Any, wh
             "state_serial": book.serial,
             "outcomes": [o.to_json() for o in outcomes],
         }
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        print_json(doc)
     else:
         counts: dict[str, int] = {}
         for o in outcomes:

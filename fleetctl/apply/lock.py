@@ -18,11 +18,12 @@ from pathlib import Path
 from types import TracebackType
 
 from fleetctl.errors import OperationError
+from fleetctl.statedir import StateDir
 
 
 class StateLock:
-    def __init__(self, state_dir: Path, purpose: str):
-        self.path = state_dir / "state.lock"
+    def __init__(self, state_dir: StateDir, purpose: str):
+        self.path = state_dir.lock_path
         self.purpose = purpose
         self.stale: dict[str, object] | None = None  # the dead holder this lock replaced
         self._fd: int | None = None

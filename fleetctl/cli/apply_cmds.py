@@ -1,0 +1,139 @@
+"""`apply`, `status` and `destroy`: carry out a plan over SSH, see what runs, take it down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from fleetctl.cli import common
+from fleetctl.cli.app import app
+from fleetctl.cli.options import (
+    AcceptNewOpt,
+    FactsOpt,
+    InventoryArg,
+    JsonOpt,
+    KnownHostsOpt,
+    ProfilesOpt,
+    SecretsFileOpt,
+    StateDirOpt,
+    YesOpt,
+    parallel,
+    timeout,
+)
+from fleetctl.jsonout import print_json
+
+
+@app.command()
+def apply(
+    target: str = typer.Argument(
+        ...,
+        metavar="INVENTORY|PLAN.json",
+        help="Inventory YAML (plans now), example:NAME, or a plan saved with `plan -o FILE.json` "
+        "(applied exactly, if the state has not changed since).",
+        show_default=False,
+    ),
+    yes: bool = YesOpt,
+    parallel: int = parallel("worked on"),
+    secrets_file: Path | None = SecretsFileOpt,
+    facts: Path | None = FactsOpt,
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = timeout(60.0),
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
+    from fleetctl.apply.commands import (
+        Common,
+        check_saved_plan,
+        is_plan_file,
+        read_plan_file,
+        run_apply,
+    )
+
+    plan_file = None
+    if is_plan_file(target):
+        inv_path, serial, deployments = read_plan_file(Path(target))
+        inv, catalog = common.load(inv_path, profiles, ssh=True)
+        check_saved_plan(Path(target), deployments, inv)
+        plan_file = (Path(target), serial, deployments)
+    else:
+        inv, catalog = common.load(target, profiles, ssh=True)
+    c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
+    sdir = common.state_dir(inv, state_dir)
+    planned: list[Any] = []
+
+    def make_plan(state):  # type: ignore[no-untyped-def]
+        planned.append(common.plan_with_facts(inv, catalog, sdir, facts, state))
+        return planned[-1]
+
+    code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console())
+    if code:
+        raise typer.Exit(code)
+    if planned:  # applied as planned, but a model is missing from the plan: say so, exit 3
+        common.exit_if_incomplete(planned[0])
+
+
+@app.command()
+def status(
+    inventory: str = InventoryArg,
+    parallel: int = parallel("asked"),
+    secrets_file: Path | None = SecretsFileOpt,
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = timeout(30.0),
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
+    from fleetctl.apply.commands import Common, options
+    from fleetctl.apply.status import status_fleet
+
+    inv, _ = common.load(inventory, profiles, ssh=True)
+    c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
+    state = common.state_dir(inv, state_dir).load_state()
+    # The servers' /v1/models takes the API key when they have one; no other secret is used.
+    opts = options(inv, c, secrets_file, needs=("VLLM_API_KEY",))
+    rows, summary = status_fleet(inv, state, opts)
+    unreachable = summary["unreachable"]
+    # Every server running, and every node asked: nothing unchecked passes for fine.
+    good = all(r.condition == "running" for r in rows) and not unreachable
+    if as_json:
+        print_json({"ok": good, **summary, "servers": [r.to_json() for r in rows]})
+    else:
+        from fleetctl.render import status_table
+        from fleetctl.text import plural
+
+        console = common.console()
+        if rows:
+            console.print(status_table(rows))
+        common.unchecked(console, [u["line"] for u in unreachable], summary["nodes"])
+        console.print(f"{plural(len(rows), 'server')}, state serial {summary['serial']}.")
+    if not good:
+        raise typer.Exit(1)
+
+
+@app.command()
+def destroy(
+    inventory: str = InventoryArg,
+    yes: bool = YesOpt,
+    parallel: int = parallel("worked on"),
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = timeout(60.0),
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Stop every server fleetctl started on the nodes and empty the state."""
+    from fleetctl.apply.commands import Common, run_destroy
+
+    inv, _ = common.load(inventory, profiles, ssh=True)
+    c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
+    code = run_destroy(inv, c, common.console())
+    if code:
+        raise typer.Exit(code)

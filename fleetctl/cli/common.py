@@ -1,0 +1,130 @@
+"""What the commands share: loading the inventory, the console, planning with facts, exit 3."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from fleetctl.cli.options import EXAMPLE_PREFIX
+
+if TYPE_CHECKING:  # heavy imports wait for the command that needs them
+    from fleetctl.catalog import Catalog
+    from fleetctl.inventory import Inventory
+    from fleetctl.plan import Plan
+    from fleetctl.state import State
+    from fleetctl.statedir import StateDir
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    # Piped output gets a wide page rather than rich's 80 columns, so tables stay on one line.
+    wide = None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160
+    return Console(width=wide)
+
+
+def example_path(arg: str) -> Path:
+    """The bundled example `arg` names (example:NAME), else `arg` as a path."""
+    from fleetctl.errors import UserError
+    from fleetctl.resources import examples
+
+    if not arg.startswith(EXAMPLE_PREFIX):
+        return Path(arg)
+    name = arg[len(EXAMPLE_PREFIX) :]
+    found = examples()
+    if name not in found:
+        raise UserError(f"no bundled example '{name}'", None, f"choose one of: {', '.join(found)}")
+    return found[name]
+
+
+def load(
+    inventory: str, profiles: list[Path] | None, ssh: bool = False
+) -> tuple[Inventory, Catalog]:
+    """Load the inventory; `ssh`: this command connects, so its key files must exist."""
+    from fleetctl.catalog import load_catalog
+    from fleetctl.inventory import load_inventory
+
+    catalog = load_catalog(profiles)
+    inv = load_inventory(example_path(inventory), catalog)
+    if ssh:
+        inv.check_ssh_files()
+    return inv, catalog
+
+
+def state_dir(inv: Inventory, override: Path | None) -> StateDir:
+    from fleetctl.statedir import StateDir
+
+    return StateDir.of(inv, override)
+
+
+def plan_with_facts(
+    inv: Inventory, catalog: Catalog, sdir: StateDir, facts: Path | None, state: State
+) -> Plan:
+    """The plan, with probed GPUs over declared ones (--facts, else the saved facts when there
+    are any); each disagreement leads the warnings. `plan` and `apply` both plan through here."""
+    import dataclasses
+
+    from fleetctl.facts import apply_facts
+    from fleetctl.planner import plan_fleet
+
+    found = sdir.load_facts(facts)
+    notes: list[str] = []
+    if found is not None:
+        inv, notes = apply_facts(inv, found, catalog)
+    result = plan_fleet(inv, state)
+    return dataclasses.replace(result, warnings=(*notes, *result.warnings)) if notes else result
+
+
+def exit_if_incomplete(result: Plan) -> None:
+    """Exit 3 when a model could not be placed: the plan is valid, but not all of it."""
+    if not result.unplaced:
+        return
+    from fleetctl.text import plural
+
+    names = ", ".join(u.model for u in result.unplaced)
+    sys.stderr.write(
+        f"plan incomplete: {plural(len(result.unplaced), 'model')} could not be placed "
+        f"({names}); the rest of the plan is valid (exit code 3)\n"
+    )
+    raise typer.Exit(3)
+
+
+def unchecked(out: Any, lines: list[str], total: int, verb: str = "check") -> None:
+    """One line per node that could not be reached, then how many: unwrapped, no markup."""
+    from fleetctl.text import plural
+
+    for line in lines:
+        out.print(line, style="red", markup=False, highlight=False, soft_wrap=True)
+    if lines:
+        out.print(f"could not {verb} {len(lines)} of {plural(total, 'node')}", style="red")
+
+
+class _Stderr:
+    """A logging stream that is whatever sys.stderr is at the time (tests swap it)."""
+
+    def write(self, text: str) -> None:
+        sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def debug_logging() -> None:
+    """--debug: paramiko's own log and each SSH failure's traceback go to stderr.
+
+    Without it they stay quiet (fleetctl.ssh silences paramiko): one line per node is enough.
+    """
+    import logging
+
+    for name in ("paramiko", "fleetctl.ssh"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        if not any(getattr(h, "fleetctl_debug", False) for h in logger.handlers):
+            handler = logging.StreamHandler(_Stderr())
+            handler.setFormatter(logging.Formatter("debug: %(name)s: %(message)s"))
+            handler.fleetctl_debug = True  # type: ignore[attr-defined]
+            logger.addHandler(handler)

@@ -1,0 +1,129 @@
+"""`probe` and `health`: what the nodes run, and whether the fleet is fit to serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fleetctl.cli import common
+from fleetctl.cli.app import app
+from fleetctl.cli.options import (
+    AcceptNewOpt,
+    InventoryArg,
+    JsonOpt,
+    KnownHostsOpt,
+    ProfilesOpt,
+    StateDirOpt,
+    parallel,
+    timeout,
+)
+from fleetctl.jsonout import print_json
+
+
+@app.command()
+def probe(
+    inventory: str | None = typer.Argument(
+        None, metavar="[INVENTORY]", help="Inventory YAML (not needed with --local)."
+    ),
+    local: bool = typer.Option(False, "--local", help="Probe this machine instead, without SSH."),
+    parallel: int = parallel("probed"),
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = timeout(30.0),
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Gather each node's GPUs, driver, CUDA, vLLM and OS over SSH into the state folder."""
+    import sys
+
+    from fleetctl.errors import UserError
+
+    if local:
+        from fleetctl.probe import local_facts
+
+        print_json(local_facts().to_json())
+        return
+    if inventory is None:
+        raise UserError("give an inventory, or --local for this machine", None, "see --help")
+    from fleetctl.probe import probe_fleet
+    from fleetctl.ssh import SshOptions
+
+    inv, _ = common.load(inventory, profiles, ssh=True)
+    sdir = common.state_dir(inv, state_dir)
+    options = SshOptions(known_hosts, accept_new, inv.spec.ssh.connect_timeout_s, timeout)
+    if as_json or not sys.stderr.isatty():
+        facts = probe_fleet(inv, options, parallel)
+    else:
+        from rich.progress import Progress
+
+        with Progress(transient=True) as bar:
+            task = bar.add_task("probing", total=len(inv.nodes))
+            facts = probe_fleet(inv, options, parallel, on_done=lambda _: bar.advance(task))
+    sdir.save_facts(facts)
+    failed = [f.error for _, f in sorted(facts.nodes.items()) if f.error is not None]
+    if as_json:
+        print_json(facts.to_json())
+    else:
+        from fleetctl.render import facts_table
+
+        console = common.console()
+        console.print(facts_table(facts))
+        common.unchecked(console, [e.text for e in failed], len(inv.nodes), "probe")
+        console.print(f"Saved to {sdir.facts_path}.")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
+def health(
+    inventory: str = InventoryArg,
+    parallel: int = parallel("probed"),
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = timeout(30.0),
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Check nodes and servers: reachability, version skew in a class, GPUs, ECC, servers."""
+    from fleetctl import health as h
+    from fleetctl.probe import probe_fleet
+    from fleetctl.ssh import SshOptions
+    from fleetctl.statedir import HealthRecord
+
+    inv, _ = common.load(inventory, profiles, ssh=True)
+    sdir = common.state_dir(inv, state_dir)
+    before = sdir.previous_facts()
+    options = SshOptions(known_hosts, accept_new, inv.spec.ssh.connect_timeout_s, timeout)
+    facts = probe_fleet(inv, options, parallel)
+    sdir.save_facts(facts)
+    deployments = sdir.load_state().deployments
+    skew, equivalent = h.check_skew(inv, facts)
+    checks = [
+        *h.check_reachability(facts),
+        *skew,
+        *h.check_changes(before, facts),
+        *h.check_gpus(facts, deployments),
+        *h.check_servers(deployments),
+    ]
+    # The router reads node equivalence from here (a non-equivalent node is its own class).
+    sdir.save_health(HealthRecord(facts.probed_at, equivalent))
+    healthy = all(c.status != "fail" for c in checks)
+    if as_json:
+        print_json({"healthy": healthy, "checks": [c.to_json() for c in checks]})
+    else:
+        from fleetctl.render import health_table
+        from fleetctl.text import plural
+
+        console = common.console()
+        console.print(health_table(checks))
+        unreached = sum(1 for f in facts.nodes.values() if not f.reached)
+        if unreached:
+            console.print(
+                f"[red]could not check {unreached} of {plural(len(inv.nodes), 'node')}[/]"
+            )
+        console.print("[green]healthy[/]" if healthy else "[red]unhealthy[/]")
+    if not healthy:
+        raise typer.Exit(1)

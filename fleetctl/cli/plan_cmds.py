@@ -1,0 +1,129 @@
+"""`validate`, `plan` and `simulate`: what the inventory says, where it goes, how it would run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from fleetctl.cli import common
+from fleetctl.cli.app import app
+from fleetctl.cli.options import FactsOpt, InventoryArg, JsonOpt, ProfilesOpt, StateDirOpt
+from fleetctl.jsonout import dump_json, print_json
+
+
+@app.command()
+def validate(
+    inventory: str = InventoryArg, profiles: list[Path] = ProfilesOpt, as_json: bool = JsonOpt
+) -> None:
+    """Check an inventory and its profiles; print what it declares."""
+    from fleetctl.text import plural
+
+    inv, _ = common.load(inventory, profiles)
+    gpus = sum(n.gpu_count for n in inv.nodes)
+    if as_json:
+        print_json(
+            {
+                "inventory": str(inv.path),
+                "nodes": len(inv.nodes),
+                "gpus": gpus,
+                "models": [m.name for m in inv.models],
+            }
+        )
+        return
+    common.console().print(
+        f"[green]ok[/green] {inv.path}: {plural(len(inv.nodes), 'node')}, "
+        f"{plural(gpus, 'GPU')}, {plural(len(inv.models), 'model')}"
+    )
+
+
+@app.command()
+def plan(
+    inventory: str = InventoryArg,
+    facts: Path | None = FactsOpt,
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+    out: Path | None = typer.Option(
+        None, "-o", "--out", metavar="FILE", help="Write the plan as JSON to this file."
+    ),
+    explain: bool = typer.Option(False, "--explain", help="Show why each deployment is placed so."),
+) -> None:
+    """Compute which model, format and TP size runs on which GPUs, and the diff to what runs."""
+    import dataclasses
+
+    from fleetctl.statedir import write_atomic
+
+    inv, catalog = common.load(inventory, profiles)
+    sdir = common.state_dir(inv, state_dir)
+    result = common.plan_with_facts(inv, catalog, sdir, facts, sdir.load_state())
+    if out is not None:
+        # `apply plan.json` may run from another folder: name the inventory absolutely.
+        saved = dataclasses.replace(result, inventory=str(Path(result.inventory).resolve()))
+        write_atomic(out, dump_json(saved.to_json()) + "\n")
+    if as_json:
+        print_json(result.to_json())
+    else:
+        from fleetctl.render import render_plan
+
+        console = common.console()
+        console.print(render_plan(result, explain))
+        if out is not None:
+            console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")
+    common.exit_if_incomplete(result)
+
+
+@app.command()
+def simulate(
+    inventory: str = InventoryArg,
+    workload: str | None = typer.Option(
+        None,
+        "--workload",
+        metavar="SPEC",
+        help="Synthetic workload, key=value,... (rate, duration, prompt, output, long_share, "
+        "long_prompt, max_context, lengths, arrivals, burst, sessions, turns, priorities, "
+        "precision); or a YAML file of the same keys.",
+    ),
+    trace: Path | None = typer.Option(
+        None,
+        "--trace",
+        metavar="FILE",
+        help="Request trace CSV: TIMESTAMP,ContextTokens,GeneratedTokens.",
+    ),
+    policies: str = typer.Option(
+        "round-robin,least-outstanding,power-of-two,kv-aware,hardware-aware",
+        "--policies",
+        metavar="A,B,...",
+        help="Comma-separated routing policies to compare.",
+    ),
+    load: float | None = typer.Option(
+        None,
+        "--load",
+        metavar="SHARE",
+        help="Scale arrivals to this share of the fleet's capacity (e.g. 0.8).",
+    ),
+    model: str | None = typer.Option(
+        None, "--model", metavar="NAME", help="Which model the workload targets."
+    ),
+    limit: int | None = typer.Option(
+        None, "--limit", metavar="N", help="Use only the first N trace requests."
+    ),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Random seed (workload and policies)."),
+    no_aging: bool = typer.Option(False, "--no-aging", help="Turn priority aging off."),
+    profiles: list[Path] = ProfilesOpt,
+    as_json: bool = JsonOpt,
+    plot: Path | None = typer.Option(
+        None, "--plot", metavar="FILE.png", help="Write latency CDFs per policy (PNG)."
+    ),
+) -> None:
+    """Replay a workload over the planned fleet with each policy; compare TTFT and more."""
+    from fleetctl.sim.command import run_simulate
+
+    inv, _ = common.load(inventory, profiles)
+    data, renderable = run_simulate(
+        inv, workload, trace, policies, load, model, limit, seed, no_aging, plot, not as_json
+    )
+    if as_json:
+        print_json(data)
+    else:
+        common.console().print(renderable)

@@ -1,0 +1,119 @@
+"""`route-serve` and `emulate`: the routing daemon, and a stand-in vLLM server to route to."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import typer
+
+from fleetctl.cli import common
+from fleetctl.cli.app import app
+from fleetctl.cli.options import InventoryArg, ProfilesOpt, StateDirOpt
+
+
+@app.command("route-serve")
+def route_serve(
+    inventory: str = InventoryArg,
+    listen: str | None = typer.Option(
+        None,
+        "--listen",
+        metavar="HOST:PORT",
+        help="Address to bind (default: the inventory's router.listen, 127.0.0.1:8080).",
+    ),
+    backends: Path | None = typer.Option(
+        None,
+        "--backends",
+        metavar="FILE",
+        help="YAML list of servers fleetctl did not launch (default: the state).",
+    ),
+    policy: str = typer.Option(
+        "hardware-aware", "--policy", metavar="NAME", help="Routing policy."
+    ),
+    api_key_file: Path | None = typer.Option(
+        None, "--api-key-file", metavar="FILE", help="File (mode 0600) with the key clients send."
+    ),
+    backend_api_key_file: Path | None = typer.Option(
+        None,
+        "--backend-api-key-file",
+        metavar="FILE",
+        help="File (mode 0600) with the key to send to backends.",
+    ),
+    max_body_mb: float = typer.Option(
+        32.0, "--max-body-mb", metavar="MB", help="Largest request body."
+    ),
+    upstream_timeout: float = typer.Option(
+        600.0, "--upstream-timeout", metavar="SECONDS", help="Wait for a backend's next byte."
+    ),
+    scrape_interval: float = typer.Option(
+        0.25,
+        "--scrape-interval",
+        metavar="SECONDS",
+        help="Time between /metrics scrapes of each backend.",
+    ),
+    session_store: str | None = typer.Option(
+        None,
+        "--session-store",
+        metavar="redis://HOST:PORT/DB",
+        help="Share session affinity and the aging window across replicas.",
+    ),
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+) -> None:
+    """Run the OpenAI-compatible routing daemon in front of the fleet (SIGHUP reloads)."""
+    from fleetctl.router.backends import load_backends
+    from fleetctl.router.daemon import DaemonConfig
+    from fleetctl.router.serve import build_router, read_secret, serve
+
+    inv, catalog = common.load(inventory, profiles)
+    sdir = common.state_dir(inv, state_dir)
+    key = (
+        read_secret(api_key_file, "API key file")
+        if api_key_file
+        else os.environ.get("FLEETCTL_API_KEY")
+    )
+    backend_key = (
+        read_secret(backend_api_key_file, "backend API key file") if backend_api_key_file else None
+    )
+    config = DaemonConfig(
+        max_body_bytes=int(max_body_mb * 2**20),
+        upstream_timeout_s=upstream_timeout,
+        api_key=key or None,
+        backend_api_key=backend_key,
+        priority_classes=inv.spec.router.priority_classes,
+    )
+    router = build_router(
+        inv,
+        catalog,
+        backends_file=backends,
+        state_dir=sdir,
+        policy=policy,
+        config=config,
+        scrape_interval=scrape_interval,
+        session_store=session_store,
+    )
+
+    def reload():  # type: ignore[no-untyped-def]
+        fresh_inv, fresh_catalog = common.load(inventory, profiles)
+        return load_backends(fresh_inv, fresh_catalog, backends, sdir)
+
+    serve(router, listen or inv.spec.router.listen, reload, None if backends else sdir)
+
+
+@app.command(
+    # `vllm serve`'s flags are forwarded as they are (a `vllm` shim on test hosts calls this),
+    # so argparse parses them; typer would reject the hundreds it does not declare.
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def emulate(ctx: typer.Context) -> None:
+    """Serve one emulated vLLM OpenAI-compatible server on a modelled GPU (see emulate --help)."""
+    from fleetctl.emulator.args import parse_args
+    from fleetctl.emulator.config import resolve
+    from fleetctl.emulator.server import serve
+
+    args, ignored = parse_args(list(ctx.args))
+    for flag in ignored:
+        sys.stderr.write(f"warning: emulate ignores the vllm serve flag {flag}\n")
+    serve(resolve(args))
