@@ -26,6 +26,9 @@ process, asyncio + aiohttp) sends each request at its arrival time and records, 
 request, the time to the first SSE token event and to the end of the stream; both are
 multiplied by X to give model seconds. Rounds rotate the order of the targets.
 
+Processes, readiness waits, the open-loop load generator and the report's header and JSON
+file come from benchmarks/harness/ (shared with router_overhead.py and the tests).
+
 Printed and written to --out: per target the TTFT mean/p50/p90/p99, E2E p99, errors, how
 the requests split between A100s and 4090s (read from the emulators' /metrics at the end),
 the emulators' preemptions, the load generator's send lag and the machine's CPU use; and
@@ -37,22 +40,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import json
 import math
 import os
 import random
-import signal
-import socket
 import statistics
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from router_overhead import Proc, cpu_ticks, machine, peer_version, tree_cpu_s
+from harness.commands import emulate_cmd, peer_router_cmd, route_serve_cmd
+from harness.load import Exchange, completion_body, open_loop, random_text
+from harness.procs import REPO, Proc, cpu_ticks, free_ports, tree_cpu_s
+from harness.ready import wait_ready
+from harness.results import header, out_dir, peer_version, write_json
+from harness.results import pct_linear as pct
 
 from fleetctl.catalog import load_catalog
 from fleetctl.inventory import load_inventory
@@ -61,12 +64,10 @@ from fleetctl.resources import examples
 from fleetctl.sim.run import compare
 from fleetctl.sim.workload import WorkItem, load_trace
 
-REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
 EXAMPLE = "seed-mixed-8b-16k"
 CHARS_PER_TOKEN = 4  # what fleetctl.emulator.protocol and the router's default assume
 SIM_POLICIES = ("round-robin", "least-outstanding", "power-of-two", "kv-aware", "hardware-aware")
-JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass
@@ -138,17 +139,7 @@ def workload(fleet: Fleet, args: argparse.Namespace) -> tuple[list[WorkItem], di
 
 
 def word_pool(chars: int, seed: int = 7) -> str:
-    rng = random.Random(seed)
-    words = [
-        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-        for _ in range(4000)
-    ]
-    out, n = [], 0
-    while n < chars:
-        w = rng.choice(words)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)
+    return random_text(chars, seed, 4000)
 
 
 def bodies(items: list[WorkItem], model: str) -> list[bytes]:
@@ -163,61 +154,24 @@ def bodies(items: list[WorkItem], model: str) -> list[bytes]:
         need = w.prompt * CHARS_PER_TOKEN - len(head)
         start = rng.randrange(0, len(pool) - max(need, 0))
         prompt = (head + pool[start : start + max(need, 0)])[: w.prompt * CHARS_PER_TOKEN]
-        body = {
-            "model": model,
-            "prompt": prompt,
-            "max_tokens": w.output,
-            "stream": True,
-        }
-        out.append(json.dumps(body).encode())
+        out.append(completion_body(model, prompt, w.output, True))
     return out
 
 
 # --- processes ---------------------------------------------------------------------------------
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (all held open while picking, so none repeats)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
 def emulator_cmd(d: Any, profile: str, port: int, scale: float) -> list[str]:
+    """The planned server's vLLM flags, on an emulator."""
     s = d.server
-    return [
-        sys.executable,
-        "-m",
-        "fleetctl",
-        "emulate",
-        "--gpu",
-        s.gpu_type,
-        "--model",
-        profile,
-        "--variant",
-        s.variant,
-        s.source,
-        "--served-model-name",
-        s.model,
-        "--port",
-        str(port),
-        "--time-scale",
-        f"{scale:g}",
-        "--tensor-parallel-size",
-        str(s.tensor_parallel_size),
-        "--max-model-len",
-        str(s.max_model_len),
-        "--gpu-memory-utilization",
-        str(s.gpu_memory_utilization),
-        "--kv-cache-dtype",
-        s.kv_cache_dtype,
-        "--max-num-batched-tokens",
-        str(s.max_num_batched_tokens),
-        "--max-num-seqs",
-        str(s.max_num_seqs),
-    ]
+    flags = ["--variant", s.variant]
+    flags += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
+    flags += ["--max-model-len", str(s.max_model_len)]
+    flags += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+    flags += ["--kv-cache-dtype", s.kv_cache_dtype]
+    flags += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+    flags += ["--max-num-seqs", str(s.max_num_seqs)]
+    return emulate_cmd(port, s.gpu_type, profile, s.source, s.model, f"{scale:g}", *flags)
 
 
 def router_cmd(
@@ -242,49 +196,12 @@ def router_cmd(
             }
             for u, d in zip(urls, fleet.servers, strict=True)
         ]
-        bfile = work / "backends.yaml"
-        bfile.write_text(json.dumps({"backends": entries}, indent=1))
-        cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(fleet.inventory)]
-        cmd += ["--backends", str(bfile), "--listen", f"127.0.0.1:{port}"]
-        cmd += ["--policy", t.policy, "--state-dir", str(work / "state")]
+        cmd = route_serve_cmd(fleet.inventory, entries, port, t.policy, work)
         # No access log line per request (vllm-router runs at warn too).
         return cmd, {"FLEETCTL_LOG_LEVEL": "WARNING"}
-    peers = Path(args.peers_venv) / "bin"
-    cmd = [str(peers / "vllm-router"), "--worker-urls", *urls, "--policy", t.policy]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(prom)]
-    cmd += ["--log-level", "warning"]
-    return cmd, {}
-
-
-async def wait_ready(
-    session: aiohttp.ClientSession, url: str, model: str, proc: Proc, limit_s: float
-) -> None:
-    """Until /health answers 200 (emulators) or a one-token completion does (routers)."""
-    end = time.monotonic() + limit_s
-    body = json.dumps({"model": model, "prompt": "ready?", "max_tokens": 1}).encode()
-    last = "no answer"
-    while time.monotonic() < end:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited: {proc.tail()}")
-        try:
-            if proc.name.startswith("emu"):
-                req = session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2))
-            else:
-                req = session.post(
-                    url + "/v1/completions",
-                    data=body,
-                    headers=JSON_HEADERS,
-                    timeout=aiohttp.ClientTimeout(total=5),
-                )
-            async with req as r:
-                await r.read()
-                if r.status == 200:
-                    return
-                last = f"HTTP {r.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            last = type(e).__name__
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{proc.name} not ready after {limit_s:.0f} s ({last}): {proc.tail()}")
+    peers = Path(args.peers_venv)
+    cmd = peer_router_cmd("vllm-router", peers, urls, t.policy, port, prom)
+    return [*cmd, "--log-level", "warning"], {}
 
 
 async def backend_counters(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -329,37 +246,14 @@ class Outcome:
     backends: dict[str, dict[str, Any]]
 
 
-async def send(
-    session: aiohttp.ClientSession,
-    url: str,
-    i: int,
-    body: bytes,
-    expect: int,
-    due: float,
-    scale: float,
-) -> Sample:
-    t0 = time.perf_counter()
-    lag = t0 - due
-    first = 0.0
-    events = 0
-    tail = b""
-    try:
-        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
-            async for chunk in resp.content.iter_any():
-                joined = tail + chunk
-                n = joined.count(b"data: {") - tail.count(b"data: {")
-                if n and not first:
-                    first = time.perf_counter()
-                events += n
-                tail = joined[-32:]
-            t1 = time.perf_counter()
-            ok = resp.status == 200 and events == expect and tail.endswith(b"data: [DONE]\n\n")
-            error = "" if ok else f"HTTP {resp.status}, {events}/{expect} events"
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
-        t1 = time.perf_counter()
-        ok, error = False, type(e).__name__
-    ttft = ((first or t1) - t0) * scale
-    return Sample(i, lag, ttft, (t1 - t0) * scale, ok, error)
+def sample(i: int, due: float, x: Exchange | None, expect: int, scale: float) -> Sample:
+    """TTFT is the first SSE token event; complete means every event and [DONE]."""
+    if x is None:
+        return Sample(i, 0.0, math.nan, math.nan, False, "not finished")
+    ok = not x.error and x.status == 200 and x.events == expect and x.done
+    error = x.error or ("" if ok else f"HTTP {x.status}, {x.events}/{expect} events")
+    ttft = ((x.first_event or x.ended) - x.started) * scale
+    return Sample(i, x.started - due, ttft, (x.ended - x.started) * scale, ok, error)
 
 
 async def replay(
@@ -370,26 +264,9 @@ async def replay(
     scale: float,
     drain_s: float,
 ) -> list[Sample]:
-    tasks: list[asyncio.Task[Sample]] = []
-    start = time.perf_counter() + 0.2
-    for w, body in zip(items, payloads, strict=True):
-        due = start + w.arrival / scale
-        delay = due - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(
-            asyncio.create_task(
-                send(session, url + "/v1/completions", w.id, body, w.output, due, scale)
-            )
-        )
-    done, pending = await asyncio.wait(tasks, timeout=drain_s)
-    for t in pending:
-        t.cancel()
-    samples = [t.result() for t in done]
-    for t, w in zip(tasks, items, strict=True):
-        if t in pending:
-            samples.append(Sample(w.id, 0.0, math.nan, math.nan, False, "not finished"))
-    return samples
+    arrivals = [w.arrival / scale for w in items]
+    sent = await open_loop(session, url + "/v1/completions", payloads, arrivals, drain_s)
+    return [sample(w.id, due, x, w.output, scale) for w, (due, x) in zip(items, sent, strict=True)]
 
 
 async def run_target(
@@ -418,13 +295,16 @@ async def run_target(
             procs += emus
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             for u, e in zip(urls, emus, strict=True):
-                await wait_ready(session, u, fleet.model, e, 60)
+                await wait_ready(session, u + "/health", e, 60)
             cmd, env = router_cmd(t, port, prom, fleet, urls, tdir, args)
             router = Proc("router", cmd, tdir, env)
             procs.append(router)
             rurl = f"http://127.0.0.1:{port}"
-            await wait_ready(session, rurl, fleet.model, router, 60)
-            await asyncio.sleep(1.5)  # scrapes and health checks settle
+            ready = completion_body(fleet.model, "ready?", 1, False)
+            await wait_ready(session, rurl + "/v1/completions", router, 60, ready)
+            # Not a readiness wait (the router has answered 200): every router gets the same
+            # time for its first scrapes and health checks before the replay. Part of the protocol.
+            await asyncio.sleep(1.5)
             print(f"  {t.name} (round {rnd + 1}): replaying {len(items)} requests", flush=True)
             c0 = {p.name: tree_cpu_s(p.pid) for p in procs}
             self0 = time.process_time()
@@ -461,17 +341,6 @@ async def run_target(
 
 
 # --- report ------------------------------------------------------------------------------------
-
-
-def pct(values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks, as the simulator's summary computes it."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def summarize(o: Outcome, items: list[WorkItem]) -> dict[str, Any]:
@@ -645,9 +514,7 @@ def main() -> None:
     vr = peer_version(Path(args.peers_venv) / "bin" / "python", "vllm-router")
     if vr is None and any(t.kind == "vllm-router" for t in targets):
         raise SystemExit(f"vllm-router is not installed in {args.peers_venv}")
-    work = Path(args.out)
-    work.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    work = out_dir(args.out)
     fleet = planned_fleet()
     items, sim = workload(fleet, args)
     payloads = bodies(items, fleet.model)
@@ -666,9 +533,7 @@ def main() -> None:
     mean_prompt = statistics.fmean(w.prompt for w in items)
     mean_out = statistics.fmean(w.output for w in items)
     print()
-    print(f"- Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`".strip())
-    print(f"- Machine: {machine()}")
-    print(f"- Date: {datetime.date.today().isoformat()}; the run took {took:.0f} s")
+    print("\n".join(header(__file__, took)))
     print(f"- vllm-router {vr or '-'}; fleetctl from this checkout")
     print(
         f"- Workload: rows {args.skip}-{args.skip + len(items) - 1} of "
@@ -695,7 +560,7 @@ def main() -> None:
             for o in outcomes
         ],
     }
-    (work / "fleet_replay.json").write_text(json.dumps(dump, indent=1, default=str))
+    write_json(work / "fleet_replay.json", dump)
 
 
 if __name__ == "__main__":

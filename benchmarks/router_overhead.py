@@ -6,12 +6,14 @@ Run (from the repository root, in the dev venv; the peers live in their own venv
     python3 -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router sglang-router
     python benchmarks/router_overhead.py [--peers-venv /tmp/peers-venv] [--quick]
 
-The backends are two small aiohttp servers (this file, `backend` subcommand, one process
-each) that answer /v1/completions at once: streamed, `max_tokens` SSE chunks 1 ms apart (or
-NN ms apart when the prompt starts with "GAP=NN:"), or one short JSON answer; they also
-answer /v1/models, /health, /metrics (a real vLLM 0.32 page, tests/data) and the
-/server_info, /model_info probes sglang-router makes when it registers a worker. Being fast,
-they let the router's own cost show.
+The backends are two small aiohttp servers (benchmarks/harness/standin.py, started as this
+file's `backend` subcommand, one process each) that answer /v1/completions at once:
+streamed, `max_tokens` SSE chunks 1 ms apart (or NN ms apart when the prompt starts with
+"GAP=NN:"), or one short JSON answer; they also answer /v1/models, /health, /metrics (a real
+vLLM 0.32 page, tests/data) and the /server_info, /model_info probes sglang-router makes when
+it registers a worker. Being fast, they let the router's own cost show. Processes, readiness
+waits, the load generator's exchange and closed loop, and the report's header and JSON file
+come from benchmarks/harness/, which fleet_replay.py and the tests share.
 
 Pinning (2-core machine): the router under test gets core 1 (`taskset -c 1`), the load
 generator (this process) and both backends share core 0; the same for every router, and the
@@ -39,19 +41,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import json
-import logging
 import math
 import os
-import platform
-import random
 import resource
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -59,14 +53,23 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from harness.commands import peer_router_cmd, route_serve_cmd
+from harness.load import Exchange, Gauge, closed_loop, completion_body, exchange, random_text
+from harness.procs import (
+    REPO,
+    Proc,
+    cpu_ticks,
+    free_port,
+    pinned,
+    tcp_counters,
+    tree_cpu_s,
+    tree_kb,
+)
+from harness.ready import wait_ready
+from harness.results import header, machine, out_dir, pct_rank, peer_version, write_json
+from harness.standin import gap_prefix, run_backend
 
-REPO = Path(__file__).resolve().parents[1]
-CAPTURE = REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt"
 MODEL = "llama-3-8b"
-JSON_HEADERS = {"Content-Type": "application/json"}
-EVENT = b"data: {"
-DONE = b"data: [DONE]\n\n"
 
 INVENTORY = """\
 nodes:
@@ -80,203 +83,6 @@ models:
     max_context: 8192
     workload: {requests_per_s: 5, mean_prompt_tokens: 500, mean_output_tokens: 64}
 """
-
-
-# --- the stand-in backend (a separate process) ---------------------------------------------
-
-
-def sse_event(i: int, last: bool) -> bytes:
-    choice = {
-        "index": 0,
-        "text": f" tok{i}",
-        "logprobs": None,
-        "finish_reason": "length" if last else None,
-    }
-    body = {
-        "id": "cmpl-bench",
-        "object": "text_completion",
-        "created": 0,
-        "model": MODEL,
-        "choices": [choice],
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-def gap_prefix(gap_ms: float) -> str:
-    """A prompt that starts with this makes the stand-in backend pace its chunks so."""
-    return f"GAP={gap_ms:g}:"
-
-
-def run_backend(port: int, default_gap_ms: float) -> None:
-    events = [sse_event(i, False) for i in range(4096)]
-    metrics_page = CAPTURE.read_text()
-    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)  # sglang's gRPC probe
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = json.loads(await request.read())
-        n = max(1, min(4096, int(body.get("max_tokens") or 16)))
-        prompt = body.get("prompt")
-        gap_ms = default_gap_ms
-        if isinstance(prompt, str) and prompt.startswith("GAP="):
-            gap_ms = float(prompt[4 : prompt.index(":")])
-        gap = gap_ms / 1000
-        if not body.get("stream"):
-            answer = {
-                "id": "cmpl-bench",
-                "object": "text_completion",
-                "created": 0,
-                "model": MODEL,
-                "choices": [
-                    {"index": 0, "text": " ok" * n, "logprobs": None, "finish_reason": "length"}
-                ],
-                "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
-            }
-            return web.json_response(answer)
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await resp.prepare(request)
-        for i in range(n - 1):
-            await resp.write(events[i])
-            await asyncio.sleep(gap)
-        await resp.write(sse_event(n - 1, True) + DONE)
-        await resp.write_eof()
-        return resp
-
-    async def models(request: web.Request) -> web.Response:
-        item = {"id": MODEL, "object": "model", "created": 0, "owned_by": "bench"}
-        return web.json_response({"object": "list", "data": [item]})
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=metrics_page, content_type="text/plain")
-
-    async def info(request: web.Request) -> web.Response:
-        return web.json_response({"model_path": MODEL, "served_model_name": MODEL})
-
-    app = web.Application(client_max_size=64 * 2**20)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/health", lambda r: web.Response(text=""))
-    for path in ("/server_info", "/get_server_info", "/model_info", "/get_model_info"):
-        app.router.add_get(path, info)
-    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None, backlog=4096)
-
-
-# --- processes -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def pinned(cmd: list[str], core: int | None) -> list[str]:
-    return ["taskset", "-c", str(core), *cmd] if core is not None else cmd
-
-
-class Proc:
-    """A subprocess in its own process group, logging to a file; stop() always ends it."""
-
-    def __init__(
-        self,
-        name: str,
-        cmd: list[str],
-        log_dir: Path,
-        env: dict[str, str] | None = None,
-        cwd: Path = REPO,
-    ):
-        self.name = name
-        self.log = log_dir / f"{name}.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=cwd,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n: int = 15) -> str:
-        try:
-            lines = self.log.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    """pid and every process below it."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(parents.get(p, []))
-    return out
-
-
-def status_kb(pid: int, key: str) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def tree_kb(pid: int, key: str) -> int:
-    return sum(status_kb(p, key) for p in descendants(pid))
-
-
-def tcp_counters() -> dict[str, int]:
-    """Machine-wide TcpExt counters: listen queue overflows and SYN retransmits."""
-    lines = [ln.split() for ln in Path("/proc/net/netstat").read_text().splitlines()]
-    for keys, values in zip(lines[::2], lines[1::2], strict=False):
-        if keys[0] == "TcpExt:":
-            got = dict(zip(keys[1:], map(int, values[1:]), strict=False))
-            return {k: got.get(k, 0) for k in ("ListenOverflows", "TCPSynRetrans")}
-    return {}
-
-
-def tree_cpu_s(pid: int) -> float:
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for p in descendants(pid):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / ticks
 
 
 # --- targets: direct, fleetctl, the peers ----------------------------------------------------
@@ -298,17 +104,6 @@ class Running:
     urls: list[str]  # the load generator spreads over these (several only for direct)
     proc: Proc | None = None
     idle_cpu: float = 0.0  # CPU-s per s the router spends on its own (scrapes, timers)
-
-
-def peer_version(python: Path, dist: str) -> str | None:
-    if not python.exists():
-        return None
-    out = subprocess.run(
-        [str(python), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
-        capture_output=True,
-        text=True,
-    )
-    return out.stdout.strip() if out.returncode == 0 else None
 
 
 def make_targets(args: argparse.Namespace) -> list[Target]:
@@ -338,7 +133,6 @@ def make_targets(args: argparse.Namespace) -> list[Target]:
 
 
 def router_cmd(t: Target, port: int, backends: list[str], work: Path, args: argparse.Namespace):
-    peers = Path(args.peers_venv) / "bin"
     if t.kind == "fleetctl":
         inv = work / "inventory.yaml"
         inv.write_text(INVENTORY)
@@ -349,55 +143,14 @@ def router_cmd(t: Target, port: int, backends: list[str], work: Path, args: argp
             | {"max_num_seqs": 1024}
             for i, u in enumerate(backends)
         ]
-        bfile = work / "backends.yaml"
-        bfile.write_text(json.dumps({"backends": entries}))
-        return [
-            sys.executable,
-            "-m",
-            "fleetctl",
-            "route-serve",
-            str(inv),
-            "--backends",
-            str(bfile),
-            "--listen",
-            f"127.0.0.1:{port}",
-            "--policy",
-            t.policy,
-            "--state-dir",
-            str(work / "state"),
-        ]
-    common = ["--worker-urls", *backends, "--policy", "round_robin"]
-    common += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
-    if t.kind == "vllm-router":
-        return [str(peers / "vllm-router"), *common]
-    if t.kind == "sglang-router":
-        return [str(peers / "python"), "-m", "sglang_router.launch_router", *common]
-    raise ValueError(t.kind)
+        return route_serve_cmd(inv, entries, port, t.policy, work)
+    peers = Path(args.peers_venv)
+    return peer_router_cmd(t.kind, peers, backends, "round_robin", port, free_port())
 
 
-async def wait_ready(session: aiohttp.ClientSession, url: str, proc: Proc | None, limit_s: float):
-    """Until a small completion through `url` answers 200."""
-    end = time.monotonic() + limit_s
-    body = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 2}).encode()
-    last = "no answer"
-    while time.monotonic() < end:
-        if proc is not None and not proc.alive():
-            raise RuntimeError(f"{proc.name} exited: {proc.tail()}")
-        try:
-            async with session.post(
-                url + "/v1/completions",
-                data=body,
-                headers=JSON_HEADERS,
-                timeout=aiohttp.ClientTimeout(total=2),
-            ) as r:
-                await r.read()
-                if r.status == 200:
-                    return
-                last = f"HTTP {r.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as e:
-            last = type(e).__name__
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"not ready after {limit_s:.0f} s ({last}): {proc.tail() if proc else ''}")
+def ready_body() -> bytes:
+    """A small completion: through a router it answers 200 once a backend is reachable."""
+    return completion_body(MODEL, "ready?", 2, False)
 
 
 # --- load generation -------------------------------------------------------------------------
@@ -413,10 +166,19 @@ class Sample:
     error: str = ""
 
 
-@dataclass
-class Gauge:
-    open_now: int = 0
-    max_open: int = 0
+def sample(x: Exchange, stream: bool, expect_events: int) -> Sample:
+    """TTFB is the body's first byte; a stream is whole with every event and [DONE]."""
+    ok, error = x.status == 200, ""
+    if x.error:
+        ok, error = False, x.error
+    elif not ok:
+        error = f"HTTP {x.status}"
+    elif stream and (x.events != expect_events or not x.done):
+        ok, error = False, f"stream cut: {x.events}/{expect_events} events"
+    events = x.events if stream else 0
+    return Sample(
+        (x.first_byte or x.ended) - x.started, x.ended - x.started, ok, x.ended, events, error
+    )
 
 
 async def one(
@@ -427,44 +189,10 @@ async def one(
     expect_events: int,
     gauge: Gauge | None = None,
 ) -> Sample:
-    t0 = time.perf_counter()
-    first = 0.0
-    events = 0
-    tail = b""
-    opened = False
-    try:
-        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
-            async for chunk in resp.content.iter_any():
-                if not first:
-                    first = time.perf_counter()
-                    if gauge is not None:
-                        opened = True
-                        gauge.open_now += 1
-                        gauge.max_open = max(gauge.max_open, gauge.open_now)
-                if stream:
-                    joined = tail + chunk
-                    events += joined.count(EVENT) - tail.count(EVENT)
-                    tail = joined[-32:]
-            t1 = time.perf_counter()
-            ok = resp.status == 200
-            error = "" if ok else f"HTTP {resp.status}"
-            if ok and stream and (events != expect_events or not tail.endswith(DONE)):
-                ok, error = False, f"stream cut: {events}/{expect_events} events"
-    except (aiohttp.ClientError, TimeoutError, OSError) as e:
-        t1 = time.perf_counter()
-        ok, error = False, type(e).__name__
-    finally:
-        if opened and gauge is not None:
-            gauge.open_now -= 1
-    return Sample((first or t1) - t0, t1 - t0, ok, t1, events, error)
+    return sample(await exchange(session, url, body, gauge), stream, expect_events)
 
 
-def completion_body(prompt: str, max_tokens: int, stream: bool) -> bytes:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
-    return json.dumps(body).encode()
-
-
-async def closed_loop(
+async def loop(
     session: aiohttp.ClientSession,
     urls: list[str],
     body: bytes,
@@ -474,31 +202,8 @@ async def closed_loop(
     n_max: int,
     window_s: float,
 ) -> tuple[list[Sample], float, float]:
-    """`conc` workers, each sending its next request when the last ended, until `n_max` were
-    sent or `window_s` passed. Returns the samples, the start and the end of the window."""
-    # Warm-up: one wave at this concurrency (connections opened, caches warm); not counted.
-    warm = await asyncio.gather(
-        *(one(session, urls[i % len(urls)], body, stream, expect) for i in range(conc))
-    )
-    # Workers start spread over one request's duration, or they would stay in lockstep
-    # (all streams ending, and the next all arriving, at once).
-    stagger = min(1.0, statistics.median(s.total for s in warm)) if conc > 1 else 0.0
-    samples: list[Sample] = []
-    sent = 0
-    start = time.perf_counter()
-    deadline = start + window_s
-
-    async def worker(k: int) -> None:
-        nonlocal sent
-        await asyncio.sleep(stagger * k / conc)
-        i = k
-        while sent < n_max and time.perf_counter() < deadline:
-            sent += 1
-            samples.append(await one(session, urls[i % len(urls)], body, stream, expect))
-            i += conc
-
-    await asyncio.gather(*(worker(k) for k in range(conc)))
-    return samples, start, min(deadline, time.perf_counter())
+    got, start, end = await closed_loop(session, urls, body, conc, n_max, window_s)
+    return [sample(x, stream, expect) for x in got], start, end
 
 
 def rate_of(samples: list[Sample], start: float, end: float, skip: float = 0.0) -> float:
@@ -506,13 +211,6 @@ def rate_of(samples: list[Sample], start: float, end: float, skip: float = 0.0) 
     start += skip
     done = sum(1 for s in samples if s.ok and start < s.done_at <= end)
     return done / max(1e-9, end - start)
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def summarize(samples: list[Sample]) -> dict[str, Any]:
@@ -525,10 +223,10 @@ def summarize(samples: list[Sample]) -> dict[str, Any]:
         "n": len(samples),
         "ok": len(good),
         "errors": errors,
-        "ttfb_p50": pct([s.ttfb for s in good], 0.5) * 1000,
-        "ttfb_p99": pct([s.ttfb for s in good], 0.99) * 1000,
-        "total_p50": pct([s.total for s in good], 0.5) * 1000,
-        "total_p99": pct([s.total for s in good], 0.99) * 1000,
+        "ttfb_p50": pct_rank([s.ttfb for s in good], 0.5) * 1000,
+        "ttfb_p99": pct_rank([s.ttfb for s in good], 0.99) * 1000,
+        "total_p50": pct_rank([s.total for s in good], 0.5) * 1000,
+        "total_p99": pct_rank([s.total for s in good], 0.99) * 1000,
     }
 
 
@@ -589,18 +287,7 @@ Acc = dict[str, Cell]
 
 
 def big_prompt(chars: int) -> str:
-    rng = random.Random(0)
-    words = [
-        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
-        for _ in range(2000)
-    ]
-    out: list[str] = []
-    n = 0
-    while n < chars:
-        w = rng.choice(words)
-        out.append(w)
-        n += len(w) + 1
-    return " ".join(out)[:chars]
+    return random_text(chars, 0, 2000)[:chars]
 
 
 def cpu_mark(run: Running) -> tuple[float, float]:
@@ -620,11 +307,9 @@ def stream_key(c: int, gap: float) -> str:
 async def phase_a(session, run: Running, plan: Plan, acc: Acc) -> None:
     urls = [u + "/v1/completions" for u in run.urls]
     for c, gap, n in plan.streams:
-        body = completion_body(gap_prefix(gap) + " Say something short. " * 4, 16, True)
+        body = completion_body(MODEL, gap_prefix(gap) + " Say something short. " * 4, 16, True)
         cpu0 = cpu_mark(run)
-        samples, start, end = await closed_loop(
-            session, urls, body, True, 16, c, n, plan.stream_window_s
-        )
+        samples, start, end = await loop(session, urls, body, True, 16, c, n, plan.stream_window_s)
         cell = acc.setdefault(stream_key(c, gap), Cell())
         cell.samples += samples
         cell.per_round.append(summarize(samples))
@@ -632,10 +317,10 @@ async def phase_a(session, run: Running, plan: Plan, acc: Acc) -> None:
         cell.cpu_s += cpu_used(run, cpu0)
         cell.cpu_reqs += len(samples) + c  # and the warm-up wave
         print(f"    stream c={c} gap {gap:g} ms: {fmt_cell(summarize(samples))}", flush=True)
-    body = completion_body("Say something short about routers. " * 4, 8, False)
+    body = completion_body(MODEL, "Say something short about routers. " * 4, 8, False)
     for c in plan.rate_conc:
         cpu0 = cpu_mark(run)
-        samples, start, end = await closed_loop(
+        samples, start, end = await loop(
             session, urls, body, False, 0, c, 10**9, plan.rate_window_s
         )
         cell = acc.setdefault(f"rate@{c}", Cell())
@@ -650,9 +335,9 @@ async def phase_a(session, run: Running, plan: Plan, acc: Acc) -> None:
 
 async def phase_b(session, run: Running, plan: Plan, acc: Acc) -> None:
     urls = [u + "/v1/completions" for u in run.urls]
-    body = completion_body(big_prompt(plan.big_prompt_chars), 16, True)
+    body = completion_body(MODEL, big_prompt(plan.big_prompt_chars), 16, True)
     cpu0 = cpu_mark(run)
-    samples, start, end = await closed_loop(
+    samples, start, end = await loop(
         session, urls, body, True, 16, 64, plan.big_n, plan.big_window_s
     )
     cell = acc.setdefault("big@64", Cell())
@@ -667,7 +352,9 @@ async def phase_b(session, run: Running, plan: Plan, acc: Acc) -> None:
 
 async def phase_c(session, run: Running, plan: Plan, acc: Acc) -> None:
     urls = [u + "/v1/completions" for u in run.urls]
-    body = completion_body(gap_prefix(100) + " hold this stream open", plan.hold_events, True)
+    body = completion_body(
+        MODEL, gap_prefix(100) + " hold this stream open", plan.hold_events, True
+    )
     gauge = Gauge()
     n = plan.hold_streams
     rss_peak = 0
@@ -726,8 +413,10 @@ async def run_target(
     proc = Proc(f"router-{slug}-{phase}", cmd, work, env, cwd)
     try:
         url = f"http://127.0.0.1:{port}"
-        await wait_ready(session, url, proc, 60)
-        await asyncio.sleep(1.0)  # let start-up work (scrapes, health checks) settle
+        await wait_ready(session, url + "/v1/completions", proc, 60, ready_body())
+        # Not a readiness wait (the router has answered): its start-up work (first scrapes,
+        # health checks) is kept out of the idle-CPU measurement below. Part of the protocol.
+        await asyncio.sleep(1.0)
         run = Running(t, [url], proc)
         mark = cpu_mark(run)
         await asyncio.sleep(1.5)
@@ -916,26 +605,6 @@ def report(targets: list[Target], acc: dict[str, Acc], plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    model = ""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(
-            (ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), ""
-        )
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (
-        f"nproc {os.cpu_count()}, {model} (KVM), {mem:.0f} GiB, Linux {platform.release()}, "
-        f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}"
-    )
-
-
-def cpu_ticks() -> tuple[int, int]:
-    """(busy, steal) jiffies of the whole machine."""
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return f[0] + f[1] + f[2] + f[5] + f[6], f[7]
-
-
 # --- main ------------------------------------------------------------------------------------
 
 
@@ -955,7 +624,7 @@ async def bench(
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             for u, b in zip(urls, backends, strict=True):
-                await wait_ready(session, u, b, 20)
+                await wait_ready(session, u + "/v1/completions", b, 20, ready_body())
             for phase in args.phases:
                 for r in range(plan.rounds.get(phase, 1)):
                     print(f"== phase {phase}, round {r + 1}", flush=True)
@@ -1001,7 +670,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "router_overhead"))
     args = ap.parse_args()
     if args.cmd == "backend":
-        run_backend(args.port, args.gap_ms)
+        run_backend(args.port, args.gap_ms, MODEL)
         return
     pin = not args.no_pin and shutil.which("taskset") is not None and (os.cpu_count() or 1) >= 2
     args.router_core = 1 if pin else None
@@ -1010,9 +679,7 @@ def main() -> None:
         os.sched_setaffinity(0, {0})
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
-    work = Path(args.out)
-    work.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    work = out_dir(args.out)
     plan = Plan.quick() if args.quick else Plan()
     load_before = Path("/proc/loadavg").read_text().split()[:3]
     busy0, steal0 = cpu_ticks()
@@ -1027,9 +694,7 @@ def main() -> None:
     others = max(0.0, (busy1 - busy0) / hz - ours)
     cores = os.cpu_count() or 1
     print()
-    print(f"- Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`".strip())
-    print(f"- Machine: {machine()}")
-    print(f"- Date: {datetime.date.today().isoformat()}; the run took {took:.0f} s")
+    print("\n".join(header(__file__, took)))
     print(
         "- Pinning: "
         + (
@@ -1073,7 +738,7 @@ def main() -> None:
             for name, cells in acc.items()
         },
     }
-    (work / "router_overhead.json").write_text(json.dumps(dump, indent=1, default=str))
+    write_json(work / "router_overhead.json", dump)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import aiohttp
 
 from fleetctl.router.live import LiveState
 from fleetctl.router.scrape import parse_dcgm_mem_copy
-from fleetctl.router.types import Backend
+from fleetctl.routing.types import Backend
 
 DATA = Path(__file__).parent / "data"
 L4 = (DATA / "dcgm" / "dcgm-exporter-l4-driver580-excerpt.txt").read_text()

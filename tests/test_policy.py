@@ -7,8 +7,8 @@ from collections import defaultdict
 import pytest
 
 from fleetctl.perf import EnginePerf, kv_budget
-from fleetctl.router.policy import HardwareAware, KvAware, PowerOfTwo, RoundRobin, make_policy
-from fleetctl.router.types import Backend, Request
+from fleetctl.routing.policy import HardwareAware, KvAware, PowerOfTwo, RoundRobin, make_policy
+from fleetctl.routing.types import Backend, Request
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.workload import Synthetic
 
@@ -132,7 +132,7 @@ def test_strict_hints_in_simulation(catalog):
 
 
 def test_precision_hint_matches_a_format_its_family_or_its_stem():
-    from fleetctl.router.types import precision_matches
+    from fleetctl.routing.types import precision_matches
 
     assert precision_matches("fp8", "fp8-per-channel") and precision_matches("FP8", "fp8")
     assert precision_matches("int4", "awq-int4") and precision_matches("gptq-int4", "gptq-int4")

@@ -17,7 +17,7 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetctl.router.request import MAX_TOKENS, ClientError, parse_request
+from fleetctl.routing.request import MAX_TOKENS, ClientError, parse_request
 from fleetctl.router.tokens import prompt_text
 from fleetctl.router.upstream import Response, Upstream, UpstreamError, _Conn
 

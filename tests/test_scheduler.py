@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from fleetctl.perf import EnginePerf, kv_budget
-from fleetctl.router.policy import HardwareAware, RoundRobin
-from fleetctl.router.scheduler import Aging, RollingMedian, Scheduler, release
-from fleetctl.router.types import Backend, Request
+from fleetctl.routing.policy import HardwareAware, RoundRobin
+from fleetctl.routing.scheduler import Aging, RollingMedian, Scheduler, release
+from fleetctl.routing.types import Backend, Request
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.workload import WorkItem
 

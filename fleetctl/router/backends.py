@@ -13,7 +13,7 @@ from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
 from fleetctl.perf import EnginePerf, kv_budget, vllm_batch_defaults
-from fleetctl.router.types import Backend
+from fleetctl.routing.types import Backend
 from fleetctl.state import load_state
 from fleetctl.validation import Strict, validate
 from fleetctl.yamlsrc import load_yaml

@@ -21,18 +21,18 @@ import aiohttp
 from aiohttp import web
 
 from fleetctl.router.live import LiveState, cancel
-from fleetctl.router.policy import Policy
-from fleetctl.router.request import (
+from fleetctl.routing.policy import Policy
+from fleetctl.routing.request import (
     MAX_JSON_DEPTH,
     PRIORITY_CLASSES,
     ClientError,
     parse_request,
 )
-from fleetctl.router.scheduler import Scheduler, account, first_token, release
+from fleetctl.routing.scheduler import Scheduler, account, first_token, release
 from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.tokens import TokenCounter
-from fleetctl.router.types import Backend, Decision, OutputEstimator, Request
+from fleetctl.routing.types import Backend, Decision, OutputEstimator, Request
 from fleetctl.router.upstream import Response, Upstream, UpstreamError
 
 log = logging.getLogger("fleetctl.router")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from fleetctl.router.scrape import parse_dcgm_mem_copy, parse_vllm_metrics
-from fleetctl.router.types import Backend
+from fleetctl.routing.types import Backend
 
 
 @dataclass

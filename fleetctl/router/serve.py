@@ -21,10 +21,10 @@ from fleetctl.inventory import Inventory
 from fleetctl.router.backends import load_backends
 from fleetctl.router.daemon import DaemonConfig, Router
 from fleetctl.router.live import LiveState
-from fleetctl.router.policy import POLICIES, RoutingConfig, make_policy
-from fleetctl.router.scheduler import Aging, Scheduler
+from fleetctl.routing.policy import POLICIES, RoutingConfig, make_policy
+from fleetctl.routing.scheduler import Aging, Scheduler
 from fleetctl.router.tokens import TokenCounter
-from fleetctl.router.types import Backend, OutputEstimator
+from fleetctl.routing.types import Backend, OutputEstimator
 from fleetctl.state import state_path
 
 log = logging.getLogger("fleetctl.router")

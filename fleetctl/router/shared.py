@@ -13,8 +13,8 @@ import uuid
 from typing import Any
 
 from fleetctl.errors import UserError
-from fleetctl.router.scheduler import RollingMedian
-from fleetctl.router.types import Pin, SessionTable
+from fleetctl.routing.scheduler import RollingMedian
+from fleetctl.routing.types import Pin, SessionTable
 
 PREFIX = "fleetctl:"
 SESSION_TTL_S = 24 * 3600

@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fleetctl.router.types import Backend, Decision, Pin, Request, SessionTable, precision_matches
+from fleetctl.routing.types import Backend, Decision, Pin, Request, SessionTable, precision_matches
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from fleetctl.router.types import PRECISION_FAMILIES, precision_matches
+from fleetctl.routing.types import PRECISION_FAMILIES, precision_matches
 
 MAX_JSON_DEPTH = 64  # nested arrays and objects in a request body
 PRIORITY_CLASSES = 10  # X-Priority 0 (most urgent) to 9

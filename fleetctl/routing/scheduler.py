@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fleetctl.router.policy import Policy
-from fleetctl.router.types import Backend, Decision, Request
+from fleetctl.routing.policy import Policy
+from fleetctl.routing.types import Backend, Decision, Request
 
 TOP = 0
 # After the first request of a class that must wait, look this many further for smaller ones

@@ -12,8 +12,8 @@ from rich.text import Text
 
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
-from fleetctl.router.policy import POLICIES
-from fleetctl.router.scheduler import Aging
+from fleetctl.routing.policy import POLICIES
+from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.run import Comparison, compare
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
 

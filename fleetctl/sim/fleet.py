@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from fleetctl.inventory import Inventory
 from fleetctl.perf import EnginePerf
 from fleetctl.plan import Deployment
-from fleetctl.router.policy import RoutingConfig, make_policy
-from fleetctl.router.scheduler import Aging, Scheduler, first_token, release
-from fleetctl.router.types import Backend, OutputEstimator, Request
+from fleetctl.routing.policy import RoutingConfig, make_policy
+from fleetctl.routing.scheduler import Aging, Scheduler, first_token, release
+from fleetctl.routing.types import Backend, OutputEstimator, Request
 from fleetctl.sim.engine import Engine, Seq
 from fleetctl.sim.workload import WorkItem
 
@@ -218,7 +218,7 @@ def simulate(
             i = index[d.decision.backend.name]  # type: ignore[union-attr]
             o = outcomes[req.id]  # type: ignore[index]
             o.backend, o.dispatched, o.boosted = backends[i].name, now, req.boosted
-            key = d.decision.reason.split(" ttft~")[0]
+            key = d.decision.label
             reasons[key] = reasons.get(key, 0) + 1
             item = o.item
             if item.prompt + item.output > servers[i].max_model_len:

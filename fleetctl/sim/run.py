@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Plan
-from fleetctl.router.policy import RoutingConfig
-from fleetctl.router.scheduler import Aging
+from fleetctl.routing.policy import RoutingConfig
+from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.fleet import Server, SimResult, servers_from_plan, simulate
 from fleetctl.sim.workload import WorkItem, scale_time
 
