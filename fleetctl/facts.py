@@ -136,7 +136,8 @@ class Facts:
 
 def _node_json(n: NodeFacts) -> dict[str, Any]:
     if n.error is not None:  # an unreachable node keeps only where and when it was tried
-        return {"host": n.host, "probed_at": n.probed_at, "error": _problem_json(n.error)}
+        error = _problem_json(n.error, "detail")
+        return {"host": n.host, "probed_at": n.probed_at, "error": error}
     out = {f.name: getattr(n, f.name) for f in dataclasses.fields(n)}
     out.pop("error")
     out["fleetctl_pids"] = list(n.fleetctl_pids) if n.fleetctl_pids is not None else None
@@ -147,12 +148,15 @@ def _node_json(n: NodeFacts) -> dict[str, Any]:
         }
         for g in n.gpus
     ]
-    out["gpu_error"] = _problem_json(n.gpu_error) if n.gpu_error else None
+    out["gpu_error"] = _problem_json(n.gpu_error, "message") if n.gpu_error else None
     return out
 
 
-def _problem_json(p: Problem) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(p).items() if v is not None}
+def _problem_json(p: Problem, text_key: str) -> dict[str, Any]:
+    """A node's error says `detail` (the README's {kind, detail, where, line}); nvidia-smi's
+    says `message`, as it always did."""
+    out = {"kind": p.kind, text_key: p.message, "where": p.where, "line": p.line}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _opt(raw: Mapping[str, Any], key: str, kind: type, where: str) -> Any:

@@ -199,3 +199,110 @@ def test_plan_exits_3_when_a_model_cannot_be_placed(cli, tmp_path):
     assert r.code == 3 and json.loads(r.out)["unplaced"][0]["model"] == "big"
     r = cli("plan", write(tmp_path, UNPLACEABLE.split("  - name: big")[0]))
     assert r.code == 0, r.err
+
+
+def test_a_bundled_example_keeps_its_state_in_the_current_folder(cli, tmp_path, monkeypatch):
+    """Not inside the installed package: the facts saved in ./.fleetctl are the ones used."""
+    monkeypatch.chdir(tmp_path)
+    facts = {"format": 2, "nodes": {"rtx-1": {"gpus": [{"index": 0, "name": "NVIDIA L40S"}]}}}
+    (tmp_path / ".fleetctl").mkdir()
+    (tmp_path / ".fleetctl" / "facts.json").write_text(json.dumps(facts))
+    plan = json.loads(cli("plan", "example:seed-mixed-8b", "--json").out)
+    assert any(
+        "rtx-1: inventory declares 1x RTX-4090, probed 1x L40S" in w for w in plan["warnings"]
+    )
+    from fleetctl.resources import bundled
+
+    assert not (bundled("inventory") / ".fleetctl").exists()
+
+
+def test_examples_copy_writes_an_editable_inventory(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = cli("examples", "copy", "seed-mixed-8b")
+    assert r.code == 0, r.err
+    copy = tmp_path / "seed-mixed-8b.yaml"
+    assert copy.read_text() == (REPO / "inventory" / "seed-mixed-8b.yaml").read_text()
+    r = cli("examples", "copy", "example:seed-mixed-8b")
+    assert r.code == 2 and "pass --force" in r.err
+    (tmp_path / "mine").mkdir()
+    assert cli("examples", "copy", "seed-mixed-8b", tmp_path / "mine").code == 0
+    assert cli("plan", tmp_path / "mine" / "seed-mixed-8b.yaml", "--json").code == 0
+    r = cli("examples", "copy", "nope")
+    assert r.code == 2 and "choose one of" in r.err
+
+
+def test_a_facts_file_that_is_not_usable_is_refused_with_where_and_why(cli, tmp_path):
+    inv = write(tmp_path, (REPO / "inventory" / "seed-mixed-8b.yaml").read_text())
+    f = tmp_path / "facts.json"
+    f.write_text(json.dumps({"format": 9, "nodes": {}}))
+    r = cli("plan", inv, "--facts", f)
+    assert r.code == 2 and "written by a newer fleetctl" in r.err and "fleetctl probe" in r.err
+    f.write_text(json.dumps({"format": 2, "nodes": {"rtx-1": {"gpus": [{"index": "zero"}]}}}))
+    r = cli("plan", inv, "--facts", f)
+    assert r.code == 2 and "nodes.rtx-1.gpus[0].index: expected int, got str" in r.err
+    # A facts file of the first format still reads (its keys did not change meaning).
+    f.write_text(json.dumps({"format": 1, "nodes": {"rtx-1": {"gpus": [{"index": 0}]}}}))
+    assert cli("plan", inv, "--facts", f).code == 0
+
+
+def test_facts_round_trip_through_json():
+    from fleetctl.facts import Facts
+
+    doc = {
+        "format": 2,
+        "probed_at": "2026-12-01T00:00:00+00:00",
+        "inventory": "inv.yaml",
+        "nodes": {
+            "a": {
+                "host": "10.0.0.1",
+                "gpus": [
+                    {"index": 0, "name": "X", "processes": [{"pid": 5, "used_memory_mib": 9}]}
+                ],
+                "fleetctl_pids": [5],
+                "gpu_error": None,
+            },
+            "b": {"host": "10.0.0.2", "error": {"kind": "timeout", "message": "m", "line": "l"}},
+        },
+    }
+    facts = Facts.from_json(doc)
+    assert Facts.from_json(facts.to_json()) == facts
+    assert facts.nodes["a"].gpus[0].processes[0].pid == 5 and facts.nodes["b"].error.text == "l"
+
+
+def test_version_flag_and_profiles_show_json(cli):
+    from fleetctl import __version__
+
+    assert cli("--version").out.strip() == f"fleetctl {__version__}"
+    r = cli("profiles", "show", "RTX-4090", "--json")
+    assert r.code == 0 and json.loads(r.out)["memory_mib"] == 24564
+
+
+def test_help_has_readable_metavars(cli):
+    for command in ("plan", "simulate", "route-serve", "apply", "status", "probe"):
+        text = cli(command, "--help").out
+        assert "list[" not in text and "<path>" not in text and "<float>" not in text, text
+
+
+def test_status_and_destroy_ask_only_for_the_secrets_they_use(cli, tmp_path, monkeypatch):
+    """HF_TOKEN is for starting servers: status and destroy go on without it (and reach the
+    node or not: exit 1 here, on a loopback port nothing listens on), never exit 2 for it."""
+    import socket
+
+    with socket.socket() as s:  # a port that refuses: bound, then closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    inv = write(
+        tmp_path,
+        "ssh: {connect_timeout_s: 5}\n"
+        "apply: {secrets: [HF_TOKEN]}\n"
+        "nodes:\n"
+        f"  - {{name: rtx-1, host: 127.0.0.1, port: {port}, gpus: {{type: RTX-4090, count: 1}}}}\n"
+        "models: []\n",
+    )
+    r = cli("apply", inv, "--yes", "--known-hosts", tmp_path / "kh")
+    assert r.code == 2 and "the secret HF_TOKEN has no value" in r.err
+    r = cli("status", inv, "--known-hosts", tmp_path / "kh")
+    assert r.code == 1 and "HF_TOKEN" not in r.err, r.err
+    r = cli("destroy", inv, "--yes", "--known-hosts", tmp_path / "kh")
+    assert r.code == 1 and "HF_TOKEN" not in r.err, r.err

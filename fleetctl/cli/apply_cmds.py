@@ -46,7 +46,7 @@ def apply(
     as_json: bool = JsonOpt,
 ) -> None:
     """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
-    from fleetctl.apply.commands import (
+    from fleetctl.cli.apply_flow import (
         Common,
         check_saved_plan,
         is_plan_file,
@@ -90,7 +90,7 @@ def status(
     as_json: bool = JsonOpt,
 ) -> None:
     """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
-    from fleetctl.apply.commands import Common, options
+    from fleetctl.cli.apply_flow import Common, options
     from fleetctl.apply.status import status_fleet
 
     inv, _ = common.load(inventory, profiles, ssh=True)
@@ -130,7 +130,7 @@ def destroy(
     as_json: bool = JsonOpt,
 ) -> None:
     """Stop every server fleetctl started on the nodes and empty the state."""
-    from fleetctl.apply.commands import Common, run_destroy
+    from fleetctl.cli.apply_flow import Common, run_destroy
 
     inv, _ = common.load(inventory, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)

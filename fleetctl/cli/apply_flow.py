@@ -1,4 +1,4 @@
-"""The apply, status and destroy commands: load, lock, confirm, run, report."""
+"""How apply and destroy run for a person at a terminal: load, lock, confirm, run, report."""
 
 from __future__ import annotations
 
