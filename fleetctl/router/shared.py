@@ -14,7 +14,7 @@ from typing import Any
 
 from fleetctl.errors import UserError
 from fleetctl.routing.scheduler import RollingMedian
-from fleetctl.routing.types import Pin, SessionTable
+from fleetctl.routing.sessions import Pin, SessionTable
 
 PREFIX = "fleetctl:"
 SESSION_TTL_S = 24 * 3600

@@ -1,4 +1,4 @@
-"""Routing policies: a request and backend snapshots in, a backend and a reason out.
+"""Routing policies: a request and backend snapshots in, a backend and a Decision out.
 
 Deterministic: no clock, no network; randomness only from the policy's own seeded generator.
 The daemon and the simulator call the same code. Baselines are what users would otherwise run
@@ -12,7 +12,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fleetctl.routing.types import Backend, Decision, Pin, Request, SessionTable, precision_matches
+from fleetctl.routing.sessions import Pin, SessionTable
+from fleetctl.routing.types import Backend, Decision, Request, precision_matches
 
 
 @dataclass
@@ -57,7 +58,7 @@ class RoundRobin(Policy):
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         b = backends[self.turn % len(backends)]
         self.turn += 1
-        return Decision(b, "round-robin")
+        return Decision(b, self.name)
 
 
 class LeastOutstanding(Policy):
@@ -65,7 +66,7 @@ class LeastOutstanding(Policy):
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         b = min(backends, key=lambda b: (b.outstanding, b.name))
-        return Decision(b, f"least-outstanding ({b.outstanding})")
+        return Decision(b, self.name, detail=f"({b.outstanding})")
 
 
 class PowerOfTwo(Policy):
@@ -76,10 +77,10 @@ class PowerOfTwo(Policy):
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         if len(backends) == 1:
-            return Decision(backends[0], "power-of-two (only one)")
+            return Decision(backends[0], self.name, ("(only one)",))
         a, b = self.rng.sample(list(backends), 2)
         pick = a if (a.outstanding, a.name) <= (b.outstanding, b.name) else b
-        return Decision(pick, "power-of-two")
+        return Decision(pick, self.name)
 
 
 class KvAware(Policy):
@@ -87,7 +88,7 @@ class KvAware(Policy):
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         b = min(backends, key=lambda b: (b.kv_usage, b.waiting, b.outstanding, b.name))
-        return Decision(b, f"kv-aware (usage {b.kv_usage:.2f})")
+        return Decision(b, self.name, detail=f"(usage {b.kv_usage:.2f})")
 
 
 class HardwareAware(Policy):
@@ -163,8 +164,7 @@ class HardwareAware(Policy):
             if home is not None and home is not best and near:
                 best = home
                 notes.append("affinity:node")
-        notes.append(f"ttft~{self.estimate(best, req):.3f}s")
-        return Decision(best, "hardware-aware " + " ".join(notes))
+        return Decision(best, self.name, tuple(notes), ttft_s=self.estimate(best, req))
 
     def estimate(self, b: Backend, req: Request) -> float:
         """Seconds until `req` would see its first token on `b`, with saturation penalties."""

@@ -1,4 +1,5 @@
-"""A client's request as the router reads it: JSON body, fields and hints, or a ClientError."""
+"""A client's request as routing reads it: body bytes and headers to fields and hints, or a
+ClientError. Pure: no I/O, so it is tested without a server (tests/test_routing_parse.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
-from fleetctl.routing.types import PRECISION_FAMILIES, precision_matches
+from fleetctl.routing.types import PRECISION_FAMILIES, Request, precision_matches
 
 MAX_JSON_DEPTH = 64  # nested arrays and objects in a request body
 PRIORITY_CLASSES = 10  # X-Priority 0 (most urgent) to 9
@@ -32,8 +31,9 @@ class ClientError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
 
-    def response(self) -> web.Response:
-        body = {
+    def body(self) -> dict[str, Any]:
+        """The error object the client gets, as OpenAI's API writes it."""
+        return {
             "error": {
                 "message": self.message,
                 "type": self.kind,
@@ -41,10 +41,6 @@ class ClientError(Exception):
                 "code": self.status,
             }
         }
-        resp = web.json_response(body, status=self.status)
-        if self.status == 408:  # the rest of the body may still come: drop the connection
-            resp.force_close()
-        return resp
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +54,25 @@ class Parsed:
     precision: str | None
     strict: bool
     session: str | None
+
+    def request(
+        self, prompt_tokens: int, prompt_chars: int, default_output: int, arrival: float
+    ) -> Request:
+        """The Request routing queues, once the prompt's tokens are counted (the caller's
+        job: a tokenizer may run off the event loop); `default_output` stands in for an
+        absent max_tokens."""
+        return Request(
+            0,
+            self.model,
+            prompt_tokens,
+            self.max_tokens or default_output,
+            self.priority,
+            self.session,
+            self.precision,
+            self.strict,
+            arrival,
+            prompt_chars=prompt_chars,
+        )
 
 
 def shown(value: object) -> str:

@@ -10,6 +10,8 @@ backlog and never fire.
 Within a class, requests go in arrival order; a request that cannot be placed does not stop
 others of its class (they may fit other backends), but it does stop lower classes.
 Baseline policies (no admission) forward everything at once, as the peer routers do.
+A retry is an ordinary entry: the same request (priority, arrival) submitted again with the
+backends that failed it in `Request.exclude`, so it keeps its place and obeys the caps.
 """
 
 from __future__ import annotations
@@ -167,13 +169,14 @@ class Scheduler:
                     blocked = True
                     break
                 req = q.popleft()
-                sig = (req.model, req.precision, req.strict, req.session)
+                sig = (req.model, req.precision, req.strict, req.session, req.exclude)
                 if req.total_tokens >= no_room.get(sig, 1 << 62):
                     keep.append(req)
                     continue
-                pool, why = self.policy.eligible(req, backends)
+                ok = [b for b in backends if b.name not in req.exclude] if req.exclude else backends
+                pool, why = self.policy.eligible(req, ok)
                 if not pool:
-                    rejected.append(Dispatch(req, Decision(None, why, reject=True)))
+                    rejected.append(Dispatch(req, Decision.rejected(why)))
                     continue
                 # The policy weighs every eligible backend, full ones too: waiting here for the
                 # best one can beat taking a slower one that has room (its estimate says).

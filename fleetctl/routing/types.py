@@ -1,8 +1,8 @@
-"""What routing decides over: a request, a backend snapshot, and a decision with its reason."""
+"""What routing decides over: a request, a backend snapshot, and a structured decision."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fleetctl.perf import EnginePerf
 
@@ -43,6 +43,8 @@ class Request:
     arrival: float = 0.0
     boosted: bool = False  # aging raised it to the top class
     prompt_chars: int = 0  # characters of prompt text, to calibrate the token estimate
+    # Backends (by name) a retry must avoid: the ones that already failed this request.
+    exclude: frozenset[str] = frozenset()
 
     @property
     def total_tokens(self) -> int:
@@ -89,9 +91,35 @@ class Backend:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
+    """Where a request goes and why, as fields. `label` is the bounded part (metrics count
+    requests by it); `reason` renders every field for people."""
+
     backend: Backend | None
-    reason: str
+    kind: str  # the policy's name; "rejected" for a request that can never be served
+    notes: tuple[str, ...] = ()  # bounded words, e.g. "affinity:class", "length:short"
+    detail: str = ""  # a measured value, for people only, e.g. "(3)" outstanding requests
+    ttft_s: float | None = None  # the policy's estimate of seconds to the first token
     reject: bool = False  # the request can never be served as asked (a client error)
+    message: str = ""  # a rejection's explanation, for the client
+
+    @classmethod
+    def rejected(cls, message: str) -> Decision:
+        return cls(None, "rejected", reject=True, message=message)
+
+    @property
+    def label(self) -> str:
+        return " ".join((self.kind, *self.notes))
+
+    @property
+    def reason(self) -> str:
+        if self.reject:
+            return self.message
+        parts = [self.label]
+        if self.detail:
+            parts.append(self.detail)
+        if self.ttft_s is not None:
+            parts.append(f"ttft~{self.ttft_s:.3f}s")
+        return " ".join(parts)
 
 
 class OutputEstimator:
@@ -110,23 +138,3 @@ class OutputEstimator:
     def observe(self, model: str, tokens: int) -> None:
         mean = self.means.get(model)
         self.means[model] = float(tokens) if mean is None else mean + self.alpha * (tokens - mean)
-
-
-@dataclass
-class Pin:
-    node_class: str
-    node: str
-
-
-@dataclass
-class SessionTable:
-    """Session -> the class (and node) that served its first turn. In memory; the daemon can
-    keep it in Redis so that several router replicas agree."""
-
-    pins: dict[str, Pin] = field(default_factory=dict)
-
-    def get(self, session: str) -> Pin | None:
-        return self.pins.get(session)
-
-    def set(self, session: str, pin: Pin) -> None:
-        self.pins[session] = pin

@@ -1,0 +1,5 @@
+"""The pure routing core: requests, backends, policies, the admission scheduler and sessions.
+
+No I/O and no event loop: the simulator (fleetctl/sim/) and the daemon (fleetctl/router/)
+call the same code.
+"""
