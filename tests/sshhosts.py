@@ -108,12 +108,17 @@ class Host:
     @property
     def host_key_line(self) -> str:
         """The known_hosts line of the current key, for the IPv4 address."""
-        return f"{self.address} {self.host_key}"
+        return self.known_hosts_lines.splitlines()[0]
 
     @property
     def known_hosts_lines(self) -> str:
-        """known_hosts lines of the current key for each address (port 22: no brackets)."""
-        return "".join(f"{a} {self.host_key}\n" for a in (self.address, self.address6) if a)
+        """known_hosts lines of the current key for each address, named as OpenSSH names them:
+        bare on port 22, `[address]:port` on any other."""
+        return "".join(
+            f"{a if self.port == 22 else f'[{a}]:{self.port}'} {self.host_key}\n"
+            for a in (self.address, self.address6)
+            if a
+        )
 
 
 class TestHosts:
@@ -131,6 +136,7 @@ class TestHosts:
         names: list[str] | None = None,
         start_timeout: float = 120,
         ipv6: bool = False,
+        port: int = 22,
     ):
         if not 1 <= n <= 253:
             raise ValueError("1 to 253 hosts fit one /24")
@@ -141,6 +147,7 @@ class TestHosts:
         self.bridge = f"fl{self.run_id}"  # interface names are 15 characters at most
         self.start_timeout = start_timeout
         self.ipv6 = ipv6
+        self.port = port  # sshd's, on every host
         self.gateway6 = ""  # the bridge's IPv6 address, the hosts' neighbour in the root namespace
         self.hosts: list[Host] = []
         self.dir = Path(tempfile.mkdtemp(prefix=f"fleetctl-ssh-{self.run_id}-"))
@@ -169,7 +176,7 @@ class TestHosts:
         for i, name in enumerate(self.names):
             d = self.dir / f"h{i}"
             (d / "bin").mkdir(parents=True)
-            self.hosts.append(Host(name, "", f"fl-{self.run_id}-{i}", d))
+            self.hosts.append(Host(name, "", f"fl-{self.run_id}-{i}", d, port=self.port))
         _keygen(self.client_key, *(h.dir / "host_ed25519" for h in self.hosts))
         (self.dir / "authorized_keys").write_text(self.client_key.with_suffix(".pub").read_text())
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation chroot

@@ -51,7 +51,8 @@ def fleetctl(*args: object, timeout: float = 300) -> subprocess.CompletedProcess
 def inventory(tmp: Path, hosts: TestHosts, host: str | None = None) -> Path:
     path = tmp / "inventory.yaml"
     path.write_text(
-        f"ssh: {{user: root, identity_file: {hosts.client_key}, connect_timeout_s: 30}}\n"
+        f"ssh: {{user: root, identity_file: {hosts.client_key}, connect_timeout_s: 30, "
+        f"port: {hosts.port}}}\n"
         "nodes:\n"
         f"  - {{name: {NODE}, host: '{host or hosts[0].address6}', "
         "gpus: {type: RTX-4090, count: 1}}\n"
@@ -194,3 +195,39 @@ def test_a_zoned_link_local_host_is_refused_at_the_door(hosts, tmp_path):
         f"error: {inv}:3: nodes[0].host: host 'fe80::1%eth0' has an IPv6 zone"
     ), line
     assert line.endswith("(write a global or unique-local address such as fd00::11, or a hostname)")
+
+
+def test_accept_new_records_an_ipv6_host_on_another_port_as_openssh_reads_it(tmp_path):
+    """On a port other than 22, known_hosts names the host [addr]:port: what fleetctl records
+    with --accept-new-host-keys, the real ssh client and ssh-keygen -F must find."""
+    require()
+    with TestHosts(1, names=[NODE], ipv6=True, port=2222) as hosts:
+        h = hosts[0]
+        inv = inventory(tmp_path, hosts)
+        hosts.known_hosts.write_text("")
+        known = ("--known-hosts", hosts.known_hosts)
+        r = fleetctl("probe", inv, "--json", *known)
+        line = json.loads(r.stdout)["nodes"][NODE]["error"]["line"]
+        assert line.startswith(f"{NODE} ([{h.address6}]:2222): host key unknown"), line
+        assert f"ssh-keyscan -p 2222 {h.address6} >>" in line, line
+
+        r = fleetctl("probe", inv, "--json", *known, "--accept-new-host-keys")
+        assert "error" not in json.loads(r.stdout)["nodes"][NODE], r.stdout
+        assert hosts.known_hosts.read_text() == f"[{h.address6}]:2222 {h.host_key}\n"
+        found = subprocess.run(
+            ["ssh-keygen", "-F", f"[{h.address6}]:2222", "-f", str(hosts.known_hosts)],
+            capture_output=True,
+            text=True,
+        )
+        assert found.returncode == 0 and h.host_key in found.stdout, found
+        ssh = subprocess.run(
+            hosts.ssh_argv(0, "hostname", address=h.address6),  # StrictHostKeyChecking=yes
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert (ssh.returncode, ssh.stdout) == (0, f"{NODE}\n"), ssh.stderr
+        # And fleetctl reads back what it wrote: no new host key prompt, no second line.
+        r = fleetctl("probe", inv, "--json", *known)
+        assert "error" not in json.loads(r.stdout)["nodes"][NODE], r.stdout
+        assert len(hosts.known_hosts.read_text().splitlines()) == 1
