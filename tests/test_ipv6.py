@@ -106,6 +106,7 @@ def test_plan_apply_route_serve_health_status_destroy_over_ipv6(hosts, tmp_path)
         # The server listens on the node's IPv6 address, and only there.
         url = f"http://[{h.address6}]:{d['port']}"
         assert get(url + "/health")[0] == 200
+        assert get(f"http://{h.address}:{d['port']}/health")[0] == 0  # refused on its IPv4
         assert servers_running(hosts)
 
         # route-serve reads the applied state and sends a completion to [fd00:...]:port.
@@ -139,6 +140,7 @@ def test_plan_apply_route_serve_health_status_destroy_over_ipv6(hosts, tmp_path)
 
         # health probes the node over SSH and asks the server over HTTP, both over IPv6.
         r = fleetctl("health", inv, "--json", *known)
+        assert r.returncode == 0, r.stdout + r.stderr
         checks = json.loads(r.stdout)["checks"]
         by = {(c["check"], c["node"]): c for c in checks}
         assert by[("reachable", NODE)]["status"] == "ok", checks
