@@ -27,6 +27,7 @@ from fleetctl.limits import (
     MAX_TOKENS,
     SURGE_PORT_OFFSET,
 )
+from fleetctl.text import plural
 from fleetctl.validation import Strict, validate
 from fleetctl.vllm_flags import check_args
 from fleetctl.yamlsrc import Source, load_yaml
@@ -391,7 +392,7 @@ def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[N
         hosts = _checked(expand_range, ns.host, src, ("nodes", i, "host")) if ns.host else names_
         if len(hosts) != len(names_):
             raise UserError(
-                f"name expands to {len(names_)} node(s) but host to {len(hosts)}",
+                f"name expands to {plural(len(names_), 'node')} but host to {len(hosts)}",
                 src.at(("nodes", i, "host")),
                 "give host a range of the same length as name",
             )

@@ -86,7 +86,7 @@ CASES = [
         "range-length-mismatch",
         bad("host: 10.0.2.[21:22]", "host: 10.0.2.[21:23]"),
         7,
-        ["expands to 2 node(s) but host to 3"],
+        ["expands to 2 nodes but host to 3"],
     ),
     (
         "duplicate-node-name",
@@ -231,7 +231,7 @@ def assert_one_clear_line(r, path, line: int | None, words: list[str]) -> str:
 def test_good_inventory_validates(cli, tmp_path):
     r = cli("validate", write(tmp_path, GOOD))
     assert r.code == 0, r.err
-    assert "6 nodes" not in r.out and "4 nodes, 6 GPUs, 1 models" in r.out
+    assert "6 nodes" not in r.out and "4 nodes, 6 GPUs, 1 model" in r.out
 
 
 def test_at_least_twenty_distinct_bad_inventories():

@@ -28,6 +28,7 @@ from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
 from fleetctl.planner.optimize import demand, solve
 from fleetctl.state import State
+from fleetctl.text import plural
 
 __all__ = ["plan_fleet"]
 
@@ -254,8 +255,9 @@ def _why_unplaced(
         )
     return (
         f"{m.name} {fmt} fits its weights on {best.cls.label} at TP={best.tp} but leaves "
-        f"{_gb(best.budget.kv_total)} of KV cache; {m.spec.min_sequences} sequence(s) of "
-        f"{m.spec.max_context} tokens need {_gb(need_kv)}: lower max_context or add memory"
+        f"{_gb(best.budget.kv_total)} of KV cache; "
+        f"{plural(m.spec.min_sequences, 'sequence')} of {m.spec.max_context} tokens need "
+        f"{_gb(need_kv)}: lower max_context or add memory"
     )
 
 
@@ -286,9 +288,9 @@ def _warnings(
     for (model, variant, gpu, seqs), nodes in sorted(groups.items()):
         max_len = inv.model(model).spec.max_context
         out.append(
-            f"{model} {variant} on {gpu} ({_node_list(nodes)}): the KV cache holds only {seqs} "
-            f"sequence(s) of {max_len} tokens; the weights fit but long prompts will queue "
-            f"or be preempted: lower max_context or use a larger-memory class"
+            f"{model} {variant} on {gpu} ({_node_list(nodes)}): the KV cache holds only "
+            f"{plural(seqs, 'sequence')} of {max_len} tokens; the weights fit but long prompts "
+            f"will queue or be preempted: lower max_context or use a larger-memory class"
         )
     used: dict[int, int] = defaultdict(int)
     for p in placements:
@@ -296,7 +298,9 @@ def _warnings(
     for c in classes:
         idle = c.size * c.gpu_count - used[c.index]
         if idle and inv.models:
-            out.append(f"{idle} {c.gpu.name} GPU(s) left idle: no model benefits from them")
+            out.append(
+                f"{plural(idle, c.gpu.name + ' GPU')} left idle: no model benefits from them"
+            )
     return out
 
 
