@@ -11,6 +11,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
@@ -21,15 +22,18 @@ from fleetctl.inventory import Inventory
 from fleetctl.router.backends import load_backends
 from fleetctl.router.daemon import DaemonConfig, Router
 from fleetctl.router.live import LiveState
+from fleetctl.router.proxy import SERVED_BY
+from fleetctl.router.relay import header_value
+from fleetctl.router.tokens import TokenCounter
 from fleetctl.routing.policy import POLICIES, RoutingConfig, make_policy
 from fleetctl.routing.scheduler import Aging, Scheduler
-from fleetctl.router.tokens import TokenCounter
 from fleetctl.routing.types import Backend, OutputEstimator
-from fleetctl.state import state_path
+from fleetctl.statedir import StateDir
 
 log = logging.getLogger("fleetctl.router")
 Reload = Callable[[], "list[Backend]"]
-# One line per request; never headers, so never an Authorization header or API key.
+# One line per request; never headers, so never an Authorization header or API key. AccessLog
+# adds the backend and class that served it.
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
 # Request heads, as aiohttp parses them (its defaults, stated): longer lines or fields are a
 # 400 "Line is too long" / "Got more than 8190 bytes", more header lines a 400 too.
@@ -38,16 +42,26 @@ MAX_FIELD_BYTES = 8190  # one header line
 MAX_HEADERS = 128  # header lines per request
 
 
+def served_by(b: Backend | None) -> tuple[str, str]:
+    """(host:port, class) of the backend that served a request, for the access log: the URL's
+    user:password part, if any, never reaches a log."""
+    if b is None:
+        return "-", "-"
+    return header_value(urlsplit(b.name).netloc.rpartition("@")[2]), header_value(b.node_class)
+
+
 class AccessLog(AbstractAccessLogger):
-    """The line aiohttp's AccessLogger writes for ACCESS_LOG_FORMAT, e.g.
-    `127.0.0.1 "POST /v1/completions HTTP/1.1" 200 512 0.001234s`, built by one format string
+    """The line aiohttp's AccessLogger writes for ACCESS_LOG_FORMAT, and where it went, e.g.
+    `127.0.0.1 "POST /v1/completions HTTP/1.1" 200 512 0.001234s backend=rtx-3:8000
+    class=RTX-4090/awq-int4` (`-` for a request no backend saw), built by one format string
     instead of a list of per-field methods and an `extra` dict nobody reads (the handler's
     format is the message alone). It runs once per request."""
 
     def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
         v = request.version
+        backend, node_class = served_by(request.get(SERVED_BY))
         self.logger.info(
-            '%s "%s %s HTTP/%d.%d" %d %d %06fs',
+            '%s "%s %s HTTP/%d.%d" %d %d %06fs backend=%s class=%s',
             request.remote or "-",
             request.method,
             request.path_qs,
@@ -56,6 +70,8 @@ class AccessLog(AbstractAccessLogger):
             response.status,
             response.body_length,
             time,
+            backend,
+            node_class,
         )
 
     @property
@@ -88,7 +104,7 @@ def build_router(
     catalog: Catalog,
     *,
     backends_file: Path | None,
-    state_dir: Path,
+    state_dir: StateDir,
     policy: str,
     config: DaemonConfig,
     scrape_interval: float,
@@ -150,7 +166,7 @@ def serve(
     router: Router,
     listen: str,
     reload: Reload,
-    watch: Path | None,
+    watch: StateDir | None,
 ) -> None:
     host, _, port = listen.rpartition(":")
     app = router.app()
@@ -211,9 +227,9 @@ def _reload(router: Router, reload: Reload) -> None:
     log.info("reloaded: %d backends", len(fresh))
 
 
-async def _watch(router: Router, reload: Reload, state_dir: Path) -> None:
+async def _watch(router: Router, reload: Reload, state_dir: StateDir) -> None:
     """Reload when `fleetctl apply` rewrites state.json."""
-    path = state_path(state_dir)
+    path = state_dir.state_path
 
     def mtime() -> float:
         try:
