@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from fleetctl.names import natural_key
 from fleetctl.plan import Action, Deployment, Plan
+from fleetctl.tables import Cell, Col, Records
 
 if TYPE_CHECKING:
     from fleetctl.apply.status import ServerStatus
@@ -54,7 +54,7 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f}"
 
 
-def plan_table(plan: Plan) -> Table:
+def plan_table(plan: Plan) -> Records:
     """One row per group of nodes that get the same deployment and action."""
     ops = {(a.node, a.gpu_indices): a.op for a in plan.actions}
     # Replicas of one planned server share its Server object. Group nodes by (action, GPUs,
@@ -63,55 +63,57 @@ def plan_table(plan: Plan) -> Table:
     for d in plan.deployments:
         slot = (ops[d.key], d.gpu_indices, id(d.server))
         by_slot.setdefault(slot, (d, []))[1].append(d.node)
-    rows: dict[tuple[str, int, tuple[str, ...]], tuple[Deployment, list[tuple[int, ...]]]] = {}
+    rows_by: dict[tuple[str, int, tuple[str, ...]], tuple[Deployment, list[tuple[int, ...]]]] = {}
     for (kind, gpus, server), (d, names) in by_slot.items():
-        rows.setdefault((kind, server, tuple(names)), (d, []))[1].append(gpus)
+        rows_by.setdefault((kind, server, tuple(names)), (d, []))[1].append(gpus)
     deletes: dict[tuple[tuple[int, ...], str, str], list[str]] = defaultdict(list)
     for a in plan.actions:
         if a.op == "delete":
             deletes[(a.gpu_indices, a.model, a.variant)].append(a.node)
 
-    t = Table(title="Plan", title_justify="left", header_style="bold", pad_edge=False)
-    for col, just in [
-        ("", "left"),
-        ("node", "left"),
-        ("GPUs", "left"),
-        ("model", "left"),
-        ("format", "left"),
-        ("TP", "right"),
-        ("max len", "right"),
-        ("KV tokens", "right"),
-        ("seqs@max", "right"),
-        ("tok/s", "right"),
-        ("req/s", "right"),
-    ]:
-        t.add_column(col, justify=just)  # type: ignore[arg-type]
-    ordered = sorted(rows.items(), key=lambda r: (natural_key(r[0][2][0]), r[1][1][0]))
+    rows: list[list[Cell]] = []
+    ordered = sorted(rows_by.items(), key=lambda r: (natural_key(r[0][2][0]), r[1][1][0]))
     for (kind, _, node_names), (d, slots) in ordered:
         style = OP_STYLE[kind]
-        t.add_row(
-            Text(OP_MARK[kind], style=style),
-            Text(compress_names(node_names), style=style),
-            f"{_slots(slots)} {d.gpu_type}",
-            d.model,
-            d.variant,
-            str(d.tensor_parallel_size),
-            str(d.server.max_model_len),
-            f"{d.server.kv_budget_tokens:,}",
-            str(d.server.max_sequences_at_max_len),
-            f"{d.server.predicted_decode_tok_s:.0f}",
-            f"{d.capacity_rps:.2f}",
+        rows.append(
+            [
+                Text(f"{OP_MARK[kind]} {compress_names(node_names)}", style=style),
+                f"{_slots(slots)} {d.gpu_type}",
+                d.model,
+                d.variant,
+                str(d.tensor_parallel_size),
+                str(d.server.max_model_len),
+                f"{d.server.kv_budget_tokens:,}",
+                str(d.server.max_sequences_at_max_len),
+                f"{d.server.predicted_decode_tok_s:.0f}",
+                f"{d.capacity_rps:.2f}",
+            ]
         )
     for (gpus, model, variant), nodes in sorted(deletes.items(), key=lambda kv: str(kv[0])):
-        t.add_row(
-            Text("-", style="red"),
-            Text(compress_names(nodes), style="red"),
-            ",".join(map(str, gpus)),
-            str(model),
-            str(variant),
-            *[""] * 6,
+        rows.append(
+            [
+                Text(f"- {compress_names(nodes)}", style="red"),
+                ",".join(map(str, gpus)),
+                str(model),
+                str(variant),
+                *[""] * 6,
+            ]
         )
-    return t
+    return Records("Plan", PLAN_COLUMNS, rows)
+
+
+PLAN_COLUMNS = [
+    Col("  node", head=True),  # the action's mark, then the nodes
+    Col("GPUs"),
+    Col("model", head=True),
+    Col("format", head=True),
+    Col("TP", numeric=True),
+    Col("max\nlen", numeric=True),
+    Col("KV\ntokens", numeric=True),
+    Col("seqs\n@max", numeric=True),
+    Col("tok/s", numeric=True),
+    Col("req/s", numeric=True),
+]
 
 
 def _slots(slots: list[tuple[int, ...]]) -> str:
@@ -124,19 +126,25 @@ def _slots(slots: list[tuple[int, ...]]) -> str:
     return " ".join(",".join(map(str, s)) for s in slots)
 
 
-def model_table(plan: Plan) -> Table:
-    t = Table(title="Capacity", title_justify="left", header_style="bold", pad_edge=False)
-    for col in ("model", "replicas", "GPUs", "capacity req/s", "workload req/s"):
-        t.add_column(col, justify="left" if col == "model" else "right")
-    for s in plan.models:
-        t.add_row(
+def model_table(plan: Plan) -> Records:
+    cols = [
+        Col("model", head=True),
+        Col("replicas", numeric=True),
+        Col("GPUs", numeric=True),
+        Col("capacity\nreq/s", numeric=True),
+        Col("workload\nreq/s", numeric=True),
+    ]
+    rows: list[list[Cell]] = [
+        [
             s.model,
             str(s.replicas),
             str(s.gpus),
             f"{s.capacity_rps:.2f}",
             f"{s.demand_rps:g}" if s.demand_rps else "-",
-        )
-    return t
+        ]
+        for s in plan.models
+    ]
+    return Records("Capacity", cols, rows)
 
 
 def summary_line(actions: Iterable[Action]) -> Text:
@@ -185,56 +193,96 @@ def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
 
 
 def profiles_table(cat: Catalog) -> RenderableType:
-    gpus = Table(title="GPUs", title_justify="left", header_style="bold", pad_edge=False)
-    for col in ("name", "arch", "memory GiB", "GB/s", "bf16 TFLOPS", "fp8", "link"):
-        gpus.add_column(col)
-    for g in sorted(cat.gpus.values(), key=lambda g: g.name):
-        gpus.add_row(
-            g.name,
-            g.architecture,
-            f"{g.memory_mib / 1024:.1f}",
-            f"{g.memory_bandwidth_gb_s:g}",
-            f"{g.tflops.bf16 or g.tflops.fp16:g}",
-            f"{g.tflops.fp8:g}" if g.tflops.fp8 else "-",
-            g.interconnect,
-        )
-    models = Table(title="Models", title_justify="left", header_style="bold", pad_edge=False)
-    for col in ("name", "params", "active", "layers", "KV heads", "max context", "KV KiB/token"):
-        models.add_column(col)
-    for m in sorted(cat.models.values(), key=lambda m: m.name):
-        kv = 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2 / 1024
-        models.add_row(
-            m.name,
-            f"{m.params_total / 1e9:.1f}B",
-            f"{m.params_active / 1e9:.1f}B",
-            str(m.num_layers),
-            str(m.num_kv_heads),
-            str(m.max_context),
-            f"{kv:g}",
-        )
-    formats = Table(title="Formats", title_justify="left", header_style="bold", pad_edge=False)
-    for col in ("name", "bytes/param", "architectures", "--quantization"):
-        formats.add_column(col)
-    for f in sorted(cat.formats.values(), key=lambda f: f.name):
-        formats.add_row(
-            f.name,
-            f"{f.weight_bytes_per_param:g}",
-            ", ".join(f.architectures),
-            f.vllm.quantization or "-",
-        )
+    gpus = Records(
+        "GPUs",
+        [
+            Col("name", head=True),
+            Col("arch", head=True),
+            Col("memory\nGiB", numeric=True),
+            Col("GB/s", numeric=True),
+            Col("bf16\nTFLOPS", numeric=True),
+            Col("fp8\nTFLOPS", numeric=True),
+            Col("link"),
+        ],
+        [
+            [
+                g.name,
+                g.architecture,
+                f"{g.memory_mib / 1024:.1f}",
+                f"{g.memory_bandwidth_gb_s:g}",
+                f"{g.tflops.bf16 or g.tflops.fp16:g}",
+                f"{g.tflops.fp8:g}" if g.tflops.fp8 else "-",
+                g.interconnect,
+            ]
+            for g in sorted(cat.gpus.values(), key=lambda g: g.name)
+        ],
+    )
+    models = Records(
+        "Models",
+        [
+            Col("name", head=True),
+            Col("params", numeric=True),
+            Col("active", numeric=True),
+            Col("layers", numeric=True),
+            Col("KV\nheads", numeric=True),
+            Col("max\ncontext", numeric=True),
+            Col("KV KiB\n/token", numeric=True),
+        ],
+        [
+            [
+                m.name,
+                f"{m.params_total / 1e9:.1f}B",
+                f"{m.params_active / 1e9:.1f}B",
+                str(m.num_layers),
+                str(m.num_kv_heads),
+                str(m.max_context),
+                f"{2 * m.num_layers * m.num_kv_heads * m.head_dim * 2 / 1024:g}",
+            ]
+            for m in sorted(cat.models.values(), key=lambda m: m.name)
+        ],
+    )
+    formats = Records(
+        "Formats",
+        [
+            Col("name", head=True),
+            Col("bytes\n/param", numeric=True),
+            Col("architectures"),
+            Col("--quantization"),
+        ],
+        [
+            [
+                f.name,
+                f"{f.weight_bytes_per_param:g}",
+                ", ".join(f.architectures),
+                f.vllm.quantization or "-",
+            ]
+            for f in sorted(cat.formats.values(), key=lambda f: f.name)
+        ],
+    )
     return Group(gpus, models, formats)
 
 
-def facts_table(facts: Facts) -> Table:
+FACTS_COLUMNS = [
+    Col("node", head=True),
+    Col("status", head=True),
+    Col("GPUs"),
+    # Versions are numbers to an operator comparing nodes: never folded.
+    Col("driver", numeric=True, left=True),
+    Col("CUDA", numeric=True, left=True),
+    Col("vLLM", numeric=True, left=True),
+    Col("link"),
+    Col("hostname"),
+]
+
+
+def facts_table(facts: Facts) -> Records:
     """One row per probed node: reachability, GPUs, driver, CUDA, vLLM, interconnect."""
-    t = Table(title="Facts", title_justify="left", header_style="bold", pad_edge=False)
-    for col in ("node", "status", "GPUs", "driver", "CUDA", "vLLM", "link", "hostname"):
-        t.add_column(col)
+    rows: list[list[Cell]] = []
     for name in sorted(facts.nodes, key=natural_key):
         f = facts.nodes[name]
         if f.error is not None:
             # The node's one line (what happened, what to do) follows the table, unwrapped.
-            t.add_row(name, Text(f.error.kind, style="red"))
+            rows.append([name, Text(f.error.kind, style="red"), *[""] * 6])
             continue
         kinds: dict[str, int] = defaultdict(int)
         for g in f.gpus:
@@ -245,47 +293,56 @@ def facts_table(facts: Facts) -> Table:
             if f.gpu_error
             else Text("ok", style="green")
         )
-        t.add_row(
-            name,
-            status,
-            gpu_text,
-            f.driver_version or "-",
-            f.cuda_version or "-",
-            f.vllm or "-",
-            f.interconnect or "-",
-            f.hostname or "-",
+        rows.append(
+            [
+                name,
+                status,
+                gpu_text,
+                f.driver_version or "-",
+                f.cuda_version or "-",
+                f.vllm or "-",
+                f.interconnect or "-",
+                f.hostname or "-",
+            ]
         )
-    return t
+    return Records("Facts", FACTS_COLUMNS, rows)
 
 
 _STATUS_STYLE = {"ok": "green", "warn": "yellow", "fail": "red"}
 
 
-def health_table(checks: Iterable[Check]) -> Table:
+def health_table(checks: Iterable[Check]) -> Records:
     """One row per health check: what was checked, on which node, and what it found."""
-    t = Table(title="Health", title_justify="left", header_style="bold", pad_edge=False)
-    for col in ("check", "node", "status", "detail"):
-        t.add_column(col)
-    for c in checks:
-        t.add_row(c.check, c.node, Text(c.status, style=_STATUS_STYLE[c.status]), c.detail)
-    return t
+    cols = [Col("check", head=True), Col("node", head=True), Col("status", head=True)]
+    rows: list[list[Cell]] = [
+        [c.check, c.node, Text(c.status, style=_STATUS_STYLE[c.status]), c.detail] for c in checks
+    ]
+    return Records("Health", [*cols, Col("detail")], rows)
 
 
-def status_table(rows: Iterable[ServerStatus]) -> Table:
+def status_table(rows: Iterable[ServerStatus]) -> Records:
     """One row per recorded server, as its node and its HTTP endpoints see it now."""
-    t = Table(title="Servers", title_justify="left", header_style="bold", pad_edge=False)
-    for col in ("node", "model", "GPUs", "port", "condition", "detail"):
-        t.add_column(col)
+    cols = [
+        Col("node", head=True),
+        Col("model", head=True),
+        Col("GPUs", numeric=True, left=True),
+        Col("port", numeric=True),
+        Col("condition", head=True),
+        Col("detail"),
+    ]
+    out: list[list[Cell]] = []
     for r in rows:
         style = "green" if r.condition == "running" else "red"
         # An unreachable node's one line follows the table, once per node, not per server.
         detail = "node not checked: see below" if r.condition == "unreachable" else r.detail
-        t.add_row(
-            r.node,
-            r.model,
-            ",".join(map(str, r.gpus)),
-            str(r.port),
-            Text(r.condition, style=style),
-            detail,
+        out.append(
+            [
+                r.node,
+                r.model,
+                ",".join(map(str, r.gpus)),
+                str(r.port),
+                Text(r.condition, style=style),
+                detail,
+            ]
         )
-    return t
+    return Records("Servers", cols, out)

@@ -7,15 +7,17 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Group, RenderableType
-from rich.table import Table
 from rich.text import Text
 
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
+from fleetctl.progress import progress
 from fleetctl.routing.policy import POLICIES
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.run import Comparison, compare
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
+from fleetctl.tables import Cell, Col, Records
+from fleetctl.text import plural
 
 
 def run_simulate(
@@ -32,8 +34,10 @@ def run_simulate(
     show_progress: bool,
 ) -> tuple[dict[str, Any], RenderableType]:
     from fleetctl.planner import plan_fleet
-    from fleetctl.state import load_state
+    from fleetctl.statedir import StateDir
 
+    if plot is not None:
+        require_matplotlib()
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
     if unknown:
@@ -43,10 +47,10 @@ def run_simulate(
     if (workload is None) == (trace is None):
         raise UserError("give exactly one of --workload and --trace", None, "see --help")
     target = _target_model(inv, model)
-    items = _items(inv, target, workload, trace, limit, seed)
+    items = _items(inv, target, workload, trace, limit, seed, show_progress)
     if not items:
         raise UserError("the workload has no requests", None, "raise its rate or duration")
-    plan = plan_fleet(inv, load_state(inv.state_dir))
+    plan = plan_fleet(inv, StateDir.of(inv).load_state())
     if not any(d.model == target for d in plan.deployments):
         raise UserError(
             f"the plan places no server for {target}",
@@ -55,22 +59,34 @@ def run_simulate(
         )
     spec = inv.spec.router.aging
     aging = Aging(spec.factor, spec.window_s, spec.enabled and not no_aging)
-    run = {"load": load, "seed": seed, "aging": aging}
-    if show_progress:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as bar:
-            task = bar.add_task("simulating", total=len(names))
-
-            def step(name: str) -> None:
-                bar.update(task, description=f"simulating {name}", completed=names.index(name))
-
-            result = compare(inv, plan, target, items, names, progress=step, **run)  # type: ignore[arg-type]
-    else:
-        result = compare(inv, plan, target, items, names, **run)  # type: ignore[arg-type]
+    with progress("simulating", len(names), enabled=show_progress) as bar:
+        result = compare(
+            inv, plan, target, items, names, load=load, seed=seed, aging=aging, progress=bar.update
+        )
+    data = result.to_json()
+    parts: list[RenderableType] = [render(result)]
     if plot is not None:
-        write_plot(result, plot)
-    return result.to_json(), render(result)
+        source = trace.name if trace is not None else f"synthetic {workload}"
+        write_plot(result, plot, fleet=_fleet_name(inv), source=source)
+        data["plot"] = str(plot)
+        parts.append(Text(f"Wrote the latency plot to {plot}"))
+    return data, Group(*parts)
+
+
+def require_matplotlib() -> None:
+    """Refuse --plot before any work when matplotlib is missing: a one-line error, exit 2."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserError(
+            "--plot needs matplotlib, which is not installed",
+            None,
+            "pip install matplotlib (or pip install 'fleetctl[plot]')",
+        ) from None
+
+
+def _fleet_name(inv: Inventory) -> str:
+    return Path(inv.path).stem
 
 
 def _target_model(inv: Inventory, model: str | None) -> str:
@@ -97,9 +113,15 @@ def _items(
     trace: Path | None,
     limit: int | None,
     seed: int,
+    show_progress: bool,
 ) -> list[WorkItem]:
     if trace is not None:
-        return load_trace(trace, model, limit)
+        try:
+            size = trace.stat().st_size
+        except OSError:
+            size = 0  # load_trace says why it cannot read it
+        with progress(f"reading {trace.name}", size, enabled=show_progress) as bar:
+            return load_trace(trace, model, limit, progress=bar.update)
     assert workload is not None
     path = Path(workload)
     if path.suffix in (".yaml", ".yml") and path.is_file():
@@ -125,85 +147,162 @@ def _default_lengths(spec: Synthetic, inv: Inventory, model: str, text: str) -> 
         spec.max_context = m.max_context
 
 
+# (header, summary key, milliseconds?) in table order; TTFT, TPOT and e2e first, then outcomes.
 COLUMNS = [
-    ("TTFT mean", "ttft_mean_s", 1e3),
-    ("p50", "ttft_p50_s", 1e3),
-    ("p90", "ttft_p90_s", 1e3),
-    ("p99", "ttft_p99_s", 1e3),
-    ("TPOT", "tpot_mean_s", 1e3),
-    ("e2e p99", "e2e_p99_s", 1e3),
-    ("req/s", "throughput_rps", 1),
-    ("preempt", "preemptions", 1),
-    ("done", "completed", 1),
-    ("starved", "starved", 1),
-    ("rejected", "rejected", 1),
+    ("TTFT\nmean", "ttft_mean_s", True),
+    ("TTFT\np50", "ttft_p50_s", True),
+    ("TTFT\np90", "ttft_p90_s", True),
+    ("TTFT\np99", "ttft_p99_s", True),
+    ("TPOT\nmean", "tpot_mean_s", True),
+    ("TPOT\np99", "tpot_p99_s", True),
+    ("e2e\np99", "e2e_p99_s", True),
+    ("req/s", "throughput_rps", False),
+    ("preempt", "preemptions", False),
+    ("done", "completed", False),
+    ("starved", "starved", False),
+    ("rejected", "rejected", False),
 ]
+_LATENCY = [i + 1 for i, (_, _, ms) in enumerate(COLUMNS) if ms]
+_OUTCOMES = [i + 1 for i, (_, _, ms) in enumerate(COLUMNS) if not ms]
 
 
 def render(result: Comparison) -> RenderableType:
-    t = Table(
-        title=f"Simulated {result.model}: {len(result.items):,} requests over "
-        f"{len(result.servers)} servers, offered {result.offered_rps:.1f} req/s "
-        f"({result.offered_rps / result.capacity_rps:.0%} of capacity)",
-        title_justify="left",
-        header_style="bold",
-        caption="times in ms; TPOT = time per output token",
-        caption_justify="left",
-    )
-    t.add_column("policy")
-    for title, _, _ in COLUMNS:
-        t.add_column(title, justify="right")
     summaries = {name: r.summary() for name, r in result.results.items()}
     best_p99 = min((s["ttft_p99_s"] for s in summaries.values()), default=math.nan)
+    rows: list[list[Cell]] = []
+    styles: list[str | None] = []
     for name, s in summaries.items():
-        cells = []
-        for _, key, scale in COLUMNS:
-            v = s[key]
-            if isinstance(v, float) and math.isnan(v):
-                cells.append("-")
-            elif scale == 1e3:
-                cells.append(f"{v * 1e3:,.0f}")
-            elif isinstance(v, float):
-                cells.append(f"{v:.2f}")
-            else:
-                cells.append(f"{v:,}")
-        style = "bold green" if s["ttft_p99_s"] == best_p99 else None
-        t.add_row(name, *cells, style=style)
-    parts: list[RenderableType] = [t]
-    base = summaries.get("hardware-aware")
-    if base:
-        for name, s in summaries.items():
-            if name != "hardware-aware" and base["ttft_p99_s"] > 0:
-                parts.append(
-                    Text(
-                        f"{name}: p99 TTFT {s['ttft_p99_s'] / base['ttft_p99_s']:.1f}x and mean "
-                        f"{s['ttft_mean_s'] / base['ttft_mean_s']:.1f}x hardware-aware's"
-                    )
-                )
-    return Group(*parts)
+        rows.append([name, *(_cell(s[key], ms) for _, key, ms in COLUMNS)])
+        styles.append("bold green" if s["ttft_p99_s"] == best_p99 else None)
+    load = result.offered_rps / result.capacity_rps if result.capacity_rps else math.nan
+    table = Records(
+        f"Simulated {result.model}: {plural(len(result.items), 'request')} over "
+        f"{plural(len(result.servers), 'server')}, offered {result.offered_rps:.1f} req/s "
+        f"({load:.0%} of capacity)",
+        [Col("policy", head=True), *(Col(h, numeric=True) for h, _, _ in COLUMNS)],
+        rows,
+        styles=styles,
+        caption="times in ms; TPOT = time per output token; e2e = arrival to last token",
+        parts=[_LATENCY, _OUTCOMES],
+    )
+    return Group(table, *(Text(line) for line in tradeoffs(summaries)))
 
 
-def write_plot(result: Comparison, path: Path) -> None:
-    try:
-        import matplotlib
+def _cell(v: float | int, ms: bool) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "-"
+    if ms:
+        return f"{v * 1e3:,.0f}"
+    return f"{v:.2f}" if isinstance(v, float) else f"{v:,}"
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib", None, "pip install 'fleetctl[plot]'") from None
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, r in result.results.items():
-        ttft = sorted(
-            o.first_token - o.item.arrival for o in r.outcomes if o.first_token is not None
+
+# What the trade-off sentences compare, lower is better, by family: a policy can win TTFT and
+# lose TPOT (it sends more requests to a fast-prefilling but slower-decoding server).
+TRADEOFF_METRICS = {
+    "TTFT": [("p50 TTFT", "ttft_p50_s"), ("p90 TTFT", "ttft_p90_s"), ("p99 TTFT", "ttft_p99_s")],
+    "TPOT": [("mean TPOT", "tpot_mean_s"), ("p99 TPOT", "tpot_p99_s")],
+    "e2e": [("p99 e2e latency", "e2e_p99_s")],
+}
+SAME_WITHIN = 0.05  # changes smaller than this are noise, not a win or a loss
+
+
+def tradeoffs(summaries: dict[str, dict[str, float | int]], base: str | None = None) -> list[str]:
+    """One sentence per other policy: what `base` cuts and what it raises, TTFT, TPOT and e2e.
+
+    `base` defaults to hardware-aware if it ran, else the policy with the lowest p99 TTFT.
+    """
+    if len(summaries) < 2:
+        return []
+    if base is None:
+        base = (
+            "hardware-aware"
+            if "hardware-aware" in summaries
+            else min(summaries, key=lambda n: _or_inf(summaries[n]["ttft_p99_s"]))
         )
-        if ttft:
-            ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (s)")
-    ax.set_ylabel("share of requests")
-    ax.set_title(f"TTFT CDF: {result.model}, {len(result.items):,} requests")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ours = summaries[base]
+    lines = []
+    for other, theirs in summaries.items():
+        if other == base:
+            continue
+        wins: list[str] = []
+        losses: list[str] = []
+        for metrics in TRADEOFF_METRICS.values():
+            changes = [
+                (float(ours[key]) / float(theirs[key]) - 1, label)
+                for label, key in metrics
+                if _finite(ours[key]) and _finite(theirs[key]) and theirs[key] > 0
+            ]
+            best = min(changes, default=None)
+            worst = max(changes, default=None)
+            if best is not None and best[0] <= -SAME_WITHIN:
+                wins.append(f"{best[1]} {-best[0]:.0%}")
+            if worst is not None and worst[0] >= SAME_WITHIN:
+                losses.append(f"{worst[1]} {_rise(worst[0])}")
+        if wins and losses:
+            lines.append(
+                f"{base} cuts {_and(wins)} vs {other}, but raises {_and(losses)}: a trade-off"
+            )
+        elif wins:
+            lines.append(f"{base} cuts {_and(wins)} vs {other}, and is no worse elsewhere")
+        elif losses:
+            lines.append(f"{base} raises {_and(losses)} vs {other}, and is no better elsewhere")
+        else:
+            lines.append(
+                f"{base} and {other} are within {SAME_WITHIN:.0%} on TTFT, TPOT and e2e latency"
+            )
+    return lines
+
+
+def _finite(v: float | int) -> bool:
+    return not (isinstance(v, float) and math.isnan(v))
+
+
+def _or_inf(v: float | int) -> float:
+    return float(v) if _finite(v) else math.inf
+
+
+def _rise(change: float) -> str:
+    return f"{change:.0%}" if change < 1 else f"{change + 1:.1f}x"
+
+
+def _and(parts: list[str]) -> str:
+    return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
+
+
+def write_plot(result: Comparison, path: Path, *, fleet: str, source: str) -> None:
+    """Complementary CDFs of TTFT and e2e latency per policy, both axes log: the tail shows."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    panels = [("time to first token (s)", "first_token"), ("end-to-end latency (s)", "finished")]
+    for ax, (xlabel, attr) in zip(axes, panels, strict=True):
+        for name, r in result.results.items():
+            values = sorted(
+                getattr(o, attr) - o.item.arrival
+                for o in r.outcomes
+                if getattr(o, attr) is not None
+            )
+            if values:
+                n = len(values)
+                # Share of requests that took at least this long: 1 at the fastest, 1/n at the
+                # slowest, so the log axis spreads out the p90..p99.9 tail.
+                ax.step(values, [1 - i / n for i in range(n)], where="post", label=name)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("share of requests at least this slow")
+    axes[0].legend()
+    load = result.offered_rps / result.capacity_rps if result.capacity_rps else math.nan
+    fig.suptitle(
+        f"{fleet}: {result.model} on {plural(len(result.servers), 'server')}, {source}\n"
+        f"{plural(len(result.items), 'request')}, offered {result.offered_rps:.1f} req/s "
+        f"({load:.0%} of capacity)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -85,9 +85,13 @@ def compare(
     load: float | None = None,
     seed: int = 0,
     aging: Aging | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[float, str], None] | None = None,
 ) -> Comparison:
-    """Run every policy over the same servers and the same requests."""
+    """Run every policy over the same servers and the same requests.
+
+    `progress(done, what)` hears how many policies are done, fractions included (of
+    `len(policies)`), and which one runs.
+    """
     servers = [s for s in servers_from_plan(plan.deployments, inv) if s.model == model]
     prompt, output = mean_shape(items)
     capacity = fleet_capacity(servers, prompt, output)
@@ -102,10 +106,29 @@ def compare(
     workload = inv.model(model).spec.workload
     estimate = {model: workload.mean_output_tokens if workload else output}
     results = {}
-    for name in policies:
-        if progress:
-            progress(name)
+    for k, name in enumerate(policies):
+        hook = None
+        if progress is not None:
+            hook = _policy_progress(progress, k, f"simulating {name} ({k + 1}/{len(policies)})")
+
         results[name] = simulate(
-            servers, items, name, seed=seed, config=config, aging=aging, output_estimate=estimate
+            servers,
+            items,
+            name,
+            seed=seed,
+            config=config,
+            aging=aging,
+            output_estimate=estimate,
+            progress=hook,
         )
+    if progress is not None:
+        progress(len(policies), "simulated")
     return Comparison(model, servers, items, capacity, offered, results)
+
+
+def _policy_progress(
+    report: Callable[[float, str], None], k: int, what: str
+) -> Callable[[float], None]:
+    """The k-th policy's share done, as progress over all of them."""
+    report(k, what)
+    return lambda share: report(k + share, what)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import csv
 import math
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
 from fleetctl.errors import Location, UserError
+
+PROGRESS_ROWS = 4096  # rows between progress reports
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,8 +30,16 @@ class WorkItem:
     max_tokens: int | None = None  # what the client asked for; None: the router estimates
 
 
-def load_trace(path: Path, model: str, limit: int | None = None) -> list[WorkItem]:
-    """`TIMESTAMP,ContextTokens,GeneratedTokens` rows (the Azure LLM inference trace format)."""
+def load_trace(
+    path: Path,
+    model: str,
+    limit: int | None = None,
+    progress: Callable[[float], None] | None = None,
+) -> list[WorkItem]:
+    """`TIMESTAMP,ContextTokens,GeneratedTokens` rows (the Azure LLM inference trace format).
+
+    `progress`, if given, hears the characters read so far every few thousand rows.
+    """
     try:
         handle = path.open(newline="", encoding="utf-8")
     except OSError as e:
@@ -36,8 +47,16 @@ def load_trace(path: Path, model: str, limit: int | None = None) -> list[WorkIte
             f"cannot read trace: {e.strerror}", Location(str(path)), "check the path"
         ) from None
     items: list[WorkItem] = []
+    read = 0
+
+    def lines() -> Iterator[str]:
+        nonlocal read
+        for line in handle:
+            read += len(line)
+            yield line
+
     with handle:
-        reader = csv.reader(handle)
+        reader = csv.reader(lines())
         header = next(reader, None)
         want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
         if header is None or [h.strip() for h in header[:3]] != want:
@@ -63,6 +82,8 @@ def load_trace(path: Path, model: str, limit: int | None = None) -> list[WorkIte
             )
             if limit and len(items) >= limit:
                 break
+            if progress is not None and line % PROGRESS_ROWS == 0:
+                progress(read)
     items.sort(key=lambda w: (w.arrival, w.id))
     return items
 
