@@ -10,11 +10,13 @@ backends) must bracket the address, or one of these steps fails.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO
 from tests.procs import free_port, http_request, stop_process
@@ -135,6 +137,16 @@ def test_plan_apply_route_serve_health_status_destroy_over_ipv6(hosts, tmp_path)
             assert status == 200, (answer, log.read_text())
             assert headers["X-Fleet-Backend"] == NODE
             assert json.loads(answer)["choices"][0]["text"]
+
+            def scraped() -> bool:  # the router's /metrics scrapes reach [fd00:...]:port too
+                text = http_request(port, "GET", "/metrics")[2].decode()
+                return any(
+                    s.name == "fleetctl_backend_metrics_age_seconds" and math.isfinite(s.value)
+                    for f in text_string_to_metric_families(text)
+                    for s in f.samples
+                )
+
+            wait_until(scraped)
         finally:
             stop_process(router)
 
