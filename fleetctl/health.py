@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from fleetctl import http
+from fleetctl.http import HttpError
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Deployment
 from fleetctl.router.scrape import parse_vllm_metrics
@@ -158,7 +158,7 @@ def check_servers(
                 return [Check("server", d.node, "fail", f"{where}: /health answered {status}")]
             _, body = _get(base + "/v1/models", timeout)
             models = {m.get("id"): m for m in json.loads(body).get("data", [])}
-        except (OSError, ValueError) as e:
+        except (HttpError, ValueError) as e:
             return [Check("server", d.node, "fail", f"{where}: {e}")]
         if d.model not in models:
             served = ", ".join(sorted(str(k) for k in models)) or "nothing"
@@ -177,7 +177,7 @@ def check_servers(
         try:
             _, text = _get(base + "/metrics", timeout)
             usage = parse_vllm_metrics(text).kv_usage
-        except OSError:
+        except HttpError:
             usage = None
         if usage is not None and usage >= KV_SATURATED:
             out.append(
@@ -190,8 +190,5 @@ def check_servers(
 
 
 def _get(url: str, timeout: float) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, ""
+    reply = http.get(url, timeout)
+    return reply.status, reply.text

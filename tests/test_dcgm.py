@@ -8,8 +8,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import aiohttp
-
+from fleetctl.http import Client
 from fleetctl.router.live import LiveState
 from fleetctl.router.scrape import parse_dcgm_mem_copy
 from fleetctl.routing.types import Backend
@@ -60,8 +59,9 @@ def test_live_state_prefers_fresh_dcgm_and_falls_back_when_stale():
     live = LiveState([one, both, other])
 
     async def scrape() -> None:
-        async with aiohttp.ClientSession() as session:
-            await live.scrape_dcgm(session, url)
+        client = Client(5.0)
+        await live.scrape_dcgm(client, url)
+        await client.close()
 
     try:
         asyncio.run(scrape())

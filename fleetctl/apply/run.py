@@ -10,20 +10,18 @@ moment leaves a state that a re-run (which reconciles against the nodes) converg
 from __future__ import annotations
 
 import datetime as dt
-import json
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from fleetctl import http
 from fleetctl.apply.node import NodeAgent, StartError, Supervisor, server_id
 from fleetctl.apply.steps import Step, node_steps
+from fleetctl.http import HttpError
 from fleetctl.inventory import Inventory
 from fleetctl.names import natural_key
 from fleetctl.plan import Deployment
@@ -112,18 +110,16 @@ def _now() -> str:
 def ready(d: Deployment, api_key: str | None, timeout_s: float = 3.0) -> tuple[bool, str]:
     """Is the server up: /health answers 200 and /v1/models lists the served model?"""
     try:
-        with urllib.request.urlopen(d.url("/health"), timeout=timeout_s) as r:
-            if r.status != 200:
-                return False, f"/health answered {r.status}"
-        req = urllib.request.Request(d.url("/v1/models"))
-        if api_key:
-            req.add_header("Authorization", f"Bearer {api_key}")
-        with urllib.request.urlopen(req, timeout=timeout_s) as r:
-            ids = [m.get("id") for m in json.loads(r.read()).get("data", [])]
-    except urllib.error.HTTPError as e:
-        return False, f"{urllib.parse.urlsplit(e.url or '').path} answered {e.code}"
-    except (OSError, ValueError) as e:
-        return False, f"no answer ({getattr(e, 'reason', e)})"
+        r = http.get(d.url("/health"), timeout_s)
+        if r.status != 200:
+            return False, f"/health answered {r.status}"
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        r = http.get(d.url("/v1/models"), timeout_s, auth)
+        if r.status != 200:
+            return False, f"/v1/models answered {r.status}"
+        ids = [m.get("id") for m in r.json().get("data", [])]
+    except (HttpError, ValueError, AttributeError) as e:
+        return False, f"no answer ({e})"
     if d.model not in ids:
         return False, f"/v1/models lists {ids}, not {d.model}"
     return True, "healthy"

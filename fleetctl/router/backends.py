@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -32,6 +33,52 @@ class BackendEntry(Strict):
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
     gpus: tuple[int, ...] = ()  # GPU indices on its node, to read them from DCGM
     dcgm_url: str | None = Field(None, pattern=r"^https?://[^/\s]+(/.*)?$")
+    # The name the server serves the model under (vLLM's --served-model-name) when it is not
+    # `model`: the router renames the request's model to it (README, route-serve).
+    served_name: str | None = Field(None, min_length=1)
+
+
+@dataclass(slots=True)
+class FileBackend(Backend):
+    """A server from a backends file, which may serve the model under a name of its own."""
+
+    served_name: str = ""  # what its /v1/models lists; "" when it is the inventory's name
+
+
+def served_name(b: Backend) -> str:
+    """The model name `b` serves: its backends-file `served_name`, else the inventory's."""
+    return getattr(b, "served_name", "") or b.model
+
+
+def body_for(b: Backend, raw: bytes) -> bytes:
+    """The request body to send `b`: the client's, with `model` renamed to the name `b` serves
+    when that differs. Parsed again only then (the rare case): `raw` is a JSON object the
+    router already checked."""
+    name = served_name(b)
+    if name == b.model:
+        return raw
+    body = json.loads(raw)
+    body["model"] = name
+    return json.dumps(body, ensure_ascii=False).encode()
+
+
+def model_problem(b: Backend, listed: list[str]) -> str:
+    """Why `b` cannot serve its model, from the names its /v1/models lists; "" when it can.
+    One line with the fix."""
+    want = served_name(b)
+    if want in listed:
+        return ""
+    serves = ", ".join(f'"{m}"' for m in listed) or "no model"
+    if want != b.model:  # a served_name that does not match either
+        return (
+            f'{b.node} serves {serves}, not "{want}" (its served_name for "{b.model}"): set '
+            f"served_name in the backends file to the name it serves, or start vLLM with "
+            f"--served-model-name {want}"
+        )
+    return (
+        f'{b.node} serves {serves}, not "{want}": start vLLM with --served-model-name {want}, '
+        f"or set served_name in the backends file"
+    )
 
 
 def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Backend]:
@@ -45,7 +92,7 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
             src.at(()),
             "write `backends:` and '- url: ...' entries",
         )
-    out = []
+    out: list[Backend] = []
     seen: set[str] = set()
     for i, item in enumerate(items):
         at: tuple[str | int, ...] = ("backends", i) if wrapped else (i,)
@@ -68,7 +115,8 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         )
         perf = EnginePerf(gpu, model, fmt, e.tensor_parallel_size)
         node = e.node or url.split("//", 1)[1].split("/")[0]
-        b = Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf)
+        b = FileBackend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf)
+        b.served_name = e.served_name if e.served_name and e.served_name != e.model else ""
         b.gpus, b.dcgm_url = e.gpus, e.dcgm_url or ""
         out.append(b)
     return out

@@ -1,17 +1,29 @@
 """Live backend state: /metrics scrapes, memory-bandwidth utilization (DCGM, else vLLM's
-read-byte counter, else the perf model), ejection."""
+read-byte counter, else the perf model), ejection, and the model name each backend serves."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
-import aiohttp
-
+from fleetctl.http import Client, HttpError
+from fleetctl.router.backends import model_problem, served_name
 from fleetctl.router.scrape import parse_dcgm_mem_copy, parse_vllm_metrics
 from fleetctl.routing.types import Backend
+
+log = logging.getLogger("fleetctl.router")
+MODELS_EVERY_S = 10.0  # between /v1/models reads of a backend that serves the right name
+MODELS_RETRY_S = 2.0  # ... of one that does not, or gave no answer
+
+
+def where(b: Backend) -> str:
+    """How logs name a backend: its node and port (`rtx-3:8000`)."""
+    port = urlsplit(b.name).port
+    return b.node if port is None or b.node.endswith(f":{port}") else f"{b.node}:{port}"
 
 
 @dataclass
@@ -25,6 +37,11 @@ class Liveness:
     read_bytes: float | None = None
     read_at: float = 0.0
     ejections: int = 0
+    last_error: str = ""  # the latest failure's reason, for the ejection log and /health
+    # Why it is out of routing while it serves another model (one line with the fix), or "".
+    wrong_model: str = ""
+    models_due: float = 0.0  # when to read its /v1/models next
+    models_for: str = ""  # the name that reading was checked against (a reload may change it)
 
 
 @dataclass
@@ -45,19 +62,28 @@ class LiveState:
     live: dict[str, Liveness] = field(default_factory=dict)
     # dcgm-exporter URL -> (when scraped, memory-copy utilization % by GPU index)
     dcgm: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
+    api_key: str | None = None  # for a backend's /v1/models (vLLM's --api-key guards it)
 
     def state(self, b: Backend) -> Liveness:
         return self.live.setdefault(b.name, Liveness())
 
     # --- failures and ejection ---------------------------------------------------------------
 
-    def failed(self, b: Backend, now: float) -> bool:
-        """Count a failure; returns True when this one ejects the backend."""
+    def failed(self, b: Backend, now: float, reason: str = "requests failed") -> bool:
+        """Count a failure; returns True when this one ejects the backend (logged once)."""
         s = self.state(b)
         s.failures += 1
+        s.last_error = reason
         if s.failures >= self.eject_after and b.healthy:
             b.healthy = False
             s.ejected_until = now + s.backoff
+            log.warning(
+                "ejected %s for %g s after %d failures: %s",
+                where(b),
+                s.backoff,
+                s.failures,
+                reason,
+            )
             s.backoff = min(self.max_backoff, s.backoff * 2)
             s.ejections += 1
             return True
@@ -69,50 +95,105 @@ class LiveState:
         """A request went through: the backend is good."""
         s = self.state(b)
         s.failures = 0
-        b.healthy = True
         s.backoff = 1.0
+        if not b.healthy and not s.wrong_model:
+            b.healthy = True
+            log.info("readmitted %s: a request went through", where(b))
 
     def probed(self, b: Backend, now: float) -> None:
         """A /metrics scrape went through. That proves less than a served request (a server can
         answer /metrics and still fail requests), so it only lets an ejected backend back in
         once its backoff has passed, half-open: its next failure ejects it again."""
         s = self.state(b)
-        if not b.healthy and now >= s.ejected_until:
+        if not b.healthy and now >= s.ejected_until and not s.wrong_model:
             b.healthy = True
             s.failures = self.eject_after - 1
+            log.info(
+                "readmitted %s: /metrics answered (its next failure ejects it again)", where(b)
+            )
+
+    def unhealthy(self) -> dict[str, str]:
+        """Each backend out of routing, and why (for route-serve's /health)."""
+        out = {}
+        for b in self.backends:
+            if not b.healthy:
+                s = self.state(b)
+                out[where(b)] = s.wrong_model or (
+                    f"ejected after {s.failures} failures: {s.last_error}"
+                    if s.last_error
+                    else "ejected"
+                )
+        return out
+
+    # --- the served model ----------------------------------------------------------------------
+
+    async def check_model(self, client: Client, b: Backend) -> None:
+        """Read `b`'s /v1/models: a backend that does not serve its model's name is left out of
+        routing (vLLM would answer 404 to every request), with one log line that says the fix;
+        it comes back once it does. An answer that is not vLLM's list gives no verdict."""
+        s = self.state(b)
+        want = s.models_for = served_name(b)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        listed: list[str] | None = None
+        try:
+            r = await client.get(f"{b.name}/v1/models", headers)
+            if r.status == 200:
+                data = r.json()["data"]
+                listed = [m["id"] for m in data if isinstance(m["id"], str)]
+        except (HttpError, ValueError, KeyError, TypeError):
+            pass
+        now = time.monotonic()
+        if listed is None:
+            s.models_due = now + MODELS_RETRY_S
+            return
+        problem = model_problem(b, listed)
+        s.models_due = now + (MODELS_RETRY_S if problem else MODELS_EVERY_S)
+        if problem:
+            if problem != s.wrong_model:
+                log.error("%s; left out of routing", problem)
+            b.healthy = False
+        elif s.wrong_model:
+            log.info('readmitted %s: it serves "%s"', where(b), want)
+            b.healthy = now >= s.ejected_until
+        s.wrong_model = problem
 
     # --- scraping ----------------------------------------------------------------------------
 
-    async def run(self, session: aiohttp.ClientSession) -> None:
-        while True:
-            started = time.monotonic()
-            backends = list(self.backends)
-            dcgm_urls = {b.dcgm_url for b in backends if b.dcgm_url}
-            await asyncio.gather(
-                *(self.scrape(session, b) for b in backends),
-                *(self.scrape_dcgm(session, url) for url in dcgm_urls),
-            )
-            self.apply_dcgm(backends, time.monotonic())
-            self.expire_all(time.monotonic())
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+    async def run(self, session: object = None) -> None:
+        """Scrape until cancelled. Every GET goes through fleetctl.http's client (`session`,
+        an aiohttp session the daemon still passes, is not used)."""
+        client = Client(self.timeout)
+        try:
+            while True:
+                started = time.monotonic()
+                backends = list(self.backends)
+                dcgm_urls = {b.dcgm_url for b in backends if b.dcgm_url}
+                await asyncio.gather(
+                    *(self.scrape(client, b) for b in backends),
+                    *(self.scrape_dcgm(client, url) for url in dcgm_urls),
+                )
+                self.apply_dcgm(backends, time.monotonic())
+                self.expire_all(time.monotonic())
+                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+        finally:
+            await client.close()
 
-    async def scrape(self, session: aiohttp.ClientSession, b: Backend) -> None:
-        now = time.monotonic()
+    async def scrape(self, client: Client, b: Backend) -> None:
         s = self.state(b)
+        if s.models_for != served_name(b) or time.monotonic() >= s.models_due:
+            await self.check_model(client, b)  # at start, after a reload, then now and then
+        now = time.monotonic()
         if not b.healthy and now < s.ejected_until:
             return  # backing off; the next scrape after the backoff is the probe
         try:
-            async with session.get(
-                f"{b.name}/metrics", timeout=aiohttp.ClientTimeout(total=self.timeout)
-            ) as resp:
-                if resp.status != 200:
-                    raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
-                text = await resp.text()
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            self.failed(b, time.monotonic())
+            r = await client.get(f"{b.name}/metrics")
+            if r.status != 200:
+                raise HttpError(f"answered {r.status}")
+        except HttpError as e:
+            self.failed(b, time.monotonic(), f"/metrics {e}")
             self.expire(b, time.monotonic())
             return
-        self.apply(b, text, time.monotonic())
+        self.apply(b, r.text, time.monotonic())
         self.probed(b, time.monotonic())
 
     def apply(self, b: Backend, text: str, now: float) -> None:
@@ -133,14 +214,12 @@ class LiveState:
         elif b.perf is not None:
             b.bandwidth_util = modelled_bandwidth(b)
 
-    async def scrape_dcgm(self, session: aiohttp.ClientSession, url: str) -> None:
+    async def scrape_dcgm(self, client: Client, url: str) -> None:
         """One node's dcgm-exporter page; a failure only leaves the last reading to go stale."""
-        try:
-            async with session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
-                if r.status == 200:
-                    self.dcgm[url] = (time.monotonic(), parse_dcgm_mem_copy(await r.text()))
-        except (TimeoutError, aiohttp.ClientError, OSError):
-            pass
+        with contextlib.suppress(HttpError):
+            r = await client.get(url)
+            if r.status == 200:
+                self.dcgm[url] = (time.monotonic(), parse_dcgm_mem_copy(r.text))
 
     def apply_dcgm(self, backends: list[Backend], now: float) -> None:
         """DCGM's reading wins over vLLM's counter and the model where it is fresh: it is the

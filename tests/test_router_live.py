@@ -1,0 +1,198 @@
+"""The router's live state against real servers: the model name each backend serves, and the
+log lines of ejection and readmission."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fleetctl.http import Client
+from fleetctl.router.backends import FileBackend, body_for, model_problem
+from fleetctl.router.live import LiveState
+from fleetctl.routing.types import Backend
+from tests.conftest import REPO
+from tests.procs import NAME, SOURCE, Emulator, free_port, http_request, stop_process
+
+WRONG = f'serves "{SOURCE}", not "{NAME}": start vLLM with --served-model-name {NAME}'
+
+
+@pytest.fixture(scope="module")
+def emus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("live")
+    # `right` serves the inventory's name; `hf` the Hugging Face id (vLLM's default when
+    # started without --served-model-name).
+    e = {"right": Emulator(tmp), "hf": Emulator(tmp, "--served-model-name", SOURCE)}
+    try:
+        for one in e.values():
+            one.wait_healthy()
+        yield e
+    finally:
+        for one in e.values():
+            one.stop()
+
+
+def backend(emu: Emulator, node: str, served_name: str = "") -> FileBackend:
+    b = FileBackend(emu.base, node, "RTX-4090", NAME, "bf16", 10_000)
+    b.served_name = served_name
+    return b
+
+
+def scrape(live: LiveState, *backends: Backend) -> None:
+    async def main() -> None:
+        client = Client(5.0)
+        try:
+            for b in backends:
+                await live.scrape(client, b)
+        finally:
+            await client.close()
+
+    asyncio.run(main())
+
+
+def messages(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "fleetctl.router"]
+
+
+def test_a_backend_serving_another_name_is_left_out_with_the_fix(emus, caplog):
+    caplog.set_level(logging.INFO, "fleetctl.router")
+    right, wrong = backend(emus["right"], "rtx-1"), backend(emus["hf"], "rtx-3")
+    live = LiveState([right, wrong])
+    scrape(live, right, wrong)
+    assert right.healthy and not wrong.healthy
+    port = emus["hf"].port
+    assert messages(caplog) == [
+        f"rtx-3 {WRONG}, or set served_name in the backends file; left out of routing"
+    ]
+    assert live.unhealthy() == {f"rtx-3:{port}": live.state(wrong).wrong_model}
+    assert WRONG in live.unhealthy()[f"rtx-3:{port}"]
+    # Checked again (a scrape after its retry time): still out, and not logged again.
+    live.state(wrong).models_due = 0.0
+    scrape(live, wrong)
+    assert not wrong.healthy and len(messages(caplog)) == 1
+    # A /metrics scrape that goes through does not bring it back either (it would 404).
+    assert live.state(wrong).scraped_at > 0
+
+
+def test_served_name_renames_the_model_and_the_backend_answers(emus, caplog):
+    caplog.set_level(logging.INFO, "fleetctl.router")
+    aliased = backend(emus["hf"], "rtx-3", served_name=SOURCE)
+    live = LiveState([aliased])
+    scrape(live, aliased)
+    assert aliased.healthy and messages(caplog) == []
+    raw = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 2}).encode()
+    # As the client sent it the backend refuses it; renamed for it, it answers.
+    status, _, _ = http_request(emus["hf"].port, "POST", "/v1/completions", raw)
+    assert status == 404
+    status, _, answer = http_request(
+        emus["hf"].port, "POST", "/v1/completions", body_for(aliased, raw)
+    )
+    assert status == 200 and json.loads(answer)["choices"]
+    assert body_for(backend(emus["right"], "rtx-1"), raw) is raw  # no alias: not even parsed
+
+
+def test_a_wrong_served_name_is_named_and_fixed_on_the_next_check(emus, caplog):
+    caplog.set_level(logging.INFO, "fleetctl.router")
+    b = backend(emus["right"], "rtx-1", served_name="llama-typo")
+    live = LiveState([b])
+    scrape(live, b)
+    assert not b.healthy
+    (line,) = messages(caplog)
+    assert line.startswith(f'rtx-1 serves "{NAME}", not "llama-typo" (its served_name for')
+    # The file is fixed and reloaded: the new backend is checked at once and comes back.
+    fixed = backend(emus["right"], "rtx-1")
+    fixed.healthy = b.healthy  # as the daemon's reload keeps it
+    live.backends = [fixed]
+    scrape(live, fixed)
+    assert fixed.healthy
+    assert messages(caplog)[1:] == [f'readmitted rtx-1:{emus["right"].port}: it serves "{NAME}"']
+
+
+def test_model_problem_lists_what_the_server_serves():
+    b = Backend("http://h:8000", "rtx-3", "RTX-4090", "llama-3-8b", "bf16", 1000)
+    assert model_problem(b, ["llama-3-8b"]) == ""
+    assert model_problem(b, []).startswith('rtx-3 serves no model, not "llama-3-8b"')
+    assert model_problem(b, ["a", "b"]).startswith('rtx-3 serves "a", "b", not "llama-3-8b"')
+
+
+def test_an_answer_that_is_not_vllms_model_list_gives_no_verdict(caplog):
+    """A server without /v1/models (a stand-in, a proxy) is judged by /metrics and requests."""
+    caplog.set_level(logging.INFO, "fleetctl.router")
+    dead = Backend(f"http://127.0.0.1:{free_port()}", "rtx-9", "RTX-4090", NAME, "bf16", 1000)
+    live = LiveState([dead])
+    scrape(live, dead)
+    assert live.state(dead).wrong_model == ""
+
+
+def test_ejection_and_readmission_are_logged_once_with_their_reason(emus, caplog):
+    caplog.set_level(logging.INFO, "fleetctl.router")
+    port = free_port()
+    dead = Backend(f"http://127.0.0.1:{port}", "rtx-2", "RTX-4090", NAME, "bf16", 1000)
+    live = LiveState([dead])
+    for _ in range(3):
+        scrape(live, dead)
+        live.state(dead).ejected_until = 0.0  # no waiting out the backoff: probe again now
+    assert not dead.healthy
+    assert messages(caplog) == [
+        f"ejected rtx-2:{port} for 1 s after 3 failures: /metrics connection refused"
+    ]
+    # A live server at the same place: the probe after the backoff readmits it, logged once.
+    up = backend(emus["right"], "rtx-1")
+    live = LiveState([up])
+    for _ in range(3):
+        live.failed(up, time.monotonic() - 60, "connection reset")  # backoff long over
+    scrape(live, up)
+    scrape(live, up)
+    assert up.healthy
+    assert messages(caplog)[1:] == [
+        f"ejected rtx-1:{emus['right'].port} for 1 s after 3 failures: connection reset",
+        f"readmitted rtx-1:{emus['right'].port}: /metrics answered (its next failure ejects it again)",
+    ]
+
+
+def test_route_serve_leaves_out_a_backend_serving_another_name(emus, tmp_path):
+    """End to end: route-serve reads /v1/models at start, logs the fix once, and sends every
+    request to the backend that serves the name."""
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        "nodes:\n  - name: rtx-[1:3]\n    gpus: {type: RTX-4090, count: 1}\n"
+        "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"
+        "    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n"
+        "    max_context: 8192\n"
+    )
+    entries = [
+        {"url": emus["right"].base, "node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME},
+        {"url": emus["hf"].base, "node": "rtx-3", "gpu_type": "RTX-4090", "model": NAME},
+    ]
+    (tmp_path / "backends.yaml").write_text(json.dumps({"backends": entries}))
+    port = free_port()
+    log = tmp_path / "router.log"
+    cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv)]
+    cmd += ["--backends", str(tmp_path / "backends.yaml"), "--listen", f"127.0.0.1:{port}"]
+    cmd += ["--state-dir", str(tmp_path / "state"), "--policy", "round-robin"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        health: dict = {}
+        end = time.monotonic() + 60  # only stops a hang: the check runs within a scrape
+        while health.get("healthy") != 1:
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()
+            try:
+                health = json.loads(http_request(port, "GET", "/health", timeout=2)[2])
+            except OSError:
+                time.sleep(0.05)
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 2}
+        for _ in range(4):  # round-robin would send half of them to rtx-3
+            status, headers, _ = http_request(port, "POST", "/v1/completions", body)
+            assert status == 200 and headers["X-Fleet-Backend"] == "rtx-1"
+        lines = [line for line in log.read_text().splitlines() if "served-model-name" in line]
+        assert lines == [
+            f"rtx-3 {WRONG}, or set served_name in the backends file; left out of routing"
+        ]
+    finally:
+        stop_process(proc)
