@@ -245,3 +245,26 @@ def test_accept_new_records_an_ipv6_host_on_another_port_as_openssh_reads_it(tmp
         r = fleetctl("probe", inv, "--json", *known)
         assert "error" not in json.loads(r.stdout)["nodes"][NODE], r.stdout
         assert len(hosts.known_hosts.read_text().splitlines()) == 1
+
+
+def test_a_port_taken_on_the_ipv6_address_is_refused_and_named(hosts, tmp_path):
+    """The node's port check reads /proc/net/tcp6 too: a stray listener on [addr]:8000 is found
+    before the server would fail to bind, and named."""
+    h = hosts[0]
+    inv = inventory(tmp_path, hosts)
+    cmd = ["ip", "netns", "exec", h.namespace, sys.executable, "-m", "http.server", "8000"]
+    squatter = subprocess.Popen(
+        [*cmd, "--bind", h.address6], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_until(lambda: get(f"http://[{h.address6}]:8000/")[0] in (200, 404))
+        r = fleetctl("apply", inv, "--yes", "--json", "--known-hosts", hosts.known_hosts)
+        assert r.returncode == 1, r.stdout + r.stderr
+        [o] = json.loads(r.stdout)["outcomes"]
+        assert o["status"] == "failed", o
+        assert o["detail"].startswith(f"port-taken: port 8000 is already taken by: {squatter.pid}")
+    finally:
+        squatter.kill()
+        squatter.wait()
+        subprocess.run(["rm", "-rf", str(h.dir / "home" / ".fleetctl")], check=False)
+    assert servers_running(hosts) == []
