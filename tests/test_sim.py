@@ -201,3 +201,131 @@ def test_simulate_plot(cli, tmp_path):
     )
     assert r.code == 0, r.err
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(r.out)["plot"] == str(out)
+    out.unlink()
+    r = cli("simulate", "example:seed-mixed-8b", "--workload", "rate=3,duration=60", "--plot", out)
+    assert r.code == 0, r.err
+    assert out.is_file() and f"Wrote the latency plot to {out}" in r.out
+
+
+@pytest.fixture(scope="module")
+def rr_vs_ha():
+    """Round-robin and hardware-aware over the seed fleet at 150% load, progress recorded."""
+    from fleetctl.catalog import load_catalog
+    from fleetctl.inventory import load_inventory
+    from fleetctl.planner import plan_fleet
+    from fleetctl.resources import examples
+    from fleetctl.sim.run import compare
+
+    inv = load_inventory(examples()["seed-mixed-8b"], load_catalog())
+    items = parse_spec("rate=20,duration=120,max_context=8192", "llama-3-8b").generate(0)
+    steps: list[tuple[float, str]] = []
+    c = compare(
+        inv,
+        plan_fleet(inv),
+        "llama-3-8b",
+        items,
+        ["round-robin", "hardware-aware"],
+        load=1.5,
+        progress=lambda done, what: steps.append((done, what)),
+    )
+    return c, steps
+
+
+def test_the_summary_names_the_tradeoff_of_a_real_comparison(rr_vs_ha):
+    from fleetctl.sim.command import render, tradeoffs
+    from tests.test_render_widths import render_at
+
+    c, _ = rr_vs_ha
+    s = {name: r.summary() for name, r in c.results.items()}
+    rr, ha = s["round-robin"], s["hardware-aware"]
+    # What this run measured: hardware-aware queues less but decodes slower per token (it
+    # sends more requests to the A100s, whose batches grow larger).
+    assert ha["ttft_p90_s"] < 0.5 * rr["ttft_p90_s"]
+    assert ha["tpot_mean_s"] > 1.2 * rr["tpot_mean_s"]
+    [line] = tradeoffs(s)
+    assert line.startswith("hardware-aware cuts p90 TTFT ")
+    assert f"{1 - ha['ttft_p90_s'] / rr['ttft_p90_s']:.0%}" in line
+    assert f"mean TPOT {ha['tpot_mean_s'] / rr['tpot_mean_s'] - 1:.0%}" in line
+    assert "vs round-robin, but raises" in line and line.endswith("a trade-off")
+    assert line in render_at(render(c), 400)
+
+
+def test_tradeoff_sentences():
+    from fleetctl.sim.command import tradeoffs
+
+    def fig(ttft, tpot, e2e):
+        return {
+            "ttft_p50_s": ttft,
+            "ttft_p90_s": ttft,
+            "ttft_p99_s": ttft,
+            "tpot_mean_s": tpot,
+            "tpot_p99_s": tpot,
+            "e2e_p99_s": e2e,
+        }
+
+    base = fig(1.0, 0.05, 10.0)
+    assert tradeoffs({"a": base}) == []
+    [line] = tradeoffs({"hardware-aware": base, "rr": fig(2.0, 0.05, 12.0)})
+    assert line == (
+        "hardware-aware cuts p50 TTFT 50% and p99 e2e latency 17% vs rr, and is no worse elsewhere"
+    )
+    [line] = tradeoffs({"hardware-aware": base, "rr": fig(0.25, 0.05, 10.2)})
+    assert line == "hardware-aware raises p50 TTFT 4.0x vs rr, and is no better elsewhere"
+    [line] = tradeoffs({"hardware-aware": base, "rr": fig(1.02, 0.0499, 10.0)})
+    assert "within 5% on TTFT, TPOT and e2e latency" in line
+    # Without hardware-aware the policy with the lowest p99 TTFT is the one compared; one-token
+    # outputs have no TPOT (NaN), and that family is left out rather than compared.
+    nan = float("nan")
+    [line] = tradeoffs({"x": fig(3.0, nan, 10.0), "y": fig(1.0, nan, 11.0)})
+    assert line == "y cuts p50 TTFT 67% vs x, but raises p99 e2e latency 10%: a trade-off"
+
+
+def test_simulation_reports_progress_per_policy(rr_vs_ha):
+    _, steps = rr_vs_ha
+    done = [d for d, _ in steps]
+    assert done == sorted(done) and done[0] == 0 and steps[-1] == (2, "simulated")
+    assert any(0 < d < 1 for d in done) and any(1 < d < 2 for d in done)
+    assert {w for _, w in steps} == {
+        "simulating round-robin (1/2)",
+        "simulating hardware-aware (2/2)",
+        "simulated",
+    }
+
+
+def test_trace_loading_reports_progress(tmp_path):
+    rows = "".join(
+        f"2023-11-16 18:{i // 600:02d}:{i // 10 % 60:02d}.{i % 10},100,10\n" for i in range(9000)
+    )
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    seen: list[float] = []
+    items = load_trace(trace, "m", progress=seen.append)
+    assert len(items) == 9000
+    assert len(seen) == 2 and seen == sorted(seen) and seen[-1] <= trace.stat().st_size
+
+
+def test_plot_title_names_fleet_source_and_load(rr_vs_ha):
+    from fleetctl.sim.command import plot_title
+
+    c, _ = rr_vs_ha
+    title = plot_title(c, "seed-mixed-8b", "synthetic rate=20,duration=120")
+    assert title.startswith("seed-mixed-8b: llama-3-8b on 12 servers, synthetic rate=20")
+    assert f"{len(c.items):,} requests" in title and "(150% of capacity)" in title
+
+
+def test_plot_without_matplotlib_fails_before_simulating(cli, tmp_path, monkeypatch):
+    import sys
+
+    import fleetctl.sim.command
+
+    def never(*args, **kwargs):
+        raise AssertionError("simulated before checking for matplotlib")
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setattr(fleetctl.sim.command, "compare", never)
+    out = tmp_path / "ttft.png"
+    r = cli("simulate", "example:seed-mixed-8b", "--workload", "rate=3,duration=60", "--plot", out)
+    assert r.code == 2, r.err
+    assert "--plot needs matplotlib" in r.err and "pip install matplotlib" in r.err
+    assert len(r.err.strip().splitlines()) == 1 and not out.exists()

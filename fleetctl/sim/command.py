@@ -232,8 +232,8 @@ def tradeoffs(summaries: dict[str, dict[str, float | int]], base: str | None = N
                 for label, key in metrics
                 if _finite(ours[key]) and _finite(theirs[key]) and theirs[key] > 0
             ]
-            best = min(changes, default=None)
-            worst = max(changes, default=None)
+            best = min(changes, key=lambda c: c[0], default=None)  # ties: the first listed
+            worst = max(changes, key=lambda c: c[0], default=None)
             if best is not None and best[0] <= -SAME_WITHIN:
                 wins.append(f"{best[1]} {-best[0]:.0%}")
             if worst is not None and worst[0] >= SAME_WITHIN:
@@ -269,6 +269,16 @@ def _and(parts: list[str]) -> str:
     return parts[0] if len(parts) == 1 else f"{', '.join(parts[:-1])} and {parts[-1]}"
 
 
+def plot_title(result: Comparison, fleet: str, source: str) -> str:
+    """Which fleet, which requests, how hard: a plot read later, away from the command line."""
+    load = result.offered_rps / result.capacity_rps if result.capacity_rps else math.nan
+    return (
+        f"{fleet}: {result.model} on {plural(len(result.servers), 'server')}, {source}\n"
+        f"{plural(len(result.items), 'request')}, offered {result.offered_rps:.1f} req/s "
+        f"({load:.0%} of capacity)"
+    )
+
+
 def write_plot(result: Comparison, path: Path, *, fleet: str, source: str) -> None:
     """Complementary CDFs of TTFT and e2e latency per policy, both axes log: the tail shows."""
     require_matplotlib()
@@ -297,12 +307,7 @@ def write_plot(result: Comparison, path: Path, *, fleet: str, source: str) -> No
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("share of requests at least this slow")
     axes[0].legend()
-    load = result.offered_rps / result.capacity_rps if result.capacity_rps else math.nan
-    fig.suptitle(
-        f"{fleet}: {result.model} on {plural(len(result.servers), 'server')}, {source}\n"
-        f"{plural(len(result.items), 'request')}, offered {result.offered_rps:.1f} req/s "
-        f"({load:.0%} of capacity)"
-    )
+    fig.suptitle(plot_title(result, fleet, source))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
