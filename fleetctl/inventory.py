@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import shlex
 from dataclasses import dataclass
@@ -413,10 +414,11 @@ def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[N
                     src.at(("nodes", i, "name")),
                     "give every node a unique name",
                 )
-            addr = (host, port)
+            addr = (_same_address(host), port)
             if addr in by_addr:
                 raise UserError(
-                    f"duplicate address {host}:{port} (also node '{by_addr[addr]}')",
+                    f"duplicate address {names.host_port(host, port)} "
+                    f"(also node '{by_addr[addr]}')",
                     src.at(("nodes", i, "host")),
                     "give every node its own host or SSH port",
                 )
@@ -494,3 +496,12 @@ def _resolve_models(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple
         )
         out.append(Model(ms, profile, tuple(variants), gpu_types))
     return tuple(out)
+
+
+def _same_address(host: str) -> str:
+    """One spelling per address, so fd00::2 and fd00:0::2 are seen as the same node; names are
+    compared as written (case aside), since resolving them is the network's business."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.lower()

@@ -101,6 +101,15 @@ CASES = [
         ["duplicate address 10.0.1.12:22", "a100-2"],
     ),
     (
+        # The same IPv6 address written two ways is one node, named as OpenSSH writes it.
+        "duplicate-ipv6-address",
+        bad("host: 10.0.1.[11:12]", "host: fd00:0::[11:12]").replace(
+            "host: 10.0.2.[21:22]", "host: fd00::[12:13]"
+        ),
+        7,
+        ["duplicate address [fd00::12]:22", "a100-2"],
+    ),
+    (
         "unknown-gpu",
         bad("type: RTX-4090", "type: RTX-4009"),
         8,

@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from fleetctl import names
 from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
 from fleetctl.emulator.driver import Driver, Job, Update
@@ -431,9 +432,10 @@ async def _serve(config: EmulatorConfig) -> None:
         await site.start()
     except OSError as e:
         await runner.cleanup()
-        raise OperationError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+        where = names.host_port(config.host, config.port)
+        raise OperationError(f"cannot listen on {where}: {e.strerror}") from e
     log.info(_describe(config))
-    log.info("serving on http://%s:%d", config.host, config.port)
+    log.info("serving on %s", names.http_url(config.host, config.port))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
