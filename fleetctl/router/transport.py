@@ -7,7 +7,7 @@ from typing import Protocol, Self
 
 from fleetctl.router.upstream import IDLE_TIMEOUT, MAX_BODY, Upstream
 
-TRANSPORTS = ("fast", "reference")
+TRANSPORTS = ("fast", "reference", "llhttp")
 
 
 class Answer(Protocol):
@@ -62,4 +62,8 @@ def make_transport(
         from fleetctl.router.upstream_aiohttp import AiohttpUpstream
 
         return AiohttpUpstream(connect_timeout, read_timeout, max_idle, max_body, idle_timeout)
+    if name == "llhttp":
+        from fleetctl.router.upstream_llhttp import LlhttpUpstream
+
+        return LlhttpUpstream(connect_timeout, read_timeout, max_idle, max_body, idle_timeout)
     raise ValueError(f"unknown upstream client {name!r}; choose from {', '.join(TRANSPORTS)}")

@@ -271,6 +271,7 @@ class Upstream:
         self._pools: dict[tuple[str, int, bool], collections.deque[_Conn]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], str, str, str]] = {}
         self._ssl: ssl.SSLContext | None = None
+        self._conn_class: Any = _Conn  # the connection protocol (its framing)
 
     def _target(self, url: str) -> tuple[tuple[str, int, bool], str, str, str]:
         """(host, port, tls), request line and Host header, server name, Basic auth: parsed
@@ -340,7 +341,7 @@ class Upstream:
             self._ssl = ssl.create_default_context()
         _, conn = await asyncio.wait_for(
             loop.create_connection(
-                lambda: _Conn(pool),
+                lambda: self._conn_class(pool),
                 key[0],
                 key[1],
                 ssl=self._ssl if key[2] else None,
