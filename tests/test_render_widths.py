@@ -232,3 +232,20 @@ def test_the_check_catches_a_cut_number() -> None:
     assert not shows_whole("56,234", "│ 56,2 │\n│ 34   │")
     assert not shows_whole("12.2", "CUDA 12.24")
     assert shows_whole("12.2", "CUDA 12.2.")
+
+
+def test_the_compact_layouts_take_over_only_below_a_width() -> None:
+    """A table while one fits: the seed plan at 100 columns, simulate as one table at 160 and
+    as two (latency, outcomes) at 100; one block per record only where no table fits."""
+    from fleetctl.render import plan_table
+
+    def tables(text: str) -> int:
+        return sum(line.startswith("┏") for line in text.splitlines())
+
+    plan = plan_table(plan_of("seed-mixed-8b"))
+    assert tables(render_at(plan, 100)) == 1 and tables(render_at(plan, 160)) == 1
+    blocks = render_at(plan, 80)
+    assert tables(blocks) == 0 and "+ a100-[1:4] llama-3-8b bf16" in blocks
+    assert "KV tokens 488,816" in blocks
+    [(sim, _)] = simulate_cases()
+    assert tables(render_at(sim, 160)) == 1 and tables(render_at(sim, 100)) == 2
