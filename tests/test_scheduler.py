@@ -120,3 +120,31 @@ def test_low_priority_requests_starve_without_aging(catalog):
     low, result = _starvation(catalog, aging=False)
     assert all(o.finished is None for o in low)
     assert result.boosts == 0
+
+
+def test_a_retry_keeps_its_place_avoids_the_failed_backend_and_obeys_caps(catalog):
+    a, b = one_backend(catalog, max_seqs=1), one_backend(catalog, max_seqs=1)
+    a.name, b.name = "a", "b"
+    s = Scheduler(HardwareAware(), Aging(enabled=False))
+    busy = Request("busy", "llama-3-8b", 10, 10, arrival=0)
+    s.submit(busy)
+    (placed,), _ = s.dispatch(1, [b])
+    assert placed.decision.backend is b and b.outstanding == 1
+    later = Request("later", "llama-3-8b", 10, 10, arrival=5)
+    retry = Request("retry", "llama-3-8b", 10, 10, arrival=2, exclude=frozenset({"a"}))
+    s.submit(later)
+    s.submit(retry)
+    assert [r.id for r in s.queue] == ["retry", "later"]  # by arrival: the retry keeps its place
+    sent, _ = s.dispatch(6, [a, b])
+    # `a` failed the retry: only `later` may go there; `b` is at its cap, so the retry waits.
+    assert [(d.request.id, d.decision.backend.name) for d in sent] == [("later", "a")]
+    assert b.outstanding == 1 and [r.id for r in s.queue] == ["retry"]
+    release(b, busy)
+    sent, _ = s.dispatch(7, [a, b])
+    assert [(d.request.id, d.decision.backend.name) for d in sent] == [("retry", "b")]
+    # With every backend excluded, a retry is rejected (the daemon answers 502).
+    release(a, later)
+    last = Request("last", "llama-3-8b", 10, 10, exclude=frozenset({"a", "b"}))
+    s.submit(last)
+    _, rejected = s.dispatch(8, [a, b])
+    assert [d.request.id for d in rejected] == ["last"] and rejected[0].decision.reject

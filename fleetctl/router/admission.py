@@ -52,6 +52,11 @@ class Admission:
         """The backends changed (a reload): look at the queue again."""
         self._kick.set()
 
+    def could_serve(self, req: Request) -> bool:
+        """Whether any backend `req` does not exclude may ever serve it (room aside)."""
+        left = [b for b in self.backends if b.name not in req.exclude]
+        return bool(self.scheduler.policy.eligible(req, left)[0])
+
     def dispatch(self) -> None:
         if not len(self.scheduler):
             return

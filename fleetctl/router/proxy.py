@@ -155,6 +155,8 @@ class Proxy:
         """A retry is a normal scheduler entry: the same priority and arrival (it keeps its
         place in line), minus the backends that failed, and it waits for room like any other."""
         req.exclude = frozenset(b.name for b in tried)
+        if not self.hooks.admission.could_serve(req):
+            return None  # no backend left to try: do not wait in line for nothing
         try:
             decision = await self.hooks.admission.place(req)
         except ClientError:  # no room in time: the client gets the 502
