@@ -186,10 +186,12 @@ def backend(server: StandIn, node: str, variant: str = "bf16", seqs: int = 256) 
 
 
 @contextlib.contextmanager
-def serving_one(upstream_timeout_s: float):
+def serving_one(upstream_timeout_s: float, transport: str = "fast"):
     """A router in front of one backend that takes one request at a time."""
     server = StandIn()
-    config = DaemonConfig(upstream_timeout_s=upstream_timeout_s, queue_timeout_s=30)
+    config = DaemonConfig(
+        upstream_timeout_s=upstream_timeout_s, queue_timeout_s=30, transport=transport
+    )
     r = Serving([backend(server, "n0", seqs=1)], "hardware-aware", config)
     try:
         yield r, server
@@ -198,9 +200,10 @@ def serving_one(upstream_timeout_s: float):
         server.stop()
 
 
-@pytest.fixture
-def one():
-    with serving_one(upstream_timeout_s=30) as pair:
+@pytest.fixture(params=["fast", "reference"])
+def one(request):
+    """Both HTTP clients to backends (router/transport.py) end each outcome the same way."""
+    with serving_one(upstream_timeout_s=30, transport=request.param) as pair:
         yield pair
 
 
@@ -231,9 +234,10 @@ def test_an_upstream_error_before_the_answer_releases_the_backend(one):
     assert r.gauges(server.url) == IDLE
 
 
-def test_an_upstream_timeout_releases_the_backend():
+@pytest.mark.parametrize("transport", ["fast", "reference"])
+def test_an_upstream_timeout_releases_the_backend(transport):
     # A backend silent for 1 s is given up (the answers that must not time out use `one`).
-    with serving_one(upstream_timeout_s=1.0) as (r, server):
+    with serving_one(upstream_timeout_s=1.0, transport=transport) as (r, server):
         server.mode = "stall"
         status, _, body = r.post()
         assert status == 502, body

@@ -25,7 +25,7 @@ from fleetctl.router.proxy import Hooks, Proxy
 from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.tokens import TokenCounter
-from fleetctl.router.upstream import Upstream
+from fleetctl.router.transport import make_transport
 from fleetctl.routing.policy import Policy
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
 from fleetctl.routing.scheduler import Scheduler
@@ -41,6 +41,7 @@ class DaemonConfig:
     connect_timeout_s: float = 5.0
     queue_timeout_s: float = 300.0
     max_retries: int = 2
+    transport: str = "fast"  # the HTTP client to backends (router/transport.py)
     api_key: str | None = None  # clients must send it as a Bearer token
     backend_api_key: str | None = None  # sent to backends instead of the client's header
     priority_classes: int = PRIORITY_CLASSES  # X-Priority from 0 to this minus one
@@ -106,8 +107,8 @@ class Router:
 
     async def _start(self, app: web.Application) -> None:
         c = self.config
-        # For the proxied requests: cheaper than aiohttp's client.
-        upstream = Upstream(c.connect_timeout_s, c.upstream_timeout_s)
+        # For the proxied requests: "fast" is cheaper than aiohttp's client.
+        upstream = make_transport(c.transport, c.connect_timeout_s, c.upstream_timeout_s)
         hooks = Hooks(
             self.admission, self.metrics, self.estimator, self.tokens, self.live, self._ttft
         )

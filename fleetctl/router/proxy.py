@@ -22,7 +22,8 @@ from fleetctl.router.live import LiveState
 from fleetctl.router.relay import BackendFailed, Stream, relay_whole
 from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.tokens import TokenCounter
-from fleetctl.router.upstream import Response, Upstream, UpstreamError
+from fleetctl.router.transport import Answer, Transport
+from fleetctl.router.upstream import UpstreamError
 from fleetctl.routing.request import ClientError, Parsed
 from fleetctl.routing.scheduler import first_token, release
 from fleetctl.routing.types import Backend, Decision, OutputEstimator, Request
@@ -108,7 +109,7 @@ class Lease:
 
 @dataclass
 class Proxy:
-    upstream: Upstream
+    upstream: Transport
     hooks: Hooks
     max_retries: int = 2
     api_key: str | None = None  # the router's own: when set, the client's header is not passed
@@ -214,7 +215,7 @@ class Proxy:
             raise
 
 
-async def _post(upstream: Upstream, url: str, raw: bytes, headers: dict[str, str]) -> Response:
+async def _post(upstream: Transport, url: str, raw: bytes, headers: dict[str, str]) -> Answer:
     """A connection that cannot be made is the backend failing, like a bad answer; an OSError
     later on is the client's connection, so it is told apart here."""
     try:

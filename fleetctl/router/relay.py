@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from fleetctl.router.upstream import Response
+from fleetctl.router.transport import Answer
 from fleetctl.routing.types import Backend
 
 log = logging.getLogger("fleetctl.router")
@@ -58,7 +58,7 @@ def header_value(value: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in value)
 
 
-def answer_headers(up: Response, b: Backend) -> dict[str, str]:
+def answer_headers(up: Answer, b: Backend) -> dict[str, str]:
     h = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
     # The backend's own headers were checked as they were parsed (upstream.py); these come
     # from inventory, state or a backends file.
@@ -68,7 +68,7 @@ def answer_headers(up: Response, b: Backend) -> dict[str, str]:
     return h
 
 
-async def relay_whole(up: Response, b: Backend, outcome: Outcome) -> web.Response:
+async def relay_whole(up: Answer, b: Backend, outcome: Outcome) -> web.Response:
     data = await up.read()
     answer = parse_answer(data) if up.status == 200 else None
     if up.status == 200 and answer is None:
@@ -91,7 +91,7 @@ class Stream:
         self.last = b""  # the last chunk written
 
     async def relay(
-        self, request: web.Request, up: Response, b: Backend, outcome: Outcome
+        self, request: web.Request, up: Answer, b: Backend, outcome: Outcome
     ) -> web.StreamResponse:
         # Whatever has arrived, at once (b"" at the end): this loop runs once per chunk.
         read = up.read_chunk
