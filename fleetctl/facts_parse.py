@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fleetctl.text import plural
+
 # What the probe sends. `compute_cap` is unknown to older drivers (470.x answers
 # `Field "compute_cap" is not a valid field to query.`), so the probe retries without it.
 QUERY_FIELDS: tuple[str, ...] = (
@@ -423,7 +425,9 @@ def parse_smi_query_csv(text: str, fields: tuple[str, ...] | list[str]) -> list[
     for row in rows:
         if len(row) != len(wanted):
             return SmiError(
-                "malformed", ",".join(row), f"{len(row)} values for {len(wanted)} fields"
+                "malformed",
+                ",".join(row),
+                f"{plural(len(row), 'value')} for {plural(len(wanted), 'field')}",
             )
         values = {f: _csv_value(v) for f, v in zip(wanted, row, strict=True)}
         out.append(

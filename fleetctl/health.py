@@ -7,13 +7,15 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from fleetctl import http
+from fleetctl.facts import Facts
 from fleetctl.http import HttpError
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Deployment
 from fleetctl.router.scrape import parse_vllm_metrics
+from fleetctl.text import plural
 
 Status = Literal["ok", "warn", "fail"]
 KV_SATURATED = 0.95
@@ -36,37 +38,39 @@ def node_classes(inv: Inventory) -> dict[str, str]:
     return {n.name: f"{n.gpu_count}x {n.gpu.name}" for n in inv.nodes}
 
 
-def check_reachability(facts: dict[str, Any]) -> list[Check]:
+def check_reachability(facts: Facts) -> list[Check]:
     out = []
-    for name, f in sorted(facts["nodes"].items()):
-        if "error" in f:
-            err = f["error"]  # the one line an operator reads: node (address): what: what to do
-            out.append(Check("reachable", name, "fail", err.get("line") or err["detail"]))
-        elif f.get("gpu_error"):
-            out.append(Check("reachable", name, "fail", f"GPU driver: {f['gpu_error']['message']}"))
+    for name, f in sorted(facts.nodes.items()):
+        if f.error is not None:  # the one line an operator reads: node (address): what: what to do
+            out.append(Check("reachable", name, "fail", f.error.text))
+        elif f.gpu_error is not None:
+            out.append(Check("reachable", name, "fail", f"GPU driver: {f.gpu_error.message}"))
         else:
-            out.append(Check("reachable", name, "ok", f"{len(f.get('gpus') or [])} GPUs"))
+            out.append(Check("reachable", name, "ok", plural(len(f.gpus), "GPU")))
     return out
 
 
-def check_skew(inv: Inventory, facts: dict[str, Any]) -> tuple[list[Check], dict[str, bool]]:
+SKEW_FIELDS = ("driver_version", "cuda_version", "vllm")
+
+
+def check_skew(inv: Inventory, facts: Facts) -> tuple[list[Check], dict[str, bool]]:
     """Driver, CUDA and vLLM versions within each node class: the majority is the norm, and
     nodes that differ are not equivalent (their kernels may not give the same outputs)."""
     classes = node_classes(inv)
     members: dict[str, list[str]] = defaultdict(list)
-    for name, f in facts["nodes"].items():
-        if name in classes and "error" not in f:
+    for name, f in facts.nodes.items():
+        if name in classes and f.reached:
             members[classes[name]].append(name)
     out: list[Check] = []
-    equivalent = {name: True for name in facts["nodes"]}
+    equivalent = {name: True for name in facts.nodes}
     for cls, names in sorted(members.items()):
-        for field in ("driver_version", "cuda_version", "vllm"):
-            seen = Counter(facts["nodes"][n].get(field) for n in names)
+        for field in SKEW_FIELDS:
+            seen = Counter(facts.nodes[n].version(field) for n in names)
             if len(seen) < 2:
                 continue
             norm, _ = seen.most_common(1)[0]
             for n in sorted(names):
-                got = facts["nodes"][n].get(field)
+                got = facts.nodes[n].version(field)
                 if got != norm:
                     equivalent[n] = False
                     out.append(
@@ -79,56 +83,61 @@ def check_skew(inv: Inventory, facts: dict[str, Any]) -> tuple[list[Check], dict
                         )
                     )
     for name in sorted(equivalent):
-        if equivalent[name] and "error" not in facts["nodes"][name]:
+        if equivalent[name] and facts.nodes[name].reached:
             out.append(Check("equivalent", name, "ok", "driver, CUDA and vLLM match its class"))
     return out, equivalent
 
 
-def check_changes(before: dict[str, Any] | None, now: dict[str, Any]) -> list[Check]:
+def check_changes(before: Facts | None, now: Facts) -> list[Check]:
     """GPUs that went missing or changed since the saved facts."""
-    if not before:
+    if before is None:
         return []
     out = []
-    for name, f in sorted(now["nodes"].items()):
-        old = before.get("nodes", {}).get(name)
-        if not old or "error" in f or "error" in old:
+    for name, f in sorted(now.nodes.items()):
+        old = before.nodes.get(name)
+        if old is None or not f.reached or not old.reached:
             continue
-        was = {g.get("uuid") or g.get("index"): g.get("name") for g in old.get("gpus") or []}
-        is_ = {g.get("uuid") or g.get("index"): g.get("name") for g in f.get("gpus") or []}
-        missing = sorted(str(k) for k in was.keys() - is_.keys())
-        added = sorted(str(k) for k in is_.keys() - was.keys())
+        was = {g.identity for g in old.gpus}
+        is_ = {g.identity for g in f.gpus}
+        missing, added = sorted(was - is_), sorted(is_ - was)
         if missing or added:
             detail = f"GPUs gone: {', '.join(missing) or 'none'}; new: {', '.join(added) or 'none'}"
             out.append(Check("gpus-changed", name, "fail", detail))
     return out
 
 
-def check_gpus(facts: dict[str, Any], deployments: Sequence[Deployment]) -> list[Check]:
+def check_gpus(facts: Facts, deployments: Sequence[Deployment]) -> list[Check]:
     """ECC errors, pending page retirements, and foreign processes on GPUs the plan uses."""
     planned: dict[tuple[str, int], Deployment] = {}
     for d in deployments:
-        for g in d.gpu_indices:
-            planned[(d.node, g)] = d
+        for i in d.gpu_indices:
+            planned[(d.node, i)] = d
     out = []
-    for name, f in sorted(facts["nodes"].items()):
-        for g in f.get("gpus") or []:
-            idx = g.get("index")
-            ecc = g.get("ecc_uncorrected_volatile")
-            if ecc:
-                out.append(Check("ecc", name, "fail", f"GPU {idx}: {ecc} uncorrected ECC errors"))
-            if g.get("retired_pages_pending"):
+    for name, f in sorted(facts.nodes.items()):
+        for g in f.gpus:
+            idx = g.index
+            if g.ecc_uncorrected_volatile:
+                out.append(
+                    Check(
+                        "ecc",
+                        name,
+                        "fail",
+                        f"GPU {idx}: {g.ecc_uncorrected_volatile} uncorrected ECC errors",
+                    )
+                )
+            if g.retired_pages_pending:
                 out.append(
                     Check("ecc", name, "warn", f"GPU {idx}: page retirement pending (reboot)")
                 )
-            owner = planned.get((name, idx))
+            owner = planned.get((name, idx)) if idx is not None else None
             if owner is None:
                 continue
-            ours = f.get("fleetctl_pids")
-            for p in g.get("processes") or []:
-                used = p.get("used_memory_mib") or 0
-                pname = str(p.get("process_name") or "")
+            ours = f.fleetctl_pids
+            for p in g.processes:
+                used = p.used_memory_mib or 0
+                pname = p.process_name or ""
                 if ours is not None:  # the probe knows fleetctl's servers: match by pid
-                    foreign = p.get("pid") not in ours
+                    foreign = p.pid not in ours
                 else:  # facts from before apply existed: a name is all there is
                     foreign = "vllm" not in pname.lower() and "python" not in pname.lower()
                 if used >= FOREIGN_MIB and foreign:
@@ -137,7 +146,7 @@ def check_gpus(facts: dict[str, Any], deployments: Sequence[Deployment]) -> list
                             "foreign-process",
                             name,
                             "fail",
-                            f"GPU {idx}: pid {p.get('pid')} ({pname or '?'}) holds {used} MiB that "
+                            f"GPU {idx}: pid {p.pid} ({pname or '?'}) holds {used} MiB that "
                             f"the plan gave to {owner.model}'s KV cache",
                         )
                     )

@@ -81,7 +81,8 @@ def test_backends_from_state_know_their_gpus_and_dcgm_page(tmp_path, catalog):
     from fleetctl.inventory import load_inventory
     from fleetctl.planner import plan_fleet
     from fleetctl.router.backends import backends_from_state
-    from fleetctl.state import State, save_state
+    from fleetctl.state import State
+    from fleetctl.statedir import StateDir
     from tests.conftest import write
 
     inv = load_inventory(
@@ -94,8 +95,8 @@ def test_backends_from_state_know_their_gpus_and_dcgm_page(tmp_path, catalog):
         catalog,
     )
     plan = plan_fleet(inv)
-    save_state(tmp_path / ".fleetctl", State(1, plan.deployments))
-    found = backends_from_state(inv, tmp_path / ".fleetctl")
+    StateDir(tmp_path / ".fleetctl").save_state(State(1, plan.deployments))
+    found = backends_from_state(inv, StateDir(tmp_path / ".fleetctl"))
     assert [(b.gpus, b.dcgm_url) for b in found] == [
         (d.gpu_indices, "http://10.0.0.5:9400/metrics") for d in plan.deployments
     ]

@@ -597,7 +597,8 @@ def test_backends_come_from_applied_state_and_follow_it(fleet, tmp_path, catalog
 
     from fleetctl.inventory import load_inventory
     from fleetctl.planner import plan_fleet
-    from fleetctl.state import State, save_state
+    from fleetctl.state import State
+    from fleetctl.statedir import StateDir
 
     emus = fleet["emus"]
     inv_path = tmp_path / "inv.yaml"
@@ -613,7 +614,7 @@ def test_backends_come_from_applied_state_and_follow_it(fleet, tmp_path, catalog
         for d, e in zip(rtx, (emus["rtx1"], emus["rtx2"]), strict=True)
     ]
     state_dir = tmp_path / ".fleetctl"
-    save_state(state_dir, State(1, (deps[0],)))
+    StateDir(state_dir).save_state(State(1, (deps[0],)))
     port = free_port()
     log = tmp_path / "state-router.log"
     with log.open("w") as out:
@@ -644,7 +645,7 @@ def test_backends_come_from_applied_state_and_follow_it(fleet, tmp_path, catalog
                 time.sleep(0.05)
         status, headers, _ = r.complete()
         assert status == 200 and headers["X-Fleet-Backend"] == deps[0].node
-        save_state(state_dir, State(2, tuple(deps)))  # `fleetctl apply` added a server
+        StateDir(state_dir).save_state(State(2, tuple(deps)))  # `fleetctl apply` added a server
         _wait_for(lambda: _backend_count(r) == 2, "the state file's new backend")
     finally:
         r.stop()

@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import sys
-from pathlib import Path
 from types import TracebackType
 
 from fleetctl.errors import OperationError

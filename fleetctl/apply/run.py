@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from fleetctl import http
@@ -27,7 +26,9 @@ from fleetctl.names import natural_key
 from fleetctl.plan import Deployment
 from fleetctl.probe import target
 from fleetctl.ssh import NodeError, SshOptions, SshSession, Target
-from fleetctl.state import State, save_state
+from fleetctl.state import State
+from fleetctl.statedir import StateDir
+from fleetctl.text import plural
 
 Emit = Callable[[str, str], None]  # (node, message): progress for the operator
 Started = Callable[[int], None]  # how many nodes this run works on
@@ -78,7 +79,7 @@ class Outcome:
 class StateBook:
     """state.json, rewritten atomically whenever a node's servers change; thread-safe."""
 
-    def __init__(self, state_dir: Path, state: State):
+    def __init__(self, state_dir: StateDir, state: State):
         self.state_dir = state_dir
         self.serial = state.serial
         self.by_node: dict[str, list[Deployment]] = {}
@@ -96,7 +97,7 @@ class StateBook:
             if not self.by_node[node]:
                 del self.by_node[node]
             self.serial += 1
-            save_state(self.state_dir, self.state())
+            self.state_dir.save_state(self.state())
 
     def state(self) -> State:
         nodes = sorted(self.by_node, key=natural_key)
@@ -404,6 +405,6 @@ def destroy_fleet(
         if left:
             return [Outcome(name, "destroy", "failed", detail=f"still there: {left[0].sid}")]
         book.set_node(name, [])
-        return [Outcome(name, "destroy", "ok", detail=f"stopped {len(sids)} servers")]
+        return [Outcome(name, "destroy", "ok", detail=f"stopped {plural(len(sids), 'server')}")]
 
     return _each_node(sorted(targets, key=natural_key), opts.parallel, one, started, done)

@@ -90,8 +90,8 @@ def status(
     as_json: bool = JsonOpt,
 ) -> None:
     """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
-    from fleetctl.cli.apply_flow import Common, options
     from fleetctl.apply.status import status_fleet
+    from fleetctl.cli.apply_flow import Common, options
 
     inv, _ = common.load(inventory, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)

@@ -36,9 +36,10 @@ def probe(
     as_json: bool = JsonOpt,
 ) -> None:
     """Gather each node's GPUs, driver, CUDA, vLLM and OS over SSH into the state folder."""
-    import sys
+    import itertools
 
     from fleetctl.errors import UserError
+    from fleetctl.progress import progress
 
     if local:
         from fleetctl.probe import local_facts
@@ -53,14 +54,9 @@ def probe(
     inv, _ = common.load(inventory, profiles, ssh=True)
     sdir = common.state_dir(inv, state_dir)
     options = SshOptions(known_hosts, accept_new, inv.spec.ssh.connect_timeout_s, timeout)
-    if as_json or not sys.stderr.isatty():
-        facts = probe_fleet(inv, options, parallel)
-    else:
-        from rich.progress import Progress
-
-        with Progress(transient=True) as bar:
-            task = bar.add_task("probing", total=len(inv.nodes))
-            facts = probe_fleet(inv, options, parallel, on_done=lambda _: bar.advance(task))
+    done = itertools.count(1)  # nodes finish on the probe's threads: count without a lock
+    with progress("probing", len(inv.nodes), enabled=not as_json) as bar:
+        facts = probe_fleet(inv, options, parallel, on_done=lambda _: bar.update(next(done)))
     sdir.save_facts(facts)
     failed = [f.error for _, f in sorted(facts.nodes.items()) if f.error is not None]
     if as_json:

@@ -113,12 +113,17 @@ def simulate(
     profiles: list[Path] = ProfilesOpt,
     as_json: bool = JsonOpt,
     plot: Path | None = typer.Option(
-        None, "--plot", metavar="FILE.png", help="Write latency CDFs per policy (PNG)."
+        None,
+        "--plot",
+        metavar="FILE.png",
+        help="Write log-log latency tails (TTFT, e2e) per policy (PNG).",
     ),
 ) -> None:
     """Replay a workload over the planned fleet with each policy; compare TTFT and more."""
-    from fleetctl.sim.command import run_simulate
+    from fleetctl.sim.command import require_matplotlib, run_simulate
 
+    if plot is not None:  # before loading anything: a missing matplotlib wastes no simulation
+        require_matplotlib()
     inv, _ = common.load(inventory, profiles)
     data, renderable = run_simulate(
         inv, workload, trace, policies, load, model, limit, seed, no_aging, plot, not as_json

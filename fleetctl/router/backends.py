@@ -15,7 +15,7 @@ from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
 from fleetctl.perf import EnginePerf, kv_budget, vllm_batch_defaults
 from fleetctl.routing.types import Backend
-from fleetctl.state import load_state
+from fleetctl.statedir import StateDir
 from fleetctl.validation import Strict, validate
 from fleetctl.yamlsrc import load_yaml
 
@@ -122,13 +122,9 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
     return out
 
 
-def class_tags(state_dir: Path, nodes: list[str]) -> list[str]:
+def class_tags(state_dir: StateDir, nodes: list[str]) -> list[str]:
     """Per node: its own class tag when `fleetctl health` found it not equivalent, else ""."""
-    try:
-        health = json.loads((state_dir / "health.json").read_text(encoding="utf-8"))
-        equivalent = health.get("equivalent", {})
-    except (OSError, ValueError, AttributeError):
-        return ["" for _ in nodes]
+    equivalent = state_dir.load_health().equivalent
     return [f"nonequivalent:{n}" if equivalent.get(n) is False else "" for n in nodes]
 
 
@@ -136,9 +132,9 @@ def _inventory_profile(inv: Inventory, served: str) -> str | None:
     return next((m.profile.name for m in inv.models if m.name == served), None)
 
 
-def backends_from_state(inv: Inventory, state_dir: Path) -> list[Backend]:
+def backends_from_state(inv: Inventory, state_dir: StateDir) -> list[Backend]:
     """Every server `fleetctl apply` recorded, at http://host:port."""
-    state = load_state(state_dir)
+    state = state_dir.load_state()
     gpus = {n.name: n.gpu for n in inv.nodes}
     out = []
     for d in state.deployments:
@@ -177,7 +173,7 @@ def dcgm_url(inv: Inventory, host: str) -> str:
 
 
 def load_backends(
-    inv: Inventory, catalog: Catalog, backends_file: Path | None, state_dir: Path
+    inv: Inventory, catalog: Catalog, backends_file: Path | None, state_dir: StateDir
 ) -> list[Backend]:
     found = (
         load_backends_file(backends_file, inv, catalog)
@@ -189,7 +185,7 @@ def load_backends(
     if not found:
         raise UserError(
             "no backends to route to",
-            Location(str(state_dir / "state.json")),
+            Location(str(state_dir.state_path)),
             "run `fleetctl apply`, or pass --backends FILE for servers fleetctl did not launch",
         )
     return found
