@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetctl.router.daemon import DaemonConfig, Router
-from fleetctl.router.serve import AccessLog, server_options
+from fleetctl.router.serve import AccessLog, served_by, server_options
 from fleetctl.routing.policy import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
@@ -324,3 +324,11 @@ def test_a_retry_waits_for_room_on_the_next_backend_instead_of_overfilling_it(ca
         r.stop()
         a.stop()
         b.stop()
+
+
+def test_the_access_log_names_host_port_and_class_never_a_password():
+    b = Backend("http://user:s3cret@rtx-3:8000", "rtx-3", "RTX4090", NAME, "awq", 1000)
+    assert served_by(b) == ("rtx-3:8000", "RTX4090/awq")
+    b.name = "http://[fd00::3]:8000\x1b[2J"
+    assert served_by(b)[0] == "[fd00::3]:8000\\x1b[2J"  # no terminal escapes reach the log
+    assert served_by(None) == ("-", "-")
