@@ -11,13 +11,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from fleetctl.router.tokens import TokenCounter
-from fleetctl.routing.request import (
-    MAX_JSON_DEPTH,
-    PRIORITY_CLASSES,
-    ClientError,
-    Parsed,
-    parse_request,
-)
+from fleetctl.routing.request import ClientError, Parsed, parse_request
 from fleetctl.routing.types import Backend, OutputEstimator, Request
 
 
@@ -44,14 +38,15 @@ class Intake:
     """What a client's request becomes before it is queued: its bytes (forwarded as received),
     its parsed fields, and the Request routing sees."""
 
-    api_key: str | None = None
-    max_body_bytes: int = 32 * 2**20
-    body_timeout_s: float = 60.0
-    priority_classes: int = PRIORITY_CLASSES
-    max_json_depth: int = MAX_JSON_DEPTH
-    tokens: TokenCounter = field(default_factory=TokenCounter)
-    estimator: OutputEstimator = field(default_factory=OutputEstimator)
-    known_formats: Collection[str] = frozenset()  # the catalog's: a precision hint names one
+    # The limits are DaemonConfig's (daemon.py), passed in.
+    api_key: str | None
+    max_body_bytes: int
+    body_timeout_s: float
+    priority_classes: int
+    max_json_depth: int
+    tokens: TokenCounter
+    estimator: OutputEstimator
+    known_formats: Collection[str]  # the catalog's: a precision hint names one
     served: Mapping[str, frozenset[str]] = field(default_factory=dict)  # model -> its formats
 
     def index(self, backends: list[Backend]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -45,9 +46,12 @@ MAX_HEADERS = 128  # header lines per request
 def served_by(b: Backend | None) -> tuple[str, str]:
     """(host:port, class) of the backend that served a request, for the access log: the URL's
     user:password part, if any, never reaches a log."""
-    if b is None:
-        return "-", "-"
-    return header_value(urlsplit(b.name).netloc.rpartition("@")[2]), header_value(b.node_class)
+    return ("-", "-") if b is None else _where(b.name, b.node_class)
+
+
+@functools.lru_cache(maxsize=4096)  # once per backend, not once per request
+def _where(url: str, node_class: str) -> tuple[str, str]:
+    return header_value(urlsplit(url).netloc.rpartition("@")[2]), header_value(node_class)
 
 
 class AccessLog(AbstractAccessLogger):
