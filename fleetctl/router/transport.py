@@ -7,7 +7,7 @@ from typing import Protocol, Self
 
 from fleetctl.router.upstream import IDLE_TIMEOUT, MAX_BODY, Upstream
 
-TRANSPORTS = ("fast", "reference", "llhttp")
+TRANSPORTS = ("fast", "reference")
 
 
 class Answer(Protocol):
@@ -54,7 +54,8 @@ def make_transport(
     max_body: int = MAX_BODY,
     idle_timeout: float = IDLE_TIMEOUT,
 ) -> Transport:
-    """`fast`: the hand-written HTTP/1.1 client (upstream.py), the cheapest per request;
+    """`fast`: fleetctl's own HTTP/1.1 client (upstream.py, llhttp framing), the cheapest per
+    request;
     `reference`: aiohttp's client, a maintained implementation to compare it with."""
     if name == "fast":
         return Upstream(connect_timeout, read_timeout, max_idle, max_body, idle_timeout)
@@ -62,8 +63,4 @@ def make_transport(
         from fleetctl.router.upstream_aiohttp import AiohttpUpstream
 
         return AiohttpUpstream(connect_timeout, read_timeout, max_idle, max_body, idle_timeout)
-    if name == "llhttp":
-        from fleetctl.router.upstream_llhttp import LlhttpUpstream
-
-        return LlhttpUpstream(connect_timeout, read_timeout, max_idle, max_body, idle_timeout)
     raise ValueError(f"unknown upstream client {name!r}; choose from {', '.join(TRANSPORTS)}")

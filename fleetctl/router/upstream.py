@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 client for the router's POSTs to its backends: keep-alive pool, no extras."""
+"""A lean HTTP/1.1 client for the router's POSTs to its backends: keep-alive pool, idle expiry,
+answers framed by llhttp (httptools), no extras."""
 
 from __future__ import annotations
 
@@ -10,24 +11,22 @@ import ssl
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+import httptools
 from multidict import CIMultiDict
 
-MAX_HEAD = 64 * 1024  # status line and headers; also a chunk-size line and the trailers
+MAX_HEAD = 64 * 1024  # status line and headers (interim answers included)
 MAX_INTERIM = 8  # 1xx answers before the final one
-MAX_HEADERS = 100  # header lines in an answer (as Python's http.client)
+MAX_HEADERS = 100  # header lines in an answer (as Python's http.client), trailers apart
 MAX_BODY = 128 * 2**20  # an answer read whole (not streamed): the router holds it in memory
 HIGH_WATER = 256 * 1024  # unread body bytes before the socket stops being read
 # A pooled connection idle this long is closed, not reused: below the backend's keep-alive
 # timeout (uvicorn's, so vLLM's, is 5 s), so that a request never races the backend's close.
 IDLE_TIMEOUT = 4.0
 
-# RFC 9112: status-line = HTTP-version SP 3DIGIT SP [reason]; ASCII digits only (str.isdigit
-# takes "²", which int() refuses).
-_STATUS = re.compile(r"HTTP/1\.([01]) ([1-5][0-9][0-9])(?: [^\x00-\x08\x0a-\x1f\x7f]*)?")
-_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # a header name
+# llhttp checks the framing (status line, header names, Content-Length digits, one length and
+# never beside chunked, hex chunk sizes); values are also kept free of control characters, so
+# that they can be written into the client's answer as they are.
 _BAD_VALUE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # controls but HTAB: CR and LF included
-_LENGTH = re.compile(r"[0-9]{1,18}")  # up to 10^18 bytes, and int() never refuses it
-_CHUNK_SIZE = re.compile(rb"([0-9A-Fa-f]{1,15})[ \t]*(?:;[^\r\n]*)?")
 
 
 class UpstreamError(Exception):
@@ -44,33 +43,95 @@ class BadResponse(UpstreamError):
 
 
 class _Conn(asyncio.Protocol):
-    """One connection. The protocol only buffers; parsing happens in the reading coroutine."""
+    """One connection; llhttp parses as bytes arrive and the callbacks keep what it found."""
 
     def __init__(self, pool: collections.deque[_Conn]):
         self.pool = pool
-        self.buf = bytearray()
-        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: Any = None
         self.waiter: asyncio.Future[None] | None = None
-        self.closed = False
-        self.idle = False  # in the pool
-        self.idle_since = 0.0  # loop time it went into the pool
-        self.received = 0  # bytes of the current response so far
-        self.paused = False
-        self.reset = False  # lost by an error (a reset), not by an orderly close
+        self.closed = self.idle = self.paused = self.reset = False
+        self.idle_since = 0.0
+        self.received = 0
+        self._begin()
+
+    def _begin(self) -> None:
+        self.head: tuple[int, CIMultiDict[str], bool] | None = None
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.head_bytes = 0
+        self.interim = 0
+        self.trailers = 0
+        self.body = bytearray()
+        self.complete = False
+        self.error: UpstreamError | None = None
+
+    # --- llhttp's callbacks ---------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.head is not None:  # a trailer of a chunked body: counted, not kept
+            self.trailers += 1
+            if self.trailers > MAX_HEADERS:
+                raise BadResponse(f"over {MAX_HEADERS} trailer lines")
+            return
+        if len(self.headers) >= MAX_HEADERS:
+            raise BadResponse(f"over {MAX_HEADERS} header lines")
+        text = value.decode("latin-1").strip(" \t")
+        if _BAD_VALUE.search(text):
+            raise BadResponse("control character in a header")
+        self.headers.add(name.decode("latin-1"), text)
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if not 100 <= status <= 599:
+            raise BadResponse(f"status {status} out of range")
+        if status < 200:  # an interim answer (100 Continue, 103 hints): the final one follows
+            self.interim += 1
+            if self.interim > MAX_INTERIM:
+                raise BadResponse(f"over {MAX_INTERIM} interim (1xx) answers")
+            self.headers = CIMultiDict()
+            return
+        keep = self.parser.should_keep_alive()
+        self.head = (status, self.headers, keep)
+
+    def on_body(self, body: bytes) -> None:
+        self.body += body
+
+    def on_message_complete(self) -> None:
+        if self.head is not None:
+            self.complete = True
+
+    # --- the transport's -----------------------------------------------------------------
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
-        if self.idle:  # an idle connection must stay silent
+        if self.idle:
             self.abort()
             return
-        self.buf += data
         self.received += len(data)
-        if len(self.buf) > HIGH_WATER and self.transport is not None:
-            self.transport.pause_reading()  # a slow client: let TCP push back on the backend
+        if self.head is None:
+            self.head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except UpstreamError as e:
+            self._fail(e)
+        except httptools.HttpParserError as e:
+            # A callback's own error comes back wrapped: keep its message.
+            cause = e.__context__ if isinstance(e.__context__, UpstreamError) else None
+            self._fail(cause or BadResponse(str(e).split("\n", 1)[0] or type(e).__name__))
+        if self.head is None and self.head_bytes > MAX_HEAD:
+            self._fail(BadResponse(f"response head over {MAX_HEAD} bytes"))
+        if len(self.body) > HIGH_WATER and self.transport is not None:
+            self.transport.pause_reading()
             self.paused = True
         self._wake()
+
+    def _fail(self, e: UpstreamError) -> None:
+        if self.error is None:
+            self.error = e
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def eof_received(self) -> None:
         self._lost()
@@ -81,7 +142,7 @@ class _Conn(asyncio.Protocol):
 
     def _lost(self) -> None:
         self.closed = True
-        if self.idle:  # closed by the server while idle: forget it
+        if self.idle:
             self.idle = False
             self.pool.remove(self)
         self._wake()
@@ -91,7 +152,6 @@ class _Conn(asyncio.Protocol):
             self.waiter.set_result(None)
 
     async def wait(self, timeout: float) -> None:
-        """Until more bytes (or the end) arrive; TimeoutError after `timeout` of silence."""
         if self.closed:
             raise ServerDisconnected("the backend closed the connection")
         if self.paused and self.transport is not None:
@@ -120,130 +180,58 @@ def _expire(waiter: asyncio.Future[None]) -> None:
 class Response:
     """Status and headers of an answer; the body is read whole or piece by piece as it comes."""
 
-    def __init__(
-        self,
-        conn: _Conn,
-        upstream: Upstream,
-        status: int,
-        headers: CIMultiDict[str],
-        keep_alive: bool = True,  # HTTP/1.1; HTTP/1.0 answers close
-    ):
+    def __init__(self, conn: _Conn, upstream: Upstream):
+        assert conn.head is not None
         self._conn, self._upstream = conn, upstream
-        self.status, self.headers = status, headers
-        self._reusable = keep_alive and "close" not in headers.get("Connection", "").lower()
-        te = ",".join(headers.getall("Transfer-Encoding", ())).rstrip(" \t,")
-        # Only a final `chunked` coding frames the body (RFC 9112 6.1); any other reads to close.
-        self._chunked = te.lower().endswith("chunked") and te[-8:-7] in ("", ",", " ", "\t")
-        length = _content_length(headers)
-        if te and length is not None:  # RFC 9112 6.3: a smuggling attempt, or a bug
-            raise BadResponse("both Transfer-Encoding and Content-Length")
-        self._error: UpstreamError | None = None  # found after data still to be handed out
-        self._trailers = 0  # bytes of trailers so far
-        # _left: bytes of the body (or of the current chunk) still to come; below 0, what the
-        # chunked parser expects next: -1 a size line, -2 the CRLF after data, -3 trailers.
-        if status in (204, 304):
-            self._left, self._chunked = 0, False
-        elif self._chunked:
-            self._left = -1
-        elif length is not None:
-            self._left = length
-        else:
-            self._left, self._reusable = -4, False  # -4: until the server closes
-        self.done = self._left == 0
+        self.status, self.headers, self._reusable = conn.head
+        te = ",".join(self.headers.getall("Transfer-Encoding", ())).rstrip(" \t,").lower()
+        # No length and no final chunked coding: the body runs to the close (RFC 9112 6.3).
+        self._until_close = "Content-Length" not in self.headers and not te.endswith("chunked")
+        self.done = False
 
     async def read(self) -> bytes:
         """The whole body, at most `Upstream.max_body` bytes."""
-        if self._left > self._upstream.max_body:
-            raise BadResponse(f"answer of {self._left} bytes, over {self._upstream.max_body}")
         parts, size = [], 0
+        limit = self._upstream.max_body
+        length = self.headers.get("Content-Length")
+        if length is not None and length.isascii() and length.isdigit() and int(length) > limit:
+            raise BadResponse(f"answer of {length} bytes, over {limit}")
         while chunk := await self.read_chunk():
             size += len(chunk)
-            if size > self._upstream.max_body:
-                raise BadResponse(f"answer over {self._upstream.max_body} bytes")
+            if size > limit:
+                raise BadResponse(f"answer over {limit} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
     async def read_chunk(self) -> bytes:
-        """The body bytes that have arrived (waiting for some if none have); b"" at the end."""
+        """The body bytes that have arrived (waiting for some if none have); b"" at the end.
+        Good data that came before a framing error is handed out first; the next read raises."""
         conn = self._conn
         while not self.done:
-            if self._error is not None:
-                raise self._error
-            data = self._take(conn.buf)
-            if data or self.done:
+            if conn.body:
+                data = bytes(conn.body)
+                conn.body.clear()
                 return data
-            if conn.closed and self._left == -4:
-                if conn.reset:  # a reset is no end of the body: the answer is cut short
-                    raise ServerDisconnected("the backend reset the connection mid-answer")
+            if conn.error is not None:
+                raise conn.error
+            if conn.complete:
                 self.done = True
                 break
+            if conn.closed:
+                # A reset is no end of a body read to the close: the answer is cut short.
+                if self._until_close and not conn.reset:
+                    self.done = True
+                    break
+                raise ServerDisconnected("the backend closed the connection mid-answer")
             await conn.wait(self._upstream.read_timeout)
         return b""
-
-    def _take(self, buf: bytearray) -> bytes:
-        if not self._chunked:
-            if self._left == -4 or len(buf) <= self._left:
-                data = bytes(buf)
-                buf.clear()
-            else:
-                data = bytes(buf[: self._left])
-                del buf[: self._left]
-            if self._left != -4:
-                self._left -= len(data)
-                self.done = self._left == 0
-            return data
-        out: list[bytes] = []
-        try:
-            self._take_chunks(buf, out)
-        except BadResponse as e:
-            if not out:
-                raise
-            self._error = e  # hand out the good data first; the next read raises
-        return b"".join(out)
-
-    def _take_chunks(self, buf: bytearray, out: list[bytes]) -> None:
-        while not self.done:
-            if self._left > 0:  # inside a chunk
-                if not buf:
-                    break
-                piece = bytes(buf[: self._left])
-                del buf[: len(piece)]
-                out.append(piece)
-                self._left -= len(piece)
-                if self._left:
-                    break
-                self._left = -2
-            end = buf.find(b"\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD:
-                    raise BadResponse("chunk line too long")
-                break
-            if end > MAX_HEAD:
-                raise BadResponse("chunk line too long")
-            line = bytes(buf[:end])
-            del buf[: end + 2]
-            if self._left == -2:  # the CRLF that ends a chunk's data
-                if line:
-                    raise BadResponse("chunk data overran its size")
-                self._left = -1
-            elif self._left == -1:
-                # int(x, 16) also takes "-5", "0x5", " 5" and "5_0": only hex digits here.
-                size = _CHUNK_SIZE.fullmatch(line)
-                if size is None:
-                    raise BadResponse(f"bad chunk size {line[:20]!r}")
-                self._left = int(size[1], 16) or -3
-            elif not line:  # -3: trailers end with an empty line
-                self.done = True
-            else:
-                self._trailers += len(line) + 2
-                if self._trailers > MAX_HEAD:
-                    raise BadResponse("trailers too long")
 
     def close(self) -> None:
         """Back to the pool when the answer was read to its end; otherwise the connection is
         dropped, which tells a vLLM server to abort the request."""
         conn = self._conn
-        if self.done and self._reusable and not conn.closed and not conn.buf:
+        if self.done and self._reusable and not conn.closed and conn.error is None:
+            conn._begin()  # llhttp itself is ready for the next answer
             self._upstream._release(conn)
         else:
             conn.abort()
@@ -271,7 +259,6 @@ class Upstream:
         self._pools: dict[tuple[str, int, bool], collections.deque[_Conn]] = {}
         self._targets: dict[str, tuple[tuple[str, int, bool], str, str, str]] = {}
         self._ssl: ssl.SSLContext | None = None
-        self._conn_class: Any = _Conn  # the connection protocol (its framing)
 
     def _target(self, url: str) -> tuple[tuple[str, int, bool], str, str, str]:
         """(host, port, tls), request line and Host header, server name, Basic auth: parsed
@@ -341,7 +328,7 @@ class Upstream:
             self._ssl = ssl.create_default_context()
         _, conn = await asyncio.wait_for(
             loop.create_connection(
-                lambda: self._conn_class(pool),
+                lambda: _Conn(pool),
                 key[0],
                 key[1],
                 ssl=self._ssl if key[2] else None,
@@ -352,22 +339,14 @@ class Upstream:
         return conn
 
     async def _head(self, conn: _Conn) -> Response:
-        buf = conn.buf
-        for _ in range(MAX_INTERIM + 1):
-            while (end := buf.find(b"\r\n\r\n")) < 0:
-                if len(buf) > MAX_HEAD:
-                    raise BadResponse(f"response head over {MAX_HEAD} bytes")
-                await conn.wait(self.read_timeout)
-            if end > MAX_HEAD:
-                raise BadResponse(f"response head over {MAX_HEAD} bytes")
-            lines = buf[:end].decode("latin-1").split("\r\n")
-            del buf[: end + 4]
-            status = _STATUS.fullmatch(lines[0])
-            if status is None:
-                raise BadResponse(f"not an HTTP/1.x status line: {lines[0][:40]!r}")
-            if not status[2].startswith("1"):  # skip interim answers (100 Continue, 103 hints)
-                return Response(conn, self, int(status[2]), _headers(lines[1:]), status[1] == "1")
-        raise BadResponse(f"over {MAX_INTERIM} interim (1xx) answers")
+        """Wait for the final answer's status and headers (llhttp skips interim 1xx ones)."""
+        while conn.head is None:
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait(self.read_timeout)
+        if conn.error is not None and not conn.body:
+            raise conn.error
+        return Response(conn, self)
 
     def _release(self, conn: _Conn) -> None:
         if len(conn.pool) < self.max_idle:
@@ -387,30 +366,3 @@ class Upstream:
                 conn = pool.pop()
                 conn.idle = False
                 conn.abort()
-
-
-def _headers(lines: list[str]) -> CIMultiDict[str]:
-    """Header lines to a multidict; names are tokens and values hold no CR, LF or other
-    control character, so they can be written into the client's answer as they are."""
-    if len(lines) > MAX_HEADERS:
-        raise BadResponse(f"over {MAX_HEADERS} header lines")
-    headers: CIMultiDict[str] = CIMultiDict()
-    for line in lines:
-        name, sep, value = line.partition(":")
-        if not sep or not _TOKEN.fullmatch(name):
-            raise BadResponse(f"bad header line {line[:40]!r}")
-        value = value.strip(" \t")
-        if _BAD_VALUE.search(value):
-            raise BadResponse(f"control character in header {name[:40]}")
-        headers.add(name, value)
-    return headers
-
-
-def _content_length(headers: CIMultiDict[str]) -> int | None:
-    """The body length, or None; repeated values must agree (RFC 9112 6.3)."""
-    values = {v.strip() for h in headers.getall("Content-Length", []) for v in h.split(",")}
-    if not values:
-        return None
-    if len(values) > 1 or not _LENGTH.fullmatch(next(iter(values))):
-        raise BadResponse(f"bad Content-Length {', '.join(sorted(values))[:40]!r}")
-    return int(values.pop())
