@@ -41,7 +41,8 @@ class Liveness:
     # Why it is out of routing while it serves another model (one line with the fix), or "".
     wrong_model: str = ""
     models_due: float = 0.0  # when to read its /v1/models next
-    models_for: str = ""  # the name that reading was checked against (a reload may change it)
+    # The Backend that reading was for: a reload makes new ones, which are checked at once.
+    checked: Backend | None = None
 
 
 @dataclass
@@ -132,7 +133,8 @@ class LiveState:
         routing (vLLM would answer 404 to every request), with one log line that says the fix;
         it comes back once it does. An answer that is not vLLM's list gives no verdict."""
         s = self.state(b)
-        want = s.models_for = served_name(b)
+        s.checked = b
+        want = served_name(b)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         listed: list[str] | None = None
         try:
@@ -180,7 +182,7 @@ class LiveState:
 
     async def scrape(self, client: Client, b: Backend) -> None:
         s = self.state(b)
-        if s.models_for != served_name(b) or time.monotonic() >= s.models_due:
+        if s.checked is not b or time.monotonic() >= s.models_due:
             await self.check_model(client, b)  # at start, after a reload, then now and then
         now = time.monotonic()
         if not b.healthy and now < s.ejected_until:
