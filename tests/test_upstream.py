@@ -277,6 +277,7 @@ def test_connection_refused(client: Client):
         up = client(5, 5)
         with pytest.raises(ConnectionRefusedError):
             await up.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}", {})
+        up.close()
 
     run(main())
 
