@@ -157,7 +157,9 @@ def test_ejection_and_readmission_are_logged_once_with_their_reason(emus, caplog
 
 def test_route_serve_leaves_out_a_backend_serving_another_name(emus, tmp_path):
     """End to end: route-serve reads /v1/models at start, logs the fix once, and sends every
-    request to the backend that serves the name."""
+    request to the backend that serves the name; a backend that is not there is ejected, and
+    its log line says why."""
+    dead = free_port()
     inv = tmp_path / "inventory.yaml"
     inv.write_text(
         "nodes:\n  - name: rtx-[1:3]\n    gpus: {type: RTX-4090, count: 1}\n"
@@ -168,6 +170,7 @@ def test_route_serve_leaves_out_a_backend_serving_another_name(emus, tmp_path):
     entries = [
         {"url": emus["right"].base, "node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME},
         {"url": emus["hf"].base, "node": "rtx-3", "gpu_type": "RTX-4090", "model": NAME},
+        {"url": f"http://127.0.0.1:{dead}", "node": "rtx-2", "gpu_type": "RTX-4090", "model": NAME},
     ]
     (tmp_path / "backends.yaml").write_text(json.dumps({"backends": entries}))
     port = free_port()
@@ -187,12 +190,15 @@ def test_route_serve_leaves_out_a_backend_serving_another_name(emus, tmp_path):
             except OSError:
                 time.sleep(0.05)
         body = {"model": NAME, "prompt": "hello", "max_tokens": 2}
-        for _ in range(4):  # round-robin would send half of them to rtx-3
+        for _ in range(6):  # round-robin would send two thirds of them elsewhere
             status, headers, _ = http_request(port, "POST", "/v1/completions", body)
             assert status == 200 and headers["X-Fleet-Backend"] == "rtx-1"
-        lines = [line for line in log.read_text().splitlines() if "served-model-name" in line]
-        assert lines == [
+        text = log.read_text().splitlines()
+        assert [line for line in text if "served-model-name" in line] == [
             f"rtx-3 {WRONG}, or set served_name in the backends file; left out of routing"
+        ]
+        assert [line for line in text if line.startswith("ejected")] == [
+            f"ejected rtx-2:{dead} for 1 s after 3 failures: /metrics connection refused"
         ]
     finally:
         stop_process(proc)
