@@ -17,9 +17,9 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetctl.routing.request import MAX_TOKENS, ClientError, parse_request
 from fleetctl.router.tokens import prompt_text
 from fleetctl.router.upstream import Response, Upstream, UpstreamError, _Conn
+from fleetctl.routing.request import MAX_TOKENS, ClientError, parse_request
 
 EXAMPLES = int(os.environ.get("FLEETCTL_FUZZ_EXAMPLES", "300"))
 FUZZ = settings(

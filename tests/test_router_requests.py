@@ -15,9 +15,9 @@ from aiohttp import web
 
 from fleetctl.router.daemon import DaemonConfig
 from fleetctl.router.daemon import Router as DaemonRouter
+from fleetctl.router.serve import server_options
 from fleetctl.routing.policy import make_policy
 from fleetctl.routing.scheduler import Scheduler
-from fleetctl.router.serve import server_options
 from fleetctl.routing.types import Backend
 from tests.procs import NAME, free_port, http_request
 from tests.test_route_serve import INVENTORY, Router
