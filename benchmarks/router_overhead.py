@@ -189,7 +189,7 @@ async def one(
     expect_events: int,
     gauge: Gauge | None = None,
 ) -> Sample:
-    return sample(await exchange(session, url, body, gauge), stream, expect_events)
+    return sample(await exchange(session, url, body, gauge, stream), stream, expect_events)
 
 
 async def loop(
@@ -202,7 +202,7 @@ async def loop(
     n_max: int,
     window_s: float,
 ) -> tuple[list[Sample], float, float]:
-    got, start, end = await closed_loop(session, urls, body, conc, n_max, window_s)
+    got, start, end = await closed_loop(session, urls, body, conc, n_max, window_s, stream)
     return [sample(x, stream, expect) for x in got], start, end
 
 

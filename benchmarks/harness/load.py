@@ -67,8 +67,14 @@ def random_text(chars: int, seed: int, vocabulary: int) -> str:
 
 
 async def exchange(
-    session: aiohttp.ClientSession, url: str, body: bytes, gauge: Gauge | None = None
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes,
+    gauge: Gauge | None = None,
+    stream: bool = True,
 ) -> Exchange:
+    """POST `body`; with `stream`, count the SSE events of the answer (a short JSON answer
+    has none, and not looking saves the load generator's core that work)."""
     started = time.perf_counter()
     first_byte = first_event = 0.0
     status = events = 0
@@ -85,14 +91,15 @@ async def exchange(
                         opened = True
                         gauge.open_now += 1
                         gauge.max_open = max(gauge.max_open, gauge.open_now)
-                # An event may straddle two chunks: count over the last chunk's tail too.
-                joined = tail + chunk
-                n = joined.count(EVENT) - tail.count(EVENT)
-                if n:
-                    events += n
-                    if not first_event:
-                        first_event = time.perf_counter()
-                tail = joined[-32:]
+                if stream:
+                    # An event may straddle two chunks: count over the last one's tail too.
+                    joined = tail + chunk
+                    n = joined.count(EVENT) - tail.count(EVENT)
+                    if n:
+                        events += n
+                        if not first_event:
+                            first_event = time.perf_counter()
+                    tail = joined[-32:]
             ended = time.perf_counter()
     except (aiohttp.ClientError, TimeoutError, OSError) as e:
         ended = time.perf_counter()
@@ -112,12 +119,13 @@ async def closed_loop(
     conc: int,
     n_max: int,
     window_s: float,
+    stream: bool = True,
 ) -> tuple[list[Exchange], float, float]:
     """`conc` workers, each sending its next request when the last ended, until `n_max` were
     sent or `window_s` passed. Returns the exchanges, the start and the end of the window."""
     # Warm-up: one wave at this concurrency (connections opened, caches warm); not counted.
     warm = await asyncio.gather(
-        *(exchange(session, urls[i % len(urls)], body) for i in range(conc))
+        *(exchange(session, urls[i % len(urls)], body, stream=stream) for i in range(conc))
     )
     # Workers start spread over one request's duration, or they would stay in lockstep
     # (all streams ending, and the next all arriving, at once).
@@ -133,7 +141,7 @@ async def closed_loop(
         i = k
         while sent < n_max and time.perf_counter() < deadline:
             sent += 1
-            got.append(await exchange(session, urls[i % len(urls)], body))
+            got.append(await exchange(session, urls[i % len(urls)], body, stream=stream))
             i += conc
 
     await asyncio.gather(*(worker(k) for k in range(conc)))
