@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fleetctl.http import Client
-from fleetctl.router.backends import FileBackend, body_for, model_problem
+from fleetctl.router.backends import body_for, model_problem
 from fleetctl.router.live import LiveState
 from fleetctl.routing.types import Backend
 from tests.conftest import REPO
@@ -37,8 +37,8 @@ def emus(tmp_path_factory):
             one.stop()
 
 
-def backend(emu: Emulator, node: str, served_name: str = "") -> FileBackend:
-    b = FileBackend(emu.base, node, "RTX-4090", NAME, "bf16", 10_000)
+def backend(emu: Emulator, node: str, served_name: str = "") -> Backend:
+    b = Backend(emu.base, node, "RTX-4090", NAME, "bf16", 10_000)
     b.served_name = served_name
     return b
 
@@ -200,5 +200,47 @@ def test_route_serve_leaves_out_a_backend_serving_another_name(emus, tmp_path):
         assert [line for line in text if line.startswith("ejected")] == [
             f"ejected rtx-2:{dead} for 1 s after 3 failures: /metrics connection refused"
         ]
+        # /health names each backend left out, and why, rather than a bare count.
+        reasons = json.loads(http_request(port, "GET", "/health", timeout=5)[2])["unhealthy"]
+        assert set(reasons) == {f"rtx-3:{emus['hf'].port}", f"rtx-2:{dead}"}, reasons
+        assert "--served-model-name" in reasons[f"rtx-3:{emus['hf'].port}"]
+    finally:
+        stop_process(proc)
+
+
+def test_route_serve_renames_the_model_for_a_backend_with_a_served_name(emus, tmp_path):
+    """A vLLM started without --served-model-name answers 404 to the inventory's name; with
+    served_name in the backends file, route-serve sends the name it serves, and it answers."""
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        "nodes:\n  - name: rtx-1\n    gpus: {type: RTX-4090, count: 1}\n"
+        "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"
+        "    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n"
+        "    max_context: 8192\n"
+    )
+    entry = {"url": emus["hf"].base, "node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME}
+    (tmp_path / "backends.yaml").write_text(
+        json.dumps({"backends": [{**entry, "served_name": SOURCE}]})
+    )
+    port = free_port()
+    log = tmp_path / "router.log"
+    cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv)]
+    cmd += ["--backends", str(tmp_path / "backends.yaml"), "--listen", f"127.0.0.1:{port}"]
+    cmd += ["--state-dir", str(tmp_path / "state")]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        end = time.monotonic() + 60  # only stops a hang
+        while True:
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()
+            try:
+                http_request(port, "GET", "/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.05)
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 2}
+        status, _, answer = http_request(port, "POST", "/v1/completions", body)
+        assert status == 200, answer
+        assert "served-model-name" not in log.read_text()
     finally:
         stop_process(proc)

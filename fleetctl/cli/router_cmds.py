@@ -58,14 +58,29 @@ def route_serve(
         metavar="redis://HOST:PORT/DB",
         help="Share session affinity and the aging window across replicas.",
     ),
+    upstream_client: str = typer.Option(
+        "fast",
+        "--upstream-client",
+        hidden=True,  # for comparing clients (benchmarks, tests); users keep the fast one
+        metavar="fast|reference",
+        help="HTTP client to the backends: fast (llhttp framing) or reference (aiohttp's).",
+    ),
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
     """Run the OpenAI-compatible routing daemon in front of the fleet (SIGHUP reloads)."""
+    from fleetctl.errors import UserError
     from fleetctl.router.backends import load_backends
     from fleetctl.router.daemon import DaemonConfig
     from fleetctl.router.serve import build_router, read_secret, serve
+    from fleetctl.router.transport import TRANSPORTS
 
+    if upstream_client not in TRANSPORTS:
+        raise UserError(
+            f"unknown upstream client '{upstream_client}'",
+            None,
+            f"choose {' or '.join(TRANSPORTS)}",
+        )
     inv, catalog = common.load(inventory, profiles)
     sdir = common.state_dir(inv, state_dir)
     key = (
@@ -82,6 +97,7 @@ def route_serve(
         api_key=key or None,
         backend_api_key=backend_key,
         priority_classes=inv.spec.router.priority_classes,
+        transport=upstream_client,
     )
     router = build_router(
         inv,

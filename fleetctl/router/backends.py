@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -38,16 +37,9 @@ class BackendEntry(Strict):
     served_name: str | None = Field(None, min_length=1)
 
 
-@dataclass(slots=True)
-class FileBackend(Backend):
-    """A server from a backends file, which may serve the model under a name of its own."""
-
-    served_name: str = ""  # what its /v1/models lists; "" when it is the inventory's name
-
-
 def served_name(b: Backend) -> str:
     """The model name `b` serves: its backends-file `served_name`, else the inventory's."""
-    return getattr(b, "served_name", "") or b.model
+    return b.served_name or b.model
 
 
 def body_for(b: Backend, raw: bytes) -> bytes:
@@ -115,7 +107,7 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         )
         perf = EnginePerf(gpu, model, fmt, e.tensor_parallel_size)
         node = e.node or url.split("//", 1)[1].split("/")[0]
-        b = FileBackend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf)
+        b = Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf)
         b.served_name = e.served_name if e.served_name and e.served_name != e.model else ""
         b.gpus, b.dcgm_url = e.gpus, e.dcgm_url or ""
         out.append(b)

@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from fleetctl.router.admission import Admission
@@ -67,7 +66,6 @@ class Router:
     shared: RedisShared | None = None  # session pins and the TTFT window, across replicas
     tokens: TokenCounter = field(default_factory=TokenCounter)
     known_formats: frozenset[str] = frozenset()  # the catalog's: a precision hint names one
-    _session: aiohttp.ClientSession | None = None  # for /metrics scrapes
     _proxy: Proxy | None = None  # built at start, with its upstream connection pool
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     intake: Intake = field(init=False)
@@ -113,18 +111,6 @@ class Router:
             self.admission, self.metrics, self.estimator, self.tokens, self.live, self._ttft
         )
         self._proxy = Proxy(upstream, hooks, c.max_retries, c.api_key, c.backend_api_key)
-        timeout = aiohttp.ClientTimeout(
-            total=None, connect=c.connect_timeout_s, sock_read=c.upstream_timeout_s
-        )
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        # No cookie jar: a proxy must not keep a backend's cookies and replay them to the
-        # backends on other clients' requests.
-        self._session = aiohttp.ClientSession(
-            timeout=timeout,
-            connector=connector,
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
         self._tasks.append(asyncio.create_task(self.admission.run()))
         if self.shared is not None:
             try:
@@ -135,13 +121,11 @@ class Router:
                 )
             self._tasks.append(asyncio.create_task(self._sync_ttft()))
         if self.live is not None:
-            self._tasks.append(asyncio.create_task(self.live.run(self._session)))
+            self._tasks.append(asyncio.create_task(self.live.run()))
 
     async def _stop(self, app: web.Application) -> None:
         for t in self._tasks:
             await cancel(t)
-        if self._session is not None:
-            await self._session.close()
         if self._proxy is not None:
             self._proxy.upstream.close()
         if self.shared is not None:
@@ -253,12 +237,14 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         up = sum(b.healthy for b in self.backends)
-        body = {
+        body: dict[str, object] = {
             "status": "ok" if up else "no healthy backend",
             "backends": len(self.backends),
             "healthy": up,
             "queued": len(self.scheduler),
         }
+        if self.live is not None:  # each backend out of routing, and why (wrong model, ejected)
+            body["unhealthy"] = self.live.unhealthy()
         return web.json_response(body, status=200 if up else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:

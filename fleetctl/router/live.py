@@ -161,9 +161,8 @@ class LiveState:
 
     # --- scraping ----------------------------------------------------------------------------
 
-    async def run(self, session: object = None) -> None:
-        """Scrape until cancelled. Every GET goes through fleetctl.http's client (`session`,
-        an aiohttp session the daemon still passes, is not used)."""
+    async def run(self) -> None:
+        """Scrape until cancelled; every GET goes through fleetctl.http's client."""
         client = Client(self.timeout)
         try:
             while True:

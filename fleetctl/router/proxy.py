@@ -17,6 +17,7 @@ from typing import Any, TypeGuard
 from aiohttp import web
 
 from fleetctl.router.admission import Admission
+from fleetctl.router.backends import body_for
 from fleetctl.router.intake import error_response
 from fleetctl.router.live import LiveState
 from fleetctl.router.relay import BackendFailed, Stream, relay_whole
@@ -97,10 +98,10 @@ class Lease:
             if _count(prompt):
                 h.tokens.observe(req.model, req.prompt_chars, prompt)
 
-    def failed(self) -> None:
-        """The backend failed: counted against it (ejection after several)."""
+    def failed(self, reason: str) -> None:
+        """The backend failed: counted against it (ejection after several, logged with why)."""
         if self._release() and self.hooks.live is not None:
-            self.hooks.live.failed(self.b, time.monotonic())
+            self.hooks.live.failed(self.b, time.monotonic(), reason)
 
     def abandoned(self) -> None:
         """The client left, or a bug: not the backend's fault."""
@@ -188,7 +189,7 @@ class Proxy:
         lease = Lease(self.hooks, b, req, started)
         relay = Stream() if stream else None
         try:
-            up = await _post(self.upstream, b.name + path, raw, headers)
+            up = await _post(self.upstream, b.name + path, body_for(b, raw), headers)
             # Leaving this block before the answer's end closes the upstream connection: vLLM
             # sees a disconnect and aborts the request, which is what a client that left needs.
             with up:
@@ -203,7 +204,7 @@ class Proxy:
                     return await relay_whole(up, b, lease)
                 return await relay.relay(request, up, b, lease)
         except FAILURES as e:
-            lease.failed()
+            lease.failed(str(e) or type(e).__name__)
             if relay is None or relay.out is None:
                 return None  # nothing reached the client yet: retry elsewhere
             await relay.end_with_error(e)

@@ -124,7 +124,8 @@ def build_router(
         Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled),
     )
     outputs = {m.name: m.spec.workload.mean_output_tokens for m in inv.models if m.spec.workload}
-    live = LiveState(backends, interval=scrape_interval)
+    # vLLM's --api-key guards /v1/models too, which the model-name check reads.
+    live = LiveState(backends, interval=scrape_interval, api_key=config.backend_api_key)
     shared = None
     if session_store:
         if not session_store.startswith(("redis://", "rediss://", "unix://")):

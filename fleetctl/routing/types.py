@@ -81,6 +81,9 @@ class Backend:
     # DCGM then gives the measured memory-bandwidth utilization (fleetctl/router/live.py).
     gpus: tuple[int, ...] = ()
     dcgm_url: str = ""
+    # The name its /v1/models lists when that is not `model` (a backends file's served_name):
+    # the router renames a request's model to it on the way there.
+    served_name: str = ""
 
     @property
     def node_class(self) -> str:
