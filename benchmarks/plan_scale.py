@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from fleetctl.catalog import load_catalog
-from fleetctl.jsonout import dump_json
 from fleetctl.inventory import load_inventory
+from fleetctl.jsonout import dump_json
 from fleetctl.planner import plan_fleet
 
 OUT = Path(__file__).resolve().parent / "out"

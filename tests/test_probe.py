@@ -125,7 +125,10 @@ def test_health_flags_the_skewed_node_and_ecc(cli, hosts, tmp_path):
     from fleetctl.router.backends import class_tags
     from fleetctl.statedir import StateDir
 
-    assert class_tags(StateDir(tmp_path / ".fleetctl"), ["rtx-1", "rtx-3"]) == ["", "nonequivalent:rtx-3"]
+    assert class_tags(StateDir(tmp_path / ".fleetctl"), ["rtx-1", "rtx-3"]) == [
+        "",
+        "nonequivalent:rtx-3",
+    ]
 
 
 def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
