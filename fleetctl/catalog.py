@@ -166,6 +166,11 @@ class Catalog:
     # `vllm serve --help=all` of each vLLM release, by version (profiles/vllm/VERSION.txt).
     vllm_help: dict[str, Path] = field(default_factory=dict)
 
+    @property
+    def target_vllm_version(self) -> str | None:
+        """The vLLM release fleetctl targets when nothing says otherwise: the newest it knows."""
+        return max(self.vllm_help, key=_version_key) if self.vllm_help else None
+
     def serve_flags(self, version: str | None, where: Location | None = None) -> ServeFlags:
         """The flags of that release's `vllm serve` (default: the newest one known)."""
         if not self.vllm_help:

@@ -13,10 +13,12 @@ from rich.text import Text
 from fleetctl.names import natural_key
 from fleetctl.plan import Action, Deployment, Plan
 from fleetctl.tables import Cell, Col, Records
+from fleetctl.text import plural
 
 if TYPE_CHECKING:
     from fleetctl.apply.status import ServerStatus
     from fleetctl.catalog import Catalog
+    from fleetctl.estimate import Estimate
     from fleetctl.facts import Facts
     from fleetctl.health import Check
 
@@ -346,3 +348,44 @@ def status_table(rows: Iterable[ServerStatus]) -> Records:
             ]
         )
     return Records("Servers", cols, out)
+
+
+def estimate_table(e: Estimate) -> RenderableType:
+    """One estimate: where each GPU's memory goes, what the KV cache holds, and the speeds."""
+    j = e.to_json()
+    parts = j["reserved_parts_gib_per_gpu"]
+    tp = j["tensor_parallel_size"]
+    rows = [
+        ["weights per GPU", f"{j['weights_gib_per_gpu']:.2f} GiB"],
+        [
+            "reserved per GPU",
+            f"{j['reserved_gib_per_gpu']:.2f} GiB (activations {parts['activation_peak']:.2f}, "
+            f"non-torch {parts['non_torch']:.2f}, CUDA graphs {parts['cuda_graphs']:.2f})",
+        ],
+        ["KV cache per GPU", f"{j['kv_cache_gib_per_gpu']:.2f} GiB"],
+        ["KV cache", f"{j['kv_cache_tokens']:,} tokens"],
+        [
+            f"sequences of {j['settings']['max_model_len']:,}",
+            f"{j['max_concurrency_at_max_len']:.2f}x",
+        ],
+        [
+            f"decode, {plural(j['batch'], 'sequence')} at {j['context']:,}",
+            f"{j['decode_tok_s_per_seq']:,.1f} tok/s each, {j['decode_tok_s_total']:,.1f} in all "
+            f"({j['step_time_ms']:.2f} ms a step)",
+        ],
+        [f"prefill, {j['prompt']:,} tokens alone", f"{j['prefill_tok_s']:,.0f} tok/s"],
+    ]
+    title = f"{j['model']} {j['format']} on {tp}x {j['gpu']}" + (
+        f", vLLM {j['vllm_version']}" if j["vllm_version"] else ""
+    )
+    verdict = (
+        "fits"
+        if j["fits"]
+        else f"does not fit: not one sequence of {j['settings']['max_model_len']:,}"
+    )
+    return Records(
+        title,
+        [Col("figure", head=True), Col("value", numeric=True, left=True)],
+        rows,
+        caption=f"{verdict}; source: {j['source']['detail']}",
+    )

@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("perf",),
     ("plan", "facts", "facts_parse"),
     ("state",),
-    ("statedir", "planner", "routing", "progress"),
+    ("statedir", "planner", "routing", "progress", "estimate"),
     ("sim", "ssh", "http"),
     ("probe", "health", "router", "emulator"),
     ("apply",),

@@ -202,7 +202,33 @@ def simulate_cases() -> Iterator[Case]:
     yield render(result), numbers
 
 
+def estimate_cases() -> Iterator[Case]:
+    from fleetctl.catalog import load_catalog
+    from fleetctl.estimate import Settings, Workload, estimate
+    from fleetctl.render import estimate_table
+
+    cat = load_catalog()
+    e = estimate(
+        cat.gpu("H100-SXM-80GB"),
+        cat.model("mixtral-8x7b"),
+        cat.format("fp8"),
+        Settings(tensor_parallel_size=2, vllm_version="0.6.3.post1"),
+        Workload(batch=64, context=2000, prompt=4096),
+    )
+    j = e.to_json()
+    numbers = [
+        f"{j['kv_cache_tokens']:,}",
+        f"{j['weights_gib_per_gpu']:.2f}",
+        f"{j['decode_tok_s_total']:,.1f}",
+        f"{j['prefill_tok_s']:,.0f}",
+        f"{j['step_time_ms']:.2f}",
+        "0.6.3.post1",
+    ]
+    yield estimate_table(e), numbers
+
+
 CASES: dict[str, Callable[[], Iterable[Case]]] = {
+    "estimate": estimate_cases,
     "plan": lambda: plan_cases(explain=False),
     "plan --explain": lambda: plan_cases(explain=True),
     "profiles": profiles_cases,

@@ -3,6 +3,7 @@
 # Each module registers its commands on `app`; --help lists them in the order of the work.
 # isort: off
 import fleetctl.cli.plan_cmds
+import fleetctl.cli.estimate_cmds
 import fleetctl.cli.router_cmds
 import fleetctl.cli.fleet_cmds
 import fleetctl.cli.apply_cmds

@@ -1,0 +1,118 @@
+"""`estimate`: will a model fit on a GPU group, and how fast, without an inventory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+
+from fleetctl.cli import common
+from fleetctl.cli.app import app
+from fleetctl.cli.options import JsonOpt, ProfilesOpt
+from fleetctl.jsonout import print_json
+
+VERSION = re.compile(r"\d{1,4}\.\d{1,4}(\.\d{1,4})?([.+-]?[A-Za-z0-9]{1,16}){0,3}")
+
+
+@app.command()
+def estimate(
+    gpu: str = typer.Option(..., "--gpu", metavar="GPU", help="GPU profile name or alias."),
+    model: str = typer.Option(..., "--model", metavar="PROFILE", help="Model profile name."),
+    fmt: str = typer.Option(
+        ..., "--format", metavar="FORMAT", help="Weight format: bf16, fp16, fp8, awq-int4, ..."
+    ),
+    tp: int = typer.Option(1, "--tp", min=1, max=64, metavar="N", help="Tensor-parallel size."),
+    utilization: float = typer.Option(
+        0.9,
+        "--gpu-memory-utilization",
+        min=0.05,
+        max=1.0,
+        metavar="U",
+        help="Share of each GPU's memory vLLM may use (vLLM's default 0.9).",
+    ),
+    max_model_len: int | None = typer.Option(
+        None, "--max-model-len", min=1, metavar="L", help="Default: the model's context."
+    ),
+    batched_tokens: int | None = typer.Option(
+        None,
+        "--max-num-batched-tokens",
+        min=1,
+        metavar="B",
+        help="Default: vLLM's for this GPU.",
+    ),
+    seqs: int | None = typer.Option(
+        None, "--max-num-seqs", min=1, metavar="S", help="Default: vLLM's for this GPU."
+    ),
+    kv_cache_dtype: str = typer.Option(
+        "auto", "--kv-cache-dtype", metavar="auto|fp8", help="KV cache element type."
+    ),
+    enforce_eager: bool = typer.Option(
+        False, "--enforce-eager", help="No CUDA graphs (less memory reserved, slower steps)."
+    ),
+    vllm_version: str | None = typer.Option(
+        None, "--vllm-version", metavar="X.Y.Z", help="The vLLM release to estimate for."
+    ),
+    batch: int = typer.Option(1, "--batch", min=1, metavar="N", help="Sequences decoding at once."),
+    context: int = typer.Option(
+        1024, "--context", min=1, metavar="T", help="Tokens of context each decoding sequence has."
+    ),
+    prompt: int = typer.Option(
+        1024, "--prompt", min=1, metavar="P", help="Prompt tokens, prefilled alone."
+    ),
+    profiles: list[Path] = ProfilesOpt,
+    no_calibration: bool = typer.Option(
+        False, "--no-calibration", help="Use the profiles alone, not measured figures."
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
+    """How much KV cache a model gets on a GPU group, and its decode and prefill speeds."""
+    from fleetctl.catalog import load_catalog
+    from fleetctl.errors import UserError, did_you_mean, shown
+    from fleetctl.estimate import Settings, Workload
+    from fleetctl.estimate import estimate as run
+
+    cat = load_catalog(profiles)
+    found = cat.find_gpu(gpu)
+    if found is None:
+        hint = did_you_mean(gpu, list(cat.gpus))
+        raise UserError(
+            f"no GPU profile named '{gpu}'",
+            None,
+            (f"did you mean '{hint}'? " if hint else "")
+            + "add one under gpus/ in a --profiles folder (see `fleetctl profiles list`)",
+        )
+    if model not in cat.models and not any(k.lower() == model.lower() for k in cat.models):
+        hint = did_you_mean(model, list(cat.models))
+        raise UserError(
+            f"no model profile named '{model}'",
+            None,
+            (f"did you mean '{hint}'? " if hint else "")
+            + "make one with `fleetctl profiles import-hf-config config.json --name NAME`, "
+            "then pass --profiles",
+        )
+    if vllm_version is not None and not VERSION.fullmatch(vllm_version):
+        raise UserError(
+            f"--vllm-version {shown(vllm_version)} is not a release number", None, "e.g. 0.6.3"
+        )
+    if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        raise UserError(f"unknown --kv-cache-dtype '{kv_cache_dtype}'", None, "use auto or fp8")
+    settings = Settings(
+        tp,
+        utilization,
+        max_model_len,
+        batched_tokens,
+        seqs,
+        kv_cache_dtype,
+        enforce_eager,
+        vllm_version or cat.target_vllm_version,
+    )
+    result = run(
+        found, cat.model(model), cat.format(fmt), settings, Workload(batch, context, prompt)
+    )
+    if as_json:
+        print_json(result.to_json())
+        return
+    from fleetctl.render import estimate_table
+
+    common.console().print(estimate_table(result))
