@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from fleetctl.catalog import FormatProfile, GpuProfile, ModelProfile
-from fleetctl.perf import EnginePerf, GiB, KvBudget, kv_budget, vllm_batch_defaults
+from fleetctl.perf import (
+    BLOCK_SIZE,
+    EnginePerf,
+    GiB,
+    KvBudget,
+    kv_budget,
+    kv_bytes_per_token,
+    kv_dtype_bytes,
+    vllm_batch_defaults,
+)
+
+if TYPE_CHECKING:
+    from fleetctl.calibration import Entry
 
 VLLM_DEFAULT_UTILIZATION = 0.9  # `vllm serve --gpu-memory-utilization`'s default
 
@@ -152,4 +164,48 @@ def estimate(
     prefill = perf.prefill_time(workload.prompt)
     return Estimate(
         gpu, model, fmt, settings, workload, max_len, tokens, seqs, budget, step, prefill
+    )
+
+
+def apply_calibration(e: Estimate, entry: Entry) -> Estimate:
+    """`e` with the figures live servers measured in place of the model's: KV tokens, the
+    decode step at the batch, prefill speed; only the trusted ones. Unchanged when none is."""
+    used: list[str] = []
+    budget, step, prefill = e.budget, e.decode_step_s, e.prefill_s
+    kv = entry.kv_tokens
+    if kv is not None and kv.trusted:
+        tokens = int(kv.value) // BLOCK_SIZE * BLOCK_SIZE
+        per_token = kv_bytes_per_token(
+            e.model,
+            kv_dtype_bytes(e.settings.kv_cache_dtype, e.fmt),
+            e.settings.tensor_parallel_size,
+        )
+        # The GiB per GPU follow the measured tokens, so the two figures never disagree.
+        budget = replace(budget, kv_tokens=tokens, kv_per_gpu=tokens * per_token)
+        used.append("KV cache")
+    fit, batch = entry.step, e.workload.batch
+    # A fixed cost alone (batch sizes too alike to fit the slope) holds only near the batch
+    # sizes it was measured at.
+    if (
+        fit is not None
+        and entry.step_trusted
+        and (fit.per_seq_s is not None or fit.batch_lo - 1 <= batch <= fit.batch_hi + 1)
+    ):
+        step = fit.at(batch)
+        used.append("decode step")
+    rate = entry.prefill_tok_s
+    if rate is not None and rate.trusted and rate.value > 0:
+        prefill = e.workload.prompt / rate.value
+        used.append("prefill")
+    if not used:
+        return e
+    detail = f"{entry.describe()} ({', '.join(used)}; the rest from the model)"
+    if len(used) == 3:
+        detail = entry.describe()
+    return replace(
+        e,
+        budget=budget,
+        decode_step_s=step,
+        prefill_s=prefill,
+        source=Source("calibrated", detail),
     )

@@ -17,6 +17,7 @@ from fleetctl.text import plural
 
 if TYPE_CHECKING:
     from fleetctl.apply.status import ServerStatus
+    from fleetctl.calibration import Figure, ServerReading
     from fleetctl.catalog import Catalog
     from fleetctl.estimate import Estimate
     from fleetctl.facts import Facts
@@ -389,3 +390,69 @@ def estimate_table(e: Estimate) -> RenderableType:
         rows,
         caption=f"{verdict}; source: {j['source']['detail']}",
     )
+
+
+def calibration_table(readings: Iterable[ServerReading]) -> Records:
+    """Per server: the model's figure beside the measured one; a figure not trusted is red and
+    the note says why."""
+    cols = [
+        Col("node", head=True),
+        Col("model", head=True),
+        Col("KV tokens\nmodel", numeric=True),
+        Col("KV tokens\nmeasured", numeric=True),
+        Col("step ms\nmodel", numeric=True),
+        Col("step ms\nmeasured", numeric=True),
+        Col("batch", numeric=True),
+        Col("prefill tok/s\nmodel", numeric=True),
+        Col("prefill tok/s\nmeasured", numeric=True),
+        Col("TTFT ms", numeric=True),
+        Col("samples", numeric=True),
+        Col("note"),
+    ]
+    rows: list[list[Cell]] = []
+    for r in readings:
+        if r.error is not None or r.key is None:
+            rows.append([r.node, "", *[""] * 9, Text("unreadable: see below", style="red")])
+            continue
+        f = r.figures
+        step = f.step
+        batch = f"{step.batch_lo:.1f}-{step.batch_hi:.1f}" if step else ""
+        notes = [
+            x.why
+            for x in (f.kv_tokens, f.step_at_batch, f.prefill_tok_s)
+            if x is not None and x.why
+        ]
+        rows.append(
+            [
+                r.node,
+                f"{r.key.model} {r.key.format}",
+                _model_of(f.kv_tokens, "{:,.0f}"),
+                _measured(f.kv_tokens, "{:,.0f}"),
+                _model_of(f.step_at_batch, "{:.2f}", 1e3),
+                _measured(f.step_at_batch, "{:.2f}", 1e3),
+                batch,
+                _model_of(f.prefill_tok_s, "{:,.0f}"),
+                _measured(f.prefill_tok_s, "{:,.0f}"),
+                _measured(f.ttft_s, "{:.1f}", 1e3),
+                str(len(r.samples)),
+                "; ".join(notes),
+            ]
+        )
+    return Records(
+        "Calibration",
+        cols,
+        rows,
+        caption="step: one decode step at the batch measured (sequences running); "
+        "red: not trusted, not used",
+    )
+
+
+def _model_of(f: Figure | None, fmt: str, scale: float = 1.0) -> str:
+    return "" if f is None or f.model is None else fmt.format(f.model * scale)
+
+
+def _measured(f: Figure | None, fmt: str, scale: float = 1.0) -> Cell:
+    if f is None:
+        return "-"
+    text = fmt.format(f.value * scale)
+    return text if f.trusted else Text(text, style="red")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleetctl.calibration import Calibration, CalibrationError
 from fleetctl.errors import Location, OperationError, UserError
 from fleetctl.facts import Facts, FactsError
 from fleetctl.inventory import Inventory
@@ -63,6 +64,10 @@ class StateDir:
     @property
     def health_path(self) -> Path:
         return self.root / "health.json"
+
+    @property
+    def calibration_path(self) -> Path:
+        return self.root / "calibration.json"
 
     @property
     def lock_path(self) -> Path:
@@ -139,6 +144,33 @@ class StateDir:
 
     def save_health(self, record: HealthRecord) -> None:
         write_atomic(self.health_path, json.dumps(record.to_json(), indent=2) + "\n")
+
+    # --- calibration: what the live servers measured ----------------------------------------
+
+    def load_calibration(self) -> Calibration:
+        """The saved calibration, or an empty one when none was made yet."""
+        where = self.calibration_path
+        try:
+            raw = json.loads(where.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return Calibration()
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"cannot read the calibration: {e}",
+                Location(str(where)),
+                "run `fleetctl calibrate` again, or pass --no-calibration",
+            ) from None
+        try:
+            return Calibration.from_json(raw)
+        except CalibrationError as e:
+            raise UserError(
+                f"the calibration file is not usable: {e}",
+                Location(str(where)),
+                "run `fleetctl calibrate` again to write it, or pass --no-calibration",
+            ) from None
+
+    def save_calibration(self, calibration: Calibration) -> None:
+        write_atomic(self.calibration_path, json.dumps(calibration.to_json(), indent=1) + "\n")
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:

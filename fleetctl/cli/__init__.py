@@ -4,6 +4,7 @@
 # isort: off
 import fleetctl.cli.plan_cmds
 import fleetctl.cli.estimate_cmds
+import fleetctl.cli.calibrate_cmds
 import fleetctl.cli.router_cmds
 import fleetctl.cli.fleet_cmds
 import fleetctl.cli.apply_cmds

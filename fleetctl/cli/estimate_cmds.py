@@ -64,6 +64,13 @@ def estimate(
     no_calibration: bool = typer.Option(
         False, "--no-calibration", help="Use the profiles alone, not measured figures."
     ),
+    state_dir: Path | None = typer.Option(
+        None,
+        "--state-dir",
+        metavar="DIR",
+        help="State folder whose calibration.json to use (default: .fleetctl in the current "
+        "folder).",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """How much KV cache a model gets on a GPU group, and its decode and prefill speeds."""
@@ -110,6 +117,21 @@ def estimate(
     result = run(
         found, cat.model(model), cat.format(fmt), settings, Workload(batch, context, prompt)
     )
+    if not no_calibration:
+        from fleetctl.estimate import apply_calibration
+        from fleetctl.statedir import STATE_DIR_NAME, StateDir
+
+        sdir = StateDir(state_dir or Path.cwd() / STATE_DIR_NAME)
+        entry = sdir.load_calibration().find(
+            found.name,
+            result.model.name,
+            result.fmt.name,
+            tp,
+            settings.vllm_version,
+            result.max_model_len,
+        )
+        if entry is not None:
+            result = apply_calibration(result, entry)
     if as_json:
         print_json(result.to_json())
         return

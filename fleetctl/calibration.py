@@ -1,0 +1,669 @@
+"""Calibration from the live fleet: what running vLLM servers measure, fitted and kept per class.
+
+Pure core: parse one /metrics page into the counters that matter, turn two scrapes of a server
+into one window sample, fit the decode step model `step = fixed_s + per_seq_s x running` over
+the samples, and check each figure against the performance model's for the same server. The
+store (`Calibration`) is what `.fleetctl/calibration.json` holds; `fleetctl calibrate` writes it
+and `fleetctl estimate` reads it (fleetctl/statedir.py owns the file).
+
+Metric names are vLLM 0.32's, checked against a real server's page
+(shared/captures/vllm-0.32.0-cpu-metrics.txt). Latency histograms are observed when a request
+finishes (prefill time, prompt tokens) or as tokens stream out (inter-token latency), so the
+figures are deltas of `_sum`/`_count` between two scrapes, never the totals since start-up.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fleetctl.perf import EnginePerf
+
+CALIBRATION_FORMAT = 1
+# A fit from fewer windows or tokens than this is noise, not a measurement.
+MIN_DECODE_WINDOWS = 3
+MIN_DECODE_TOKENS = 100
+MIN_PREFILL_REQUESTS = 3
+# A measured figure this many times off the model's is a broken server or a wrong key (another
+# model behind the URL), not a calibration: kept and shown, never used.
+IMPLAUSIBLE_RATIO = 10.0
+KEEP_SAMPLES = 256  # the sliding window of decode/prefill samples an entry keeps, newest last
+DEFAULT_CONTEXT = 512  # tokens per sequence for the model's step when the server gave no lengths
+
+# sample name -> field of Scrape; values add up over label sets (engines of a data-parallel
+# server, finished_reason, ...).
+_SERIES = {
+    "vllm:num_requests_running": "running",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+    "vllm:iteration_tokens_total_count": "steps",
+    "vllm:request_prefill_time_seconds_sum": "prefill_sum",
+    "vllm:request_prefill_time_seconds_count": "prefill_count",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_kv_tokens",
+    "vllm:request_prompt_tokens_sum": "prompt_sum",
+    "vllm:request_prompt_tokens_count": "prompt_count",
+    "vllm:request_generation_tokens_sum": "generation_sum",
+    "vllm:request_generation_tokens_count": "generation_count",
+    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
+    "vllm:time_to_first_token_seconds_count": "ttft_count",
+}
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+class CalibrationError(ValueError):
+    """A calibration document that is not one: the message says which field and why."""
+
+
+# --- one scrape --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The counters and gauges of one /metrics page that calibration reads; None: not there."""
+
+    kv_tokens: int | None = None  # num_gpu_blocks x block_size, over the engines
+    running: float | None = None
+    itl_sum: float | None = None
+    itl_count: float | None = None
+    steps: float | None = None  # engine steps (vllm:iteration_tokens_total's count)
+    prefill_sum: float | None = None
+    prefill_count: float | None = None
+    prefill_kv_tokens: float | None = None  # prompt tokens computed, not taken from the cache
+    prompt_sum: float | None = None
+    prompt_count: float | None = None
+    generation_sum: float | None = None
+    generation_count: float | None = None
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.kv_tokens is not None or self.itl_count is not None
+
+
+def parse_metrics(text: str) -> Scrape:
+    """The figures calibration needs from one vLLM /metrics page (Prometheus text format)."""
+    values: dict[str, float] = {}
+    kv: int | None = None
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        ends = [i for i in (line.find("{"), line.find(" ")) if i >= 0]
+        name = line[: min(ends)] if ends else line
+        if name == "vllm:cache_config_info":
+            labels = dict(_LABEL.findall(line))
+            try:
+                tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+            except (KeyError, ValueError):
+                continue
+            kv = tokens + (kv or 0)
+            continue
+        field_name = _SERIES.get(name)
+        if field_name is None:
+            continue
+        try:
+            value = float(line.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        if math.isfinite(value):
+            values[field_name] = values.get(field_name, 0.0) + value
+    return Scrape(kv_tokens=kv, **values)
+
+
+# --- two scrapes: one window -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """What one server did between two scrapes: decode tokens at a batch, requests finished."""
+
+    batch: float = 0.0  # mean sequences per decode step
+    step_s: float = 0.0  # mean inter-token latency: one decode step at that batch
+    tokens: int = 0  # inter-token intervals observed (the decode weight)
+    prefill_s: float = 0.0  # summed prefill time of the requests that finished
+    prefill_tokens: int = 0  # their prompt tokens computed
+    requests: int = 0  # requests that finished
+    ttft_s: float = 0.0  # summed time to first token
+    first_tokens: int = 0  # requests that got their first token
+    context: float = 0.0  # mean prompt + half the mean output of the finished requests
+
+    def to_json(self) -> list[float]:
+        # Compact: a file of a fleet keeps hundreds of these.
+        return [
+            round(self.batch, 4),
+            self.step_s,
+            self.tokens,
+            self.prefill_s,
+            self.prefill_tokens,
+            self.requests,
+            self.ttft_s,
+            self.first_tokens,
+            round(self.context, 1),
+        ]
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> Sample:
+        if not isinstance(raw, list) or len(raw) != 9:
+            raise CalibrationError(f"{where}: not a list of 9 numbers")
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
+            raise CalibrationError(f"{where}: not a list of 9 numbers")
+        b, s, t, ps, pt, r, ts, ft, c = raw
+        return cls(
+            float(b), float(s), int(t), float(ps), int(pt), int(r), float(ts), int(ft), float(c)
+        )
+
+
+def window(before: Scrape, after: Scrape) -> Sample | None:
+    """One sample from two scrapes of the same server; None when a counter went backwards (the
+    server restarted between them) or nothing happened."""
+
+    def delta(name: str) -> float | None:
+        a, b = getattr(before, name), getattr(after, name)
+        if a is None or b is None:
+            return None
+        return b - a
+
+    deltas = {name: delta(name) for name in _SERIES.values() if name != "running"}
+    if any(d is not None and d < 0 for d in deltas.values()):
+        return None
+    tokens = int(deltas["itl_count"] or 0)
+    step = (deltas["itl_sum"] or 0.0) / tokens if tokens else 0.0
+    steps = deltas["steps"]
+    if tokens and steps:
+        # Decode tokens per engine step: the batch each step served, from vLLM's own counters.
+        batch = tokens / steps
+    else:
+        # Without the step counter: the running gauge at both ends.
+        ends = [v for v in (before.running, after.running) if v is not None]
+        batch = sum(ends) / len(ends) if ends else 0.0
+    requests = int(deltas["prefill_count"] or 0)
+    computed = deltas["prefill_kv_tokens"]
+    prompt = deltas["prompt_sum"]
+    prefill_tokens = int(computed if computed is not None else (prompt or 0))
+    finished = deltas["prompt_count"] or 0
+    context = 0.0
+    if finished and deltas["generation_count"]:
+        mean_prompt = (prompt or 0.0) / finished
+        context = mean_prompt + (deltas["generation_sum"] or 0.0) / deltas["generation_count"] / 2
+    out = Sample(
+        batch=batch if tokens else 0.0,
+        step_s=step,
+        tokens=tokens,
+        prefill_s=deltas["prefill_sum"] or 0.0,
+        prefill_tokens=prefill_tokens,
+        requests=requests,
+        ttft_s=deltas["ttft_sum"] or 0.0,
+        first_tokens=int(deltas["ttft_count"] or 0),
+        context=context,
+    )
+    return out if (out.tokens or out.requests or out.first_tokens) else None
+
+
+def windows(scrapes: Sequence[Scrape]) -> list[Sample]:
+    """One sample per consecutive pair of scrapes."""
+    out = []
+    for a, b in itertools.pairwise(scrapes):
+        s = window(a, b)
+        if s is not None:
+            out.append(s)
+    return out
+
+
+# --- the fit -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """A decode step's seconds: `fixed_s + per_seq_s x running`. per_seq_s is None when the
+    samples' batch sizes were too alike to separate the two: fixed_s is then the mean step at
+    `batch_lo`..`batch_hi`."""
+
+    fixed_s: float
+    per_seq_s: float | None
+    batch_lo: float
+    batch_hi: float
+
+    def at(self, batch: float) -> float:
+        return self.fixed_s + (self.per_seq_s or 0.0) * batch
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fixed_s": self.fixed_s,
+            "per_seq_s": self.per_seq_s,
+            "batch_lo": round(self.batch_lo, 3),
+            "batch_hi": round(self.batch_hi, 3),
+        }
+
+
+def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
+    """Least squares of step time on batch size, each window weighted by its tokens; a note
+    when only the fixed cost could be fitted. None when no window decoded anything."""
+    pts = [(s.batch, s.step_s, float(s.tokens)) for s in samples if s.tokens > 0]
+    if not pts:
+        return None, "no decode tokens in any window"
+    w = sum(p[2] for p in pts)
+    mx = sum(b * t for b, _, t in pts) / w
+    my = sum(s * t for _, s, t in pts) / w
+    lo, hi = min(p[0] for p in pts), max(p[0] for p in pts)
+    distinct = {round(b) for b, _, _ in pts}
+    if len(distinct) < 2 or hi - lo < 1.0:
+        return StepModel(my, None, lo, hi), (
+            f"batch sizes too alike ({lo:.1f} to {hi:.1f} sequences): fixed cost only"
+        )
+    sxx = sum(t * (b - mx) ** 2 for b, _, t in pts)
+    sxy = sum(t * (b - mx) * (s - my) for b, s, t in pts)
+    slope = sxy / sxx
+    if slope < 0:
+        return StepModel(my, None, lo, hi), "per-sequence cost came out negative: fixed cost only"
+    return StepModel(my - slope * mx, slope, lo, hi), ""
+
+
+# --- figures, each beside the model's ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure, the model's for the same server, and whether to use it."""
+
+    value: float
+    model: float | None = None
+    trusted: bool = True
+    why: str = ""  # why it is not trusted, or a note on how it was measured
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value, "model": self.model, "trusted": self.trusted, "why": self.why}
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> Figure:
+        if not isinstance(raw, dict):
+            raise CalibrationError(f"{where}: not an object")
+        value = _num(raw, "value", where)
+        model = raw.get("model")
+        if model is not None and not _is_num(model):
+            raise CalibrationError(f"{where}.model: not a number")
+        trusted, why = raw.get("trusted", False), raw.get("why", "")
+        if not isinstance(trusted, bool) or not isinstance(why, str):
+            raise CalibrationError(f"{where}: 'trusted' must be true or false, 'why' a string")
+        return cls(value, None if model is None else float(model), trusted, why)
+
+
+def _checked(value: float, model: float | None, what: str, note: str = "") -> Figure:
+    """Flag a figure 10x or more off the model's."""
+    if model and model > 0 and value > 0:
+        ratio = value / model
+        if ratio >= IMPLAUSIBLE_RATIO or ratio <= 1 / IMPLAUSIBLE_RATIO:
+            return Figure(value, model, False, f"{what} is {ratio:.3g}x the model's: implausible")
+    return Figure(value, model, True, note)
+
+
+@dataclass(frozen=True)
+class Figures:
+    kv_tokens: Figure | None = None
+    step: StepModel | None = None
+    step_at_batch: Figure | None = None  # the fitted step at the samples' mean batch
+    prefill_tok_s: Figure | None = None
+    ttft_s: Figure | None = None
+
+
+def measure(
+    samples: Sequence[Sample],
+    kv_tokens: Sequence[int],
+    perf: EnginePerf | None = None,
+    model_kv_tokens: int | None = None,
+    previous_kv: int | None = None,
+) -> Figures:
+    """Every figure the samples and KV readings support, each checked against the model."""
+    kv = None
+    if kv_tokens:
+        measured = sorted(kv_tokens)[len(kv_tokens) // 2]
+        kv = _checked(float(measured), _f(model_kv_tokens), "KV capacity")
+        if kv.trusted and previous_kv and not 0.1 < measured / previous_kv < 10:
+            kv = Figure(kv.value, kv.model, False, f"a 10x jump from the last {previous_kv:,}")
+    step, note = fit_step(samples)
+    at_batch = None
+    decoding = [s for s in samples if s.tokens > 0]
+    if step is not None:
+        tokens = sum(s.tokens for s in decoding)
+        batch = sum(s.batch * s.tokens for s in decoding) / tokens
+        ctx = _mean_context(samples)
+        model_step = perf.step_time(max(1, round(batch)), batch * ctx) if perf else None
+        if len(decoding) < MIN_DECODE_WINDOWS or tokens < MIN_DECODE_TOKENS:
+            at_batch = Figure(
+                step.at(batch),
+                model_step,
+                False,
+                f"too few samples ({len(decoding)} windows, {tokens} tokens; need "
+                f"{MIN_DECODE_WINDOWS} and {MIN_DECODE_TOKENS})",
+            )
+        else:
+            at_batch = _checked(step.at(batch), model_step, "the decode step", note)
+    prefill = None
+    requests = sum(s.requests for s in samples)
+    seconds = sum(s.prefill_s for s in samples)
+    tokens_in = sum(s.prefill_tokens for s in samples)
+    if requests and seconds > 0 and tokens_in > 0:
+        mean_prompt = tokens_in / requests
+        model_tok_s = mean_prompt / perf.prefill_time(max(1, round(mean_prompt))) if perf else None
+        if requests < MIN_PREFILL_REQUESTS:
+            prefill = Figure(
+                tokens_in / seconds,
+                model_tok_s,
+                False,
+                f"too few samples ({requests} requests; need {MIN_PREFILL_REQUESTS})",
+            )
+        else:
+            prefill = _checked(tokens_in / seconds, model_tok_s, "prefill speed")
+    ttft = None
+    first = sum(s.first_tokens for s in samples)
+    if first:
+        ttft = Figure(sum(s.ttft_s for s in samples) / first, None, True)
+    return Figures(kv, step, at_batch, prefill, ttft)
+
+
+def _mean_context(samples: Sequence[Sample]) -> float:
+    known = [(s.context, s.requests or 1) for s in samples if s.context > 0]
+    if not known:
+        return DEFAULT_CONTEXT
+    return sum(c * n for c, n in known) / sum(n for _, n in known)
+
+
+def _f(v: int | None) -> float | None:
+    return None if v is None else float(v)
+
+
+# --- the store ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class Key:
+    """What an entry is for. `node` only for a node that differs from its class (health)."""
+
+    gpu: str
+    model: str
+    format: str
+    tp: int
+    vllm_version: str | None = None
+    max_model_len: int | None = None
+    node: str | None = None
+
+    @property
+    def text(self) -> str:
+        out = f"{self.model} {self.format} on {self.tp}x {self.gpu}"
+        if self.vllm_version:
+            out += f", vLLM {self.vllm_version}"
+        if self.max_model_len:
+            out += f", max_model_len {self.max_model_len:,}"
+        return out + (f" (node {self.node})" if self.node else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu,
+            "model": self.model,
+            "format": self.format,
+            "tp": self.tp,
+            "vllm_version": self.vllm_version,
+            "max_model_len": self.max_model_len,
+            "node": self.node,
+        }
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> Key:
+        if not isinstance(raw, dict):
+            raise CalibrationError(f"{where}: not an object")
+        for name in ("gpu", "model", "format"):
+            if not isinstance(raw.get(name), str) or not raw[name]:
+                raise CalibrationError(f"{where}.{name}: not a name")
+        tp = raw.get("tp")
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise CalibrationError(f"{where}.tp: not a positive whole number")
+        version, length, node = raw.get("vllm_version"), raw.get("max_model_len"), raw.get("node")
+        if version is not None and not isinstance(version, str):
+            raise CalibrationError(f"{where}.vllm_version: not a string")
+        if length is not None and (not isinstance(length, int) or isinstance(length, bool)):
+            raise CalibrationError(f"{where}.max_model_len: not a whole number")
+        if node is not None and not isinstance(node, str):
+            raise CalibrationError(f"{where}.node: not a string")
+        return cls(raw["gpu"], raw["model"], raw["format"], tp, version, length, node)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The measured figures of one key: from `servers`, fitted over `samples`, at `measured_at`
+    (UTC, ISO 8601)."""
+
+    key: Key
+    measured_at: str
+    servers: tuple[str, ...] = ()
+    kv_tokens: Figure | None = None
+    step: StepModel | None = None
+    step_at_batch: Figure | None = None
+    prefill_tok_s: Figure | None = None
+    ttft_s: Figure | None = None
+    samples: tuple[Sample, ...] = ()
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.samples)
+
+    @property
+    def step_trusted(self) -> bool:
+        return (
+            self.step is not None and self.step_at_batch is not None and self.step_at_batch.trusted
+        )
+
+    def describe(self) -> str:
+        """`calibrated from 3 servers, 2026-12-01 10:20`."""
+        n = len(self.servers)
+        when = self.measured_at[:16].replace("T", " ")
+        return f"calibrated from {n} server{'s' if n != 1 else ''}, {when}"
+
+    def to_json(self) -> dict[str, Any]:
+        def fig(f: Figure | None) -> dict[str, Any] | None:
+            return None if f is None else f.to_json()
+
+        return {
+            "key": self.key.to_json(),
+            "measured_at": self.measured_at,
+            "servers": list(self.servers),
+            "n_samples": self.n_samples,
+            "kv_tokens": fig(self.kv_tokens),
+            "step": None if self.step is None else self.step.to_json(),
+            "step_at_batch_s": fig(self.step_at_batch),
+            "prefill_tok_s": fig(self.prefill_tok_s),
+            "ttft_s": fig(self.ttft_s),
+            "samples": [s.to_json() for s in self.samples],
+        }
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> Entry:
+        if not isinstance(raw, dict):
+            raise CalibrationError(f"{where}: not an object")
+        key = Key.from_json(raw.get("key"), f"{where}.key")
+        at = raw.get("measured_at")
+        if not isinstance(at, str) or not at:
+            raise CalibrationError(f"{where}.measured_at: not a timestamp")
+        servers = raw.get("servers", [])
+        if not isinstance(servers, list) or not all(isinstance(s, str) for s in servers):
+            raise CalibrationError(f"{where}.servers: not a list of URLs")
+        samples = raw.get("samples", [])
+        if not isinstance(samples, list):
+            raise CalibrationError(f"{where}.samples: not a list")
+
+        def fig(name: str) -> Figure | None:
+            v = raw.get(name)
+            return None if v is None else Figure.from_json(v, f"{where}.{name}")
+
+        step = raw.get("step")
+        model = None
+        if step is not None:
+            if not isinstance(step, dict):
+                raise CalibrationError(f"{where}.step: not an object")
+            per = step.get("per_seq_s")
+            if per is not None and not _is_num(per):
+                raise CalibrationError(f"{where}.step.per_seq_s: not a number")
+            model = StepModel(
+                _num(step, "fixed_s", f"{where}.step"),
+                None if per is None else float(per),
+                _num(step, "batch_lo", f"{where}.step"),
+                _num(step, "batch_hi", f"{where}.step"),
+            )
+        return cls(
+            key,
+            at,
+            tuple(servers),
+            fig("kv_tokens"),
+            model,
+            fig("step_at_batch_s"),
+            fig("prefill_tok_s"),
+            fig("ttft_s"),
+            tuple(Sample.from_json(s, f"{where}.samples[{i}]") for i, s in enumerate(samples)),
+        )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    entries: tuple[Entry, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": CALIBRATION_FORMAT,
+            "entries": [e.to_json() for e in sorted(self.entries, key=lambda e: e.key)],
+        }
+
+    @classmethod
+    def from_json(cls, raw: object) -> Calibration:
+        """A calibration from a parsed document; CalibrationError names the field that is wrong."""
+        if not isinstance(raw, dict):
+            raise CalibrationError("not a JSON object")
+        fmt = raw.get("format")
+        if fmt != CALIBRATION_FORMAT:
+            newer = isinstance(fmt, int) and fmt > CALIBRATION_FORMAT
+            raise CalibrationError(
+                f"format {fmt!r} was written by a {'newer' if newer else 'different'} fleetctl "
+                f"(this one reads {CALIBRATION_FORMAT})"
+            )
+        entries = raw.get("entries")
+        if not isinstance(entries, list):
+            raise CalibrationError("no 'entries' list")
+        return cls(tuple(Entry.from_json(e, f"entries[{i}]") for i, e in enumerate(entries)))
+
+    def get(self, key: Key) -> Entry | None:
+        return next((e for e in self.entries if e.key == key), None)
+
+    def merged(self, fresh: Iterable[Entry]) -> Calibration:
+        """This calibration with `fresh` entries replacing those of the same key."""
+        new = {e.key: e for e in fresh}
+        kept = [e for e in self.entries if e.key not in new]
+        return Calibration(tuple(kept) + tuple(new.values()))
+
+    def find(
+        self,
+        gpu: str,
+        model: str,
+        fmt: str,
+        tp: int,
+        vllm_version: str | None = None,
+        max_model_len: int | None = None,
+    ) -> Entry | None:
+        """The entry for a class: the same GPU, model, format and TP; of those, a class entry
+        (not one node's), then the same vLLM version, then the same max_model_len, then the
+        newest."""
+        found = [
+            e
+            for e in self.entries
+            if (e.key.gpu, e.key.model, e.key.format, e.key.tp) == (gpu, model, fmt, tp)
+        ]
+        if not found:
+            return None
+        return max(
+            found,
+            key=lambda e: (
+                e.key.node is None,
+                vllm_version is not None and e.key.vllm_version == vllm_version,
+                max_model_len is not None and e.key.max_model_len == max_model_len,
+                e.measured_at,
+            ),
+        )
+
+
+def entry_for(
+    key: Key,
+    servers: Sequence[str],
+    samples: Sequence[Sample],
+    kv_tokens: Sequence[int],
+    measured_at: str,
+    previous: Entry | None = None,
+    perf: EnginePerf | None = None,
+    model_kv_tokens: int | None = None,
+) -> Entry:
+    """The entry after a calibration run: this run's samples after the previous entry's (the
+    newest KEEP_SAMPLES of them), refitted; KV from this run's servers."""
+    kept = ((previous.samples if previous else ()) + tuple(samples))[-KEEP_SAMPLES:]
+    prev_kv = None
+    if previous and previous.kv_tokens and previous.kv_tokens.trusted:
+        prev_kv = int(previous.kv_tokens.value)
+    figs = measure(kept, kv_tokens, perf, model_kv_tokens, prev_kv)
+    if figs.kv_tokens is None and previous is not None:
+        figs = replace(figs, kv_tokens=previous.kv_tokens)
+    return Entry(
+        key,
+        measured_at,
+        tuple(servers),
+        figs.kv_tokens,
+        figs.step,
+        figs.step_at_batch,
+        figs.prefill_tok_s,
+        figs.ttft_s,
+        kept,
+    )
+
+
+def _is_num(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(raw: dict[str, Any], name: str, where: str) -> float:
+    v = raw.get(name)
+    if not _is_num(v):
+        raise CalibrationError(f"{where}.{name}: not a number")
+    return float(v)  # type: ignore[arg-type]
+
+
+# --- one server's reading, for the command's table ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerReading:
+    """What one calibration run read from one server: its figures beside the model's, or why
+    it could not be read."""
+
+    url: str
+    node: str
+    key: Key | None = None
+    samples: tuple[Sample, ...] = ()
+    kv_tokens: int | None = None
+    figures: Figures = field(default_factory=Figures)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        f = self.figures
+
+        def fig(x: Figure | None) -> dict[str, Any] | None:
+            return None if x is None else x.to_json()
+
+        return {
+            "url": self.url,
+            "node": self.node,
+            "key": None if self.key is None else self.key.to_json(),
+            "error": self.error,
+            "n_samples": len(self.samples),
+            "kv_tokens": fig(f.kv_tokens),
+            "step": None if f.step is None else f.step.to_json(),
+            "step_at_batch_s": fig(f.step_at_batch),
+            "prefill_tok_s": fig(f.prefill_tok_s),
+            "ttft_s": fig(f.ttft_s),
+        }
