@@ -299,21 +299,25 @@ class Load:
     """Clients sending completions of mixed lengths; more of them as it goes, so the windows
     see different batch sizes."""
 
-    def __init__(self, port: int, clients: int):
-        self.port, self.stop = port, threading.Event()
+    def __init__(self, port: int, clients: int, model: str = NAME, scale: int = 1):
+        self.port, self.model, self.scale = port, model, scale
+        self.stop = threading.Event()
         self.done = 0
+        self.failed: list[int] = []
         self.threads = [threading.Thread(target=self.run, args=(k,)) for k in range(clients)]
 
     def run(self, k: int) -> None:
         rng = random.Random(k)
         while not self.stop.is_set():
             body = {
-                "model": NAME,
-                "prompt": "hi " * rng.randint(50, 400),
-                "max_tokens": rng.randint(20, 200),
+                "model": self.model,
+                "prompt": "hi " * (rng.randint(50, 400) // self.scale),
+                "max_tokens": rng.randint(20, 200) // self.scale,
             }
-            status, _, _ = http_request(self.port, "POST", "/v1/completions", body, None, 60)
-            assert status == 200
+            status, _, _ = http_request(self.port, "POST", "/v1/completions", body, None, 120)
+            if status != 200:
+                self.failed.append(status)
+                return
             self.done += 1
 
     def __enter__(self) -> Load:
@@ -330,6 +334,7 @@ class Load:
         self.stop.set()
         for t in self.threads:
             t.join()
+        assert not self.failed, f"requests failed with HTTP {self.failed}"
 
 
 @pytest.fixture(scope="module")
@@ -389,3 +394,53 @@ def test_calibrate_measures_emulated_servers_and_estimate_uses_it(emulator, tmp_
     assert r.code == 1
     assert "Calibration" in r.out and "rtx-1" in r.out and "connection refused" in r.out
     assert "Saved 1 entry to" in r.out
+
+
+@pytest.mark.vllm_real
+def test_calibrate_reads_a_real_vllm_server(tmp_path, cli):
+    """The metric names and labels calibration reads are a real vLLM 0.32's (the CPU build,
+    serving tiny-llama; profiles in tests/data/profiles describe the CPU as CPU-TEST)."""
+    from tests.vllm_real.server import MAX_MODEL_LEN, ensure_env, start_vllm, stop, wait_healthy
+
+    port = free_port()
+    proc = start_vllm(ensure_env(), port)
+    try:
+        wait_healthy(proc.url, 400, proc)  # a cold start takes ~50 s on 2 idle cores
+        inv = tmp_path / "inventory.yaml"
+        inv.write_text(
+            "nodes:\n  - {name: cpu-1, gpus: {type: CPU-TEST, count: 1}}\n"
+            "models:\n  - name: tiny-llama\n    profile: tiny-llama\n"
+            "    variants: {bf16: {source: tiny-llama}}\n    max_context: 512\n"
+        )
+        bfile = tmp_path / "backends.yaml"
+        entry = {"url": proc.url, "node": "cpu-1", "gpu_type": "CPU-TEST", "model": "tiny-llama"}
+        bfile.write_text(json.dumps({"backends": [entry]}))
+        state = tmp_path / "state"
+        profiles = REPO / "tests" / "data" / "profiles"
+        args = ["--backends", bfile, "--state-dir", state, "--profiles", profiles]
+        with Load(port, 4, "tiny-llama", scale=8):
+            r = cli("calibrate", inv, *args, "--window", "6", "--interval", "0.5", "--json")
+        assert r.code == 0, r.err + r.out
+        (server,) = json.loads(r.out)["servers"]
+        (e,) = StateDir(state).load_calibration().entries
+        assert (e.key.gpu, e.key.model, e.key.format, e.key.tp) == (
+            "CPU-TEST",
+            "tiny-llama",
+            "bf16",
+            1,
+        )
+        assert e.key.max_model_len == MAX_MODEL_LEN
+        assert e.key.vllm_version is not None and e.key.vllm_version.startswith("0.32")
+        # KV: num_gpu_blocks x block_size is the server's own kv_cache_size_tokens label.
+        status, _, page = http_request(port, "GET", "/metrics")
+        assert status == 200
+        info = next(x for x in page.decode().splitlines() if x.startswith("vllm:cache_config_info"))
+        assert e.kv_tokens is not None
+        assert f'kv_cache_size_tokens="{int(e.kv_tokens.value)}"' in info
+        # Decode: the inter-token latency and the engine's step counter are there and moved.
+        assert server["n_samples"] >= 3 and e.step is not None and e.step.fixed_s > 0
+        assert all(s.batch > 0 for s in e.samples if s.tokens)
+        assert e.prefill_tok_s is not None and e.prefill_tok_s.value > 0
+        assert e.ttft_s is not None and e.ttft_s.value > 0
+    finally:
+        stop(proc)
