@@ -66,6 +66,7 @@ class Scrape:
     """The counters and gauges of one /metrics page that calibration reads; None: not there."""
 
     kv_tokens: int | None = None  # num_gpu_blocks x block_size, over the engines
+    gpu_memory_utilization: float | None = None  # what the KV cache was sized at
     running: float | None = None
     itl_sum: float | None = None
     itl_count: float | None = None
@@ -89,6 +90,7 @@ def parse_metrics(text: str) -> Scrape:
     """The figures calibration needs from one vLLM /metrics page (Prometheus text format)."""
     values: dict[str, float] = {}
     kv: int | None = None
+    util: float | None = None
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -101,6 +103,7 @@ def parse_metrics(text: str) -> Scrape:
             except (KeyError, ValueError):
                 continue
             kv = tokens + (kv or 0)
+            util = _float(labels.get("gpu_memory_utilization"))
             continue
         field_name = _SERIES.get(name)
         if field_name is None:
@@ -111,7 +114,7 @@ def parse_metrics(text: str) -> Scrape:
             continue
         if math.isfinite(value):
             values[field_name] = values.get(field_name, 0.0) + value
-    return Scrape(kv_tokens=kv, **values)
+    return Scrape(kv_tokens=kv, gpu_memory_utilization=util, **values)
 
 
 # --- two scrapes: one window -------------------------------------------------------------------
@@ -201,6 +204,14 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         context=context,
     )
     return out if (out.tokens or out.requests or out.first_tokens) else None
+
+
+def _float(text: str | None) -> float | None:
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) else None
 
 
 def windows(scrapes: Sequence[Scrape]) -> list[Sample]:
@@ -444,6 +455,7 @@ class Entry:
     prefill_tok_s: Figure | None = None
     ttft_s: Figure | None = None
     samples: tuple[Sample, ...] = ()
+    gpu_memory_utilization: float | None = None  # the servers' (their KV cache depends on it)
 
     @property
     def n_samples(self) -> int:
@@ -469,6 +481,7 @@ class Entry:
             "key": self.key.to_json(),
             "measured_at": self.measured_at,
             "servers": list(self.servers),
+            "gpu_memory_utilization": self.gpu_memory_utilization,
             "n_samples": self.n_samples,
             "kv_tokens": fig(self.kv_tokens),
             "step": None if self.step is None else self.step.to_json(),
@@ -497,6 +510,9 @@ class Entry:
             v = raw.get(name)
             return None if v is None else Figure.from_json(v, f"{where}.{name}")
 
+        util = raw.get("gpu_memory_utilization")
+        if util is not None and not _is_num(util):
+            raise CalibrationError(f"{where}.gpu_memory_utilization: not a number")
         step = raw.get("step")
         model = None
         if step is not None:
@@ -521,6 +537,7 @@ class Entry:
             fig("prefill_tok_s"),
             fig("ttft_s"),
             tuple(Sample.from_json(s, f"{where}.samples[{i}]") for i, s in enumerate(samples)),
+            util,
         )
 
 
@@ -599,6 +616,7 @@ def entry_for(
     previous: Entry | None = None,
     perf: EnginePerf | None = None,
     model_kv_tokens: int | None = None,
+    gpu_memory_utilization: float | None = None,
 ) -> Entry:
     """The entry after a calibration run: this run's samples after the previous entry's (the
     newest KEEP_SAMPLES of them), refitted; KV from this run's servers."""
@@ -607,8 +625,10 @@ def entry_for(
     if previous and previous.kv_tokens and previous.kv_tokens.trusted:
         prev_kv = int(previous.kv_tokens.value)
     figs = measure(kept, kv_tokens, perf, model_kv_tokens, prev_kv)
+    util = gpu_memory_utilization
     if figs.kv_tokens is None and previous is not None:
         figs = replace(figs, kv_tokens=previous.kv_tokens)
+        util = previous.gpu_memory_utilization
     return Entry(
         key,
         measured_at,
@@ -619,6 +639,7 @@ def entry_for(
         figs.prefill_tok_s,
         figs.ttft_s,
         kept,
+        util,
     )
 
 
@@ -647,6 +668,7 @@ class ServerReading:
     samples: tuple[Sample, ...] = ()
     kv_tokens: int | None = None
     figures: Figures = field(default_factory=Figures)
+    gpu_memory_utilization: float | None = None
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:

@@ -172,14 +172,18 @@ def apply_calibration(e: Estimate, entry: Entry) -> Estimate:
     decode step at the batch, prefill speed; only the trusted ones. Unchanged when none is."""
     used: list[str] = []
     budget, step, prefill = e.budget, e.decode_step_s, e.prefill_s
-    kv = entry.kv_tokens
+    kv, note = entry.kv_tokens, ""
     if kv is not None and kv.trusted:
-        tokens = int(kv.value) // BLOCK_SIZE * BLOCK_SIZE
-        per_token = kv_bytes_per_token(
-            e.model,
-            kv_dtype_bytes(e.settings.kv_cache_dtype, e.fmt),
-            e.settings.tensor_parallel_size,
-        )
+        dtype = kv_dtype_bytes(e.settings.kv_cache_dtype, e.fmt)
+        per_token = kv_bytes_per_token(e.model, dtype, e.settings.tensor_parallel_size)
+        per_gpu = int(kv.value) * per_token
+        was, now = entry.gpu_memory_utilization, e.settings.gpu_memory_utilization
+        if was is not None and abs(was - now) > 1e-9:
+            # Everything else vLLM reserves stays put: the KV cache gains or loses exactly the
+            # memory the utilization moves.
+            per_gpu += int((now - was) * e.gpu.memory_bytes)
+            note = f"; KV moved from gpu_memory_utilization {was:g} to {now:g}"
+        tokens = max(0, per_gpu) // per_token // BLOCK_SIZE * BLOCK_SIZE
         # The GiB per GPU follow the measured tokens, so the two figures never disagree.
         budget = replace(budget, kv_tokens=tokens, kv_per_gpu=tokens * per_token)
         used.append("KV cache")
@@ -199,9 +203,9 @@ def apply_calibration(e: Estimate, entry: Entry) -> Estimate:
         used.append("prefill")
     if not used:
         return e
-    detail = f"{entry.describe()} ({', '.join(used)}; the rest from the model)"
+    detail = f"{entry.describe()} ({', '.join(used)}; the rest from the model){note}"
     if len(used) == 3:
-        detail = entry.describe()
+        detail = entry.describe() + note
     return replace(
         e,
         budget=budget,

@@ -68,6 +68,7 @@ def test_parses_a_real_vllm_metrics_page():
     s = parse_metrics(CAPTURE)
     # cache_config_info: num_gpu_blocks="16384" x block_size="128"
     assert s.kv_tokens == 16384 * 128 == 2097152
+    assert s.gpu_memory_utilization == 0.92
     assert (s.running, s.itl_count, s.steps) == (0.0, 54.0, 59.0)
     assert s.itl_sum == pytest.approx(0.3257084440000426)
     assert (s.prefill_count, s.prefill_kv_tokens, s.prompt_sum) == (5.0, 27.0, 27.0)
@@ -76,6 +77,7 @@ def test_parses_a_real_vllm_metrics_page():
     assert (s.ttft_count, s.ttft_sum) == (5.0, pytest.approx(0.12110018730163574))
     # Every series calibration reads is on the real page (a renamed one would read None).
     assert all(getattr(s, f.name) is not None for f in fields(Scrape))
+    assert parse_metrics("# nothing\n") == Scrape()
 
 
 def test_a_window_from_the_real_page():
@@ -192,6 +194,7 @@ def an_entry(perf, **kw) -> Entry:
         kw.get("at", "2026-12-01T10:20:31+00:00"),
         perf=perf,
         model_kv_tokens=47_024,
+        gpu_memory_utilization=kw.get("util", 0.9),
     )
 
 
@@ -283,6 +286,13 @@ def test_estimate_uses_trusted_figures_and_says_so(catalog, perf):
     p = apply_calibration(base, partly).to_json()
     assert p["kv_cache_tokens"] == base.budget.kv_tokens
     assert p["source"]["detail"].endswith("(decode step; the rest from the model)")
+    # KV measured at another gpu_memory_utilization moves by exactly the memory it moves.
+    gpu = catalog.gpu("RTX-4090")
+    at92 = apply_calibration(base, replace(e, gpu_memory_utilization=0.92))
+    per_token = cal.budget.kv_per_gpu // 40_000
+    want = (40_000 * per_token - int(0.02 * gpu.memory_bytes)) // per_token // 16 * 16
+    assert at92.budget.kv_tokens == want
+    assert at92.source.detail.endswith("; KV moved from gpu_memory_utilization 0.92 to 0.9")
     none = replace(partly, step_at_batch=flagged)
     assert apply_calibration(base, none) is base
     # A fixed cost alone is used only near the batch sizes it was measured at.
@@ -386,9 +396,15 @@ def test_calibrate_measures_emulated_servers_and_estimate_uses_it(emulator, tmp_
     used = json.loads(cli(*est, "--state-dir", state).out)
     assert used["source"]["kind"] == "calibrated"
     assert used["source"]["detail"].startswith("calibrated from 1 server, ")
-    assert used["kv_cache_tokens"] == int(entry.kv_tokens.value)
+    # Measured at the emulator's gpu_memory_utilization (0.92): at that setting the estimate is
+    # the measured figure; at vLLM's default 0.9 it moves by 2% of the card, as the model does.
+    assert entry.gpu_memory_utilization == 0.92
+    same = json.loads(cli(*est, "--state-dir", state, "--gpu-memory-utilization", "0.92").out)
+    assert same["kv_cache_tokens"] == int(entry.kv_tokens.value)
+    assert used["source"]["detail"].endswith("to 0.9")
     model = json.loads(cli(*est, "--state-dir", state, "--no-calibration").out)
     assert model["source"]["kind"] == "model"
+    assert abs(used["kv_cache_tokens"] - model["kv_cache_tokens"]) <= 16
     # The table: the model's figure beside the measured one, per server.
     r = cli("calibrate", inv, "--backends", bfile, "--state-dir", state, "--window", "0.5")
     assert r.code == 1

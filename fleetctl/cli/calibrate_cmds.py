@@ -78,6 +78,7 @@ def calibrate(
                 before.get(key),
                 perf,
                 members[0][0].kv_tokens,
+                members[0][1].gpu_memory_utilization,
             )
         )
     if fresh:
@@ -133,7 +134,10 @@ async def _read_one(client: Client, b: Backend, window: float, interval: float) 
 
     where = f"{b.node} ({b.name})"
     scrapes: list[Scrape] = []
-    count = max(2, int(window / interval + 1e-9) + 1)
+    # Every `interval` over `window`; an interval as long as the window or longer: two scrapes,
+    # `window` apart.
+    interval = min(interval, window)
+    count = int(window / interval + 1e-9) + 1
     loop = asyncio.get_running_loop()
     start = loop.time()
     try:
@@ -165,7 +169,8 @@ async def _read_one(client: Client, b: Backend, window: float, interval: float) 
     samples = tuple(windows(scrapes))
     kv = scrapes[-1].kv_tokens
     figures = measure(samples, [kv] if kv is not None else [], perf, b.kv_tokens)
-    return ServerReading(b.name, b.node, key, samples, kv, figures)
+    util = scrapes[-1].gpu_memory_utilization
+    return ServerReading(b.name, b.node, key, samples, kv, figures, gpu_memory_utilization=util)
 
 
 async def _version(client: Client, b: Backend) -> str | None:
