@@ -19,7 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("catalog", "hfconfig"),
     ("inventory",),
     ("perf",),
-    ("plan", "facts", "facts_parse"),
+    ("plan", "facts", "facts_parse", "calibration"),
     ("state",),
     ("statedir", "planner", "routing", "progress", "estimate"),
     ("sim", "ssh", "http"),
@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("render",),
     ("cli", "__main__", "__init__"),
 ]
-PURE = ("routing", "planner", "perf", "plan", "state", "facts", "facts_parse", "sim")
+PURE = ("routing", "planner", "perf", "plan", "state", "facts", "facts_parse", "sim", "calibration")
 IO_LIBRARIES = ("aiohttp", "asyncio", "redis", "paramiko", "urllib", "socket", "subprocess")
 
 
