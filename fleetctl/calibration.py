@@ -184,6 +184,10 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         ends = [v for v in (before.running, after.running) if v is not None]
         batch = sum(ends) / len(ends) if ends else 0.0
     requests = int(deltas["prefill_count"] or 0)
+    # Prompt tokens from the per-request histograms, observed when a request finishes as the
+    # prefill time is: vllm:prompt_tokens_total counts at prefill, so over a short window it
+    # would pair one set of requests' tokens with another's seconds. The computed tokens leave
+    # out prefix-cache hits, which took no prefill time.
     computed = deltas["prefill_kv_tokens"]
     prompt = deltas["prompt_sum"]
     prefill_tokens = int(computed if computed is not None else (prompt or 0))
