@@ -38,6 +38,9 @@ GPU_NAMES = {
     "nvidia h100": "H100-SXM-80GB",
     "nvidia a10g": "A10G",
     "nvidia a10": "A10G",
+    "h100-80gb": "H100-SXM-80GB",
+    "a6000": "RTX-A6000",
+    "nvidia a100 40gb": "A100-SXM4-40GB",
 }
 # Format names in the datasets -> fleetctl format profiles; gptq-int8 (weight-only W8A16) has
 # no profile yet (fleetctl's int8 is W8A8).
@@ -100,7 +103,17 @@ def load_models(cat: Catalog) -> dict[str, ModelProfile]:
 
 def resolve(row: dict[str, Any], cat: Catalog, models: dict[str, ModelProfile]) -> Any:
     """(gpu, model, format) profiles for a row, or the reason it is skipped."""
-    gpu = cat.find_gpu(row["gpu"]) or (cat.gpus.get(GPU_NAMES.get(str(row["gpu"]).lower(), "")))
+    if (row.get("pipeline_parallel_size") or 1) > 1:
+        return "pipeline parallelism (fleetctl plans tensor parallelism only)"
+    # The name as the source wrote it, then without a parenthesised remark ("(8x, AWS ...)").
+    said = str(row["gpu"])
+    bare = said.split("(")[0].strip()
+    gpu = (
+        cat.find_gpu(said)
+        or cat.find_gpu(bare)
+        or cat.gpus.get(GPU_NAMES.get(said.lower(), ""))
+        or cat.gpus.get(GPU_NAMES.get(bare.lower(), ""))
+    )
     if gpu is None:
         return f"no GPU profile for {row['gpu']!r}"
     model = models.get(str(row.get("arch") or "")) or models.get(str(row["model"]).lower())
