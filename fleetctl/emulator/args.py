@@ -25,6 +25,8 @@ class EmulatorArgs:
     source: str | None = None
     profiles: list[Path] = field(default_factory=list)
     time_scale: float = 1.0
+    truth_speed: float = 1.0
+    truth_kv: float = 1.0
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: list[str] = field(default_factory=list)
@@ -78,8 +80,27 @@ def _parser() -> _Parser:
     own.add_argument("--gpu", required=True, help="GPU profile name or nvidia-smi alias")
     own.add_argument("--model", required=True, help="model profile name (profiles/models)")
     own.add_argument("--variant", help="quantization format (default: from --quantization/--dtype)")
-    own.add_argument("--profiles", type=Path, action="append", default=[], help="extra profiles")
+    own.add_argument(
+        "--profiles",
+        type=Path,
+        action="append",
+        default=[],
+        help="a profiles folder (gpus/, models/, formats/) whose profiles override the bundled "
+        "ones by name: the emulator's truth may differ from what the planner and router assume",
+    )
     own.add_argument("--time-scale", type=float, default=1.0, help="run the engine X times faster")
+    own.add_argument(
+        "--truth-speed",
+        type=float,
+        default=1.0,
+        help="the GPU runs X times as fast as its profile (0.7: every step takes 1/0.7 as long)",
+    )
+    own.add_argument(
+        "--truth-kv",
+        type=float,
+        default=1.0,
+        help="the GPU holds X of the KV cache its profile leaves (less memory, same reserves)",
+    )
     faults = p.add_argument_group("faults")
     faults.add_argument(
         "--startup-delay", type=float, default=0.0, help="wall seconds of 503s first (unscaled)"

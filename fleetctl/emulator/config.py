@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fleetctl.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
 from fleetctl.emulator.args import EmulatorArgs
+from fleetctl.emulator.truth import less_kv, slower
 from fleetctl.errors import UserError
 from fleetctl.perf import BLOCK_SIZE, EnginePerf, KvBudget, kv_budget, vllm_batch_defaults
 from fleetctl.sim.engine import Engine
@@ -120,17 +121,27 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
     default_tokens, default_seqs = vllm_batch_defaults(gpu)
     tokens = args.max_num_batched_tokens or default_tokens
     seqs = args.max_num_seqs or default_seqs
-    budget = kv_budget(
-        gpu,
-        model,
-        fmt,
-        args.tensor_parallel_size,
-        args.gpu_memory_utilization,
-        args.kv_cache_dtype,
-        tokens,
-        seqs,
-        args.enforce_eager,
-    )
+
+    def budget_on(g: GpuProfile) -> KvBudget:
+        return kv_budget(
+            g,
+            model,
+            fmt,
+            args.tensor_parallel_size,
+            args.gpu_memory_utilization,
+            args.kv_cache_dtype,
+            tokens,
+            seqs,
+            args.enforce_eager,
+        )
+
+    budget = budget_on(gpu)
+    # The knobs skew the truth after the profiles: the batch defaults above stay the profile's.
+    if args.truth_kv != 1.0:
+        gpu = less_kv(gpu, args.truth_kv, budget, args.gpu_memory_utilization)
+        budget = budget_on(gpu)
+    if args.truth_speed != 1.0:
+        gpu = slower(gpu, args.truth_speed)
     _check_fits(budget, max_len)
     source = args.source or model.hf_id or model.name
     return EmulatorConfig(
@@ -171,6 +182,10 @@ def _check_ranges(args: EmulatorArgs) -> None:
         )
     if not 0 <= args.error_rate <= 1:
         raise UserError(f"--error-rate must be in [0, 1], got {args.error_rate:g}")
+    if args.truth_speed <= 0:
+        raise UserError(f"--truth-speed must be positive, got {args.truth_speed:g}")
+    if not 0 < args.truth_kv <= 1:
+        raise UserError(f"--truth-kv must be in (0, 1], got {args.truth_kv:g}")
     if args.tensor_parallel_size < 1:
         raise UserError("--tensor-parallel-size must be at least 1")
 
