@@ -75,6 +75,7 @@ class Target:
     name: str
     kind: str  # fleetctl | vllm-router
     policy: str
+    prior: str = ""  # with --skew, hardware-aware's profiles: wrong | perfect | calibrated
 
 
 TARGETS = [
@@ -84,6 +85,9 @@ TARGETS = [
     Target("vllm-router cache_aware", "vllm-router", "cache_aware"),
     Target("vllm-router kv_aware", "vllm-router", "kv_aware"),
     Target("fleetctl round-robin", "fleetctl", "round-robin"),
+    # Baselines without peer routers installed; like vllm-router's, they read no profiles.
+    Target("fleetctl least-outstanding", "fleetctl", "least-outstanding"),
+    Target("fleetctl power-of-two", "fleetctl", "power-of-two"),
 ]
 DEFAULT_TARGETS = "hardware-aware,round_robin,power_of_two,cache_aware,kv_aware"
 
@@ -99,6 +103,114 @@ def pick_targets(spec: str) -> list[Target]:
             raise SystemExit(f"unknown target {w!r}: use one of {[t.name for t in TARGETS]}")
         out += [t for t in found if t not in out]
     return out
+
+
+# --- a truth apart from the profiles (issue 11, part 4) ---------------------------------------
+
+# What hardware-aware routing is told about the GPUs when the emulators run skewed:
+# wrong: the bundled profiles (the emulators are slower / smaller than they say);
+# perfect: the emulators' own skewed profiles (`route-serve --profiles`), for reference;
+# calibrated: the bundled profiles corrected from the servers' /metrics (part 3), not built yet.
+PRIORS = ("wrong", "perfect", "calibrated")
+
+
+@dataclass(frozen=True)
+class Skew:
+    speed: float  # the GPU runs this share of its profile's speed
+    kv: float  # and holds this share of its profile's KV cache
+
+
+def parse_skew(spec: str, gpus: list[str]) -> dict[str, Skew]:
+    """`rtx=0.7` or `rtx=0.7/0.8,a100=0.9`: GPU (a case-insensitive part of a planned GPU
+    type's name) = speed[/KV share]."""
+    out: dict[str, Skew] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        key, eq, value = part.partition("=")
+        speed, _, kv = value.partition("/")
+        found = [g for g in gpus if key.strip().lower() in g.lower()]
+        try:
+            skew = Skew(float(speed), float(kv or 1.0))
+        except ValueError:
+            skew = Skew(0.0, 0.0)
+        if not eq or not found or skew.speed <= 0 or not 0 < skew.kv <= 1:
+            raise SystemExit(
+                f"--skew {part!r}: write GPU=SPEED[/KV], GPU a part of one of {sorted(set(gpus))}, "
+                "SPEED > 0, KV in (0, 1] (e.g. rtx=0.7/0.8)"
+            )
+        out.update(dict.fromkeys(found, skew))
+    return out
+
+
+@dataclass
+class Truth:
+    """The emulators' skewed profiles folder and each planned server's real KV tokens."""
+
+    folder: Path
+    skews: dict[str, Skew]
+    kv_tokens: dict[str, int]  # node -> KV tokens its emulator holds
+
+
+def write_truth(fleet: Fleet, skews: dict[str, Skew], folder: Path) -> Truth:
+    """Skewed GPU profiles for the emulators (and the perfect prior), from the bundled ones,
+    each GPU's KV share taken on its first planned server's flags."""
+    from fleetctl.emulator.truth import describe, less_kv, slower, write_gpu
+    from fleetctl.perf import kv_budget
+
+    catalog = load_catalog()
+    truth: dict[str, Any] = {}
+    for d in fleet.servers:
+        s = d.server
+        if s.gpu_type not in skews or s.gpu_type in truth:
+            continue
+        skew, gpu = skews[s.gpu_type], catalog.gpu(s.gpu_type)
+        budget = kv_budget(*_server_budget_args(gpu, fleet, s, catalog))
+        gpu = less_kv(slower(gpu, skew.speed), skew.kv, budget, s.gpu_memory_utilization)
+        write_gpu(folder, gpu, describe(skew.speed, skew.kv))
+        truth[s.gpu_type] = gpu
+    kv = {}
+    for d in fleet.servers:
+        s = d.server
+        gpu = truth.get(s.gpu_type, catalog.gpu(s.gpu_type))
+        kv[d.node] = kv_budget(*_server_budget_args(gpu, fleet, s, catalog)).kv_tokens
+    return Truth(folder, skews, kv)
+
+
+def _server_budget_args(gpu: Any, fleet: Fleet, s: Any, catalog: Any) -> tuple[Any, ...]:
+    model, fmt = catalog.model(fleet.profile), catalog.format(s.variant)
+    return (
+        gpu,
+        model,
+        fmt,
+        s.tensor_parallel_size,
+        s.gpu_memory_utilization,
+        s.kv_cache_dtype,
+        s.max_num_batched_tokens,
+        s.max_num_seqs,
+    )
+
+
+def with_priors(targets: list[Target], priors: list[str]) -> list[Target]:
+    """Hardware-aware once per prior; the baselines read no profiles, so they run once."""
+    out = []
+    for t in targets:
+        if t.policy != "hardware-aware":
+            out.append(t)
+            continue
+        out += [replace(t, name=f"{t.name} ({p} prior)", prior=p) for p in priors]
+    return out
+
+
+def check_priors(priors: list[str]) -> None:
+    for p in priors:
+        if p not in PRIORS:
+            raise SystemExit(f"--priors: unknown {p!r}; use some of {', '.join(PRIORS)}")
+    if "calibrated" in priors:
+        # The hook for part 3: when route-serve calibrates itself from /metrics (started cold,
+        # learning online), `router_cmd` gives it the bundled profiles plus that switch.
+        raise SystemExit(
+            "--priors calibrated: route-serve's calibration from /metrics (issue 11, part 3) "
+            "is not built yet; run wrong,perfect"
+        )
 
 
 # --- the fleet and the workload ----------------------------------------------------------------
@@ -161,8 +273,10 @@ def bodies(items: list[WorkItem], model: str) -> list[bytes]:
 # --- processes ---------------------------------------------------------------------------------
 
 
-def emulator_cmd(d: Any, profile: str, port: int, scale: float) -> list[str]:
-    """The planned server's vLLM flags, on an emulator."""
+def emulator_cmd(
+    d: Any, profile: str, port: int, scale: float, truth: Truth | None = None
+) -> list[str]:
+    """The planned server's vLLM flags, on an emulator (on the skewed profiles if any)."""
     s = d.server
     flags = ["--variant", s.variant]
     flags += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
@@ -171,6 +285,8 @@ def emulator_cmd(d: Any, profile: str, port: int, scale: float) -> list[str]:
     flags += ["--kv-cache-dtype", s.kv_cache_dtype]
     flags += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
     flags += ["--max-num-seqs", str(s.max_num_seqs)]
+    if truth is not None:
+        flags += ["--profiles", str(truth.folder)]
     return emulate_cmd(port, s.gpu_type, profile, s.source, s.model, f"{scale:g}", *flags)
 
 
@@ -184,6 +300,8 @@ def router_cmd(
     args: argparse.Namespace,
 ) -> tuple[list[str], dict[str, str]]:
     if t.kind == "fleetctl":
+        truth: Truth | None = args.truth
+        perfect = truth is not None and t.prior == "perfect"
         entries = [
             {
                 "url": u,
@@ -191,12 +309,18 @@ def router_cmd(
                 "gpu_type": d.server.gpu_type,
                 "model": d.server.model,
                 "variant": d.server.variant,
-                "kv_budget_tokens": d.server.kv_budget_tokens,
+                # The planner's figure, or the truth's for the perfect prior (the router also
+                # reads every server's real capacity from vllm:cache_config_info).
+                "kv_budget_tokens": truth.kv_tokens[d.node]
+                if truth and perfect
+                else (d.server.kv_budget_tokens),
                 "max_num_seqs": d.server.max_num_seqs,
             }
             for u, d in zip(urls, fleet.servers, strict=True)
         ]
         cmd = route_serve_cmd(fleet.inventory, entries, port, t.policy, work)
+        if truth is not None and perfect:
+            cmd += ["--profiles", str(truth.folder)]
         # No access log line per request (vllm-router runs at warn too).
         return cmd, {"FLEETCTL_LOG_LEVEL": "WARNING"}
     peers = Path(args.peers_venv)
@@ -290,7 +414,7 @@ async def run_target(
             port, prom = ports.pop(), ports.pop()
             emus = []
             for d, p in zip(fleet.servers, ports, strict=True):
-                cmd = emulator_cmd(d, fleet.profile, p, args.time_scale)
+                cmd = emulator_cmd(d, fleet.profile, p, args.time_scale, args.truth)
                 emus.append(Proc(f"emu-{d.node}", cmd, tdir))
             procs += emus
             urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -398,9 +522,12 @@ def report(
         if not runs:
             continue
         row = dict(runs[0])
+        row["prior"] = t.prior
         if len(runs) > 1:
             # Counts add up; each latency figure is the median over rounds.
             for k in row:
+                if k == "prior":
+                    continue
                 if k in ("requests", "completed", "preemptions"):
                     row[k] = sum(r[k] for r in runs)
                 elif k == "errors":
@@ -413,7 +540,7 @@ def report(
                     row[k] = statistics.median(r[k] for r in runs)
             row["ttft_p99_rounds"] = [r["ttft_p99_s"] for r in runs]
         rows[t.name] = row
-    base = rows.get("fleetctl hardware-aware")
+    base = next((r for n, r in rows.items() if n.startswith("fleetctl hardware-aware")), None)
     lines = [
         "| router, policy | requests | completed | errors | TTFT mean s | p50 | p90 | p99 "
         "| p99 / fleetctl's | p99 long (>4K) | p99 short | E2E p99 s | A100 share of requests "
@@ -461,6 +588,39 @@ def report(
     return "\n".join(lines), rows
 
 
+def robustness(rows: dict[str, dict[str, Any]], truth: Truth) -> str:
+    """Hardware-aware under each prior beside the best baseline (lowest p99 TTFT): what it
+    keeps of its p99 advantage when the profiles are wrong."""
+    ha = {n: r for n, r in rows.items() if r.get("prior")}
+    bases = {n: r for n, r in rows.items() if not r.get("prior")}
+    skews = ", ".join(f"{g} speed x{k.speed:g}, KV x{k.kv:g}" for g, k in truth.skews.items())
+    lines = [f"Truth apart from the profiles: {skews} (emulators on {truth.folder}).", ""]
+    if not ha or not bases:
+        return "\n".join(lines)
+    best_name = min(bases, key=lambda n: bases[n]["ttft_p99_s"])
+    best = bases[best_name]["ttft_p99_s"]
+    lines += [
+        "| policy | prior | TTFT p50 s | p99 s | p99 / best baseline's |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in [*ha.items(), *bases.items()]:
+        mark = " (best baseline)" if name == best_name else ""
+        lines.append(
+            f"| {name.split(' (')[0]}{mark} | {r.get('prior') or '- (reads none)'} "
+            f"| {s3(r['ttft_p50_s'])} | {s3(r['ttft_p99_s'])} "
+            f"| {r['ttft_p99_s'] / best:.2f}x |"
+        )
+    adv = {r["prior"]: best - r["ttft_p99_s"] for r in ha.values()}
+    lines.append("")
+    for prior, a in adv.items():
+        lines.append(f"- {prior} prior: p99 advantage over {best_name} {a:+.2f} s")
+    if adv.get("perfect"):
+        for prior in (p for p in adv if p != "perfect"):
+            kept = adv[prior] / adv["perfect"]
+            lines.append(f"- {prior} prior keeps {kept:.0%} of the perfect prior's advantage")
+    return "\n".join(lines)
+
+
 # --- main --------------------------------------------------------------------------------------
 
 
@@ -506,6 +666,18 @@ def main() -> None:
     ap.add_argument("--drain-s", type=float, default=120.0, help="wall s to wait for the last")
     ap.add_argument("--peers-venv", default="/tmp/peers-venv")
     ap.add_argument("--quick", action="store_true", help="300 requests, one round (smoke test)")
+    ap.add_argument(
+        "--skew",
+        default="",
+        help="run the emulators slower / smaller than their profiles: GPU=SPEED[/KV],... "
+        "(rtx=0.7/0.8: the RTX servers at 70%% speed with 80%% of the KV cache)",
+    )
+    ap.add_argument(
+        "--priors",
+        default="wrong,perfect",
+        help="with --skew, what hardware-aware is told: wrong (the bundled profiles), perfect "
+        "(the emulators' own), calibrated (not built yet)",
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "fleet_replay"))
     args = ap.parse_args()
     if args.quick:
@@ -516,6 +688,13 @@ def main() -> None:
         raise SystemExit(f"vllm-router is not installed in {args.peers_venv}")
     work = out_dir(args.out)
     fleet = planned_fleet()
+    args.truth = None
+    if args.skew:
+        priors = [p.strip() for p in args.priors.split(",") if p.strip()]
+        check_priors(priors)
+        skews = parse_skew(args.skew, [d.server.gpu_type for d in fleet.servers])
+        args.truth = write_truth(fleet, skews, work / "truth-profiles")
+        targets = with_priors(targets, priors)
     items, sim = workload(fleet, args)
     payloads = bodies(items, fleet.model)
     span = items[-1].arrival
@@ -544,6 +723,9 @@ def main() -> None:
     )
     print()
     print(table)
+    if args.truth is not None:
+        print()
+        print(robustness(rows, args.truth))
     dump = {
         "args": vars(args),
         "sim": sim,
