@@ -13,9 +13,11 @@ import sys
 
 import pytest
 
+from fleetctl.catalog import GpuProfile
 from fleetctl.emulator.args import parse_args
 from fleetctl.emulator.config import resolve
 from fleetctl.emulator.truth import describe, less_kv, slower, write_gpu
+from fleetctl.perf import EnginePerf
 from tests.conftest import REPO
 from tests.procs import NAME, Emulator
 
@@ -97,3 +99,16 @@ def test_bad_truth_knob_is_one_line_exit_2(flag, value, says):
     r = subprocess.run([*cmd, flag, value], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert r.returncode == 2 and says in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_faster_truth_stays_a_valid_profile(catalog):
+    # decode_efficiency cannot pass 1: the rest of a speed-up goes to the bandwidth, so the
+    # written profile loads and every step is still 1/speed as long.
+    gpu = catalog.gpu("RTX-4090")
+    fast = slower(gpu, 1.6)
+    assert fast.decode_efficiency == 1.0
+    assert GpuProfile.model_validate(fast.model_dump()) == fast
+    model, fmt = catalog.model(NAME), catalog.format("bf16")
+    before, after = EnginePerf(gpu, model, fmt), EnginePerf(fast, model, fmt)
+    for tokens, kv in ((1, 500), (2000, 0)):
+        assert before.step_time(tokens, kv) / after.step_time(tokens, kv) == pytest.approx(1.6)
