@@ -610,14 +610,25 @@ def robustness(rows: dict[str, dict[str, Any]], truth: Truth) -> str:
             f"| {s3(r['ttft_p50_s'])} | {s3(r['ttft_p99_s'])} "
             f"| {r['ttft_p99_s'] / best:.2f}x |"
         )
-    adv = {r["prior"]: best - r["ttft_p99_s"] for r in ha.values()}
+    by_prior = {r["prior"]: r for r in ha.values()}
+    adv = {p: best - r["ttft_p99_s"] for p, r in by_prior.items()}
     lines.append("")
     for prior, a in adv.items():
         lines.append(f"- {prior} prior: p99 advantage over {best_name} {a:+.2f} s")
-    if adv.get("perfect"):
-        for prior in (p for p in adv if p != "perfect"):
-            kept = adv[prior] / adv["perfect"]
-            lines.append(f"- {prior} prior keeps {kept:.0%} of the perfect prior's advantage")
+    perfect = by_prior.get("perfect")
+    for prior in (p for p in by_prior if perfect and p != "perfect"):
+        r = by_prior[prior]
+        assert perfect is not None
+        # A share of the advantage only means something when there is one to keep.
+        kept = (
+            f"keeps {adv[prior] / adv['perfect']:.0%} of the perfect prior's p99 advantage"
+            if adv["perfect"] > 0
+            else "(no p99 advantage to keep with the perfect prior)"
+        )
+        lines.append(
+            f"- {prior} prior: TTFT p50 x{r['ttft_p50_s'] / perfect['ttft_p50_s']:.2f} and p99 "
+            f"x{r['ttft_p99_s'] / perfect['ttft_p99_s']:.2f} of the perfect prior's; {kept}"
+        )
     return "\n".join(lines)
 
 
