@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from fleetctl.catalog import FormatProfile, GpuProfile, ModelProfile
 from fleetctl.perf import (
     BLOCK_SIZE,
+    CUDA_INVISIBLE_BYTES,
     EnginePerf,
     GiB,
     KvBudget,
@@ -16,11 +17,10 @@ from fleetctl.perf import (
     kv_dtype_bytes,
     vllm_batch_defaults,
 )
+from fleetctl.vllm_release import release
 
 if TYPE_CHECKING:
     from fleetctl.calibration import Entry
-
-VLLM_DEFAULT_UTILIZATION = 0.9  # `vllm serve --gpu-memory-utilization`'s default
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Settings:
     """The `vllm serve` settings an estimate is for; None means vLLM's default."""
 
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = VLLM_DEFAULT_UTILIZATION
+    gpu_memory_utilization: float | None = None  # None: the release's default (0.9, 0.92)
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
@@ -141,10 +141,13 @@ def estimate(
 ) -> Estimate:
     """Memory and speed of `model` in `fmt` on `tensor_parallel_size` GPUs of type `gpu`."""
     tp = settings.tensor_parallel_size
-    default_tokens, default_seqs = vllm_batch_defaults(gpu)
+    rel = release(settings.vllm_version)
     max_len = settings.max_model_len or model.max_context
-    # vLLM raises max_num_batched_tokens to max_model_len when chunked prefill is off; with it
-    # on (the default since V1) the default stands.
+    if settings.gpu_memory_utilization is None:
+        settings = replace(settings, gpu_memory_utilization=rel.default_utilization)
+    assert settings.gpu_memory_utilization is not None
+    # The release's defaults: V0 without chunked prefill batches a whole max-length prompt.
+    default_tokens, default_seqs = vllm_batch_defaults(gpu, settings.vllm_version, max_len)
     tokens = settings.max_num_batched_tokens or default_tokens
     seqs = settings.max_num_seqs or default_seqs
     budget = kv_budget(
@@ -157,8 +160,12 @@ def estimate(
         tokens,
         seqs,
         settings.enforce_eager,
+        max_len,
+        settings.vllm_version,
     )
-    perf = EnginePerf(gpu, model, fmt, tp, settings.kv_cache_dtype)
+    perf = EnginePerf(
+        gpu, model, fmt, tp, settings.kv_cache_dtype, settings.vllm_version, settings.enforce_eager
+    )
     batch = workload.batch
     step = perf.step_time(batch, batch * workload.context)
     prefill = perf.prefill_time(workload.prompt)
@@ -178,10 +185,10 @@ def apply_calibration(e: Estimate, entry: Entry) -> Estimate:
         per_token = kv_bytes_per_token(e.model, dtype, e.settings.tensor_parallel_size)
         per_gpu = int(kv.value) * per_token
         was, now = entry.gpu_memory_utilization, e.settings.gpu_memory_utilization
-        if was is not None and abs(was - now) > 1e-9:
+        if was is not None and now is not None and abs(was - now) > 1e-9:
             # Everything else vLLM reserves stays put: the KV cache gains or loses exactly the
             # memory the utilization moves.
-            per_gpu += int((now - was) * e.gpu.memory_bytes)
+            per_gpu += int((now - was) * (e.gpu.memory_bytes - CUDA_INVISIBLE_BYTES))
             note = f"; KV moved from gpu_memory_utilization {was:g} to {now:g}"
         tokens = max(0, per_gpu) // per_token // BLOCK_SIZE * BLOCK_SIZE
         # The GiB per GPU follow the measured tokens, so the two figures never disagree.

@@ -3,21 +3,23 @@
 The planner, the router's estimates and the simulator all call this module, so they never
 disagree about how much fits on a GPU or how fast it runs. Everything here is pure arithmetic.
 
-Memory model (per GPU of a tensor-parallel group), after vLLM's own start-up profiling
-(`Worker.determine_available_memory`): vLLM may use `memory x gpu_memory_utilization`; from that
-it subtracts the weights it loaded (weights / TP), the peak activation memory of a profiling
-forward pass over `max_num_batched_tokens` tokens, memory allocated outside PyTorch (CUDA
-context, cuBLAS workspaces, NCCL buffers) and, unless `--enforce-eager`, the CUDA-graph pool.
-What is left is the KV cache. We model the activation peak from the model's shapes (the MLP's
-gate/up projection dominates) plus the sampler's logits; the other two are constants in the
-ranges vLLM logs report ("non_torch_memory", "Graph capturing ... took X GiB").
+Memory model (per GPU of a tensor-parallel group), by the profiling rules of the vLLM release
+it runs (vllm_release.py, read from each release's source): vLLM may use what CUDA reports of
+the GPU's memory times `gpu_memory_utilization`; from that it subtracts the weights it loaded
+(weights / TP), the peak of its profiling pass (the forward pass over the profiled tokens, or
+the sampler's pass over its rows of the vocabulary, whichever is larger), the memory outside
+PyTorch the release counts (workspaces; the CUDA context and tensor-parallel buffers in some
+releases) and, from 0.21 unless `--enforce-eager`, the CUDA-graph pool. What is left is the KV
+cache, in whole blocks.
 
 Speed model (roofline): a forward step reads the weights once (for MoE, only the experts the
 step's tokens touch) plus the KV cache of every sequence in the batch, and does ~2 FLOPs per
 active parameter per token plus attention. Step time is the larger of bytes / effective
-bandwidth and FLOPs / effective compute, plus tensor-parallel all-reduces. Effective bandwidth
-is the GPU's peak times its calibrated `decode_efficiency` times the format's kernel efficiency
-on that architecture (profiles/formats).
+bandwidth and FLOPs / effective compute, plus tensor-parallel all-reduces, plus a fixed cost
+per step outside the GPU (scheduling, sampling, launches: V0 paid far more than V1, and
+`--enforce-eager` pays per layer). Effective bandwidth is the GPU's peak times its calibrated
+`decode_efficiency` times the format's kernel efficiency on that architecture
+(profiles/formats).
 """
 
 from __future__ import annotations
@@ -27,16 +29,39 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from fleetctl.catalog import FormatProfile, GpuProfile, ModelProfile
+from fleetctl.vllm_release import Release, release
 
 GiB = 2**30
 GB = 1e9
 
-# Memory outside PyTorch's allocator per GPU: CUDA context and library workspaces; vLLM logs
-# report 0.1-0.5 GiB ("non_torch_memory"). NCCL adds its buffers under tensor parallelism.
-NON_TORCH_BYTES = int(0.4 * GiB)
+# Constants fitted on public vLLM measurements, a handful for all of them, never one per point
+# (`python benchmarks/accuracy/fit.py --exclude-doubtful`; benchmarks/RESULTS.md). Not fitted,
+# for want of data, and so priors from vLLM's logs: the CUDA context, the CUDA-graph estimate,
+# V1's fixed step cost ("under 1 ms"; the speed rows hold almost no V1 decode figures).
+# - the part of a GPU's memory CUDA never reports (nvidia-smi's total minus cudaMemGetInfo's:
+#   79.2 GiB of an H100's 79.6, 23.6 of a 4090's 24.0);
+CUDA_INVISIBLE_BYTES = int(0.44 * GiB)
+# - memory outside PyTorch's allocator that vLLM counts (library workspaces; 0.16-0.2 GiB logged
+#   as "non_torch_memory"), the CUDA context where a release counts it, and tensor-parallel
+#   communication buffers where a release counts them (vllm_release.Release);
+NON_TORCH_BYTES = int(0.2 * GiB)
+CUDA_CONTEXT_BYTES = int(0.45 * GiB)
 NCCL_BYTES = int(0.25 * GiB)
-# The CUDA-graph memory pool; vLLM logs "Graph capturing finished ... took 0.2-1 GiB".
-CUDA_GRAPH_BYTES = int(0.5 * GiB)
+# - the CUDA-graph pool a release subtracts before sizing the KV cache (from 0.21: logged as
+#   "Estimated CUDA graph memory" 0.17-0.36 GiB);
+CUDA_GRAPH_BYTES = int(0.3 * GiB)
+# - the profiling pass's activation peak is the model's per-token activations times this; up to
+#   0.6.3 vLLM read the allocator's reserved peak, fragmentation included.
+ACTIVATION_SCALE = 1.0
+RESERVED_ACTIVATION_SCALE = 1.3
+# - bytes per (row x vocabulary) element of the sampler's profiling pass: PyTorch's sampler
+#   (fp32 logits, probabilities, sorted copies; ~30 read from the source) and FlashInfer's.
+SAMPLER_BYTES = {"torch": 16.0, "flashinfer": 12.0}
+# Fixed seconds of every engine step outside the GPU's roofline: scheduling, sampling and kernel
+# launches (CUDA-graph replays); V0's Python loop cost far more than V1's. Without CUDA graphs
+# each layer's kernels are launched one by one.
+STEP_OVERHEAD_S = {"v0": 4.0e-3, "v1": 0.6e-3}
+EAGER_LAYER_S = 300e-6
 # Fraction of peak tensor throughput reached by large GEMMs in vLLM (prefill MFU ~50-60%).
 COMPUTE_EFFICIENCY = 0.55
 # All-reduce latency per call by link kind (two all-reduces per layer under TP).
@@ -47,13 +72,13 @@ BLOCK_SIZE = 16  # vLLM's KV block size in tokens on CUDA
 KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2}
 
 
-def vllm_batch_defaults(gpu: GpuProfile) -> tuple[int, int]:
-    """`vllm serve`'s default (max_num_batched_tokens, max_num_seqs) on this GPU.
-
-    vLLM's EngineArgs use larger defaults on GPUs with at least 70 GiB that are not A100s.
-    """
-    big = gpu.memory_bytes >= 70 * GiB and gpu.architecture != "ampere"
-    return (8192, 1024) if big else (2048, 256)
+def vllm_batch_defaults(
+    gpu: GpuProfile, vllm_version: str | None = None, max_model_len: int = 8192
+) -> tuple[int, int]:
+    """`vllm serve`'s default (max_num_batched_tokens, max_num_seqs) on this GPU and release."""
+    return release(vllm_version).batch_defaults(
+        gpu.memory_bytes, gpu.architecture == "ampere", max_model_len
+    )
 
 
 @dataclass(frozen=True)
@@ -99,16 +124,30 @@ def kv_dtype_bytes(kv_cache_dtype: str, fmt: FormatProfile) -> int:
     return KV_DTYPE_BYTES.get(kv_cache_dtype, fmt.activation_bytes)
 
 
-def activation_peak_bytes(model: ModelProfile, tp: int, batched_tokens: int, max_seqs: int) -> int:
-    """Peak activations of vLLM's profiling pass on one GPU.
+def activation_peak_bytes(
+    model: ModelProfile,
+    tp: int,
+    profile_tokens: int,
+    sampler_rows: int,
+    rel: Release | None = None,
+) -> int:
+    """Peak activations of vLLM's profiling pass on one GPU: the forward pass over
+    `profile_tokens`, or the sampler's pass over `sampler_rows` rows of the vocabulary with the
+    hidden states kept alive, whichever is larger.
 
-    Per token: the residual stream, its norm and the attention output (about 4 x hidden), and
-    the MLP's gate/up output plus the activated product (3 x intermediate / TP), in 16 bits;
-    plus the sampler's fp32 logits and probabilities for `max_seqs` rows.
+    Forward, per token: the residual stream, its norm and the attention output (about
+    4 x hidden), and the MLP's gate/up output plus the activated product (3 x intermediate /
+    TP), in 16 bits.
     """
+    rel = rel or release()
     per_token = (4 * model.hidden_size + 3 * model.intermediate_size // tp) * 2
-    logits = max_seqs * model.vocab_size * 4 * 2
-    return batched_tokens * per_token + logits
+    scale = RESERVED_ACTIVATION_SCALE if rel.reserved_peak else ACTIVATION_SCALE
+    forward = scale * profile_tokens * per_token
+    per_element = SAMPLER_BYTES["flashinfer" if rel.flashinfer_sampler else "torch"]
+    sampler = model.hidden_size * profile_tokens * 2 + per_element * sampler_rows * (
+        model.vocab_size
+    )
+    return int(max(forward, sampler))
 
 
 def kv_budget(
@@ -121,16 +160,32 @@ def kv_budget(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
     enforce_eager: bool = False,
+    max_model_len: int | None = None,
+    vllm_version: str | None = None,
+    chunked_prefill: bool | None = None,
 ) -> KvBudget:
-    """The KV cache a tensor-parallel group of `tp` GPUs has left after weights and reserves."""
-    default_tokens, default_seqs = vllm_batch_defaults(gpu)
+    """The KV cache a tensor-parallel group of `tp` GPUs has left after weights and reserves,
+    by the memory-profiling rules of `vllm_version` (default: the release fleetctl targets)."""
+    rel = release(vllm_version)
+    max_len = max_model_len or model.max_context
+    chunked = rel.chunked_by_default(max_len) if chunked_prefill is None else chunked_prefill
+    default_tokens, default_seqs = rel.batch_defaults(
+        gpu.memory_bytes, gpu.architecture == "ampere", max_len
+    )
+    if not rel.v1 and chunked and max_num_batched_tokens is None:
+        default_tokens = rel.chunked_prefill_budget
     tokens = max_num_batched_tokens or default_tokens
     seqs = max_num_seqs or default_seqs
-    usable = int(gpu.memory_bytes * gpu_memory_utilization)
+    usable = int((gpu.memory_bytes - CUDA_INVISIBLE_BYTES) * gpu_memory_utilization)
     weights = math.ceil(weights_bytes(model, fmt) / tp)
-    activation = activation_peak_bytes(model, tp, tokens, seqs)
-    non_torch = NON_TORCH_BYTES + (NCCL_BYTES if tp > 1 else 0)
-    graphs = 0 if enforce_eager else CUDA_GRAPH_BYTES
+    profiled = rel.profile_tokens(tokens, max_len, chunked)
+    activation = activation_peak_bytes(model, tp, profiled, rel.sampler_rows(seqs, profiled), rel)
+    non_torch = NON_TORCH_BYTES
+    if rel.counts_cuda_context:
+        non_torch += CUDA_CONTEXT_BYTES
+    if tp > 1 and rel.counts_nccl:
+        non_torch += NCCL_BYTES
+    graphs = CUDA_GRAPH_BYTES if rel.subtracts_cuda_graphs and not enforce_eager else 0
     kv_per_gpu = usable - weights - activation - non_torch - graphs
     per_token = kv_bytes_per_token(model, kv_dtype_bytes(kv_cache_dtype, fmt), tp)
     blocks = max(0, kv_per_gpu) // (per_token * BLOCK_SIZE)
@@ -158,6 +213,14 @@ class EnginePerf:
     fmt: FormatProfile
     tp: int = 1
     kv_cache_dtype: str = "auto"
+    vllm_version: str | None = None  # None: the release fleetctl targets
+    enforce_eager: bool = False
+
+    @cached_property
+    def step_overhead(self) -> float:
+        """Seconds every step costs besides its GPU work (scheduling, sampling, launches)."""
+        base = STEP_OVERHEAD_S["v1" if release(self.vllm_version).v1 else "v0"]
+        return base + (EAGER_LAYER_S * self.model.num_layers if self.enforce_eager else 0.0)
 
     @cached_property
     def bandwidth(self) -> float:
@@ -245,7 +308,7 @@ class EnginePerf:
         work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
         compute = work / self.tp / self.flops
         comm = self._allreduce_fixed + tokens * self._allreduce_per_token
-        return max(mem, compute) + comm
+        return max(mem, compute) + comm + self.step_overhead
 
     def _memory_time(self, tokens: int, kv_tokens: float) -> float:
         weights = self.weight_read_bytes(tokens) / self.tp / self.weight_bandwidth
@@ -257,7 +320,7 @@ class EnginePerf:
         b1 = self.kv_token_bytes / self.bandwidth
         a2 = 2.0 * self.model.params_active * batch / self.tp / self.flops
         b2 = self._attn_flops_per_ctx / self.tp / self.flops
-        comm = self._allreduce_fixed + batch * self._allreduce_per_token
+        comm = self._allreduce_fixed + batch * self._allreduce_per_token + self.step_overhead
         return a1, b1, a2, b2, comm
 
     def decode_span(self, batch: int, kv0: float, steps: int) -> float:

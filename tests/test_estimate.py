@@ -31,14 +31,27 @@ def test_json_contract_and_vllm_defaults(cli):
     assert set(doc["reserved_parts_gib_per_gpu"]) == {"activation_peak", "non_torch", "cuda_graphs"}
     parts = sum(doc["reserved_parts_gib_per_gpu"].values())
     assert abs(parts - doc["reserved_gib_per_gpu"]) < 0.01
-    # Unspecified settings are vLLM's: 0.9 of memory, 2048 batched tokens and 256 sequences on
-    # a 24 GiB card, the model's whole context, and the release fleetctl targets.
+    # Unspecified settings are the release's: 0.92 of memory (vLLM >= 0.21), 2048 batched
+    # tokens and 256 sequences on a 24 GiB card, the model's whole context.
     s = doc["settings"]
     assert (s["gpu_memory_utilization"], s["max_num_batched_tokens"], s["max_num_seqs"]) == (
-        0.9,
+        0.92,
         2048,
         256,
     )
+    old = cli(
+        "estimate",
+        "--gpu",
+        "RTX-4090",
+        "--model",
+        "llama-3-8b",
+        "--format",
+        "bf16",
+        "--vllm-version",
+        "0.6.3",
+        "--json",
+    )
+    assert json.loads(old.out)["settings"]["gpu_memory_utilization"] == 0.9
     assert s["max_model_len"] == 8192 and doc["vllm_version"] == "0.32.0"
     assert doc["source"]["kind"] == "model"
     assert doc["max_concurrency_at_max_len"] == round(doc["kv_cache_tokens"] / 8192, 2)

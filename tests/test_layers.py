@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parent.parent / "fleetctl"
 
 # Lower layers first. A module may import its own layer and any below it, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "limits", "text", "jsonout", "resources", "tables"),
+    ("errors", "limits", "text", "jsonout", "resources", "tables", "vllm_release"),
     ("names", "validation", "yamlsrc", "vllm_flags"),
     ("catalog", "hfconfig"),
     ("inventory",),

@@ -60,6 +60,12 @@ class Scored:
         return self.model / self.measured - 1.0
 
 
+def _version(row: dict[str, Any]) -> str | None:
+    """The row's vLLM release as the model reads it; None (fleetctl's target) when unknown."""
+    text = str(row.get("vllm_version") or "")
+    return text if text[:1].isdigit() else None
+
+
 def version_range(v: str | None) -> str:
     """V0 before chunked prefill by default (<0.6), V0 0.6-0.7, V1 (>=0.8)."""
     try:
@@ -152,7 +158,7 @@ def score_kv(rows: Iterable[dict[str, Any]], cat: Catalog, models: dict) -> Iter
             max_num_seqs=row.get("max_num_seqs"),
             kv_cache_dtype=row.get("kv_cache_dtype") or "auto",
             enforce_eager=bool(row.get("enforce_eager")),
-            vllm_version=str(row.get("vllm_version")),
+            vllm_version=_version(row),
         )
         e = estimate(gpu, model, fmt, s)
         yield Scored(row, "kv_tokens", float(measured), float(e.budget.kv_tokens))
@@ -166,7 +172,9 @@ def score_speed(rows: Iterable[dict[str, Any]], cat: Catalog, models: dict) -> I
             continue
         gpu, model, fmt = found
         tp = row.get("tensor_parallel_size") or 1
-        perf = EnginePerf(gpu, model, fmt, tp)
+        version = _version(row)
+        eager = bool(row.get("enforce_eager"))
+        perf = EnginePerf(gpu, model, fmt, tp, "auto", version, eager)
         m = row.get("measured") or {}
         bits = (
             "int4" if "int4" in fmt.name else "16bit" if fmt.name in ("bf16", "fp16") else fmt.name
@@ -184,7 +192,8 @@ def score_speed(rows: Iterable[dict[str, Any]], cat: Catalog, models: dict) -> I
                 continue
             context = n_in + (n_out or 0) // 2
             w = Workload(batch=batch, context=context)
-            e = estimate(gpu, model, fmt, Settings(tensor_parallel_size=tp), w)
+            settings = Settings(tensor_parallel_size=tp, enforce_eager=eager, vllm_version=version)
+            e = estimate(gpu, model, fmt, settings, w)
             yield Scored(row, f"decode_{bits}", float(got), e.decode_tok_s_per_seq)
         elif kind == "prefill":
             got = m.get("prefill_tok_s") or (m.get("ttft_ms") and n_in / (m["ttft_ms"] / 1e3))

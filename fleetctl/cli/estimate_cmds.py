@@ -23,13 +23,13 @@ def estimate(
         ..., "--format", metavar="FORMAT", help="Weight format: bf16, fp16, fp8, awq-int4, ..."
     ),
     tp: int = typer.Option(1, "--tp", min=1, max=64, metavar="N", help="Tensor-parallel size."),
-    utilization: float = typer.Option(
-        0.9,
+    utilization: float | None = typer.Option(
+        None,
         "--gpu-memory-utilization",
         min=0.05,
         max=1.0,
         metavar="U",
-        help="Share of each GPU's memory vLLM may use (vLLM's default 0.9).",
+        help="Share of each GPU's memory vLLM may use (default: the release's, 0.9 or 0.92).",
     ),
     max_model_len: int | None = typer.Option(
         None, "--max-model-len", min=1, metavar="L", help="Default: the model's context."

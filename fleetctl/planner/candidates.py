@@ -105,7 +105,11 @@ def evaluate(cls: NodeClass, model: Model, variant: Variant, tp: int, inv: Inven
     """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not)."""
     planner = inv.spec.planner
     util = model.spec.gpu_memory_utilization or planner.gpu_memory_utilization
-    tokens, seqs = vllm_batch_defaults(cls.gpu)
+    # The release the servers will run: the inventory's apply.vllm_version, else fleetctl's
+    # target; its memory-profiling rules and defaults size the KV cache.
+    version = inv.spec.apply.vllm_version
+    max_len = model.spec.max_context
+    tokens, seqs = vllm_batch_defaults(cls.gpu, version, max_len)
     budget = kv_budget(
         cls.gpu,
         model.profile,
@@ -116,8 +120,18 @@ def evaluate(cls: NodeClass, model: Model, variant: Variant, tp: int, inv: Inven
         tokens,
         seqs,
         planner.enforce_eager,
+        max_len,
+        version,
     )
-    perf = EnginePerf(cls.gpu, model.profile, variant.format, tp, model.spec.kv_cache_dtype)
+    perf = EnginePerf(
+        cls.gpu,
+        model.profile,
+        variant.format,
+        tp,
+        model.spec.kv_cache_dtype,
+        version,
+        planner.enforce_eager,
+    )
     seq_at_max = max_sequences(budget.kv_tokens, model.spec.max_context)
     prompt, output = request_shape(model)
     capacity = perf.capacity_rps(prompt, output, budget.kv_tokens, seqs) if seq_at_max else 0.0

@@ -1,0 +1,66 @@
+"""The vLLM release rules the model follows (benchmarks/accuracy/PROFILING.md has their source)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetctl.catalog import load_catalog
+from fleetctl.perf import EnginePerf, kv_budget, vllm_batch_defaults
+from fleetctl.vllm_release import TARGET, parse_version, release
+
+
+def test_the_target_release_is_the_newest_flag_list_fleetctl_knows():
+    assert load_catalog().target_vllm_version == TARGET
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [("0.6.3.post1", (0, 6, 3)), ("v0.10.1.1", (0, 10, 1)), ("0.32", (0, 32, 0))],
+)
+def test_release_numbers(text, parsed):
+    assert parse_version(text) == parsed
+
+
+def test_defaults_follow_the_release():
+    cat = load_catalog()
+    a100, h100, rtx = cat.gpu("A100-SXM4-80GB"), cat.gpu("H100-SXM-80GB"), cat.gpu("RTX-4090")
+    # V0 without chunked prefill batches a whole max-length prompt; above 32K it chunks.
+    assert vllm_batch_defaults(h100, "0.6.3", 8192) == (8192, 256)
+    assert vllm_batch_defaults(rtx, "0.6.3", 4096) == (4096, 256)
+    assert vllm_batch_defaults(rtx, "0.6.3", 65536) == (512, 256)
+    assert vllm_batch_defaults(rtx, "0.6.6", 65536) == (2048, 256)
+    # V1: A100s were large GPUs only in 0.8.0-0.9.0.
+    assert vllm_batch_defaults(a100, "0.8.5") == (8192, 1024)
+    assert vllm_batch_defaults(a100, "0.9.2") == (2048, 256)
+    assert vllm_batch_defaults(h100) == (8192, 1024)
+    assert release("0.20.0").default_utilization == 0.90
+    assert release().default_utilization == 0.92
+
+
+def test_memory_rules_by_release():
+    cat = load_catalog()
+    gpu, model, fmt = cat.gpu("H100-SXM-80GB"), cat.model("llama-3.1-8b"), cat.format("bf16")
+
+    def budget(version, **kw):
+        return kv_budget(gpu, model, fmt, 1, 0.9, max_model_len=32768, vllm_version=version, **kw)
+
+    # CUDA graphs are subtracted before sizing the KV cache from 0.21 only.
+    assert budget("0.19.0").cuda_graphs == 0 and budget("0.22.0").cuda_graphs > 0
+    assert budget("0.22.0", enforce_eager=True).cuda_graphs == 0
+    # V0 profiles a whole max-length prompt without chunked prefill: a far larger peak.
+    assert budget("0.6.3").activation > 2 * budget("0.19.0").activation
+    # Tensor-parallel buffers counted until 0.11; the CUDA context in 0.6.4 and 0.8.0-0.9.0.
+    tp2 = kv_budget(gpu, model, fmt, 2, 0.9, vllm_version="0.10.2")
+    assert tp2.non_torch > kv_budget(gpu, model, fmt, 2, 0.9, vllm_version="0.11.0").non_torch
+    assert budget("0.6.4").non_torch > budget("0.6.3").non_torch
+
+
+def test_v0_steps_cost_more_than_v1_and_eager_more_still():
+    cat = load_catalog()
+    gpu, model, fmt = cat.gpu("A100-SXM4-80GB"), cat.model("llama-3-8b"), cat.format("bf16")
+    v0, v1 = EnginePerf(gpu, model, fmt, vllm_version="0.6.3"), EnginePerf(gpu, model, fmt)
+    eager = EnginePerf(gpu, model, fmt, enforce_eager=True)
+    assert v0.decode_tok_s(1) < v1.decode_tok_s(1) and eager.decode_tok_s(1) < v1.decode_tok_s(1)
+    # The closed-form decode span agrees with step-by-step sums, overhead included.
+    steps = [v0.step_time(4, 4 * 100 + 4 * i) for i in range(50)]
+    assert v0.decode_span(4, 400, 50) == pytest.approx(sum(steps), rel=1e-9)
