@@ -26,6 +26,12 @@ process, asyncio + aiohttp) sends each request at its arrival time and records, 
 request, the time to the first SSE token event and to the end of the stream; both are
 multiplied by X to give model seconds. Rounds rotate the order of the targets.
 
+With `--skew GPU=SPEED[/KV]` (issue 11, part 4) the emulators run on a generated profiles
+folder in which that GPU type is slower and/or holds less KV cache than its bundled profile;
+hardware-aware then runs once per `--priors`: wrong (route-serve on the bundled profiles),
+perfect (route-serve --profiles on the emulators' own), calibrated (a hook: not built yet).
+The baselines read no profiles and run once. A robustness table closes the report.
+
 Processes, readiness waits, the open-loop load generator and the report's header and JSON
 file come from benchmarks/harness/ (shared with router_overhead.py and the tests).
 
