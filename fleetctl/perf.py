@@ -215,6 +215,9 @@ class EnginePerf:
     kv_cache_dtype: str = "auto"
     vllm_version: str | None = None  # None: the release fleetctl targets
     enforce_eager: bool = False
+    # What a live server measured over what the model predicts for its GPU work (calibration):
+    # the roofline's bandwidth and compute scale by it; the fixed step cost does not.
+    speed: float = 1.0
 
     @cached_property
     def step_overhead(self) -> float:
@@ -225,7 +228,7 @@ class EnginePerf:
     @cached_property
     def bandwidth(self) -> float:
         """Effective bytes/s one GPU reaches reading KV cache (attention kernels)."""
-        return self.gpu.memory_bandwidth_gb_s * GB * self.gpu.decode_efficiency
+        return self.gpu.memory_bandwidth_gb_s * GB * self.gpu.decode_efficiency * self.speed
 
     @cached_property
     def weight_bandwidth(self) -> float:
@@ -236,7 +239,7 @@ class EnginePerf:
     def flops(self) -> float:
         """Effective FLOP/s one GPU reaches in the format's compute dtype."""
         dtype = self.fmt.compute.get(self.gpu.architecture, "fp16")
-        return self.gpu.peak_flops(dtype) * COMPUTE_EFFICIENCY
+        return self.gpu.peak_flops(dtype) * COMPUTE_EFFICIENCY * self.speed
 
     @cached_property
     def weights(self) -> int:

@@ -64,3 +64,12 @@ def test_v0_steps_cost_more_than_v1_and_eager_more_still():
     # The closed-form decode span agrees with step-by-step sums, overhead included.
     steps = [v0.step_time(4, 4 * 100 + 4 * i) for i in range(50)]
     assert v0.decode_span(4, 400, 50) == pytest.approx(sum(steps), rel=1e-9)
+
+
+def test_a_measured_speed_scales_the_gpu_work_not_the_fixed_cost():
+    cat = load_catalog()
+    gpu, model, fmt = cat.gpu("RTX-4090"), cat.model("llama-3-8b"), cat.format("bf16")
+    base, slow = EnginePerf(gpu, model, fmt), EnginePerf(gpu, model, fmt, speed=0.5)
+    for tokens, kv in ((1, 1000), (2048, 0)):
+        work = base.step_time(tokens, kv) - base.step_overhead
+        assert slow.step_time(tokens, kv) - slow.step_overhead == pytest.approx(2 * work)
