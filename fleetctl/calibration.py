@@ -4,7 +4,8 @@ Pure core: parse one /metrics page into the counters that matter, turn two scrap
 into one window sample, fit the decode step model `step = fixed_s + per_seq_s x running` over
 the samples, and check each figure against the performance model's for the same server. The
 store (`Calibration`) is what `.fleetctl/calibration.json` holds; `fleetctl calibrate` writes it
-and `fleetctl estimate` reads it (fleetctl/statedir.py owns the file).
+and `fleetctl estimate` reads it (fleetctl/statedir.py owns the file). `measured` turns an entry
+into what plan, route-serve, simulate and status use in place of the model's figures.
 
 Metric names are vLLM 0.32's, checked against a real server's page
 (shared/captures/vllm-0.32.0-cpu-metrics.txt). Latency histograms are observed when a request
@@ -21,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fleetctl.perf import EnginePerf
+from fleetctl.perf import BLOCK_SIZE, CUDA_INVISIBLE_BYTES, EnginePerf
 
 CALIBRATION_FORMAT = 1
 # A fit from fewer windows or tokens than this is noise, not a measurement.
@@ -656,6 +657,70 @@ def _num(raw: dict[str, Any], name: str, where: str) -> float:
     if not _is_num(v):
         raise CalibrationError(f"{where}.{name}: not a number")
     return float(v)  # type: ignore[arg-type]
+
+
+# --- what the calibration's users take from an entry -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What an entry lets plan, route-serve, simulate and status use in place of the model's:
+    the measured KV tokens and the speed factor for `EnginePerf(speed=...)`, each None when the
+    entry holds no trusted figure for it; `provenance` says where they came from."""
+
+    kv_tokens: int | None
+    speed: float | None
+    provenance: str
+
+
+def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
+    """The model's GPU work over the measured one for a decode step at the batch and context
+    the servers ran (what `EnginePerf.speed` scales); None unless the step fit is trusted, or
+    when the measured step is no longer than the model's fixed costs (nothing left to scale)."""
+    decoding = [s for s in entry.samples if s.tokens > 0]
+    if entry.step is None or not entry.step_trusted or not decoding:
+        return None
+    tokens = sum(s.tokens for s in decoding)
+    batch = sum(s.batch * s.tokens for s in decoding) / tokens
+    kv = batch * _mean_context(entry.samples)
+    steps = max(1, round(batch))
+    # The GPU work scales exactly as 1/speed and the rest (launches, scheduling, all-reduce
+    # latency) not at all, so two speeds separate them without reaching into the model.
+    one = replace(perf, speed=1.0).step_time(steps, kv)
+    two = replace(perf, speed=2.0).step_time(steps, kv)
+    gpu = 2.0 * (one - two)
+    measured_gpu = entry.step.at(batch) - (one - gpu)
+    if gpu <= 0 or measured_gpu <= 0:
+        return None
+    return gpu / measured_gpu
+
+
+def measured(
+    entry: Entry, perf: EnginePerf, gpu_memory_utilization: float | None = None
+) -> Measured | None:
+    """The trusted figures of `entry` for servers of `perf`'s class; None when it has none.
+    KV measured at another gpu_memory_utilization than `gpu_memory_utilization` moves by the
+    memory the utilization moves (everything else vLLM reserves stays put)."""
+    kv_tokens = None
+    used: list[str] = []
+    note = ""
+    kv = entry.kv_tokens
+    if kv is not None and kv.trusted and kv.value > 0:
+        kv_tokens = int(kv.value)
+        was, now = entry.gpu_memory_utilization, gpu_memory_utilization
+        if was is not None and now is not None and abs(was - now) > 1e-9:
+            per_token = perf.kv_token_bytes
+            per_gpu = kv_tokens * per_token
+            per_gpu += int((now - was) * (perf.gpu.memory_bytes - CUDA_INVISIBLE_BYTES))
+            kv_tokens = max(0, per_gpu) // per_token // BLOCK_SIZE * BLOCK_SIZE
+            note = f"; KV moved from gpu_memory_utilization {was:g} to {now:g}"
+        used.append(f"KV {kv_tokens:,} tokens")
+    speed = speed_factor(entry, perf)
+    if speed is not None:
+        used.append(f"speed {speed:.2f}x the model's")
+    if not used:
+        return None
+    return Measured(kv_tokens, speed, f"{entry.describe()} ({', '.join(used)}){note}")
 
 
 # --- one server's reading, for the command's table ---------------------------------------------
