@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
 
-from fleetctl.calibration import Entry, Figure, Key, Sample, entry_for, measured, speed_factor
-from fleetctl.perf import EnginePerf
+from fleetctl.calibration import (
+    Calibration,
+    Entry,
+    Figure,
+    Key,
+    Sample,
+    entry_for,
+    measured,
+    speed_factor,
+)
+from fleetctl.inventory import load_inventory
+from fleetctl.perf import EnginePerf, max_sequences
+from fleetctl.planner import plan_fleet
+from fleetctl.statedir import StateDir
 
 KEY = Key("RTX-4090", "llama-3-8b", "bf16", 1, None, 8192)
 SERVERS = ["http://a:8000", "http://b:8000", "http://c:8000"]
@@ -71,3 +84,64 @@ def test_measured_kv_moves_with_the_utilization(perf):
     assert same.kv_tokens == 20_000
     assert more.kv_tokens is not None and more.kv_tokens > 20_000
     assert more.provenance.endswith("; KV moved from gpu_memory_utilization 0.9 to 0.95")
+
+
+# --- plan ----------------------------------------------------------------------------------------
+
+INVENTORY = """\
+nodes:
+  - name: rtx-[1:3]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: chat
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+    max_context: 8192
+    gpu_memory_utilization: 0.9
+    workload: {requests_per_s: 5, mean_prompt_tokens: 500, mean_output_tokens: 64}
+"""
+
+
+def test_plan_uses_a_matching_entry_and_says_so(tmp_path, catalog, perf):
+    inv_path = tmp_path / "fleet.yaml"
+    inv_path.write_text(INVENTORY)
+    inv = load_inventory(inv_path, catalog)
+    base = plan_fleet(inv)
+    server = base.deployments[0].server
+    assert same_plan(plan_fleet(inv, None, Calibration()), base)
+    # Live servers hold half the KV the model gives them, and run at 0.7x its speed.
+    half = server.kv_budget_tokens // 2 // 16 * 16
+    e = entry_of(perf, servers_at(perf, 0.7), kv=(half,), util=0.9)
+    got = plan_fleet(inv, None, Calibration((e,)))
+    s = got.deployments[0].server
+    assert s.kv_budget_tokens == half
+    assert s.max_sequences_at_max_len == max_sequences(half, 8192)
+    assert s.max_sequences_at_max_len < server.max_sequences_at_max_len
+    assert s.predicted_decode_tok_s < server.predicted_decode_tok_s
+    said = [r for r in s.reasons if r.startswith("calibrated from 3 servers, 2026-12-01 10:20")]
+    assert len(said) == 1 and "speed 0.7" in said[0]
+    assert any("chat bf16 TP=1 on RTX-4090: calibrated from" in w for w in got.warnings)
+    # Another GPU's or format's entry does not match.
+    other = replace(e, key=replace(KEY, gpu="A100-80GB"))
+    assert same_plan(plan_fleet(inv, None, Calibration((other,))), base)
+
+
+def same_plan(a, b) -> bool:
+    return (a.deployments, a.warnings) == (b.deployments, b.warnings)
+
+
+def test_plan_reads_the_state_folders_calibration_unless_told_not_to(tmp_path, cli, perf):
+    inv_path = tmp_path / "fleet.yaml"
+    inv_path.write_text(INVENTORY)
+    sdir = StateDir(tmp_path / ".fleetctl")
+    e = entry_of(perf, servers_at(perf, 0.7), kv=(8192,), util=0.9)
+    sdir.root.mkdir()
+    sdir.save_calibration(Calibration((e,)))
+    r = cli("plan", inv_path, "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["deployments"][0]["kv_budget_tokens"] == 8192
+    assert any("calibrated from 3 servers" in w for w in json.loads(r.out)["warnings"])
+    r = cli("plan", inv_path, "--json", "--no-calibration")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["deployments"][0]["kv_budget_tokens"] > 8192

@@ -15,6 +15,7 @@ from fleetctl.cli.options import (
     InventoryArg,
     JsonOpt,
     KnownHostsOpt,
+    NoCalibrationOpt,
     ProfilesOpt,
     SecretsFileOpt,
     StateDirOpt,
@@ -44,6 +45,7 @@ def apply(
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
     as_json: bool = JsonOpt,
+    no_calibration: bool = NoCalibrationOpt,
 ) -> None:
     """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
     from fleetctl.cli.apply_flow import (
@@ -67,7 +69,7 @@ def apply(
     planned: list[Any] = []
 
     def make_plan(state):  # type: ignore[no-untyped-def]
-        planned.append(common.plan_with_facts(inv, catalog, sdir, facts, state))
+        planned.append(common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration))
         return planned[-1]
 
     code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console())

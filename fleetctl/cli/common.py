@@ -62,10 +62,17 @@ def state_dir(inv: Inventory, override: Path | None) -> StateDir:
 
 
 def plan_with_facts(
-    inv: Inventory, catalog: Catalog, sdir: StateDir, facts: Path | None, state: State
+    inv: Inventory,
+    catalog: Catalog,
+    sdir: StateDir,
+    facts: Path | None,
+    state: State,
+    calibrated: bool = True,
 ) -> Plan:
     """The plan, with probed GPUs over declared ones (--facts, else the saved facts when there
-    are any); each disagreement leads the warnings. `plan` and `apply` both plan through here."""
+    are any); each disagreement leads the warnings. With `calibrated`, the state folder's
+    calibration (when there is one) replaces the model's KV and speed where it matches.
+    `plan` and `apply` both plan through here."""
     import dataclasses
 
     from fleetctl.facts import apply_facts
@@ -75,7 +82,8 @@ def plan_with_facts(
     notes: list[str] = []
     if found is not None:
         inv, notes = apply_facts(inv, found, catalog)
-    result = plan_fleet(inv, state)
+    calibration = sdir.load_calibration() if calibrated else None
+    result = plan_fleet(inv, state, calibration)
     return dataclasses.replace(result, warnings=(*notes, *result.warnings)) if notes else result
 
 

@@ -43,6 +43,11 @@ AcceptNewOpt: bool = typer.Option(
     "--accept-new-host-keys",
     help="Trust and record unknown host keys (OpenSSH's accept-new); changed keys are refused.",
 )
+NoCalibrationOpt: bool = typer.Option(
+    False,
+    "--no-calibration",
+    help="Use the profiles alone, not the figures `fleetctl calibrate` measured on live servers.",
+)
 YesOpt: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")
 SecretsFileOpt: Path | None = typer.Option(
     None,

@@ -8,7 +8,14 @@ import typer
 
 from fleetctl.cli import common
 from fleetctl.cli.app import app
-from fleetctl.cli.options import FactsOpt, InventoryArg, JsonOpt, ProfilesOpt, StateDirOpt
+from fleetctl.cli.options import (
+    FactsOpt,
+    InventoryArg,
+    JsonOpt,
+    NoCalibrationOpt,
+    ProfilesOpt,
+    StateDirOpt,
+)
 from fleetctl.jsonout import dump_json, print_json
 
 
@@ -48,6 +55,7 @@ def plan(
         None, "-o", "--out", metavar="FILE", help="Write the plan as JSON to this file."
     ),
     explain: bool = typer.Option(False, "--explain", help="Show why each deployment is placed so."),
+    no_calibration: bool = NoCalibrationOpt,
 ) -> None:
     """Compute which model, format and TP size runs on which GPUs, and the diff to what runs."""
     import dataclasses
@@ -56,7 +64,9 @@ def plan(
 
     inv, catalog = common.load(inventory, profiles)
     sdir = common.state_dir(inv, state_dir)
-    result = common.plan_with_facts(inv, catalog, sdir, facts, sdir.load_state())
+    result = common.plan_with_facts(
+        inv, catalog, sdir, facts, sdir.load_state(), not no_calibration
+    )
     if out is not None:
         # `apply plan.json` may run from another folder: name the inventory absolutely.
         saved = dataclasses.replace(result, inventory=str(Path(result.inventory).resolve()))

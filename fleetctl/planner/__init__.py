@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from fleetctl.calibration import Calibration
 from fleetctl.inventory import Inventory, Model
 from fleetctl.limits import SURGE_PORT_OFFSET
 from fleetctl.names import natural_key
@@ -33,11 +34,14 @@ from fleetctl.text import plural
 __all__ = ["plan_fleet"]
 
 
-def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
-    """The plan for `inv`, keeping what `state` runs where it is still a good answer."""
+def plan_fleet(
+    inv: Inventory, state: State | None = None, calibration: Calibration | None = None
+) -> Plan:
+    """The plan for `inv`, keeping what `state` runs where it is still a good answer; with
+    `calibration`, live servers' measured KV and speed replace the model's where they match."""
     state = state or State()
     classes = node_classes(inv)
-    feasible, rejected = candidates(inv, classes)
+    feasible, rejected = candidates(inv, classes, calibration)
     warn_below = inv.spec.planner.warn_sequences_below
     running = _current_counts(feasible, classes, state)
     feasible = prune_dominated(feasible, warn_below, {i for i, n in enumerate(running) if n})
@@ -91,6 +95,14 @@ def plan_fleet(inv: Inventory, state: State | None = None) -> Plan:
         for m in inv.models
     )
     warnings = _warnings(inv, deployments, summaries, classes, placements)
+    # Say which candidates' figures were measured, not modelled, and from what.
+    warnings += sorted(
+        {
+            f"{k.model.name} {k.variant.format.name} TP={k.tp} on {k.cls.gpu.name}: {k.calibrated}"
+            for k in used
+            if k.calibrated
+        }
+    )
     if sol.info.get("optimal") is False:
         warnings.insert(
             0,
@@ -191,6 +203,8 @@ def _reasons(k: Candidate, feasible: list[Candidate], serving: dict[str, set[str
         f"KV budget {_gb(k.budget.kv_total)} = {k.budget.kv_tokens:,} tokens: "
         f"{k.sequences_at_max_len} sequences at max_model_len {m.spec.max_context}"
     )
+    if k.calibrated:
+        out.append(k.calibrated)
     if len(m.variants) > 1:
         others = [v.format.name for v in m.variants if v.format.name != fmt.name]
         out.append(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from fleetctl.calibration import Calibration, measured
 from fleetctl.catalog import GpuProfile
 from fleetctl.inventory import Inventory, Model, Node, Variant
 from fleetctl.names import natural_key
@@ -49,6 +50,8 @@ class Candidate:
     sequences_at_max_len: int
     capacity_rps: float  # at saturation for the model's mean request
     decode_tok_s: float  # one request, short context
+    # Where measured figures replaced the model's (KV tokens, speed): the calibration's entry.
+    calibrated: str | None = None
 
     @property
     def option(self) -> tuple[str, str, int]:
@@ -101,8 +104,17 @@ def tp_sizes(model: Model, gpu_count: int) -> list[int]:
     ]
 
 
-def evaluate(cls: NodeClass, model: Model, variant: Variant, tp: int, inv: Inventory) -> Candidate:
-    """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not)."""
+def evaluate(
+    cls: NodeClass,
+    model: Model,
+    variant: Variant,
+    tp: int,
+    inv: Inventory,
+    calibration: Calibration | None = None,
+) -> Candidate:
+    """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not);
+    a calibration entry for the same GPU, model, format and TP replaces the model's KV tokens
+    and speed with what live servers measured."""
     planner = inv.spec.planner
     util = model.spec.gpu_memory_utilization or planner.gpu_memory_utilization
     # The release the servers will run: the inventory's apply.vllm_version, else fleetctl's
@@ -132,6 +144,22 @@ def evaluate(cls: NodeClass, model: Model, variant: Variant, tp: int, inv: Inven
         version,
         planner.enforce_eager,
     )
+    calibrated = None
+    entry = (
+        calibration.find(
+            cls.gpu.name, model.profile.name, variant.format.name, tp, version, max_len
+        )
+        if calibration
+        else None
+    )
+    found = measured(entry, perf, util) if entry else None
+    if found is not None:
+        calibrated = found.provenance
+        if found.kv_tokens is not None:
+            per_gpu = found.kv_tokens * perf.kv_token_bytes
+            budget = replace(budget, kv_tokens=found.kv_tokens, kv_per_gpu=per_gpu)
+        if found.speed is not None:
+            perf = replace(perf, speed=found.speed)
     seq_at_max = max_sequences(budget.kv_tokens, model.spec.max_context)
     prompt, output = request_shape(model)
     capacity = perf.capacity_rps(prompt, output, budget.kv_tokens, seqs) if seq_at_max else 0.0
@@ -148,6 +176,7 @@ def evaluate(cls: NodeClass, model: Model, variant: Variant, tp: int, inv: Inven
         seq_at_max,
         capacity,
         perf.decode_tok_s(1, 512),
+        calibrated,
     )
 
 
@@ -166,8 +195,11 @@ def why_not(cls: NodeClass, model: Model, variant: Variant, tp: int | None) -> s
     return None
 
 
-def candidates(inv: Inventory, classes: list[NodeClass]) -> tuple[list[Candidate], list[Candidate]]:
-    """(feasible, rejected) candidates; rejected ones fit no KV for min_sequences at max_context."""
+def candidates(
+    inv: Inventory, classes: list[NodeClass], calibration: Calibration | None = None
+) -> tuple[list[Candidate], list[Candidate]]:
+    """(feasible, rejected) candidates; rejected ones fit no KV for min_sequences at max_context.
+    `calibration`: measured figures that replace the model's where an entry matches."""
     feasible: list[Candidate] = []
     rejected: list[Candidate] = []
     for cls in classes:
@@ -177,7 +209,7 @@ def candidates(inv: Inventory, classes: list[NodeClass]) -> tuple[list[Candidate
                 if why_not(cls, model, variant, sizes[0] if sizes else None):
                     continue
                 for tp in sizes:
-                    cand = evaluate(cls, model, variant, tp, inv)
+                    cand = evaluate(cls, model, variant, tp, inv, calibration)
                     ok = cand.sequences_at_max_len >= model.spec.min_sequences
                     (feasible if ok and cand.capacity_rps > 0 else rejected).append(cand)
     return feasible, rejected
