@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,8 @@ from fleetctl.calibration import (
 from fleetctl.inventory import load_inventory
 from fleetctl.perf import EnginePerf, max_sequences
 from fleetctl.planner import plan_fleet
+from fleetctl.router.backends import apply_calibration, backends_from_state, load_backends
+from fleetctl.state import State
 from fleetctl.statedir import StateDir
 
 KEY = Key("RTX-4090", "llama-3-8b", "bf16", 1, None, 8192)
@@ -145,3 +148,32 @@ def test_plan_reads_the_state_folders_calibration_unless_told_not_to(tmp_path, c
     r = cli("plan", inv_path, "--json", "--no-calibration")
     assert r.code == 0, r.err
     assert json.loads(r.out)["deployments"][0]["kv_budget_tokens"] > 8192
+
+
+# --- route-serve ---------------------------------------------------------------------------------
+
+
+def test_route_serve_gives_matching_backends_the_measured_figures(tmp_path, catalog, perf, caplog):
+    inv_path = tmp_path / "fleet.yaml"
+    inv_path.write_text(INVENTORY)
+    inv = load_inventory(inv_path, catalog)
+    sdir = StateDir(tmp_path / ".fleetctl")
+    sdir.save_state(State(1, plan_fleet(inv).deployments))
+    model_kv = backends_from_state(inv, sdir)[0].kv_tokens
+    e = entry_of(perf, servers_at(perf, 0.7), kv=(20_000,), util=0.9)
+    sdir.save_calibration(Calibration((e,)))
+    # calibrate itself compares with the model: by default the backends are the model's.
+    assert [b.kv_tokens for b in load_backends(inv, catalog, None, sdir)] == [model_kv] * 3
+    with caplog.at_level(logging.INFO, logger="fleetctl.router"):
+        got = load_backends(inv, catalog, None, sdir, calibrated=True)
+    assert [b.kv_tokens for b in got] == [20_000] * 3
+    assert all(b.perf is not None and b.perf.speed == pytest.approx(0.7, rel=0.05) for b in got)
+    said = [r.getMessage() for r in caplog.records if "calibrated from" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].startswith("RTX-4090/llama-3-8b/bf16: calibrated from 3 servers, 2026-12-01")
+    # Another format's entry leaves them as the model has them.
+    other = replace(e, key=replace(KEY, format="awq"))
+    fresh = backends_from_state(inv, sdir)
+    assert apply_calibration(fresh, Calibration((other,))) == []
+    assert [b.kv_tokens for b in fresh] == [model_kv] * 3
+    assert all(b.perf is not None and b.perf.speed == 1.0 for b in fresh)

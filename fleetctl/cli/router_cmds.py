@@ -112,7 +112,7 @@ def route_serve(
 
     def reload():  # type: ignore[no-untyped-def]
         fresh_inv, fresh_catalog = common.load(inventory, profiles)
-        return load_backends(fresh_inv, fresh_catalog, backends, sdir)
+        return load_backends(fresh_inv, fresh_catalog, backends, sdir, calibrated=True)
 
     serve(router, listen or inv.spec.router.listen, reload, None if backends else sdir)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
 from fleetctl import names
+from fleetctl.calibration import Calibration, measured
 from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
@@ -17,6 +20,8 @@ from fleetctl.routing.types import Backend
 from fleetctl.statedir import StateDir
 from fleetctl.validation import Strict, validate
 from fleetctl.yamlsrc import load_yaml
+
+log = logging.getLogger("fleetctl.router")
 
 
 class BackendEntry(Strict):
@@ -164,9 +169,39 @@ def dcgm_url(inv: Inventory, host: str) -> str:
     return names.http_url(host, port, "/metrics")
 
 
+def apply_calibration(
+    backends: list[Backend], calibration: Calibration, vllm_version: str | None = None
+) -> list[str]:
+    """Give each backend whose class has a calibration entry (GPU, model, format, TP) the KV
+    tokens and speed its servers measured, in place; one line per calibrated class, saying
+    from what (`RTX-4090/llama-3-8b/bf16: calibrated from 3 servers, ...`)."""
+    lines: dict[str, str] = {}
+    for b in backends:
+        if b.perf is None:
+            continue
+        p = b.perf
+        entry = calibration.find(b.gpu_type, p.model.name, b.variant, p.tp, vllm_version)
+        found = measured(entry, p) if entry else None
+        if found is None:
+            continue
+        if found.kv_tokens is not None:
+            b.kv_tokens = found.kv_tokens
+        if found.speed is not None:
+            b.perf = replace(p, speed=found.speed)
+        tp = f"/tp{p.tp}" if p.tp > 1 else ""
+        lines.setdefault(f"{b.gpu_type}/{p.model.name}/{b.variant}{tp}", found.provenance)
+    return [f"{cls}: {text}" for cls, text in sorted(lines.items())]
+
+
 def load_backends(
-    inv: Inventory, catalog: Catalog, backends_file: Path | None, state_dir: StateDir
+    inv: Inventory,
+    catalog: Catalog,
+    backends_file: Path | None,
+    state_dir: StateDir,
+    calibrated: bool = False,
 ) -> list[Backend]:
+    """The backends to route to; with `calibrated`, the state folder's calibration replaces
+    the model's KV and speed where it matches, logged one line per class."""
     found = (
         load_backends_file(backends_file, inv, catalog)
         if backends_file
@@ -180,4 +215,8 @@ def load_backends(
             Location(str(state_dir.state_path)),
             "run `fleetctl apply`, or pass --backends FILE for servers fleetctl did not launch",
         )
+    if calibrated:
+        version = inv.spec.apply.vllm_version
+        for line in apply_calibration(found, state_dir.load_calibration(), version):
+            log.info("%s", line)
     return found

@@ -103,6 +103,18 @@ def read_secret(path: Path, what: str) -> str:
     return text
 
 
+def start_logging() -> None:
+    """The daemon's log: messages alone, at FLEETCTL_LOG_LEVEL (INFO); a no-op once set up."""
+    logging.basicConfig(level=os.environ.get("FLEETCTL_LOG_LEVEL", "INFO"), format="%(message)s")
+    # The format prints the message alone, so skip what every log record would otherwise look
+    # up (the caller's frame, thread, process): the access log writes a record per request.
+    # (The "Optimization" section of the logging HOWTO.)
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+
+
 def build_router(
     inv: Inventory,
     catalog: Catalog,
@@ -117,7 +129,10 @@ def build_router(
     if policy not in POLICIES:
         raise UserError(f"unknown policy '{policy}'", None, f"choose from {', '.join(POLICIES)}")
     spec = inv.spec.router
-    backends = load_backends(inv, catalog, backends_file, state_dir)
+    # Live servers' measured KV and speed over the model's, where `fleetctl calibrate` has them;
+    # the log says which classes, so it starts before the backends load.
+    start_logging()
+    backends = load_backends(inv, catalog, backends_file, state_dir, calibrated=True)
     routing = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
     sched = Scheduler(
         make_policy(policy, config=routing),
@@ -195,14 +210,7 @@ def serve(
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    logging.basicConfig(level=os.environ.get("FLEETCTL_LOG_LEVEL", "INFO"), format="%(message)s")
-    # The format prints the message alone, so skip what every log record would otherwise look
-    # up (the caller's frame, thread, process): the access log writes a record per request.
-    # (The "Optimization" section of the logging HOWTO.)
-    logging._srcfile = None
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
+    start_logging()
     log.info(
         "fleetctl route-serve on http://%s:%s: %d backends, policy %s",
         host.strip("[]"),
