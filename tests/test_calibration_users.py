@@ -177,3 +177,32 @@ def test_route_serve_gives_matching_backends_the_measured_figures(tmp_path, cata
     assert apply_calibration(fresh, Calibration((other,))) == []
     assert [b.kv_tokens for b in fresh] == [model_kv] * 3
     assert all(b.perf is not None and b.perf.speed == 1.0 for b in fresh)
+
+
+# --- simulate ------------------------------------------------------------------------------------
+
+
+def test_simulate_runs_calibrated_servers_and_says_so(tmp_path, cli, perf):
+    inv_path = tmp_path / "fleet.yaml"
+    inv_path.write_text(INVENTORY)
+    args = ["simulate", inv_path, "--workload", "rate=2,duration=30", "--policies", "round-robin"]
+    before = cli(*args, "--json")
+    assert before.code == 0, before.err
+    assert json.loads(before.out)["calibration"] == []
+    sdir = StateDir(tmp_path / ".fleetctl")
+    sdir.root.mkdir()
+    sdir.save_calibration(Calibration((entry_of(perf, servers_at(perf, 0.5)),)))
+    r = cli(*args, "--json")
+    assert r.code == 0, r.err
+    slow, fast = json.loads(r.out), json.loads(before.out)
+    assert slow["calibration"] == [
+        "RTX-4090/bf16 (3 servers): calibrated from 3 servers, 2026-12-01 10:20 "
+        "(KV 20,000 tokens, speed 0.50x the model's)"
+    ]
+    # Half the speed and less KV: less capacity, slower tokens.
+    assert slow["capacity_rps"] < fast["capacity_rps"]
+    rr_slow, rr_fast = slow["policies"]["round-robin"], fast["policies"]["round-robin"]
+    assert rr_slow["tpot_mean_s"] > 1.5 * rr_fast["tpot_mean_s"]
+    table = cli(*args)
+    assert "calibrated from 3 servers" in table.out
+    assert json.loads(cli(*args, "--json", "--no-calibration").out)["calibration"] == []

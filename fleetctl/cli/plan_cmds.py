@@ -128,6 +128,7 @@ def simulate(
         metavar="FILE.png",
         help="Write log-log latency tails (TTFT, e2e) per policy (PNG).",
     ),
+    no_calibration: bool = NoCalibrationOpt,
 ) -> None:
     """Replay a workload over the planned fleet with each policy; compare TTFT and more."""
     from fleetctl.sim.command import require_matplotlib, run_simulate
@@ -136,7 +137,18 @@ def simulate(
         require_matplotlib()
     inv, _ = common.load(inventory, profiles)
     data, renderable = run_simulate(
-        inv, workload, trace, policies, load, model, limit, seed, no_aging, plot, not as_json
+        inv,
+        workload,
+        trace,
+        policies,
+        load,
+        model,
+        limit,
+        seed,
+        no_aging,
+        plot,
+        not as_json,
+        not no_calibration,
     )
     if as_json:
         print_json(data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from fleetctl.inventory import Inventory
 from fleetctl.progress import progress
 from fleetctl.routing.policy import POLICIES
 from fleetctl.routing.scheduler import Aging
+from fleetctl.sim.fleet import Server
 from fleetctl.sim.run import Comparison, compare
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
 from fleetctl.tables import Cell, Col, Records
@@ -32,7 +34,10 @@ def run_simulate(
     no_aging: bool,
     plot: Path | None,
     show_progress: bool,
+    calibrated: bool = True,
 ) -> tuple[dict[str, Any], RenderableType]:
+    """Simulate `inv`'s plan under each policy; with `calibrated`, the state folder's
+    calibration gives the servers of its classes their measured KV and speed, and says so."""
     from fleetctl.planner import plan_fleet
     from fleetctl.statedir import StateDir
 
@@ -50,7 +55,9 @@ def run_simulate(
     items = _items(inv, target, workload, trace, limit, seed, show_progress)
     if not items:
         raise UserError("the workload has no requests", None, "raise its rate or duration")
-    plan = plan_fleet(inv, StateDir.of(inv).load_state())
+    sdir = StateDir.of(inv)
+    calibration = sdir.load_calibration() if calibrated else None
+    plan = plan_fleet(inv, sdir.load_state(), calibration)
     if not any(d.model == target for d in plan.deployments):
         raise UserError(
             f"the plan places no server for {target}",
@@ -61,16 +68,42 @@ def run_simulate(
     aging = Aging(spec.factor, spec.window_s, spec.enabled and not no_aging)
     with progress("simulating", len(names), enabled=show_progress) as bar:
         result = compare(
-            inv, plan, target, items, names, load=load, seed=seed, aging=aging, progress=bar.update
+            inv,
+            plan,
+            target,
+            items,
+            names,
+            load=load,
+            seed=seed,
+            aging=aging,
+            progress=bar.update,
+            calibration=calibration,
         )
     data = result.to_json()
     parts: list[RenderableType] = [render(result)]
+    # Which servers ran at measured figures, not the model's, and from what.
+    said = calibration_lines(result.servers)
+    data["calibration"] = said
+    parts += [Text(line) for line in said]
     if plot is not None:
         source = trace.name if trace is not None else f"synthetic {workload}"
         write_plot(result, plot, fleet=_fleet_name(inv), source=source)
         data["plot"] = str(plot)
         parts.append(Text(f"Wrote the latency plot to {plot}"))
     return data, Group(*parts)
+
+
+def calibration_lines(servers: Sequence[Server]) -> list[str]:
+    """One line per calibrated class of servers: `RTX-4090/bf16 (3 servers): calibrated ...`."""
+    groups: dict[tuple[str, str, str], int] = {}
+    for s in servers:
+        if s.calibrated:
+            k = (s.gpu_type, s.variant, s.calibrated)
+            groups[k] = groups.get(k, 0) + 1
+    return [
+        f"{gpu}/{fmt} ({plural(n, 'server')}): {text}"
+        for (gpu, fmt, text), n in sorted(groups.items())
+    ]
 
 
 def require_matplotlib() -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from fleetctl.calibration import Calibration, measured
 from fleetctl.inventory import Inventory
 from fleetctl.perf import EnginePerf
 from fleetctl.plan import Deployment
@@ -36,13 +37,18 @@ class Server:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    calibrated: str = ""  # where its KV and speed were measured, when they were
 
 
 # Events between progress reports: often enough for a smooth bar, rare enough to cost nothing.
 PROGRESS_EVERY = 4096
 
 
-def servers_from_plan(deployments: Sequence[Deployment], inv: Inventory) -> list[Server]:
+def servers_from_plan(
+    deployments: Sequence[Deployment], inv: Inventory, calibration: Calibration | None = None
+) -> list[Server]:
+    """The simulator's servers for a plan's deployments; with `calibration`, a deployment whose
+    class has an entry runs at its servers' measured speed with their measured KV."""
     out = []
     gpus = {n.gpu.name: n.gpu for n in inv.nodes}
     for d in deployments:
@@ -52,6 +58,22 @@ def servers_from_plan(deployments: Sequence[Deployment], inv: Inventory) -> list
         perf = EnginePerf(
             gpus[d.gpu_type], model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype
         )
+        kv, calibrated = s.kv_budget_tokens, ""
+        entry = None
+        if calibration is not None:
+            entry = calibration.find(
+                d.gpu_type,
+                model.profile.name,
+                d.variant,
+                s.tensor_parallel_size,
+                inv.spec.apply.vllm_version,
+                s.max_model_len,
+            )
+        found = measured(entry, perf, s.gpu_memory_utilization) if entry else None
+        if found is not None:
+            calibrated = found.provenance
+            kv = found.kv_tokens if found.kv_tokens is not None else kv
+            perf = replace(perf, speed=found.speed) if found.speed is not None else perf
         out.append(
             Server(
                 f"{d.node}:{d.port}",
@@ -60,10 +82,11 @@ def servers_from_plan(deployments: Sequence[Deployment], inv: Inventory) -> list
                 d.model,
                 d.variant,
                 perf,
-                s.kv_budget_tokens,
+                kv,
                 s.max_num_seqs,
                 s.max_num_batched_tokens,
                 s.max_model_len,
+                calibrated,
             )
         )
     return out

@@ -6,6 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from fleetctl.calibration import Calibration
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Plan
 from fleetctl.routing.policy import RoutingConfig
@@ -86,13 +87,16 @@ def compare(
     seed: int = 0,
     aging: Aging | None = None,
     progress: Callable[[float, str], None] | None = None,
+    calibration: Calibration | None = None,
 ) -> Comparison:
     """Run every policy over the same servers and the same requests.
 
     `progress(done, what)` hears how many policies are done, fractions included (of
-    `len(policies)`), and which one runs.
+    `len(policies)`), and which one runs. `calibration`: measured KV and speed for the servers
+    of the classes it has.
     """
-    servers = [s for s in servers_from_plan(plan.deployments, inv) if s.model == model]
+    found = servers_from_plan(plan.deployments, inv, calibration)
+    servers = [s for s in found if s.model == model]
     prompt, output = mean_shape(items)
     capacity = fleet_capacity(servers, prompt, output)
     if load is not None:
