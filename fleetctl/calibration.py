@@ -723,6 +723,41 @@ def measured(
     return Measured(kv_tokens, speed, f"{entry.describe()} ({', '.join(used)}){note}")
 
 
+def beside_model(entry: Entry) -> dict[str, Any]:
+    """An entry's measured figures beside the model's for the same servers (`fleetctl status`
+    JSON): KV tokens, the decode step at the measured batch, prefill speed."""
+
+    def pair(f: Figure | None, scale: float = 1.0) -> dict[str, Any] | None:
+        if f is None:
+            return None
+        model = None if f.model is None else f.model * scale
+        return {"model": model, "measured": f.value * scale, "trusted": f.trusted, "why": f.why}
+
+    return {
+        "source": entry.describe(),
+        "kv_tokens": pair(entry.kv_tokens),
+        "decode_step_ms": pair(entry.step_at_batch, 1e3),
+        "prefill_tok_s": pair(entry.prefill_tok_s),
+    }
+
+
+def beside_model_text(entry: Entry) -> str:
+    """`KV 47,712 tokens modelled, 40,000 measured; calibrated from 3 servers, ...`: one line
+    for `fleetctl status`; a figure not trusted says so."""
+    parts = []
+    kv = entry.kv_tokens
+    if kv is not None:
+        text = f"KV {kv.model:,.0f} tokens modelled, " if kv.model is not None else "KV "
+        text += f"{kv.value:,.0f} measured"
+        parts.append(text + ("" if kv.trusted else " (not trusted)"))
+    step = entry.step_at_batch
+    if step is not None:
+        text = f"step {step.model * 1e3:.1f} ms modelled, " if step.model is not None else "step "
+        text += f"{step.value * 1e3:.1f} ms measured"
+        parts.append(text + ("" if step.trusted else " (not trusted)"))
+    return "; ".join([*parts, entry.describe()])
+
+
 # --- one server's reading, for the command's table ---------------------------------------------
 
 

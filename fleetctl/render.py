@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from rich.console import Group, RenderableType
@@ -323,8 +323,12 @@ def health_table(checks: Iterable[Check]) -> Records:
     return Records("Health", [*cols, Col("detail")], rows)
 
 
-def status_table(rows: Iterable[ServerStatus]) -> Records:
-    """One row per recorded server, as its node and its HTTP endpoints see it now."""
+def status_table(
+    rows: Iterable[ServerStatus],
+    calibrated: Mapping[tuple[str, tuple[int, ...]], str] | None = None,
+) -> Records:
+    """One row per recorded server, as its node and its HTTP endpoints see it now; `calibrated`
+    (by node and GPUs): the model's figures beside the measured ones, added to the detail."""
     cols = [
         Col("node", head=True),
         Col("model", head=True),
@@ -338,6 +342,9 @@ def status_table(rows: Iterable[ServerStatus]) -> Records:
         style = "green" if r.condition == "running" else "red"
         # An unreachable node's one line follows the table, once per node, not per server.
         detail = "node not checked: see below" if r.condition == "unreachable" else r.detail
+        measured = (calibrated or {}).get((r.node, tuple(r.gpus)))
+        if measured:
+            detail = f"{detail}; {measured}" if detail else measured
         out.append(
             [
                 r.node,

@@ -7,20 +7,26 @@ import logging
 from dataclasses import replace
 
 import pytest
+from rich.console import Console
 
+from fleetctl.apply.status import ServerStatus
 from fleetctl.calibration import (
     Calibration,
     Entry,
     Figure,
     Key,
     Sample,
+    beside_model,
+    beside_model_text,
     entry_for,
     measured,
     speed_factor,
 )
+from fleetctl.cli.apply_cmds import calibrated_servers
 from fleetctl.inventory import load_inventory
 from fleetctl.perf import EnginePerf, max_sequences
 from fleetctl.planner import plan_fleet
+from fleetctl.render import status_table
 from fleetctl.router.backends import apply_calibration, backends_from_state, load_backends
 from fleetctl.state import State
 from fleetctl.statedir import StateDir
@@ -206,3 +212,36 @@ def test_simulate_runs_calibrated_servers_and_says_so(tmp_path, cli, perf):
     table = cli(*args)
     assert "calibrated from 3 servers" in table.out
     assert json.loads(cli(*args, "--json", "--no-calibration").out)["calibration"] == []
+
+
+# --- status --------------------------------------------------------------------------------------
+
+
+def test_status_shows_the_models_figures_beside_the_measured_ones(tmp_path, catalog, perf):
+    inv_path = tmp_path / "fleet.yaml"
+    inv_path.write_text(INVENTORY)
+    inv = load_inventory(inv_path, catalog)
+    state = State(1, plan_fleet(inv).deployments)
+    e = entry_of(perf, servers_at(perf, 0.7), kv=(40_000,), util=0.9)
+    found = calibrated_servers(inv, state, Calibration((e,)))
+    assert set(found) == {("rtx-1", (0,)), ("rtx-2", (0,)), ("rtx-3", (0,))}
+    assert calibrated_servers(inv, state, Calibration()) == {}
+    j = beside_model(e)
+    assert j["source"] == "calibrated from 3 servers, 2026-12-01 10:20"
+    assert j["kv_tokens"] == {"model": 47_024, "measured": 40_000, "trusted": True, "why": ""}
+    assert j["decode_step_ms"]["measured"] > j["decode_step_ms"]["model"]
+    text = beside_model_text(e)
+    assert text.startswith("KV 47,024 tokens modelled, 40,000 measured; step ")
+    assert text.endswith("; calibrated from 3 servers, 2026-12-01 10:20")
+    flagged = beside_model_text(replace(e, kv_tokens=Figure(400, 47_024, False, "implausible")))
+    assert flagged.startswith("KV 47,024 tokens modelled, 400 measured (not trusted); ")
+    rows = [
+        ServerStatus("rtx-1", "chat", (0,), 8000, "running", ""),
+        ServerStatus("rtx-2", "chat", (0,), 8000, "dead", "exited"),
+    ]
+    texts = {k: beside_model_text(v) for k, v in found.items()}
+    out = Console(width=400, record=True)
+    out.print(status_table(rows, texts))
+    shown = out.export_text()
+    assert shown.count("40,000 measured") == 2
+    assert "exited; KV 47,024 tokens modelled" in shown

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -24,6 +24,11 @@ from fleetctl.cli.options import (
     timeout,
 )
 from fleetctl.jsonout import print_json
+
+if TYPE_CHECKING:
+    from fleetctl.calibration import Calibration, Entry
+    from fleetctl.inventory import Inventory
+    from fleetctl.state import State
 
 
 @app.command()
@@ -97,7 +102,9 @@ def status(
 
     inv, _ = common.load(inventory, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
-    state = common.state_dir(inv, state_dir).load_state()
+    sdir = common.state_dir(inv, state_dir)
+    state = sdir.load_state()
+    entries = calibrated_servers(inv, state, sdir.load_calibration())
     # The servers' /v1/models takes the API key when they have one; no other secret is used.
     opts = options(inv, c, secrets_file, needs=("VLLM_API_KEY",))
     rows, summary = status_fleet(inv, state, opts)
@@ -105,18 +112,54 @@ def status(
     # Every server running, and every node asked: nothing unchecked passes for fine.
     good = all(r.condition == "running" for r in rows) and not unreachable
     if as_json:
-        print_json({"ok": good, **summary, "servers": [r.to_json() for r in rows]})
+        servers = [
+            {**r.to_json(), "calibration": _beside(entries.get((r.node, tuple(r.gpus))))}
+            for r in rows
+        ]
+        print_json({"ok": good, **summary, "servers": servers})
     else:
         from fleetctl.render import status_table
         from fleetctl.text import plural
 
         console = common.console()
         if rows:
-            console.print(status_table(rows))
+            from fleetctl.calibration import beside_model_text
+
+            texts = {k: beside_model_text(e) for k, e in entries.items()}
+            console.print(status_table(rows, texts))
         common.unchecked(console, [u["line"] for u in unreachable], summary["nodes"])
         console.print(f"{plural(len(rows), 'server')}, state serial {summary['serial']}.")
     if not good:
         raise typer.Exit(1)
+
+
+def calibrated_servers(
+    inv: Inventory, state: State, calibration: Calibration
+) -> dict[tuple[str, tuple[int, ...]], Entry]:
+    """Per recorded server (node, GPUs): the calibration entry of its class, where there is one."""
+    out = {}
+    for d in state.deployments:
+        model = next((m for m in inv.models if m.name == d.model), None)
+        if model is None:
+            continue
+        s = d.server
+        entry = calibration.find(
+            d.gpu_type,
+            model.profile.name,
+            d.variant,
+            s.tensor_parallel_size,
+            inv.spec.apply.vllm_version,
+            s.max_model_len,
+        )
+        if entry is not None:
+            out[(d.node, tuple(d.gpu_indices))] = entry
+    return out
+
+
+def _beside(entry: Entry | None) -> dict[str, Any] | None:
+    from fleetctl.calibration import beside_model
+
+    return None if entry is None else beside_model(entry)
 
 
 @app.command()
