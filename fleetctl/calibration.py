@@ -676,7 +676,8 @@ class Measured:
 def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
     """The model's GPU work over the measured one for a decode step at the batch and context
     the servers ran (what `EnginePerf.speed` scales); None unless the step fit is trusted, or
-    when the measured step is no longer than the model's fixed costs (nothing left to scale)."""
+    when the measured step is no longer than the model's fixed costs (nothing left to scale) or
+    its GPU part is 10x off the model's."""
     decoding = [s for s in entry.samples if s.tokens > 0]
     if entry.step is None or not entry.step_trusted or not decoding:
         return None
@@ -692,7 +693,12 @@ def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
     measured_gpu = entry.step.at(batch) - (one - gpu)
     if gpu <= 0 or measured_gpu <= 0:
         return None
-    return gpu / measured_gpu
+    speed = gpu / measured_gpu
+    # The whole step passed the 10x check; its GPU part alone may still be far off when the
+    # fixed cost dominates: such a factor is no measurement of the GPU.
+    if not 1 / IMPLAUSIBLE_RATIO < speed < IMPLAUSIBLE_RATIO:
+        return None
+    return speed
 
 
 def measured(

@@ -84,6 +84,14 @@ def test_measured_takes_only_trusted_figures_and_says_from_what(perf):
     # Too few windows: the fit is not trusted, so no speed.
     few = entry_of(perf, servers_at(perf, 0.7, (2, 6)))
     assert speed_factor(few, perf) is None
+    # A step the 10x check passes whose GPU part is 10x off (eager mode's fixed cost hides
+    # it): no speed from it.
+    eager = replace(perf, enforce_eager=True)
+    far = entry_of(eager, servers_at(eager, 20.0))
+    assert far.step_at_batch is not None and far.step_at_batch.trusted
+    assert speed_factor(far, eager) is None
+    near = entry_of(eager, servers_at(eager, 5.0))
+    assert speed_factor(near, eager) == pytest.approx(5.0, rel=0.1)
 
 
 def test_measured_kv_moves_with_the_utilization(perf):
