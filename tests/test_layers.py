@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("state",),
     ("statedir", "planner", "routing", "progress", "estimate"),
     ("sim", "ssh", "http"),
-    ("probe", "health", "router", "emulator"),
+    ("probe", "health", "router", "emulator", "calibrate_io"),
     ("apply",),
     ("render",),
     ("cli", "__main__", "__init__"),
