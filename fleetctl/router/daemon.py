@@ -257,6 +257,8 @@ class Router:
             self.metrics.outstanding.set(b.name, value=b.outstanding)
             self.metrics.reserved.set(b.name, value=b.reserved_tokens)
             self.metrics.prefill.set(b.name, value=b.pending_prefill)
+            if b.perf is not None:
+                self.metrics.speed.set(b.name, value=b.perf.speed)
             if self.live is not None:
                 state = self.live.state(b)
                 age = now - state.scraped_at if state.scraped_at else float("inf")

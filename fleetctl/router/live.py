@@ -1,5 +1,6 @@
 """Live backend state: /metrics scrapes, memory-bandwidth utilization (DCGM, else vLLM's
-read-byte counter, else the perf model), ejection, and the model name each backend serves."""
+read-byte counter, else the perf model), ejection, the model name each backend serves, and each
+backend's speed as measured online from its own counters."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
+from fleetctl.calibration import Key, Sample, Scrape, entry_for, parse_metrics, speed_factor, window
 from fleetctl.http import Client, HttpError
 from fleetctl.router.backends import model_problem, served_name
 from fleetctl.router.scrape import parse_dcgm_mem_copy, parse_vllm_metrics
@@ -18,6 +21,9 @@ from fleetctl.routing.types import Backend
 log = logging.getLogger("fleetctl.router")
 MODELS_EVERY_S = 10.0  # between /v1/models reads of a backend that serves the right name
 MODELS_RETRY_S = 2.0  # ... of one that does not, or gave no answer
+FIT_WINDOWS = 120  # decode windows (consecutive scrapes) the online fit keeps per backend
+FIT_EVERY = 5  # new windows between refits
+SPEED_LOG_CHANGE = 0.10  # a learned speed is logged again when it moves by more than this
 
 
 def where(b: Backend) -> str:
@@ -43,6 +49,14 @@ class Liveness:
     models_due: float = 0.0  # when to read its /v1/models next
     # The Backend that reading was for: a reload makes new ones, which are checked at once.
     checked: Backend | None = None
+    # The online fit: the last page's counters, the newest decode windows, what they are for
+    # (GPU, model, format, TP: a reload may put another class behind the URL) and the factor.
+    counters: Scrape | None = None
+    samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=FIT_WINDOWS))
+    since_fit: int = 0
+    fit_key: Key | None = None
+    speed: float | None = None  # the measured speed over the model's, once trusted
+    logged_speed: float | None = None
 
 
 @dataclass
@@ -214,6 +228,48 @@ class LiveState:
             s.read_bytes, s.read_at = m.read_bytes, now
         elif b.perf is not None:
             b.bandwidth_util = modelled_bandwidth(b)
+        self.learn(b, text)
+
+    def learn(self, b: Backend, text: str) -> None:
+        """The online fit: one window per pair of consecutive scrapes that decoded something,
+        refitted every FIT_EVERY windows; once calibration's trust rules pass, `b.perf` runs
+        at the measured speed (logged when first measured and when it moves by over 10%)."""
+        s = self.state(b)
+        counters = parse_metrics(text)
+        before, s.counters = s.counters, counters
+        if b.perf is None:
+            return
+        key = Key(b.gpu_type, b.perf.model.name, b.variant, b.perf.tp)
+        if key != s.fit_key:  # a new class behind this URL: what was learned is not its
+            s.fit_key, s.speed, s.logged_speed, s.since_fit = key, None, None, 0
+            s.samples.clear()
+        if s.speed is not None and b.perf.speed != s.speed:
+            b.perf = replace(b.perf, speed=s.speed)  # a reload's fresh Backend keeps it
+        sample = window(before, counters) if before is not None else None
+        if sample is None or sample.tokens <= 0:
+            return
+        s.samples.append(sample)
+        s.since_fit += 1
+        if s.since_fit < FIT_EVERY:
+            return
+        s.since_fit = 0
+        # The factor is over the model's own speed (1.0), not over a speed applied earlier.
+        model = replace(b.perf, speed=1.0)
+        entry = entry_for(key, [b.name], list(s.samples), [], "online", perf=model)
+        factor = speed_factor(entry, model)
+        if factor is None:
+            return
+        s.speed = factor
+        b.perf = replace(b.perf, speed=factor)
+        last = s.logged_speed
+        if last is None or abs(factor / last - 1.0) > SPEED_LOG_CHANGE:
+            log.info(
+                "%s: measured speed %.2fx the model's over %d windows",
+                where(b),
+                factor,
+                len(s.samples),
+            )
+            s.logged_speed = factor
 
     async def scrape_dcgm(self, client: Client, url: str) -> None:
         """One node's dcgm-exporter page; a failure only leaves the last reading to go stale."""

@@ -137,6 +137,11 @@ class RouterMetrics:
             "Prompt tokens in flight at a backend that have not produced a token yet.",
             ("backend",),
         )
+        self.speed = Gauge(
+            "fleetctl_backend_speed_factor",
+            "A backend's speed over the perf model's: measured online, else calibrated, else 1.",
+            ("backend",),
+        )
 
     def render(self) -> str:
         lines: list[str] = []
@@ -153,6 +158,7 @@ class RouterMetrics:
             self.outstanding,
             self.reserved,
             self.prefill,
+            self.speed,
         ):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"
