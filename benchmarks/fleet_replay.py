@@ -29,7 +29,10 @@ multiplied by X to give model seconds. Rounds rotate the order of the targets.
 With `--skew GPU=SPEED[/KV]` (issue 11, part 4) the emulators run on a generated profiles
 folder in which that GPU type is slower and/or holds less KV cache than its bundled profile;
 hardware-aware then runs once per `--priors`: wrong (route-serve on the bundled profiles),
-perfect (route-serve --profiles on the emulators' own), calibrated (a hook: not built yet).
+perfect (route-serve --profiles on the emulators' own), calibrated (route-serve on the bundled
+profiles, started cold, correcting each backend's speed from its /metrics as it runs). Until
+route-serve can turn its online fit off, wrong learns online too: it is calibrated by another
+name.
 The baselines read no profiles and run once. A robustness table closes the report.
 
 Processes, readiness waits, the open-loop load generator and the report's header and JSON
@@ -116,7 +119,7 @@ def pick_targets(spec: str) -> list[Target]:
 # What hardware-aware routing is told about the GPUs when the emulators run skewed:
 # wrong: the bundled profiles (the emulators are slower / smaller than they say);
 # perfect: the emulators' own skewed profiles (`route-serve --profiles`), for reference;
-# calibrated: the bundled profiles corrected from the servers' /metrics (part 3), not built yet.
+# calibrated: the bundled profiles, corrected online from the servers' /metrics (part 3).
 PRIORS = ("wrong", "perfect", "calibrated")
 
 
@@ -210,13 +213,6 @@ def check_priors(priors: list[str]) -> None:
     for p in priors:
         if p not in PRIORS:
             raise SystemExit(f"--priors: unknown {p!r}; use some of {', '.join(PRIORS)}")
-    if "calibrated" in priors:
-        # The hook for part 3: when route-serve calibrates itself from /metrics (started cold,
-        # learning online), `router_cmd` gives it the bundled profiles plus that switch.
-        raise SystemExit(
-            "--priors calibrated: route-serve's calibration from /metrics (issue 11, part 3) "
-            "is not built yet; run wrong,perfect"
-        )
 
 
 # --- the fleet and the workload ----------------------------------------------------------------
@@ -324,6 +320,8 @@ def router_cmd(
             }
             for u, d in zip(urls, fleet.servers, strict=True)
         ]
+        # wrong and calibrated: the bundled profiles, which route-serve corrects online from
+        # each server's /metrics (fleetctl/router/live.py), started cold.
         cmd = route_serve_cmd(fleet.inventory, entries, port, t.policy, work)
         if truth is not None and perfect:
             cmd += ["--profiles", str(truth.folder)]
@@ -693,7 +691,7 @@ def main() -> None:
         "--priors",
         default="wrong,perfect",
         help="with --skew, what hardware-aware is told: wrong (the bundled profiles), perfect "
-        "(the emulators' own), calibrated (not built yet)",
+        "(the emulators' own), calibrated (the bundled ones, learnt online from /metrics)",
     )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "fleet_replay"))
     args = ap.parse_args()

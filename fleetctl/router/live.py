@@ -78,6 +78,7 @@ class LiveState:
     # dcgm-exporter URL -> (when scraped, memory-copy utilization % by GPU index)
     dcgm: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
     api_key: str | None = None  # for a backend's /v1/models (vLLM's --api-key guards it)
+    online_fit: bool = True  # learn each backend's speed from its scrapes (learn below)
 
     def state(self, b: Backend) -> Liveness:
         return self.live.setdefault(b.name, Liveness())
@@ -237,7 +238,7 @@ class LiveState:
         s = self.state(b)
         counters = parse_metrics(text)
         before, s.counters = s.counters, counters
-        if b.perf is None:
+        if b.perf is None or not self.online_fit:
             return
         key = Key(b.gpu_type, b.perf.model.name, b.variant, b.perf.tp)
         if key != s.fit_key:  # a new class behind this URL: what was learned is not its
