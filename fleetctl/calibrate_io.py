@@ -43,9 +43,11 @@ class Refreshed:
         """Servers read: those that answered with vLLM's series."""
         return sum(1 for r in self.readings if r.key is not None)
 
-    def line(self) -> str:
+    def lines(self) -> list[str]:
+        """What `apply` and `health` say: how many servers, then a note per server not read."""
         name = self.file.rsplit("/", 1)[-1]
-        return f"calibration: refreshed {plural(self.measured, 'server')} ({name})"
+        head = f"calibration: refreshed {plural(self.measured, 'server')} ({name})"
+        return [head, *(f"calibration: note: {e}" for e in self.errors)]
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -15,6 +15,7 @@ from fleetctl.cli.options import (
     KnownHostsOpt,
     ProfilesOpt,
     StateDirOpt,
+    no_calibration,
     parallel,
     timeout,
 )
@@ -82,14 +83,18 @@ def health(
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
     as_json: bool = JsonOpt,
+    skip_calibration: bool = no_calibration(
+        "Do not refresh the calibration from the running servers (by default a 2-second look)."
+    ),
 ) -> None:
     """Check nodes and servers: reachability, version skew in a class, GPUs, ECC, servers."""
     from fleetctl import health as h
+    from fleetctl.calibrate_io import refresh_running
     from fleetctl.probe import probe_fleet
     from fleetctl.ssh import SshOptions
     from fleetctl.statedir import HealthRecord
 
-    inv, _ = common.load(inventory, profiles, ssh=True)
+    inv, catalog = common.load(inventory, profiles, ssh=True)
     sdir = common.state_dir(inv, state_dir)
     before = sdir.previous_facts()
     options = SshOptions(known_hosts, accept_new, inv.spec.ssh.connect_timeout_s, timeout)
@@ -107,8 +112,16 @@ def health(
     # The router reads node equivalence from here (a non-equivalent node is its own class).
     sdir.save_health(HealthRecord(facts.probed_at, equivalent))
     healthy = all(c.status != "fail" for c in checks)
+    # A server that cannot be read is a note in the refresh, not a failed check.
+    refreshed = None if skip_calibration else refresh_running(inv, catalog, sdir)
     if as_json:
-        print_json({"healthy": healthy, "checks": [c.to_json() for c in checks]})
+        print_json(
+            {
+                "healthy": healthy,
+                "checks": [c.to_json() for c in checks],
+                "calibration": None if refreshed is None else refreshed.to_json(),
+            }
+        )
     else:
         from fleetctl.render import health_table
         from fleetctl.text import plural
@@ -120,6 +133,9 @@ def health(
             console.print(
                 f"[red]could not check {unreached} of {plural(len(inv.nodes), 'node')}[/]"
             )
+        if refreshed is not None:
+            for line in refreshed.lines():
+                console.print(line, markup=False, highlight=False, soft_wrap=True)
         console.print("[green]healthy[/]" if healthy else "[red]unhealthy[/]")
     if not healthy:
         raise typer.Exit(1)

@@ -43,11 +43,17 @@ AcceptNewOpt: bool = typer.Option(
     "--accept-new-host-keys",
     help="Trust and record unknown host keys (OpenSSH's accept-new); changed keys are refused.",
 )
-NoCalibrationOpt: bool = typer.Option(
-    False,
-    "--no-calibration",
-    help="Use the profiles alone, not the figures `fleetctl calibrate` measured on live servers.",
+NO_CALIBRATION_HELP = (
+    "Use the profiles alone, not the figures `fleetctl calibrate` measured on live servers."
 )
+
+
+def no_calibration(help: str = NO_CALIBRATION_HELP) -> bool:
+    """`--no-calibration`, with what it turns off in this command."""
+    return typer.Option(False, "--no-calibration", help=help)
+
+
+NoCalibrationOpt: bool = no_calibration()
 YesOpt: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")
 SecretsFileOpt: Path | None = typer.Option(
     None,
