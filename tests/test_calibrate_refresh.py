@@ -15,6 +15,7 @@ from fleetctl.router.backends import load_backends
 from fleetctl.state import State
 from fleetctl.statedir import StateDir
 from tests.procs import Emulator, free_port
+from tests.test_apply import fleet, hosts  # noqa: F401 (fixtures: SSH hosts running emulators)
 from tests.test_calibration import Load
 
 # Nodes at 127.0.0.x where nothing listens on SSH's port: health's probe fails fast and the
@@ -106,3 +107,23 @@ def test_apply_s_refresh_reads_the_states_servers(emulator, tmp_path, catalog):
         "calibration: refreshed 0 servers (calibration.json)"
     ]
     assert not empty.calibration_path.exists()
+
+
+def test_apply_refreshes_the_calibration_from_the_servers_it_started(cli, fleet):  # noqa: F811
+    """Over real SSH to test hosts whose `vllm` runs the emulator (test_apply's fleet)."""
+    calibration = fleet.tmp / ".fleetctl" / "calibration.json"
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    doc = json.loads(r.out)["calibration"]
+    assert doc == {"file": str(calibration), "refreshed": 4, "entries": 2, "notes": []}
+    gpus = sorted(e.key.gpu for e in StateDir(calibration.parent).load_calibration().entries)
+    assert gpus == ["A100-SXM4-80GB", "RTX-4090"]
+    # Nothing to change: the refreshed KV is the planned one, so every server is kept.
+    r = cli("apply", *fleet.args(fleet.inv, "--yes"))
+    assert r.code == 0, r.out + r.err
+    assert "calibration: refreshed 4 servers (calibration.json)" in r.out
+    before = calibration.stat().st_mtime_ns
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json", "--no-calibration"))
+    assert r.code == 0 and json.loads(r.out)["calibration"] is None
+    assert calibration.stat().st_mtime_ns == before
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes", "--json")).code == 0

@@ -15,11 +15,11 @@ from fleetctl.cli.options import (
     InventoryArg,
     JsonOpt,
     KnownHostsOpt,
-    NoCalibrationOpt,
     ProfilesOpt,
     SecretsFileOpt,
     StateDirOpt,
     YesOpt,
+    no_calibration,
     parallel,
     timeout,
 )
@@ -50,7 +50,10 @@ def apply(
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
     as_json: bool = JsonOpt,
-    no_calibration: bool = NoCalibrationOpt,
+    skip_calibration: bool = no_calibration(
+        "Plan with the profiles alone, not the figures `fleetctl calibrate` measured on live "
+        "servers, and do not refresh them from the servers after the apply."
+    ),
 ) -> None:
     """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
     from fleetctl.cli.apply_flow import (
@@ -74,10 +77,21 @@ def apply(
     planned: list[Any] = []
 
     def make_plan(state):  # type: ignore[no-untyped-def]
-        planned.append(common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration))
+        planned.append(
+            common.plan_with_facts(inv, catalog, sdir, facts, state, not skip_calibration)
+        )
         return planned[-1]
 
-    code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console())
+    def refresh() -> tuple[dict[str, Any], list[str]]:
+        """After an apply that went well: the servers now running refresh the calibration."""
+        if skip_calibration:
+            return {"calibration": None}, []
+        from fleetctl.calibrate_io import refresh_running
+
+        done = refresh_running(inv, catalog, sdir)
+        return {"calibration": done.to_json()}, done.lines()
+
+    code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console(), refresh)
     if code:
         raise typer.Exit(code)
     if planned:  # applied as planned, but a model is missing from the plan: say so, exit 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -160,8 +161,10 @@ def run_apply(
     plan_file: tuple[Path, int | None, list[Deployment]] | None,
     secrets_file: Path | None,
     console: Any,
+    after: Callable[[], tuple[dict[str, Any], list[str]]] | None = None,
 ) -> int:
-    """Plan (or read the plan), show it, confirm, carry it out. Returns the exit code."""
+    """Plan (or read the plan), show it, confirm, carry it out; then, when nothing failed,
+    `after` (its JSON fields and text lines join the report). Returns the exit code."""
     sdir = StateDir.of(inv, c.state_dir)
     opts = options(inv, c, secrets_file)  # bad secrets fail before anything is locked
     with StateLock(sdir, "apply") as lock:
@@ -203,7 +206,7 @@ def run_apply(
                 "what was confirmed; run apply again to adopt or replace them\n"
             )
             return 130
-    return report(outcomes, book, c, console, "apply")
+    return report(outcomes, book, c, console, "apply", after)
 
 
 def run_destroy(inv: Inventory, c: Common, console: Any) -> int:
@@ -236,13 +239,22 @@ PAST = {
 }
 
 
-def report(outcomes: list[Outcome], book: StateBook, c: Common, console: Any, what: str) -> int:
+def report(
+    outcomes: list[Outcome],
+    book: StateBook,
+    c: Common,
+    console: Any,
+    what: str,
+    after: Callable[[], tuple[dict[str, Any], list[str]]] | None = None,
+) -> int:
     failed = [o for o in outcomes if o.status == "failed"]
+    fields, lines = after() if after is not None and not failed else ({}, [])
     if c.as_json:
         doc = {
             "ok": not failed,
             "state_serial": book.serial,
             "outcomes": [o.to_json() for o in outcomes],
+            **fields,
         }
         print_json(doc)
     else:
@@ -255,4 +267,6 @@ def report(outcomes: list[Outcome], book: StateBook, c: Common, console: Any, wh
         for o in failed:
             where = f" {o.model} GPUs {','.join(map(str, o.gpus))}" if o.model else ""
             console.print(f"[red]failed[/] {o.node}{where}: {o.detail}", highlight=False)
+        for line in lines:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     return 1 if failed else 0
