@@ -9,7 +9,7 @@ import typer
 
 from fleetctl.cli import common
 from fleetctl.cli.app import app
-from fleetctl.cli.options import JsonOpt, ProfilesOpt
+from fleetctl.cli.options import JsonOpt, NoCalibrationOpt, ProfilesOpt
 from fleetctl.jsonout import print_json
 
 VERSION = re.compile(r"\d{1,4}\.\d{1,4}(\.\d{1,4})?([.+-]?[A-Za-z0-9]{1,16}){0,3}")
@@ -61,9 +61,7 @@ def estimate(
         1024, "--prompt", min=1, metavar="P", help="Prompt tokens, prefilled alone."
     ),
     profiles: list[Path] = ProfilesOpt,
-    no_calibration: bool = typer.Option(
-        False, "--no-calibration", help="Use the profiles alone, not measured figures."
-    ),
+    no_calibration: bool = NoCalibrationOpt,
     state_dir: Path | None = typer.Option(
         None,
         "--state-dir",
