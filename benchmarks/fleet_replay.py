@@ -320,11 +320,14 @@ def router_cmd(
             }
             for u, d in zip(urls, fleet.servers, strict=True)
         ]
-        # wrong and calibrated: the bundled profiles, which route-serve corrects online from
-        # each server's /metrics (fleetctl/router/live.py), started cold.
+        # wrong and calibrated: the bundled profiles; only calibrated corrects them online
+        # from each server's /metrics (fleetctl/router/live.py), started cold. The perfect
+        # prior has nothing to learn.
         cmd = route_serve_cmd(fleet.inventory, entries, port, t.policy, work)
         if truth is not None and perfect:
             cmd += ["--profiles", str(truth.folder)]
+        if t.prior in ("wrong", "perfect"):
+            cmd += ["--no-online-fit", "--no-calibration"]
         # No access log line per request (vllm-router runs at warn too).
         return cmd, {"FLEETCTL_LOG_LEVEL": "WARNING"}
     peers = Path(args.peers_venv)

@@ -10,7 +10,7 @@ import typer
 
 from fleetctl.cli import common
 from fleetctl.cli.app import app
-from fleetctl.cli.options import InventoryArg, ProfilesOpt, StateDirOpt
+from fleetctl.cli.options import InventoryArg, ProfilesOpt, StateDirOpt, no_calibration
 
 
 @app.command("route-serve")
@@ -65,6 +65,14 @@ def route_serve(
         metavar="fast|reference",
         help="HTTP client to the backends: fast (llhttp framing) or reference (aiohttp's).",
     ),
+    skip_calibration: bool = no_calibration(
+        "Route with the profiles' KV and speed, not calibration.json's (at start and on reload)."
+    ),
+    no_online_fit: bool = typer.Option(
+        False,
+        "--no-online-fit",
+        help="Do not learn each backend's speed from its /metrics while serving.",
+    ),
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
@@ -108,11 +116,15 @@ def route_serve(
         config=config,
         scrape_interval=scrape_interval,
         session_store=session_store,
+        online_fit=not no_online_fit,
+        calibrated=not skip_calibration,
     )
 
     def reload():  # type: ignore[no-untyped-def]
         fresh_inv, fresh_catalog = common.load(inventory, profiles)
-        return load_backends(fresh_inv, fresh_catalog, backends, sdir, calibrated=True)
+        return load_backends(
+            fresh_inv, fresh_catalog, backends, sdir, calibrated=not skip_calibration
+        )
 
     serve(router, listen or inv.spec.router.listen, reload, None if backends else sdir)
 

@@ -125,6 +125,8 @@ def build_router(
     config: DaemonConfig,
     scrape_interval: float,
     session_store: str | None = None,
+    online_fit: bool = True,
+    calibrated: bool = True,
 ) -> Router:
     if policy not in POLICIES:
         raise UserError(f"unknown policy '{policy}'", None, f"choose from {', '.join(POLICIES)}")
@@ -132,7 +134,7 @@ def build_router(
     # Live servers' measured KV and speed over the model's, where `fleetctl calibrate` has them;
     # the log says which classes, so it starts before the backends load.
     start_logging()
-    backends = load_backends(inv, catalog, backends_file, state_dir, calibrated=True)
+    backends = load_backends(inv, catalog, backends_file, state_dir, calibrated=calibrated)
     routing = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
     sched = Scheduler(
         make_policy(policy, config=routing),
@@ -140,7 +142,13 @@ def build_router(
     )
     outputs = {m.name: m.spec.workload.mean_output_tokens for m in inv.models if m.spec.workload}
     # vLLM's --api-key guards /v1/models too, which the model-name check reads.
-    live = LiveState(backends, interval=scrape_interval, api_key=config.backend_api_key)
+    # Each backend's speed is learned from its own /metrics while it serves (online_fit).
+    live = LiveState(
+        backends,
+        interval=scrape_interval,
+        api_key=config.backend_api_key,
+        online_fit=online_fit,
+    )
     shared = None
     if session_store:
         if not session_store.startswith(("redis://", "rediss://", "unix://")):
