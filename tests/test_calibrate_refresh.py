@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -110,20 +111,27 @@ def test_apply_s_refresh_reads_the_states_servers(emulator, tmp_path, catalog):
 
 
 def test_apply_refreshes_the_calibration_from_the_servers_it_started(cli, fleet):  # noqa: F811
-    """Over real SSH to test hosts whose `vllm` runs the emulator (test_apply's fleet)."""
+    """Over real SSH to test hosts whose `vllm` runs the emulator (test_apply's fleet). The
+    refresh is best-effort: a server it cannot read yet is a note, never apply's failure."""
     calibration = fleet.tmp / ".fleetctl" / "calibration.json"
-    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
-    assert r.code == 0, r.out + r.err
-    doc = json.loads(r.out)["calibration"]
-    assert doc == {"file": str(calibration), "refreshed": 4, "entries": 2, "notes": []}
-    gpus = sorted(e.key.gpu for e in StateDir(calibration.parent).load_calibration().entries)
-    assert gpus == ["A100-SXM4-80GB", "RTX-4090"]
-    # Nothing to change: the refreshed KV is the planned one, so every server is kept.
-    r = cli("apply", *fleet.args(fleet.inv, "--yes"))
-    assert r.code == 0, r.out + r.err
-    assert "calibration: refreshed 4 servers (calibration.json)" in r.out
-    before = calibration.stat().st_mtime_ns
-    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json", "--no-calibration"))
-    assert r.code == 0 and json.loads(r.out)["calibration"] is None
-    assert calibration.stat().st_mtime_ns == before
-    assert cli("destroy", *fleet.args(fleet.inv, "--yes", "--json")).code == 0
+    try:
+        r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+        assert r.code == 0, r.out + r.err
+        doc = json.loads(r.out)["calibration"]
+        assert doc["file"] == str(calibration) and doc["entries"] == 2, doc
+        # Every server is either read or named in a note (a busy machine may catch one that
+        # has not published its series yet); most are read.
+        assert doc["refreshed"] + len(doc["notes"]) == 4 and doc["refreshed"] >= 3, doc
+        assert all("/metrics" in n for n in doc["notes"]), doc
+        gpus = sorted(e.key.gpu for e in StateDir(calibration.parent).load_calibration().entries)
+        assert gpus == ["A100-SXM4-80GB", "RTX-4090"]
+        # Nothing to change: the refreshed KV is the planned one, so every server is kept.
+        r = cli("apply", *fleet.args(fleet.inv, "--yes"))
+        assert r.code == 0, r.out + r.err
+        assert re.search(r"calibration: refreshed [34] servers \(calibration.json\)", r.out), r.out
+        before = calibration.stat().st_mtime_ns
+        r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json", "--no-calibration"))
+        assert r.code == 0 and json.loads(r.out)["calibration"] is None
+        assert calibration.stat().st_mtime_ns == before
+    finally:
+        assert cli("destroy", *fleet.args(fleet.inv, "--yes", "--json")).code == 0
