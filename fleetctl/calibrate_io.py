@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fleetctl.calibration import Key, ServerReading, entry_for, measure, parse_metrics, windows
@@ -128,7 +128,7 @@ async def _read_one(client: Client, b: Backend, window: float, interval: float) 
             reply = await client.get(f"{b.name}/metrics")
             if reply.status != 200:
                 raise HttpError(f"/metrics answered HTTP {reply.status}")
-            scrape = parse_metrics(reply.text)
+            scrape = replace(parse_metrics(reply.text), at=loop.time())
             if not scrape.is_vllm:
                 raise HttpError("its /metrics page has no vLLM series (is it a vLLM server?)")
             scrapes.append(scrape)

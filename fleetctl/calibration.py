@@ -42,6 +42,7 @@ _SERIES = {
     "vllm:inter_token_latency_seconds_sum": "itl_sum",
     "vllm:inter_token_latency_seconds_count": "itl_count",
     "vllm:iteration_tokens_total_count": "steps",
+    "vllm:iteration_tokens_total_sum": "step_tokens",
     "vllm:request_prefill_time_seconds_sum": "prefill_sum",
     "vllm:request_prefill_time_seconds_count": "prefill_count",
     "vllm:request_prefill_kv_computed_tokens_sum": "prefill_kv_tokens",
@@ -72,6 +73,7 @@ class Scrape:
     itl_sum: float | None = None
     itl_count: float | None = None
     steps: float | None = None  # engine steps (vllm:iteration_tokens_total's count)
+    step_tokens: float | None = None  # tokens those steps computed (decodes and prefill chunks)
     prefill_sum: float | None = None
     prefill_count: float | None = None
     prefill_kv_tokens: float | None = None  # prompt tokens computed, not taken from the cache
@@ -81,6 +83,7 @@ class Scrape:
     generation_count: float | None = None
     ttft_sum: float | None = None
     ttft_count: float | None = None
+    at: float | None = None  # when it was read (monotonic seconds), set by the reader
 
     @property
     def is_vllm(self) -> bool:
@@ -134,6 +137,12 @@ class Sample:
     ttft_s: float = 0.0  # summed time to first token
     first_tokens: int = 0  # requests that got their first token
     context: float = 0.0  # mean prompt + half the mean output of the finished requests
+    # Timed by the clock, when the server ran a request at both ends of the window and counts
+    # its steps: the mean engine step (wall seconds over steps) and the prompt tokens each step
+    # computed besides its decodes. Unlike the inter-token latency, the wall clock does not
+    # count the time a preempted request waits to be readmitted as one long step.
+    wall_step_s: float = 0.0
+    prefill_per_step: float = 0.0
 
     def to_json(self) -> list[float]:
         # Compact: a file of a fleet keeps hundreds of these.
@@ -147,17 +156,31 @@ class Sample:
             self.ttft_s,
             self.first_tokens,
             round(self.context, 1),
+            self.wall_step_s,
+            round(self.prefill_per_step, 3),
         ]
 
     @classmethod
     def from_json(cls, raw: object, where: str) -> Sample:
-        if not isinstance(raw, list) or len(raw) != 9:
-            raise CalibrationError(f"{where}: not a list of 9 numbers")
+        # 9 numbers: written before samples were timed by the clock.
+        if not isinstance(raw, list) or len(raw) not in (9, 11):
+            raise CalibrationError(f"{where}: not a list of 11 numbers")
         if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
-            raise CalibrationError(f"{where}: not a list of 9 numbers")
-        b, s, t, ps, pt, r, ts, ft, c = raw
+            raise CalibrationError(f"{where}: not a list of 11 numbers")
+        b, s, t, ps, pt, r, ts, ft, c, *timed = raw
+        wall, per_step = (float(timed[0]), float(timed[1])) if timed else (0.0, 0.0)
         return cls(
-            float(b), float(s), int(t), float(ps), int(pt), int(r), float(ts), int(ft), float(c)
+            float(b),
+            float(s),
+            int(t),
+            float(ps),
+            int(pt),
+            int(r),
+            float(ts),
+            int(ft),
+            float(c),
+            wall,
+            per_step,
         )
 
 
@@ -172,6 +195,7 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         return b - a
 
     deltas = {name: delta(name) for name in _SERIES.values() if name != "running"}
+    deltas.pop("step_tokens")  # not a sample's figure; read below
     if any(d is not None and d < 0 for d in deltas.values()):
         return None
     tokens = int(deltas["itl_count"] or 0)
@@ -197,6 +221,13 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
     if finished and deltas["generation_count"]:
         mean_prompt = (prompt or 0.0) / finished
         context = mean_prompt + (deltas["generation_sum"] or 0.0) / deltas["generation_count"] / 2
+    wall_step = per_step = 0.0
+    busy = bool(before.running) and bool(after.running)
+    if busy and steps and before.at is not None and after.at is not None and after.at > before.at:
+        wall_step = (after.at - before.at) / steps
+        computed = delta("step_tokens")
+        if computed is not None:
+            per_step = max(0.0, computed - tokens) / steps  # prompt tokens beside the decodes
     out = Sample(
         batch=batch if tokens else 0.0,
         step_s=step,
@@ -207,6 +238,8 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         ttft_s=deltas["ttft_sum"] or 0.0,
         first_tokens=int(deltas["ttft_count"] or 0),
         context=context,
+        wall_step_s=wall_step,
+        prefill_per_step=per_step,
     )
     return out if (out.tokens or out.requests or out.first_tokens) else None
 
@@ -234,16 +267,19 @@ def windows(scrapes: Sequence[Scrape]) -> list[Sample]:
 
 @dataclass(frozen=True)
 class StepModel:
-    """A decode step's seconds: `fixed_s + per_seq_s x running`. per_seq_s is None when the
-    samples' batch sizes were too alike to separate the two: fixed_s is then the mean step at
-    `batch_lo`..`batch_hi`."""
+    """An engine step's seconds: `fixed_s + per_seq_s x running` for its decodes, plus
+    `per_prefill_token_s` for each prompt token it computes beside them (when the samples were
+    timed by the clock). per_seq_s is None when the samples' batch sizes were too alike to
+    separate the two: fixed_s is then the mean step at `batch_lo`..`batch_hi`."""
 
     fixed_s: float
     per_seq_s: float | None
     batch_lo: float
     batch_hi: float
+    per_prefill_token_s: float | None = None
 
     def at(self, batch: float) -> float:
+        """A step of `batch` decodes alone."""
         return self.fixed_s + (self.per_seq_s or 0.0) * batch
 
     def to_json(self) -> dict[str, Any]:
@@ -252,13 +288,22 @@ class StepModel:
             "per_seq_s": self.per_seq_s,
             "batch_lo": round(self.batch_lo, 3),
             "batch_hi": round(self.batch_hi, 3),
+            "per_prefill_token_s": self.per_prefill_token_s,
         }
 
 
 def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
-    """Least squares of step time on batch size, each window weighted by its tokens; a note
-    when only the fixed cost could be fitted. None when no window decoded anything."""
-    pts = [(s.batch, s.step_s, float(s.tokens)) for s in samples if s.tokens > 0]
+    """The step model over the windows that decoded something, each weighted by its tokens:
+    from the clock's mean step on decode batch and prompt tokens per step where at least
+    MIN_DECODE_WINDOWS windows were timed so, else from the inter-token latency on batch; a
+    note when only the fixed cost could be fitted. None when no window decoded anything."""
+    decoding = [s for s in samples if s.tokens > 0]
+    timed = [s for s in decoding if s.wall_step_s > 0]
+    if len(timed) >= MIN_DECODE_WINDOWS:
+        fitted = _fit_timed(timed)
+        if fitted is not None:
+            return fitted, ""
+    pts = [(s.batch, s.step_s, float(s.tokens)) for s in decoding]
     if not pts:
         return None, "no decode tokens in any window"
     w = sum(p[2] for p in pts)
@@ -276,6 +321,40 @@ def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
     if slope < 0:
         return StepModel(my, None, lo, hi), "per-sequence cost came out negative: fixed cost only"
     return StepModel(my - slope * mx, slope, lo, hi), ""
+
+
+def _fit_timed(samples: Sequence[Sample]) -> StepModel | None:
+    """Weighted least squares of the clock's step on [1, batch, prompt tokens per step]; the
+    prompt term is left out when the windows hardly vary in it. None when a cost comes out
+    negative (the windows do not separate the terms) or the batches are too alike."""
+    lo, hi = min(s.batch for s in samples), max(s.batch for s in samples)
+    if hi - lo < 1.0:
+        return None
+    rows = [((1.0, s.batch, s.prefill_per_step), s.wall_step_s, float(s.tokens)) for s in samples]
+    spread = max(s.prefill_per_step for s in samples) - min(s.prefill_per_step for s in samples)
+    cols = 3 if spread >= 1.0 else 2
+    coef = _least_squares([(x[:cols], y, w) for x, y, w in rows])
+    if coef is None or any(c < 0 for c in coef):
+        return None
+    return StepModel(coef[0], coef[1], lo, hi, coef[2] if cols == 3 else None)
+
+
+def _least_squares(rows: Sequence[tuple[tuple[float, ...], float, float]]) -> list[float] | None:
+    """Weighted least squares by the normal equations (at most 3 unknowns: Gauss-Jordan)."""
+    n = len(rows[0][0])
+    a = [[sum(w * x[i] * x[j] for x, _, w in rows) for j in range(n)] for i in range(n)]
+    b = [sum(w * x[i] * y for x, y, w in rows) for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12 * max(1.0, abs(a[col][col])):
+            return None
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for r in range(n):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+                b[r] -= f * b[col]
+    return [b[i] / a[i][i] for i in range(n)]
 
 
 # --- figures, each beside the model's ----------------------------------------------------------
@@ -526,11 +605,15 @@ class Entry:
             per = step.get("per_seq_s")
             if per is not None and not _is_num(per):
                 raise CalibrationError(f"{where}.step.per_seq_s: not a number")
+            prompt = step.get("per_prefill_token_s")
+            if prompt is not None and not _is_num(prompt):
+                raise CalibrationError(f"{where}.step.per_prefill_token_s: not a number")
             model = StepModel(
                 _num(step, "fixed_s", f"{where}.step"),
                 None if per is None else float(per),
                 _num(step, "batch_lo", f"{where}.step"),
                 _num(step, "batch_hi", f"{where}.step"),
+                None if prompt is None else float(prompt),
             )
         return cls(
             key,
@@ -663,14 +746,61 @@ def _num(raw: dict[str, Any], name: str, where: str) -> float:
 
 
 @dataclass(frozen=True)
+class EngineFit:
+    """What measured steps say about one engine, in `EnginePerf`'s own terms; None: not measured.
+
+    Two shapes. A GPU server whose steps are mostly GPU work gets `speed` (its GPU work over the
+    model's). A server whose GPU work is too small to see in its steps (a small model, a CPU
+    server, a slow host) gets its fixed and per-sequence step costs instead. Either may add
+    `compute_speed`, from its prefills, where they were compute-bound."""
+
+    speed: float | None = None
+    compute_speed: float | None = None
+    overhead_s: float | None = None
+    per_seq_s: float | None = None
+
+    def apply(self, perf: EnginePerf) -> EnginePerf:
+        """`perf` with every measured term; the others as they were."""
+        return replace(
+            perf,
+            speed=perf.speed if self.speed is None else self.speed,
+            compute_speed=perf.compute_speed if self.compute_speed is None else self.compute_speed,
+            overhead_s=perf.overhead_s if self.overhead_s is None else self.overhead_s,
+            per_seq_s=perf.per_seq_s if self.per_seq_s is None else self.per_seq_s,
+        )
+
+    def text(self) -> str:
+        """`speed 0.70x the model's` or `steps 11.2 ms + 0.41 ms a sequence`."""
+        parts = []
+        if self.speed is not None:
+            parts.append(f"speed {self.speed:.2f}x the model's")
+        if self.overhead_s is not None:
+            parts.append(
+                f"steps {self.overhead_s * 1e3:.2f} ms + {(self.per_seq_s or 0) * 1e3:.2f} ms "
+                "a sequence"
+            )
+        if self.compute_speed is not None:
+            parts.append(f"prefill compute {self.compute_speed:.2f}x the model's")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
 class Measured:
     """What an entry lets plan, route-serve, simulate and status use in place of the model's:
-    the measured KV tokens and the speed factor for `EnginePerf(speed=...)`, each None when the
-    entry holds no trusted figure for it; `provenance` says where they came from."""
+    the measured KV tokens and the engine's measured step terms, each None when the entry holds
+    no trusted figure for it; `provenance` says where they came from."""
 
     kv_tokens: int | None
-    speed: float | None
+    fit: EngineFit | None
     provenance: str
+
+    @property
+    def speed(self) -> float | None:
+        return None if self.fit is None else self.fit.speed
+
+    def perf(self, perf: EnginePerf) -> EnginePerf:
+        """`perf` with the measured step terms."""
+        return perf if self.fit is None else self.fit.apply(perf)
 
 
 def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
@@ -701,6 +831,90 @@ def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
     return speed
 
 
+def engine_fit(entry: Entry, perf: EnginePerf) -> EngineFit | None:
+    """The measured step terms of `entry` for servers of `perf`'s class, or None.
+
+    The GPU shape when `speed_factor` finds one. Otherwise, when the measured step is longer
+    than the model's GPU work by more than 10x (the GPU part is invisible in it), the step line
+    itself: its per-sequence slope less the model's per-sequence GPU work, and what is left at
+    the mean batch as the fixed cost. Prefills then give `compute_speed` where the model's
+    prefill of the mean prompt is compute-bound and the measured one is longer than the fixed
+    costs."""
+    fit: EngineFit | None = None
+    step = entry.step
+    # By the model's own account the GPU idles most of each step: the line is host cost.
+    host_bound = _gpu_work(entry, perf, _mean_batch(entry)) < perf.step_overhead
+    if step is not None and entry.step_trusted and step.per_seq_s is not None and host_bound:
+        fit = _host_bound(entry, step, perf)
+    if fit is None:
+        speed = speed_factor(entry, perf)
+        if speed is not None:
+            fit = EngineFit(speed=speed)
+        elif step is not None and entry.step_trusted:
+            fit = _host_bound(entry, step, perf)
+    compute = _compute_speed(entry, fit.apply(perf) if fit else perf)
+    if compute is not None:
+        fit = replace(fit or EngineFit(), compute_speed=compute)
+    return fit
+
+
+def _mean_batch(entry: Entry) -> float:
+    decoding = [s for s in entry.samples if s.tokens > 0]
+    tokens = sum(s.tokens for s in decoding)
+    return sum(s.batch * s.tokens for s in decoding) / tokens if tokens else 1.0
+
+
+def _gpu_work(entry: Entry, perf: EnginePerf, batch: float) -> float:
+    """The model's GPU seconds for a decode step of `batch` at the entry's mean context."""
+    b = max(1, round(batch))
+    bare = replace(perf, overhead_s=0.0, per_seq_s=0.0)
+    return bare.step_time(b, b * _mean_context(entry.samples))
+
+
+def _host_bound(entry: Entry, step: StepModel, perf: EnginePerf) -> EngineFit | None:
+    """The measured line as host costs: its slope less the model's GPU work per sequence, and
+    what is left at the mean batch as the fixed cost."""
+    batch = _mean_batch(entry)
+    at = max(1, round(batch))
+    gpu = _gpu_work(entry, perf, at)
+    per_gpu = _gpu_work(entry, perf, at + 1) - gpu
+    per_seq = max(0.0, (step.per_seq_s or 0.0) - per_gpu)
+    overhead = step.at(batch) - per_seq * batch - gpu
+    if overhead <= 0:
+        return None
+    return EngineFit(overhead_s=overhead, per_seq_s=per_seq)
+
+
+def _compute_speed(entry: Entry, perf: EnginePerf) -> float | None:
+    """Prefill compute measured over the model's: from the clock's cost per prompt token in a
+    step where the step fit has one, else from the entry's trusted prefill speed."""
+    step = entry.step
+    if step is not None and step.per_prefill_token_s and entry.step_trusted:
+        chunks = [s.prefill_per_step for s in entry.samples if s.prefill_per_step > 0]
+        chunk = max(1, round(sum(chunks) / len(chunks))) if chunks else 1
+        bare = replace(perf, compute_speed=1.0, per_seq_s=0.0)
+        model = bare.prefill_marginal(chunk) / chunk
+        factor = model / step.per_prefill_token_s
+        return factor if 1 / IMPLAUSIBLE_RATIO < factor < IMPLAUSIBLE_RATIO else None
+    figure = entry.prefill_tok_s
+    requests = sum(s.requests for s in entry.samples)
+    prompt_tokens = sum(s.prefill_tokens for s in entry.samples)
+    if figure is None or not figure.trusted or not requests or figure.value <= 0:
+        return None
+    prompt = max(1, round(prompt_tokens / requests))
+    measured_s = prompt / figure.value
+    # Compute time scales as 1/compute_speed and nothing else does: two speeds separate it.
+    one = replace(perf, compute_speed=1.0).prefill_time(prompt)
+    two = replace(perf, compute_speed=2.0).prefill_time(prompt)
+    four = replace(perf, compute_speed=4.0).prefill_time(prompt)
+    compute = 2.0 * (one - two)
+    rest = one - compute
+    if compute <= 0 or measured_s <= rest or abs(four - rest - compute / 4) > 1e-9 * one:
+        return None  # bandwidth-bound (or partly so): the prefill does not measure compute
+    factor = compute / (measured_s - rest)
+    return factor if 1 / IMPLAUSIBLE_RATIO < factor < IMPLAUSIBLE_RATIO else None
+
+
 def measured(
     entry: Entry, perf: EnginePerf, gpu_memory_utilization: float | None = None
 ) -> Measured | None:
@@ -721,12 +935,12 @@ def measured(
             kv_tokens = max(0, per_gpu) // per_token // BLOCK_SIZE * BLOCK_SIZE
             note = f"; KV moved from gpu_memory_utilization {was:g} to {now:g}"
         used.append(f"KV {kv_tokens:,} tokens")
-    speed = speed_factor(entry, perf)
-    if speed is not None:
-        used.append(f"speed {speed:.2f}x the model's")
+    fit = engine_fit(entry, perf)
+    if fit is not None:
+        used.append(fit.text())
     if not used:
         return None
-    return Measured(kv_tokens, speed, f"{entry.describe()} ({', '.join(used)}){note}")
+    return Measured(kv_tokens, fit, f"{entry.describe()} ({', '.join(used)}){note}")
 
 
 def beside_model(entry: Entry) -> dict[str, Any]:

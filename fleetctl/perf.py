@@ -215,13 +215,22 @@ class EnginePerf:
     kv_cache_dtype: str = "auto"
     vllm_version: str | None = None  # None: the release fleetctl targets
     enforce_eager: bool = False
-    # What a live server measured over what the model predicts for its GPU work (calibration):
-    # the roofline's bandwidth and compute scale by it; the fixed step cost does not.
+    # What a live server measured (calibration), each None or neutral until measured:
+    # - its GPU work over the model's: the roofline's bandwidth and compute scale by it;
     speed: float = 1.0
+    # - its compute over the model's where prefills measured it apart (None: as `speed`);
+    compute_speed: float | None = None
+    # - its fixed seconds per step outside the GPU (None: the release's prior, STEP_OVERHEAD_S);
+    overhead_s: float | None = None
+    # - host seconds per sequence in a step (scheduling, sampling, output processing): no prior,
+    #   as the public figures are nearly all at batch 1; a CPU server's steps are mostly this.
+    per_seq_s: float = 0.0
 
     @cached_property
     def step_overhead(self) -> float:
         """Seconds every step costs besides its GPU work (scheduling, sampling, launches)."""
+        if self.overhead_s is not None:
+            return self.overhead_s
         base = STEP_OVERHEAD_S["v1" if release(self.vllm_version).v1 else "v0"]
         return base + (EAGER_LAYER_S * self.model.num_layers if self.enforce_eager else 0.0)
 
@@ -239,7 +248,8 @@ class EnginePerf:
     def flops(self) -> float:
         """Effective FLOP/s one GPU reaches in the format's compute dtype."""
         dtype = self.fmt.compute.get(self.gpu.architecture, "fp16")
-        return self.gpu.peak_flops(dtype) * COMPUTE_EFFICIENCY * self.speed
+        speed = self.speed if self.compute_speed is None else self.compute_speed
+        return self.gpu.peak_flops(dtype) * COMPUTE_EFFICIENCY * speed
 
     @cached_property
     def weights(self) -> int:
@@ -298,20 +308,28 @@ class EnginePerf:
         touched = 1.0 - (1.0 - m.experts_per_token / m.num_experts) ** max(tokens, 1)
         return self.weights - self._expert_bytes * (1.0 - touched)
 
-    def step_time(self, tokens: int, kv_tokens: float, attn_pairs: float | None = None) -> float:
+    def step_time(
+        self,
+        tokens: int,
+        kv_tokens: float,
+        attn_pairs: float | None = None,
+        seqs: int | None = None,
+    ) -> float:
         """Seconds for one engine step.
 
         tokens: tokens computed this step (one per decoding sequence plus prefill chunk tokens);
         kv_tokens: KV-cache tokens read (the context of every sequence in the batch);
         attn_pairs: (query token, context token) pairs attended; defaults to `kv_tokens`,
-        which is exact for a batch of pure decodes.
+        which is exact for a batch of pure decodes;
+        seqs: sequences in the step; defaults to `tokens` (a batch of pure decodes).
         """
         pairs = kv_tokens if attn_pairs is None else attn_pairs
         mem = self._memory_time(tokens, kv_tokens)
         work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
         compute = work / self.tp / self.flops
         comm = self._allreduce_fixed + tokens * self._allreduce_per_token
-        return max(mem, compute) + comm + self.step_overhead
+        host = self.per_seq_s * (tokens if seqs is None else seqs)
+        return max(mem, compute) + comm + self.step_overhead + host
 
     def _memory_time(self, tokens: int, kv_tokens: float) -> float:
         weights = self.weight_read_bytes(tokens) / self.tp / self.weight_bandwidth
@@ -324,7 +342,7 @@ class EnginePerf:
         a2 = 2.0 * self.model.params_active * batch / self.tp / self.flops
         b2 = self._attn_flops_per_ctx / self.tp / self.flops
         comm = self._allreduce_fixed + batch * self._allreduce_per_token + self.step_overhead
-        return a1, b1, a2, b2, comm
+        return a1, b1, a2, b2, comm + self.per_seq_s * batch
 
     def decode_span(self, batch: int, kv0: float, steps: int) -> float:
         """Seconds for `steps` decode steps of a constant batch whose KV starts at `kv0` tokens
@@ -376,13 +394,13 @@ class EnginePerf:
     def prefill_time(self, tokens: int, context: int = 0) -> float:
         """Seconds to prefill `tokens` prompt tokens on top of `context` cached tokens, alone."""
         pairs = tokens * (context + tokens / 2)
-        return self.step_time(tokens, context + tokens, pairs)
+        return self.step_time(tokens, context + tokens, pairs, seqs=1)
 
     def prefill_marginal(self, tokens: int, context: int = 0) -> float:
         """Compute seconds a prompt adds riding along a batch that reads the weights anyway."""
         pairs = tokens * (context + tokens / 2)
         work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
-        return work / self.tp / self.flops + tokens * self._allreduce_per_token
+        return work / self.tp / self.flops + tokens * self._allreduce_per_token + self.per_seq_s
 
     def capacity_rps(self, prompt: int, output: int, kv_tokens: int, max_num_seqs: int) -> float:
         """Requests/s the engine sustains at saturation for a mean prompt and output length.

@@ -41,6 +41,13 @@ class Release:
         return self.version >= (0, 8, 0)
 
     @property
+    def admits_whole_prompt(self) -> bool:
+        """V1 admits a waiting request only when its whole prompt (and, resumed, what it had
+        generated) fits the free KV blocks, not just its first chunk (`scheduler_reserve_full_isl`,
+        on by default in 0.32.0; added by vllm#37307 in March 2026, so from about 0.18)."""
+        return self.version >= (0, 18, 0)
+
+    @property
     def default_utilization(self) -> float:
         return 0.92 if self.version >= (0, 21, 0) else 0.90
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.sshhosts import STD_PATH, TestHosts, require
 from tests.test_apply import servers_running
-from tests.vllm_real.server import ensure_env, server_env
+from benchmarks.harness.vllm_server import ensure_env, server_env
 
 pytestmark = pytest.mark.vllm_real
 

@@ -76,7 +76,8 @@ def test_parses_a_real_vllm_metrics_page():
     assert (s.generation_sum, s.generation_count) == (59.0, 5.0)
     assert (s.ttft_count, s.ttft_sum) == (5.0, pytest.approx(0.12110018730163574))
     # Every series calibration reads is on the real page (a renamed one would read None).
-    assert all(getattr(s, f.name) is not None for f in fields(Scrape))
+    assert all(getattr(s, f.name) is not None for f in fields(Scrape) if f.name != "at")
+    assert s.at is None  # the reader stamps the time, not the page
     assert parse_metrics("# nothing\n") == Scrape()
 
 
@@ -239,7 +240,7 @@ def test_the_file_round_trips_and_merges(perf, tmp_path):
                 "format": 1,
                 "entries": [{"key": KEY.to_json(), "measured_at": "t", "samples": [[1]]}],
             },
-            "entries[0].samples[0]: not a list of 9 numbers",
+            "entries[0].samples[0]: not a list of 11 numbers",
         ),
     ],
 )
@@ -421,7 +422,13 @@ def test_calibrate_measures_emulated_servers_and_estimate_uses_it(emulator, tmp_
 def test_calibrate_reads_a_real_vllm_server(tmp_path, cli):
     """The metric names and labels calibration reads are a real vLLM 0.32's (the CPU build,
     serving tiny-llama; profiles in tests/data/profiles describe the CPU as CPU-TEST)."""
-    from tests.vllm_real.server import MAX_MODEL_LEN, ensure_env, start_vllm, stop, wait_healthy
+    from benchmarks.harness.vllm_server import (
+        MAX_MODEL_LEN,
+        ensure_env,
+        start_vllm,
+        stop,
+        wait_healthy,
+    )
 
     port = free_port()
     proc = start_vllm(ensure_env(), port)

@@ -65,12 +65,11 @@ def test_route_serve_learns_each_backends_speed_online(pair, catalog, caplog):
         try:
             # Until both have a trusted factor fitted over enough windows to be steady.
             while not all(
-                live.state(b).speed is not None and len(live.state(b).samples) >= 15
+                live.state(b).fit is not None and len(live.state(b).samples) >= 15
                 for b in backends.values()
             ):
                 assert time.monotonic() < deadline, {
-                    k: (live.state(b).speed, len(live.state(b).samples))
-                    for k, b in backends.items()
+                    k: (live.state(b).fit, len(live.state(b).samples)) for k, b in backends.items()
                 }
                 await asyncio.sleep(0.1)
         finally:
@@ -88,7 +87,8 @@ def test_route_serve_learns_each_backends_speed_online(pair, catalog, caplog):
     assert normal.perf is not None and slow.perf is not None
     assert normal.perf.speed == pytest.approx(1.0, rel=0.25)
     assert slow.perf.speed == pytest.approx(SKEW, rel=0.25)
-    assert live.state(slow).speed == slow.perf.speed
+    fit = live.state(slow).fit
+    assert fit is not None and fit.speed == slow.perf.speed
     # The model the router estimates with is the catalog's, only its speed replaced.
     assert slow.perf.gpu == model.gpu and slow.perf.model == model.model
     lines = [r.getMessage() for r in caplog.records if r.name == "fleetctl.router"]

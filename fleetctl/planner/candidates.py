@@ -158,8 +158,7 @@ def evaluate(
         if found.kv_tokens is not None:
             per_gpu = found.kv_tokens * perf.kv_token_bytes
             budget = replace(budget, kv_tokens=found.kv_tokens, kv_per_gpu=per_gpu)
-        if found.speed is not None:
-            perf = replace(perf, speed=found.speed)
+        perf = found.perf(perf)
     seq_at_max = max_sequences(budget.kv_tokens, model.spec.max_context)
     prompt, output = request_shape(model)
     capacity = perf.capacity_rps(prompt, output, budget.kv_tokens, seqs) if seq_at_max else 0.0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
 
@@ -186,8 +185,7 @@ def apply_calibration(
             continue
         if found.kv_tokens is not None:
             b.kv_tokens = found.kv_tokens
-        if found.speed is not None:
-            b.perf = replace(p, speed=found.speed)
+        b.perf = found.perf(p)
         tp = f"/tp{p.tp}" if p.tp > 1 else ""
         lines.setdefault(f"{b.gpu_type}/{p.model.name}/{b.variant}{tp}", found.provenance)
     return [f"{cls}: {text}" for cls, text in sorted(lines.items())]

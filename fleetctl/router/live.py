@@ -12,7 +12,16 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
-from fleetctl.calibration import Key, Sample, Scrape, entry_for, parse_metrics, speed_factor, window
+from fleetctl.calibration import (
+    EngineFit,
+    Key,
+    Sample,
+    Scrape,
+    engine_fit,
+    entry_for,
+    parse_metrics,
+    window,
+)
 from fleetctl.http import Client, HttpError
 from fleetctl.router.backends import model_problem, served_name
 from fleetctl.router.scrape import parse_dcgm_mem_copy, parse_vllm_metrics
@@ -55,8 +64,8 @@ class Liveness:
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=FIT_WINDOWS))
     since_fit: int = 0
     fit_key: Key | None = None
-    speed: float | None = None  # the measured speed over the model's, once trusted
-    logged_speed: float | None = None
+    fit: EngineFit | None = None  # the measured step terms, once trusted
+    logged_step: float | None = None
 
 
 @dataclass
@@ -234,18 +243,19 @@ class LiveState:
     def learn(self, b: Backend, text: str) -> None:
         """The online fit: one window per pair of consecutive scrapes that decoded something,
         refitted every FIT_EVERY windows; once calibration's trust rules pass, `b.perf` runs
-        at the measured speed (logged when first measured and when it moves by over 10%)."""
+        with the measured step terms (logged when first measured and when the speed or the
+        fixed step cost moves by over 10%)."""
         s = self.state(b)
-        counters = parse_metrics(text)
+        counters = replace(parse_metrics(text), at=time.monotonic())
         before, s.counters = s.counters, counters
         if b.perf is None or not self.online_fit:
             return
         key = Key(b.gpu_type, b.perf.model.name, b.variant, b.perf.tp)
         if key != s.fit_key:  # a new class behind this URL: what was learned is not its
-            s.fit_key, s.speed, s.logged_speed, s.since_fit = key, None, None, 0
+            s.fit_key, s.fit, s.logged_step, s.since_fit = key, None, None, 0
             s.samples.clear()
-        if s.speed is not None and b.perf.speed != s.speed:
-            b.perf = replace(b.perf, speed=s.speed)  # a reload's fresh Backend keeps it
+        if s.fit is not None and s.fit.apply(b.perf) != b.perf:
+            b.perf = s.fit.apply(b.perf)  # a reload's fresh Backend keeps it
         sample = window(before, counters) if before is not None else None
         if sample is None or sample.tokens <= 0:
             return
@@ -254,23 +264,20 @@ class LiveState:
         if s.since_fit < FIT_EVERY:
             return
         s.since_fit = 0
-        # The factor is over the model's own speed (1.0), not over a speed applied earlier.
-        model = replace(b.perf, speed=1.0)
+        # Measured over the model's own terms, not over terms applied earlier.
+        model = replace(b.perf, speed=1.0, compute_speed=None, overhead_s=None, per_seq_s=0.0)
         entry = entry_for(key, [b.name], list(s.samples), [], "online", perf=model)
-        factor = speed_factor(entry, model)
-        if factor is None:
+        fit = engine_fit(entry, model)
+        if fit is None:
             return
-        s.speed = factor
-        b.perf = replace(b.perf, speed=factor)
-        last = s.logged_speed
-        if last is None or abs(factor / last - 1.0) > SPEED_LOG_CHANGE:
-            log.info(
-                "%s: measured speed %.2fx the model's over %d windows",
-                where(b),
-                factor,
-                len(s.samples),
-            )
-            s.logged_speed = factor
+        s.fit = fit
+        b.perf = fit.apply(model)
+        # One number to watch for moves: the step at batch 1 with the measured terms.
+        moved = b.perf.step_time(1, 512)
+        last = s.logged_step
+        if last is None or abs(moved / last - 1.0) > SPEED_LOG_CHANGE:
+            log.info("%s: measured %s over %d windows", where(b), fit.text(), len(s.samples))
+            s.logged_step = moved
 
     async def scrape_dcgm(self, client: Client, url: str) -> None:
         """One node's dcgm-exporter page; a failure only leaves the last reading to go stale."""

@@ -2,7 +2,8 @@
 
 It follows vLLM V1's scheduler: each step has a token budget (max_num_batched_tokens); running
 sequences go first (one token for a decode, a chunk for a prefill), then waiting ones in
-arrival order while the budget, max_num_seqs and free KV blocks allow (chunked prefill).
+arrival order while the budget, max_num_seqs and free KV blocks allow (chunked prefill; from
+0.18 a request is admitted only when its whole prompt fits). V1 keeps one block aside.
 When a sequence needs a KV block and none is free, the most recently admitted running
 sequence is preempted by recompute: its blocks are freed and it waits again at the front.
 Step time comes from the shared performance model (`fleetctl.perf.EnginePerf`).
@@ -23,12 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetctl.perf import BLOCK_SIZE, COMPUTE_EFFICIENCY, EnginePerf
+from fleetctl.vllm_release import release
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
-
-
-def blocks_for(tokens: int) -> int:
-    return -(-tokens // BLOCK_SIZE)
 
 
 class Seq:
@@ -98,6 +96,7 @@ class Engine:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
     name: str = ""
+    block_size: int = BLOCK_SIZE  # tokens per KV block: 16 on CUDA, 128 on vLLM's CPU backend
     clock: float = 0.0  # end of the last applied step
     stats: EngineStats = field(default_factory=EngineStats)
     first_tokens: list[Seq] = field(default_factory=list)  # since the caller last drained it
@@ -108,7 +107,12 @@ class Engine:
     def __post_init__(self) -> None:
         # Every decoding sequence takes one token of the step's budget.
         self.max_num_seqs = min(self.max_num_seqs, self.max_num_batched_tokens)
-        self.total_blocks = self.kv_tokens // BLOCK_SIZE
+        # vLLM V1's block pool keeps one block aside as its "null block" (never allocated);
+        # the KV size it reports counts it. A 12-block cache holds 11 blocks of sequences.
+        rules = release(self.perf.vllm_version)
+        null = 1 if rules.v1 else 0
+        self.whole_prompt = rules.admits_whole_prompt
+        self.total_blocks = max(0, self.kv_tokens // self.block_size - null)
         self.free_blocks = self.total_blocks
         self.allocated = 0  # blocks ever handed out (the prefix cache's eviction clock)
         self.waiting: deque[Seq] = deque()
@@ -117,12 +121,15 @@ class Engine:
         self.steps_done = 0  # D: decode steps so far
         self.n_decode = 0
         self.ctx_offset = 0  # sum over decoding seqs of (base_c - d0): context sum = this + n*D
-        self.residues = [0] * BLOCK_SIZE  # decoding seqs by (base_c - d0) mod BLOCK_SIZE
+        self.residues = [0] * self.block_size  # decoding seqs by (base_c - d0) mod block size
         self.finishes: list[tuple[int, int, int, Seq]] = []  # (D at finish, admitted, epoch)
         self.span: tuple[float, int] | None = None  # planned: (start, k decode steps; 0 = mixed)
         self._admissions = 0
 
     # --- queries -------------------------------------------------------------------------
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
 
     @property
     def idle(self) -> bool:
@@ -194,7 +201,7 @@ class Engine:
             self.free_blocks += s.blocks
             del self.running[s]
         elif s.state == DECODE:
-            self.free_blocks += blocks_for(self._stop_decode(s))
+            self.free_blocks += self.blocks_for(self._stop_decode(s))
             del self.running[s]
         s.state = DONE
         s.blocks = 0
@@ -251,13 +258,16 @@ class Engine:
 
     def _blocks_needed(self, d: int) -> int:
         """New blocks the decoding sequences need for decode step number `d`."""
-        return self.residues[-d % BLOCK_SIZE]
+        return self.residues[-d % self.block_size]
 
     def _waiting_can_join(self) -> bool:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
         budget = self.max_num_batched_tokens - self.n_decode
-        return budget > 0 and self.free_blocks > self._blocks_needed(self.steps_done)
+        free = self.free_blocks - self._blocks_needed(self.steps_done)
+        if self.whole_prompt and self.blocks_for(self.waiting[0].target) > free:
+            return False  # it waits for a finish, which ends any run of decode steps
+        return budget > 0 and free > 0
 
     def _next_finish(self) -> int:
         heap = self.finishes
@@ -267,7 +277,7 @@ class Engine:
 
     def _allocations(self, k: int) -> int:
         """Blocks the decoding sequences take over the next `k` steps."""
-        full, rest = divmod(k, BLOCK_SIZE)
+        full, rest = divmod(k, self.block_size)
         d = self.steps_done
         return full * self.n_decode + sum(self._blocks_needed(d + j) for j in range(rest))
 
@@ -320,7 +330,7 @@ class Engine:
             if budget <= 0 or s.state != PREFILL:
                 continue
             n = min(s.target - s.computed, budget)
-            need = blocks_for(s.computed + n) - s.blocks
+            need = self.blocks_for(s.computed + n) - s.blocks
             while need > self.free_blocks and s.state == PREFILL:
                 self._preempt(next(reversed(self.running)))
                 preempted = True
@@ -336,7 +346,9 @@ class Engine:
             s = self.waiting[0]
             hit = self._cached_tokens(s)  # found in the prefix cache: no compute, its blocks
             n = min(s.target - hit, budget)
-            need = blocks_for(hit + n)
+            need = self.blocks_for(hit + n)
+            if self.blocks_for(s.target) > self.free_blocks and self.whole_prompt:
+                break  # the rest of its prompt would not fit: admitting it would preempt
             if need > self.free_blocks:
                 break
             self.waiting.popleft()
@@ -367,7 +379,7 @@ class Engine:
         tokens = n_dec + sum(n for _, n in chunks)
         kv = dec_ctx + n_dec + sum(s.computed + n for s, n in chunks)
         pairs = dec_ctx + n_dec + sum(n * (s.computed + (n + 1) / 2) for s, n in chunks)
-        elapsed = p.step_time(tokens, kv, pairs)
+        elapsed = p.step_time(tokens, kv, pairs, seqs=n_dec + len(chunks))
         self.clock += elapsed
         st = self.stats
         st.read_bytes += p.weight_read_bytes(tokens) / p.tp + kv * p.kv_token_bytes
@@ -400,7 +412,7 @@ class Engine:
         s.state = DECODE
         s.epoch += 1
         s.base_c, s.base_g, s.d0 = s.computed, s.generated, self.steps_done
-        s.residue = (s.base_c - s.d0) % BLOCK_SIZE
+        s.residue = (s.base_c - s.d0) % self.block_size
         self.residues[s.residue] += 1
         self.ctx_offset += s.base_c - s.d0
         self.n_decode += 1
@@ -424,7 +436,7 @@ class Engine:
             _, _, epoch, s = heapq.heappop(heap)
             if s.epoch != epoch or s.state != DECODE:
                 continue
-            self.free_blocks += blocks_for(self._stop_decode(s))
+            self.free_blocks += self.blocks_for(self._stop_decode(s))
             done.append(self._finish(s))
         for s in done:
             s.finished_at = at
@@ -442,11 +454,11 @@ class Engine:
         after its preemption recomputes only what was overwritten meanwhile.
         """
         if s.state == DECODE:
-            held = blocks_for(self._stop_decode(s))
+            held = self.blocks_for(self._stop_decode(s))
         else:
             self.prefilling.remove(s)
             held = s.blocks
-        s.cached_blocks = s.computed // BLOCK_SIZE  # only full blocks are cached
+        s.cached_blocks = s.computed // self.block_size  # only full blocks are cached
         s.cache_mark = self.allocated + self.free_blocks  # allocations until ours are reused
         self.free_blocks += held
         del self.running[s]
@@ -465,7 +477,7 @@ class Engine:
             return 0
         overwritten = max(0, self.allocated - s.cache_mark)
         hits = max(0, s.cached_blocks - overwritten)
-        return min(hits * BLOCK_SIZE, s.target - 1)
+        return min(hits * self.block_size, s.target - 1)
 
     def _finish(self, s: Seq) -> Seq:
         del self.running[s]

@@ -10,11 +10,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from fleetctl.calibration import Calibration, measured
 from fleetctl.inventory import Inventory
-from fleetctl.perf import EnginePerf
+from fleetctl.perf import BLOCK_SIZE, EnginePerf
 from fleetctl.plan import Deployment
 from fleetctl.routing.policy import RoutingConfig, make_policy
 from fleetctl.routing.scheduler import Aging, Scheduler, first_token, release
@@ -38,6 +38,7 @@ class Server:
     max_num_batched_tokens: int
     max_model_len: int
     calibrated: str = ""  # where its KV and speed were measured, when they were
+    block_size: int = BLOCK_SIZE  # KV block tokens (vLLM's CPU backend: 128)
 
 
 # Events between progress reports: often enough for a smooth bar, rare enough to cost nothing.
@@ -73,7 +74,7 @@ def servers_from_plan(
         if found is not None:
             calibrated = found.provenance
             kv = found.kv_tokens if found.kv_tokens is not None else kv
-            perf = replace(perf, speed=found.speed) if found.speed is not None else perf
+            perf = found.perf(perf)
         out.append(
             Server(
                 f"{d.node}:{d.port}",
@@ -179,7 +180,13 @@ def simulate(
     sched = Scheduler(policy, aging or Aging())
     engines = [
         Engine(
-            s.perf, s.kv_tokens, s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len, s.name
+            s.perf,
+            s.kv_tokens,
+            s.max_num_seqs,
+            s.max_num_batched_tokens,
+            s.max_model_len,
+            s.name,
+            block_size=s.block_size,
         )
         for s in servers
     ]

