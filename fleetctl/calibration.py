@@ -842,17 +842,22 @@ def engine_fit(entry: Entry, perf: EnginePerf) -> EngineFit | None:
     costs."""
     fit: EngineFit | None = None
     step = entry.step
+    # The clock's cost per prompt token needs no other term: it goes first, and the decode
+    # step's GPU work is then the model's at that compute speed.
+    compute = _compute_per_token(entry, perf)
+    base = perf if compute is None else replace(perf, compute_speed=compute)
     # By the model's own account the GPU idles most of each step: the line is host cost.
-    host_bound = _gpu_work(entry, perf, _mean_batch(entry)) < perf.step_overhead
+    host_bound = _gpu_work(entry, base, _mean_batch(entry)) < base.step_overhead
     if step is not None and entry.step_trusted and step.per_seq_s is not None and host_bound:
-        fit = _host_bound(entry, step, perf)
+        fit = _host_bound(entry, step, base)
     if fit is None:
-        speed = speed_factor(entry, perf)
+        speed = speed_factor(entry, base)
         if speed is not None:
             fit = EngineFit(speed=speed)
         elif step is not None and entry.step_trusted:
-            fit = _host_bound(entry, step, perf)
-    compute = _compute_speed(entry, fit.apply(perf) if fit else perf)
+            fit = _host_bound(entry, step, base)
+    if compute is None:  # from the requests' prefill times, past the fitted fixed costs
+        compute = _compute_per_request(entry, fit.apply(perf) if fit else perf)
     if compute is not None:
         fit = replace(fit or EngineFit(), compute_speed=compute)
     return fit
@@ -885,17 +890,22 @@ def _host_bound(entry: Entry, step: StepModel, perf: EnginePerf) -> EngineFit | 
     return EngineFit(overhead_s=overhead, per_seq_s=per_seq)
 
 
-def _compute_speed(entry: Entry, perf: EnginePerf) -> float | None:
-    """Prefill compute measured over the model's: from the clock's cost per prompt token in a
-    step where the step fit has one, else from the entry's trusted prefill speed."""
+def _compute_per_token(entry: Entry, perf: EnginePerf) -> float | None:
+    """Prefill compute measured over the model's, from the clock's cost per prompt token in a
+    step, where the step fit has one."""
     step = entry.step
-    if step is not None and step.per_prefill_token_s and entry.step_trusted:
-        chunks = [s.prefill_per_step for s in entry.samples if s.prefill_per_step > 0]
-        chunk = max(1, round(sum(chunks) / len(chunks))) if chunks else 1
-        bare = replace(perf, compute_speed=1.0, per_seq_s=0.0)
-        model = bare.prefill_marginal(chunk) / chunk
-        factor = model / step.per_prefill_token_s
-        return factor if 1 / IMPLAUSIBLE_RATIO < factor < IMPLAUSIBLE_RATIO else None
+    if step is None or not step.per_prefill_token_s or not entry.step_trusted:
+        return None
+    chunks = [s.prefill_per_step for s in entry.samples if s.prefill_per_step > 0]
+    chunk = max(1, round(sum(chunks) / len(chunks))) if chunks else 1
+    bare = replace(perf, compute_speed=1.0, per_seq_s=0.0)
+    model = bare.prefill_marginal(chunk) / chunk
+    factor = model / step.per_prefill_token_s
+    return factor if 1 / IMPLAUSIBLE_RATIO < factor < IMPLAUSIBLE_RATIO else None
+
+
+def _compute_per_request(entry: Entry, perf: EnginePerf) -> float | None:
+    """Prefill compute measured over the model's, from the entry's trusted prefill speed."""
     figure = entry.prefill_tok_s
     requests = sum(s.requests for s in entry.samples)
     prompt_tokens = sum(s.prefill_tokens for s in entry.samples)
