@@ -147,9 +147,10 @@ async def scrape(session: aiohttp.ClientSession, url: str) -> str:
 
 
 async def timed_scrape(session: aiohttp.ClientSession, url: str) -> Scrape:
-    """One /metrics page read as calibration reads it, stamped when it was asked for."""
-    at = time.monotonic()
-    return replace(parse_metrics(await scrape(session, url)), at=at)
+    """One /metrics page read as calibration reads it, stamped halfway through the read."""
+    asked = time.monotonic()
+    text = await scrape(session, url)
+    return replace(parse_metrics(text), at=(asked + time.monotonic()) / 2)
 
 
 async def calibrate(
@@ -335,6 +336,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fit": found.provenance if found else "nothing trusted",
             "step": entry.step.to_json() if entry.step else None,
             "prefill_tok_s": entry.prefill_tok_s.to_json() if entry.prefill_tok_s else None,
+            "samples": [x.to_json() for x in entry.samples],
         }
         pairs = draw(args.requests, args.seed, args.trace)
         mean_p = sum(p for p, _ in pairs) / len(pairs)

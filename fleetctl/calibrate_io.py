@@ -125,10 +125,12 @@ async def _read_one(client: Client, b: Backend, window: float, interval: float) 
         for i in range(count):
             # On a fixed schedule, so a slow answer does not stretch the window.
             await asyncio.sleep(max(0.0, start + i * interval - loop.time()))
+            asked = loop.time()
             reply = await client.get(f"{b.name}/metrics")
             if reply.status != 200:
                 raise HttpError(f"/metrics answered HTTP {reply.status}")
-            scrape = replace(parse_metrics(reply.text), at=loop.time())
+            # The page was drawn somewhere between the question and the answer.
+            scrape = replace(parse_metrics(reply.text), at=(asked + loop.time()) / 2)
             if not scrape.is_vllm:
                 raise HttpError("its /metrics page has no vLLM series (is it a vLLM server?)")
             scrapes.append(scrape)

@@ -29,6 +29,8 @@ CALIBRATION_FORMAT = 1
 MIN_DECODE_WINDOWS = 3
 MIN_DECODE_TOKENS = 100
 MIN_PREFILL_REQUESTS = 3
+# Timed windows for the clock's fit of three costs (fixed, per sequence, per prompt token).
+MIN_TIMED_WINDOWS = 6
 # A measured figure this many times off the model's is a broken server or a wrong key (another
 # model behind the URL), not a calibration: kept and shown, never used.
 IMPLAUSIBLE_RATIO = 10.0
@@ -295,11 +297,11 @@ class StepModel:
 def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
     """The step model over the windows that decoded something, each weighted by its tokens:
     from the clock's mean step on decode batch and prompt tokens per step where at least
-    MIN_DECODE_WINDOWS windows were timed so, else from the inter-token latency on batch; a
+    MIN_TIMED_WINDOWS windows were timed so, else from the inter-token latency on batch; a
     note when only the fixed cost could be fitted. None when no window decoded anything."""
     decoding = [s for s in samples if s.tokens > 0]
     timed = [s for s in decoding if s.wall_step_s > 0]
-    if len(timed) >= MIN_DECODE_WINDOWS:
+    if len(timed) >= MIN_TIMED_WINDOWS:
         fitted = _fit_timed(timed)
         if fitted is not None:
             return fitted, ""
