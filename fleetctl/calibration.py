@@ -334,11 +334,21 @@ def _fit_timed(samples: Sequence[Sample]) -> StepModel | None:
         return None
     rows = [((1.0, s.batch, s.prefill_per_step), s.wall_step_s, float(s.tokens)) for s in samples]
     spread = max(s.prefill_per_step for s in samples) - min(s.prefill_per_step for s in samples)
-    cols = 3 if spread >= 1.0 else 2
-    coef = _least_squares([(x[:cols], y, w) for x, y, w in rows])
+    coef = _least_squares(rows) if spread >= 1.0 else None
+    # The prompt term must agree with the requests' own prefill times, which cost at most the
+    # whole steps they took (fixed costs and decodes included): windows whose prompt tokens
+    # move with their batch cannot separate the two, and then give nonsense.
+    prompt_tokens = sum(s.prefill_tokens for s in samples)
+    per_token = sum(s.prefill_s for s in samples) / prompt_tokens if prompt_tokens else None
+    if coef is not None and per_token is not None:
+        if not per_token / 8 <= coef[2] <= per_token * 1.2:
+            coef = None
     if coef is None or any(c < 0 for c in coef):
-        return None
-    return StepModel(coef[0], coef[1], lo, hi, coef[2] if cols == 3 else None)
+        coef = _least_squares([(x[:2], y, w) for x, y, w in rows])
+        if coef is None or any(c < 0 for c in coef):
+            return None
+        return StepModel(coef[0], coef[1], lo, hi)
+    return StepModel(coef[0], coef[1], lo, hi, coef[2])
 
 
 def _least_squares(rows: Sequence[tuple[tuple[float, ...], float, float]]) -> list[float] | None:

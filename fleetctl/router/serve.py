@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import functools
 import logging
 import os
@@ -219,6 +220,8 @@ def serve(
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     start_logging()
+    # `kill -USR1 PID` prints every thread's stack to the log, even with the event loop stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     log.info(
         "fleetctl route-serve on http://%s:%s: %d backends, policy %s",
         host.strip("[]"),
