@@ -340,9 +340,8 @@ def _fit_timed(samples: Sequence[Sample]) -> StepModel | None:
     # move with their batch cannot separate the two, and then give nonsense.
     prompt_tokens = sum(s.prefill_tokens for s in samples)
     per_token = sum(s.prefill_s for s in samples) / prompt_tokens if prompt_tokens else None
-    if coef is not None and per_token is not None:
-        if not per_token / 8 <= coef[2] <= per_token * 1.2:
-            coef = None
+    if coef is not None and per_token is not None and not per_token / 8 <= coef[2] <= per_token:
+        coef = None
     if coef is None or any(c < 0 for c in coef):
         coef = _least_squares([(x[:2], y, w) for x, y, w in rows])
         if coef is None or any(c < 0 for c in coef):
