@@ -63,10 +63,14 @@ class Client:
             ) as resp:
                 if (resp.content_length or 0) > self.max_bytes:
                     raise HttpError(f"answer of {resp.content_length} bytes, over the limit")
-                body = await resp.content.read(self.max_bytes + 1)
-                if len(body) > self.max_bytes:
-                    raise HttpError(f"answer over {self.max_bytes} bytes")
-                return Reply(resp.status, body)
+                # To the end: `content.read(n)` returns what has arrived so far, which on a busy
+                # machine was the first part of a /metrics page, before any vllm: series.
+                body = bytearray()
+                async for chunk in resp.content.iter_any():
+                    body += chunk
+                    if len(body) > self.max_bytes:
+                        raise HttpError(f"answer over {self.max_bytes} bytes")
+                return Reply(resp.status, bytes(body))
         except TimeoutError:
             raise HttpError(f"timed out after {limit:g} s") from None
         except aiohttp.ClientConnectorError as e:

@@ -14,10 +14,25 @@ from fleetctl import http
 from tests.procs import free_port
 
 
+SLOW_TAIL = b'vllm:num_requests_running{engine="0"} 3.0\n'
+PAUSE = threading.Event()  # never set: the handler waits out its timeout (0.3 s below)
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
 
     def do_GET(self) -> None:
+        if self.path == "/slow":
+            # A /metrics page whose vllm: series arrive after a pause (a busy server).
+            head, tail = b"python_gc_objects_collected_total 1.0\n", SLOW_TAIL
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(head) + len(tail)))
+            self.end_headers()
+            self.wfile.write(head)
+            self.wfile.flush()
+            PAUSE.wait(0.3)
+            self.wfile.write(tail)
+            return
         body = {"/big": b"x" * 5000, "/ok": b'{"data": []}'}.get(self.path)
         self.send_response(200 if body is not None else 404)
         self.send_header("Content-Length", str(len(body or b"")))
@@ -42,6 +57,11 @@ def test_an_answer_of_any_status_is_a_reply(server):
     r = http.get(server + "/ok", 5)
     assert (r.status, r.json()) == (200, {"data": []})
     assert http.get(server + "/missing", 5).status == 404  # not an error: the caller decides
+
+
+def test_an_answer_is_read_to_its_end_when_it_comes_in_parts(server):
+    # Reading "up to n bytes" returned the first part only: a page without its vllm: series.
+    assert http.get(server + "/slow", 5).body.endswith(SLOW_TAIL)
 
 
 def test_the_answer_size_is_bounded(server):
