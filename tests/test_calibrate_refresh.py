@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 
 import pytest
 
@@ -119,19 +118,15 @@ def test_apply_refreshes_the_calibration_from_the_servers_it_started(cli, fleet)
         assert r.code == 0, r.out + r.err
         doc = json.loads(r.out)["calibration"]
         assert doc["file"] == str(calibration) and doc["entries"] >= 1, doc
-        # Every server is either read or named in a note. On the CI machine, under the whole
-        # suite's load, the 2 s look has come back without vLLM series for one or two servers
-        # (not reproduced alone; see the closing note): those are notes, not failures.
-        assert doc["refreshed"] + len(doc["notes"]) == 4 and doc["refreshed"] >= 1, doc
-        assert all("/metrics" in n for n in doc["notes"]), doc
+        # Every server is read. (Under the whole suite's load one or two came back "without
+        # vLLM series" until fleetctl.http read pages to their end: tests/test_http.py.)
+        assert (doc["refreshed"], doc["notes"]) == (4, []), doc
         gpus = {e.key.gpu for e in StateDir(calibration.parent).load_calibration().entries}
         assert gpus and gpus <= {"A100-SXM4-80GB", "RTX-4090"}, gpus
         # Nothing to change: the refreshed KV is the planned one, so every server is kept.
         r = cli("apply", *fleet.args(fleet.inv, "--yes"))
         assert r.code == 0, r.out + r.err
-        assert re.search(r"calibration: refreshed [1-4] servers? \(calibration.json\)", r.out), (
-            r.out
-        )
+        assert "calibration: refreshed 4 servers (calibration.json)" in r.out, r.out
         before = calibration.stat().st_mtime_ns
         r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json", "--no-calibration"))
         assert r.code == 0 and json.loads(r.out)["calibration"] is None

@@ -13,7 +13,6 @@ import pytest
 from fleetctl import http
 from tests.procs import free_port
 
-
 SLOW_TAIL = b'vllm:num_requests_running{engine="0"} 3.0\n'
 PAUSE = threading.Event()  # never set: the handler waits out its timeout (0.3 s below)
 
