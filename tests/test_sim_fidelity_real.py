@@ -29,7 +29,10 @@ def within(model: float, real: float, factor: float) -> bool:
 def test_the_calibrated_simulator_follows_a_real_vllm(tmp_path):
     out = tmp_path / "fidelity.json"
     r = subprocess.run(
-        [sys.executable, "benchmarks/sim_fidelity.py", "--quick", "--json", str(out)],
+        [
+            *(sys.executable, "benchmarks/sim_fidelity.py", "--quick", "--json", str(out)),
+            *("--trace", "tests/data/azure_conv_slice.csv"),  # CI has no ../shared
+        ],
         cwd=REPO,
         capture_output=True,
         text=True,
