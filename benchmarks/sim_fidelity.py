@@ -446,13 +446,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--calibration-requests", type=int, default=180)
     ap.add_argument("--trace", type=Path, default=TRACE)
-    ap.add_argument("--quick", action="store_true", help="80 requests (the test suite's run)")
+    ap.add_argument(
+        "--quick", action="store_true", help="80 requests, 100 to calibrate (the suite's run)"
+    )
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     args.loads = [float(x) for x in args.loads.split(",")]
     if args.quick:
         args.requests = 80
-        args.calibration_requests = 60
+        args.calibration_requests = 100
     os.environ.setdefault("PYTHONHASHSEED", "0")
     started = time.monotonic()
     out = run(args)
