@@ -377,6 +377,18 @@ class Outcome:
     backends: dict[str, dict[str, Any]]
 
 
+async def speed_factors(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """route-serve's fleetctl_backend_speed_factor per backend URL, from its /metrics."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("fleetctl_backend_speed_factor{"):
+            backend = line.split('backend="', 1)[1].split('"', 1)[0]
+            out[backend] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def sample(i: int, due: float, x: Exchange | None, expect: int, scale: float) -> Sample:
     """TTFT is the first SSE token event; complete means every event and [DONE]."""
     if x is None:
@@ -463,6 +475,12 @@ async def run_target(
                 with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
                     counters = await backend_counters(session, u)
                     backends[d.node] = {**counters, "gpu": d.server.gpu_type}
+            if t.kind == "fleetctl":  # what route-serve ended up believing of each backend
+                with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
+                    speeds = await speed_factors(session, rurl)
+                    for d, u in zip(fleet.servers, urls, strict=True):
+                        if d.node in backends and u in speeds:
+                            backends[d.node]["speed_factor"] = speeds[u]
             if not router.alive():
                 raise RuntimeError(f"router exited: {router.tail()}")
             return Outcome(t.name, rnd, samples, wall, cpu, backends)
@@ -502,6 +520,18 @@ def summarize(o: Outcome, items: list[WorkItem]) -> dict[str, Any]:
         "a100_request_share": sum(b["requests"] for b in a100) / total_req,
         "a100_prompt_share": sum(b["prompt_tokens"] for b in a100) / total_tok,
         "preemptions": sum(b["preemptions"] for b in o.backends.values()),
+        # The speed route-serve believed at the end, per GPU type (min, max); {} for others.
+        "speed_factor": {
+            gpu: (min(v), max(v))
+            for gpu in {str(b["gpu"]) for b in o.backends.values()}
+            if (
+                v := [
+                    b["speed_factor"]
+                    for b in o.backends.values()
+                    if b["gpu"] == gpu and "speed_factor" in b
+                ]
+            )
+        },
         "lag_p99_ms": pct([s.lag for s in o.samples if s.lag == s.lag], 99) * 1000,
         "lag_max_ms": max((s.lag for s in o.samples), default=0.0) * 1000,
         "wall_s": o.wall_s,
@@ -620,6 +650,12 @@ def robustness(rows: dict[str, dict[str, Any]], truth: Truth) -> str:
     by_prior = {r["prior"]: r for r in ha.values()}
     adv = {p: best - r["ttft_p99_s"] for p, r in by_prior.items()}
     lines.append("")
+    for prior, r in by_prior.items():
+        speeds = ", ".join(
+            f"{gpu} {lo:.2f}" + (f"-{hi:.2f}" if hi != lo else "")
+            for gpu, (lo, hi) in sorted(r.get("speed_factor", {}).items())
+        )
+        lines.append(f"- {prior} prior: speed factors at the end: {speeds or 'not read'}")
     for prior, a in adv.items():
         lines.append(f"- {prior} prior: p99 advantage over {best_name} {a:+.2f} s")
     perfect = by_prior.get("perfect")

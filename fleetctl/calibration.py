@@ -45,6 +45,8 @@ _SERIES = {
     "vllm:inter_token_latency_seconds_count": "itl_count",
     "vllm:iteration_tokens_total_count": "steps",
     "vllm:iteration_tokens_total_sum": "step_tokens",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:prompt_tokens_cached_total": "prompt_cached",
     "vllm:request_prefill_time_seconds_sum": "prefill_sum",
     "vllm:request_prefill_time_seconds_count": "prefill_count",
     "vllm:request_prefill_kv_computed_tokens_sum": "prefill_kv_tokens",
@@ -76,6 +78,8 @@ class Scrape:
     itl_count: float | None = None
     steps: float | None = None  # engine steps (vllm:iteration_tokens_total's count)
     step_tokens: float | None = None  # tokens those steps computed (decodes and prefill chunks)
+    prompt_tokens: float | None = None  # prompt tokens prefilled, counted as they are
+    prompt_cached: float | None = None  # of those, found in the prefix cache (not computed)
     prefill_sum: float | None = None
     prefill_count: float | None = None
     prefill_kv_tokens: float | None = None  # prompt tokens computed, not taken from the cache
@@ -197,7 +201,8 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         return b - a
 
     deltas = {name: delta(name) for name in _SERIES.values() if name != "running"}
-    deltas.pop("step_tokens")  # not a sample's figure; read below
+    for name in ("step_tokens", "prompt_tokens", "prompt_cached"):
+        deltas.pop(name)  # not a sample's figure; read below
     if any(d is not None and d < 0 for d in deltas.values()):
         return None
     tokens = int(deltas["itl_count"] or 0)
@@ -224,12 +229,17 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         mean_prompt = (prompt or 0.0) / finished
         context = mean_prompt + (deltas["generation_sum"] or 0.0) / deltas["generation_count"] / 2
     wall_step = per_step = 0.0
+    if tokens and steps and delta("step_tokens") is not None:
+        # Prompt tokens each step computed beside its decodes, from the step counter.
+        per_step = max(0.0, (delta("step_tokens") or 0.0) - tokens) / steps
+    elif tokens and batch > 0 and delta("prompt_tokens") is not None:
+        # Without it: the prompt tokens counted over the window, over the steps that decoded
+        # `tokens` at `batch` a step. The mean inter-token latency carries these prefill chunks.
+        fresh = (delta("prompt_tokens") or 0.0) - (delta("prompt_cached") or 0.0)
+        per_step = max(0.0, fresh) * batch / tokens
     busy = bool(before.running) and bool(after.running)
     if busy and steps and before.at is not None and after.at is not None and after.at > before.at:
         wall_step = (after.at - before.at) / steps
-        computed = delta("step_tokens")
-        if computed is not None:
-            per_step = max(0.0, computed - tokens) / steps  # prompt tokens beside the decodes
     out = Sample(
         batch=batch if tokens else 0.0,
         step_s=step,
@@ -304,6 +314,11 @@ def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
     if len(timed) >= MIN_TIMED_WINDOWS:
         fitted = _fit_timed(timed)
         if fitted is not None:
+            return fitted, ""
+    if len(decoding) >= MIN_TIMED_WINDOWS:
+        # The inter-token latency on the same terms: it too carries the steps' prefill chunks.
+        fitted = _fit_timed([replace(s, wall_step_s=s.step_s) for s in decoding])
+        if fitted is not None and fitted.per_prefill_token_s is not None:
             return fitted, ""
     pts = [(s.batch, s.step_s, float(s.tokens)) for s in decoding]
     if not pts:
@@ -815,31 +830,44 @@ class Measured:
 
 
 def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
-    """The model's GPU work over the measured one for a decode step at the batch and context
-    the servers ran (what `EnginePerf.speed` scales); None unless the step fit is trusted, or
-    when the measured step is no longer than the model's fixed costs (nothing left to scale) or
-    its GPU part is 10x off the model's."""
+    """The model's GPU work over the measured one for the steps the servers ran (what
+    `EnginePerf.speed` scales): each decode window's mean step beside the model's step at that
+    window's batch, context and prompt tokens per step (a window's mean step carries the
+    prefill chunks run beside its decodes), weighted by its tokens. None unless the step fit is
+    trusted, or when the measured steps are no longer than the model's fixed costs (nothing
+    left to scale) or their GPU part is 10x off the model's."""
     decoding = [s for s in entry.samples if s.tokens > 0]
     if entry.step is None or not entry.step_trusted or not decoding:
         return None
-    tokens = sum(s.tokens for s in decoding)
-    batch = sum(s.batch * s.tokens for s in decoding) / tokens
-    kv = batch * _mean_context(entry.samples)
-    steps = max(1, round(batch))
+    ctx = _mean_context(entry.samples)
     # The GPU work scales exactly as 1/speed and the rest (launches, scheduling, all-reduce
     # latency) not at all, so two speeds separate them without reaching into the model.
-    one = replace(perf, speed=1.0).step_time(steps, kv)
-    two = replace(perf, speed=2.0).step_time(steps, kv)
-    gpu = 2.0 * (one - two)
-    measured_gpu = entry.step.at(batch) - (one - gpu)
-    if gpu <= 0 or measured_gpu <= 0:
+    one, two = replace(perf, speed=1.0), replace(perf, speed=2.0)
+    gpu_total = measured_gpu = 0.0
+    for s in decoding:
+        a, b = _window_step(one, s, ctx), _window_step(two, s, ctx)
+        gpu = 2.0 * (a - b)
+        measured_step = s.wall_step_s or s.step_s
+        gpu_total += s.tokens * gpu
+        measured_gpu += s.tokens * (measured_step - (a - gpu))
+    if gpu_total <= 0 or measured_gpu <= 0:
         return None
-    speed = gpu / measured_gpu
+    speed = gpu_total / measured_gpu
     # The whole step passed the 10x check; its GPU part alone may still be far off when the
     # fixed cost dominates: such a factor is no measurement of the GPU.
     if not 1 / IMPLAUSIBLE_RATIO < speed < IMPLAUSIBLE_RATIO:
         return None
     return speed
+
+
+def _window_step(perf: EnginePerf, s: Sample, ctx: float) -> float:
+    """The model's mean step for window `s`: its decodes at `ctx` tokens each, and its prompt
+    tokens per step as one chunk beside them."""
+    batch = max(1, round(s.batch))
+    chunk = round(s.prefill_per_step)
+    kv = batch * ctx + chunk
+    pairs = batch * ctx + chunk * chunk / 2
+    return perf.step_time(batch + chunk, kv, pairs, seqs=batch + (1 if chunk else 0))
 
 
 def engine_fit(entry: Entry, perf: EnginePerf) -> EngineFit | None:
@@ -862,7 +890,9 @@ def engine_fit(entry: Entry, perf: EnginePerf) -> EngineFit | None:
     if step is not None and entry.step_trusted and step.per_seq_s is not None and host_bound:
         fit = _host_bound(entry, step, base)
     if fit is None:
-        speed = speed_factor(entry, base)
+        # Over the model's own compute: a speed scales both roofs, and a window whose steps are
+        # compute-bound would otherwise read its compute error as a bandwidth one.
+        speed = speed_factor(entry, perf)
         if speed is not None:
             fit = EngineFit(speed=speed)
         elif step is not None and entry.step_trusted:

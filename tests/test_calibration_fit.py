@@ -115,3 +115,43 @@ def test_a_gpu_bound_server_still_gets_a_speed(catalog):
     assert fit is not None and fit.overhead_s is None and fit.per_seq_s is None
     assert fit.speed == pytest.approx(0.7, rel=0.05)
     assert EngineFit().apply(gpu) == gpu
+
+
+def test_prefill_chunks_in_the_inter_token_latency_are_not_taken_for_a_slow_gpu(catalog):
+    # Without vLLM's step counter (the emulator's page), the mean inter-token latency carries
+    # the prefill chunks of the steps it spans. Read as decode steps alone, a GPU at its
+    # model's speed came out 0.11-0.18x in a replay; the prompt tokens counted over each window
+    # now take their share.
+    gpu = EnginePerf(
+        catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3-8b"), catalog.format("bf16")
+    )
+    samples = []
+    for b in (4, 8, 16, 24):
+        for chunk in (0, 256, 1024):
+            itl = gpu.step_time(
+                b + chunk, b * 1024 + chunk, b * 1024 + chunk * chunk / 2, seqs=b + 1
+            )
+            prompt = chunk * 400 / b  # prompt tokens over the window's 400 decode tokens
+            before = Scrape(
+                running=b, itl_sum=0.0, itl_count=0, prompt_tokens=0.0, prompt_cached=0.0
+            )
+            after = Scrape(
+                running=b,
+                itl_sum=itl * 400,
+                itl_count=400,
+                prompt_tokens=prompt,
+                prompt_cached=0.0,
+                prefill_sum=4 * gpu.prefill_time(1024) * 1.5,
+                prefill_count=4,
+                prefill_kv_tokens=4 * 1024,
+                prompt_sum=4 * 1024,
+                prompt_count=4,
+                generation_sum=4 * 256,
+                generation_count=4,
+            )
+            s = window(before, after)
+            assert s is not None and s.prefill_per_step == pytest.approx(chunk)
+            samples.append(s)
+    key = Key("A100-SXM4-80GB", "llama-3-8b", "bf16", 1)
+    fit = engine_fit(entry_for(key, ["http://a:8000"], samples, [], "now", perf=gpu), gpu)
+    assert fit is not None and fit.speed == pytest.approx(1.0, rel=0.15)
