@@ -270,6 +270,10 @@ class LiveState:
         fit = engine_fit(entry, model)
         if fit is None:
             return
+        # Decode speed only: a prefill compute factor from live windows came out biased (the
+        # skewed fleet replay kept 4-59% of hardware-aware's p99 lead with it, 91% without;
+        # benchmarks/RESULTS.md). `fleetctl calibrate` and the start-up calibration keep it.
+        fit = replace(fit, compute_speed=None)
         s.fit = fit
         b.perf = fit.apply(model)
         # One number to watch for moves: the step at batch 1 with the measured terms.
