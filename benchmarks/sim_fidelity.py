@@ -92,7 +92,6 @@ CPU_BLOCK = 128  # vLLM's CPU backend: tokens per KV block
 VOCAB = 2048  # tiny-llama's; ids 0 and 1 are BOS and EOS
 CALIBRATION_CONCURRENCY = (1, 2, 4, 8, 16)  # closed loops, an equal share of requests each
 SCRAPE_EVERY_S = 1.0
-TARGET_TTFT, TARGET_PREEMPT = 0.20, 0.25
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 PREEMPTIONS = "vllm:num_preemptions_total"
@@ -110,7 +109,8 @@ class Row:
 Buckets = list[tuple[float, float]]  # (upper bound, cumulative count), +Inf last
 
 
-def token_body(ids: list[int], max_tokens: int, stream: bool = False) -> bytes:
+def token_body(ids: list[int], max_tokens: int) -> bytes:
+    """A completion of exactly these prompt tokens and `max_tokens` output, not streamed."""
     body = {
         "model": MODEL,
         "prompt": ids,
@@ -118,7 +118,7 @@ def token_body(ids: list[int], max_tokens: int, stream: bool = False) -> bytes:
         "min_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0.0,
-        "stream": stream,
+        "stream": False,
     }
     return json.dumps(body).encode()
 
@@ -182,7 +182,7 @@ async def calibrate(
             async def worker(level: list[tuple[int, int]] = level) -> None:
                 while level:
                     prompt, output = level.pop()
-                    body = token_body(prompt_ids(prompt, rng), output, stream=False)
+                    body = token_body(prompt_ids(prompt, rng), output)
                     x = await exchange(session, url + "/v1/completions", body, stream=False)
                     if x.status != 200:  # counted and reported; calibration reads /metrics
                         failures.append(f"{x.status} {x.error}".strip())
@@ -198,7 +198,7 @@ async def replay(url: str, items: list[WorkItem], seed: int) -> tuple[list[Row],
     request, not one event per token, and leaves the cores to the engine); (rows, /metrics
     before, /metrics after)."""
     rng = random.Random(seed)
-    bodies = [token_body(prompt_ids(w.prompt, rng), w.output, stream=False) for w in items]
+    bodies = [token_body(prompt_ids(w.prompt, rng), w.output) for w in items]
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
@@ -455,7 +455,6 @@ def main() -> None:
     if args.quick:
         args.requests = 80
         args.calibration_requests = 100
-    os.environ.setdefault("PYTHONHASHSEED", "0")
     started = time.monotonic()
     out = run(args)
     took = time.monotonic() - started

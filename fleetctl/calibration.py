@@ -201,8 +201,10 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         return b - a
 
     deltas = {name: delta(name) for name in _SERIES.values() if name != "running"}
-    for name in ("step_tokens", "prompt_tokens", "prompt_cached"):
-        deltas.pop(name)  # not a sample's figure; read below
+    # Not a sample's figures: they only say how many prompt tokens each step carried (below).
+    step_tokens, prompted, cached = (
+        deltas.pop(n) for n in ("step_tokens", "prompt_tokens", "prompt_cached")
+    )
     if any(d is not None and d < 0 for d in deltas.values()):
         return None
     tokens = int(deltas["itl_count"] or 0)
@@ -229,14 +231,13 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         mean_prompt = (prompt or 0.0) / finished
         context = mean_prompt + (deltas["generation_sum"] or 0.0) / deltas["generation_count"] / 2
     wall_step = per_step = 0.0
-    if tokens and steps and delta("step_tokens") is not None:
+    if tokens and steps and step_tokens is not None:
         # Prompt tokens each step computed beside its decodes, from the step counter.
-        per_step = max(0.0, (delta("step_tokens") or 0.0) - tokens) / steps
-    elif tokens and batch > 0 and delta("prompt_tokens") is not None:
+        per_step = max(0.0, step_tokens - tokens) / steps
+    elif tokens and batch > 0 and prompted is not None:
         # Without it: the prompt tokens counted over the window, over the steps that decoded
         # `tokens` at `batch` a step. The mean inter-token latency carries these prefill chunks.
-        fresh = (delta("prompt_tokens") or 0.0) - (delta("prompt_cached") or 0.0)
-        per_step = max(0.0, fresh) * batch / tokens
+        per_step = max(0.0, prompted - (cached or 0.0)) * batch / tokens
     busy = bool(before.running) and bool(after.running)
     if busy and steps and before.at is not None and after.at is not None and after.at > before.at:
         wall_step = (after.at - before.at) / steps
