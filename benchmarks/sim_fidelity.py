@@ -109,6 +109,10 @@ class Row:
 Buckets = list[tuple[float, float]]  # (upper bound, cumulative count), +Inf last
 
 
+# Every request on a new connection: reusing one the server's keep-alive timer has just closed
+# fails as ServerDisconnectedError (seen once in the suite on a busy machine).
+
+
 def token_body(ids: list[int], max_tokens: int) -> bytes:
     """A completion of exactly these prompt tokens and `max_tokens` output, not streamed."""
     body = {
@@ -162,7 +166,7 @@ async def calibrate(
     rng = random.Random(seed)
     scrapes: list[Scrape] = []
     started = time.monotonic()
-    conn = aiohttp.TCPConnector(limit=0)
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=conn) as session:
         done = asyncio.Event()
 
@@ -199,7 +203,7 @@ async def replay(url: str, items: list[WorkItem], seed: int) -> tuple[list[Row],
     before, /metrics after)."""
     rng = random.Random(seed)
     bodies = [token_body(prompt_ids(w.prompt, rng), w.output) for w in items]
-    conn = aiohttp.TCPConnector(limit=0)
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
         before = await scrape(session, url)
