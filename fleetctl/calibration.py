@@ -831,34 +831,36 @@ class Measured:
 
 
 def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
-    """The model's GPU work over the measured one for the steps the servers ran (what
-    `EnginePerf.speed` scales): each decode window's mean step beside the model's step at that
-    window's batch, context and prompt tokens per step (a window's mean step carries the
-    prefill chunks run beside its decodes), weighted by its tokens. None unless the step fit is
-    trusted, or when the measured steps are no longer than the model's fixed costs (nothing
-    left to scale) or their GPU part is 10x off the model's."""
+    """The speed (what `EnginePerf.speed` scales: the GPU's work, not the host's) at which the
+    model's steps take as long as the measured ones: each decode window's mean step beside the
+    model's step at that window's batch, context and prompt tokens per step (a window's mean
+    step carries the prefill chunks run beside its decodes), weighted by its tokens. None
+    unless the step fit is trusted, or when the measured steps are no longer than what no GPU
+    speed shortens (nothing left to scale) or the speed is 10x off the model's."""
     decoding = [s for s in entry.samples if s.tokens > 0]
     if entry.step is None or not entry.step_trusted or not decoding:
         return None
     ctx = _mean_context(entry.samples)
-    # The GPU work scales exactly as 1/speed and the rest (launches, scheduling, all-reduce
-    # latency) not at all, so two speeds separate them without reaching into the model.
-    one, two = replace(perf, speed=1.0), replace(perf, speed=2.0)
-    gpu_total = measured_gpu = 0.0
-    for s in decoding:
-        a, b = _window_step(one, s, ctx), _window_step(two, s, ctx)
-        gpu = 2.0 * (a - b)
-        measured_step = s.wall_step_s or s.step_s
-        gpu_total += s.tokens * gpu
-        measured_gpu += s.tokens * (measured_step - (a - gpu))
-    if gpu_total <= 0 or measured_gpu <= 0:
+    total = sum(s.tokens for s in decoding)
+    measured = sum(s.tokens * (s.wall_step_s or s.step_s) for s in decoding) / total
+
+    def model(speed: float) -> float:
+        at = replace(perf, speed=speed)
+        return sum(s.tokens * _window_step(at, s, ctx) for s in decoding) / total
+
+    # The model's step falls as the speed rises, down to what no GPU speed shortens (the host's
+    # fixed cost, and the launches an eager step waits on). A measured step near that floor
+    # says nothing of the GPU; a speed past the 10x bounds is no measurement of it either.
+    lo, hi = 1 / IMPLAUSIBLE_RATIO, IMPLAUSIBLE_RATIO
+    gpu_at_one = model(1.0) - model(1e9)
+    if gpu_at_one <= 0 or measured - model(1e9) < 0.01 * gpu_at_one:
         return None
-    speed = gpu_total / measured_gpu
-    # The whole step passed the 10x check; its GPU part alone may still be far off when the
-    # fixed cost dominates: such a factor is no measurement of the GPU.
-    if not 1 / IMPLAUSIBLE_RATIO < speed < IMPLAUSIBLE_RATIO:
+    if not model(hi) < measured < model(lo):
         return None
-    return speed
+    for _ in range(60):  # bisection on a log scale: the step is monotone in the speed
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if model(mid) > measured else (lo, mid)
+    return math.sqrt(lo * hi)
 
 
 def _window_step(perf: EnginePerf, s: Sample, ctx: float) -> float:
@@ -887,7 +889,7 @@ def engine_fit(entry: Entry, perf: EnginePerf) -> EngineFit | None:
     compute = _compute_per_token(entry, perf)
     base = perf if compute is None else replace(perf, compute_speed=compute)
     # By the model's own account the GPU idles most of each step: the line is host cost.
-    host_bound = _gpu_work(entry, base, _mean_batch(entry)) < base.step_overhead
+    host_bound = _gpu_work(entry, base, _mean_batch(entry)) < base.step_overhead + base.launch_s
     if step is not None and entry.step_trusted and step.per_seq_s is not None and host_bound:
         fit = _host_bound(entry, step, base)
     if fit is None:

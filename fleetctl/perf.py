@@ -16,14 +16,16 @@ Speed model (roofline): a forward step reads the weights once (for MoE, only the
 step's tokens touch) plus the KV cache of every sequence in the batch, and does ~2 FLOPs per
 active parameter per token plus attention. Step time is the larger of bytes / effective
 bandwidth and FLOPs / effective compute, plus tensor-parallel all-reduces, plus a fixed cost
-per step outside the GPU (scheduling, sampling, launches: V0 paid far more than V1, and
-`--enforce-eager` pays per layer). Effective bandwidth is the GPU's peak times its calibrated
-`decode_efficiency` times the format's kernel efficiency on that architecture
-(profiles/formats).
+per step outside the GPU (scheduling, sampling: V0 paid far more than V1). Under
+`--enforce-eager` the host launches every layer's kernels one by one while the GPU runs the ones
+before, so a step takes the longer of the GPU's work and the launches. Effective bandwidth is
+the GPU's peak times its calibrated `decode_efficiency` times the format's kernel efficiency on
+that architecture (profiles/formats).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -59,9 +61,9 @@ RESERVED_ACTIVATION_SCALE = 1.3
 SAMPLER_BYTES = {"torch": 16.0, "flashinfer": 12.0}
 # Fixed seconds of every engine step outside the GPU's roofline: scheduling, sampling and kernel
 # launches (CUDA-graph replays); V0's Python loop cost far more than V1's. Without CUDA graphs
-# each layer's kernels are launched one by one.
-STEP_OVERHEAD_S = {"v0": 4.0e-3, "v1": 0.6e-3}
-EAGER_LAYER_S = 300e-6
+# each layer's kernels are launched one by one, overlapping the GPU's work (EnginePerf.launch_s).
+STEP_OVERHEAD_S = {"v0": 4.0e-3, "v1": 1.0e-3}
+EAGER_LAYER_S = 600e-6
 # Fraction of peak tensor throughput reached by large GEMMs in vLLM (prefill MFU ~50-60%).
 COMPUTE_EFFICIENCY = 0.55
 # All-reduce latency per call by link kind (two all-reduces per layer under TP).
@@ -228,11 +230,19 @@ class EnginePerf:
 
     @cached_property
     def step_overhead(self) -> float:
-        """Seconds every step costs besides its GPU work (scheduling, sampling, launches)."""
+        """Seconds every step costs besides its GPU work (scheduling, sampling)."""
         if self.overhead_s is not None:
             return self.overhead_s
-        base = STEP_OVERHEAD_S["v1" if release(self.vllm_version).v1 else "v0"]
-        return base + (EAGER_LAYER_S * self.model.num_layers if self.enforce_eager else 0.0)
+        return STEP_OVERHEAD_S["v1" if release(self.vllm_version).v1 else "v0"]
+
+    @cached_property
+    def launch_s(self) -> float:
+        """Host seconds to launch one step's kernels one by one (`--enforce-eager`). The GPU
+        runs them while the host launches the next, so a step takes the longer of the two, not
+        their sum; with CUDA graphs a step is one replay. A measured fixed cost holds it."""
+        if self.overhead_s is not None or not self.enforce_eager:
+            return 0.0
+        return EAGER_LAYER_S * self.model.num_layers
 
     @cached_property
     def bandwidth(self) -> float:
@@ -329,43 +339,54 @@ class EnginePerf:
         compute = work / self.tp / self.flops
         comm = self._allreduce_fixed + tokens * self._allreduce_per_token
         host = self.per_seq_s * (tokens if seqs is None else seqs)
-        return max(mem, compute) + comm + self.step_overhead + host
+        return max(max(mem, compute) + comm, self.launch_s) + self.step_overhead + host
 
     def _memory_time(self, tokens: int, kv_tokens: float) -> float:
         weights = self.weight_read_bytes(tokens) / self.tp / self.weight_bandwidth
         return weights + kv_tokens * self.kv_token_bytes / self.bandwidth
 
-    def _decode_lines(self, batch: int) -> tuple[float, float, float, float, float]:
-        """A decode step at batch B as max(a1 + b1*kv, a2 + b2*kv) + comm, kv = tokens read."""
-        a1 = self.weight_read_bytes(batch) / self.tp / self.weight_bandwidth
-        b1 = self.kv_token_bytes / self.bandwidth
-        a2 = 2.0 * self.model.params_active * batch / self.tp / self.flops
-        b2 = self._attn_flops_per_ctx / self.tp / self.flops
-        comm = self._allreduce_fixed + batch * self._allreduce_per_token + self.step_overhead
-        return a1, b1, a2, b2, comm + self.per_seq_s * batch
+    def _decode_lines(self, batch: int) -> tuple[list[tuple[float, float]], float]:
+        """A decode step at batch B as max over lines (a + b*kv, kv = tokens read) plus a
+        constant: the memory and compute roofs (all-reduces included) and the eager launch."""
+        comm = self._allreduce_fixed + batch * self._allreduce_per_token
+        mem = (
+            self.weight_read_bytes(batch) / self.tp / self.weight_bandwidth + comm,
+            self.kv_token_bytes / self.bandwidth,
+        )
+        compute = (
+            2.0 * self.model.params_active * batch / self.tp / self.flops + comm,
+            self._attn_flops_per_ctx / self.tp / self.flops,
+        )
+        lines = [mem, compute] + ([(self.launch_s, 0.0)] if self.launch_s else [])
+        return lines, self.step_overhead + self.per_seq_s * batch
 
     def decode_span(self, batch: int, kv0: float, steps: int) -> float:
         """Seconds for `steps` decode steps of a constant batch whose KV starts at `kv0` tokens
         and grows by `batch` each step: the simulator's fast path, in closed form."""
         if steps <= 0:
             return 0.0
-        a1, b1, a2, b2, comm = self._decode_lines(batch)
+        lines, const = self._decode_lines(batch)
 
-        def line(a: float, b: float, first: int, n: int) -> float:
-            # sum over i in [first, first + n) of a + b * (kv0 + batch * i)
-            return n * (a + b * kv0) + b * batch * (n * first + n * (n - 1) / 2)
+        def at(i: int) -> float:
+            return kv0 + batch * i
 
-        total = comm * steps
-        if b1 == b2:
-            return total + line(max(a1, a2), b1, 0, steps)
-        # Steps before the crossover follow one roof, after it the other.
-        cross = ((a2 - a1) / (b1 - b2) - kv0) / batch
-        split = min(steps, max(0, math.ceil(cross)))
-        mem_first = (a1 + b1 * kv0) >= (a2 + b2 * kv0)
-        first_a, first_b, then_a, then_b = (a1, b1, a2, b2) if mem_first else (a2, b2, a1, b1)
-        if cross <= 0:  # one roof all the way
-            return total + line(first_a, first_b, 0, steps)
-        return total + line(first_a, first_b, 0, split) + line(then_a, then_b, split, steps - split)
+        # The upper envelope of the lines changes only where two of them cross: split the
+        # steps there and sum each piece's one line in closed form.
+        cuts = {0, steps}
+        for j, (a1, b1) in enumerate(lines):
+            for a2, b2 in lines[j + 1 :]:
+                if b1 != b2:
+                    i = math.ceil(((a2 - a1) / (b1 - b2) - kv0) / batch)
+                    if 0 < i < steps:
+                        cuts.add(i)
+        total = const * steps
+        edges = sorted(cuts)
+        for first, end in itertools.pairwise(edges):
+            a, b = max(lines, key=lambda ln: ln[0] + ln[1] * at(first))
+            n = end - first
+            # sum over i in [first, end) of a + b * (kv0 + batch * i)
+            total += n * (a + b * kv0) + b * batch * (n * first + n * (n - 1) / 2)
+        return total
 
     def decode_steps_within(self, batch: int, kv0: float, seconds: float, most: int) -> int:
         """How many whole decode steps (at most `most`) finish within `seconds`."""

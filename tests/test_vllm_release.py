@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleetctl.catalog import load_catalog
-from fleetctl.perf import EnginePerf, kv_budget, vllm_batch_defaults
+from fleetctl.perf import EAGER_LAYER_S, EnginePerf, kv_budget, vllm_batch_defaults
 from fleetctl.vllm_release import TARGET, parse_version, release
 
 
@@ -64,6 +64,28 @@ def test_v0_steps_cost_more_than_v1_and_eager_more_still():
     # The closed-form decode span agrees with step-by-step sums, overhead included.
     steps = [v0.step_time(4, 4 * 100 + 4 * i) for i in range(50)]
     assert v0.decode_span(4, 400, 50) == pytest.approx(sum(steps), rel=1e-9)
+
+
+def test_eager_launches_overlap_the_gpu_work():
+    # The host launches a layer's kernels while the GPU runs the layer before: a step takes the
+    # longer of the two. A small model on a fast GPU waits on its launches; a large one on a
+    # slow GPU hides them.
+    cat = load_catalog()
+    fmt = cat.format("bf16")
+    for gpu, model, hidden in (("H100-SXM-80GB", "llama-3-8b", False), ("L4", "qwen2.5-7b", True)):
+        g, m = cat.gpu(gpu), cat.model(model)
+        graphs, eager = EnginePerf(g, m, fmt), EnginePerf(g, m, fmt, enforce_eager=True)
+        gpu_work = graphs.step_time(1, 500) - graphs.step_overhead
+        launches = m.num_layers * EAGER_LAYER_S
+        want = max(gpu_work, launches) + graphs.step_overhead
+        assert eager.step_time(1, 500) == pytest.approx(want)
+        assert (eager.step_time(1, 500) == pytest.approx(graphs.step_time(1, 500))) is hidden
+        # The closed form follows the envelope where the growing KV read overtakes the launches.
+        steps = [eager.step_time(128, 128 * 100 + 128 * i) for i in range(3000)]
+        assert eager.decode_span(128, 128 * 100, 3000) == pytest.approx(sum(steps), rel=1e-9)
+        if not hidden:  # the span starts on the launches and ends on the memory roof
+            assert steps[0] == pytest.approx(launches + graphs.step_overhead)
+            assert steps[-1] > steps[0]
 
 
 def test_a_measured_speed_scales_the_gpu_work_not_the_fixed_cost():

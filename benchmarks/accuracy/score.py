@@ -6,7 +6,10 @@ of kv_points.yaml and speed_points.yaml, and prints each row's signed error (mod
 
     python benchmarks/accuracy/score.py [--rows] [--json OUT.json] [--exclude-doubtful]
 
-Rows whose GPU, model or format has no profile are listed as skipped, never guessed.
+Rows whose GPU, model or format has no profile are listed as skipped, never guessed. Decode rows
+at a batch above 1 are closed-loop serving runs (`vllm bench serve --max-concurrency B`; a row
+may say `closed_loop: false` for an offline batch): their TPOT is scored as the step that also
+prefills the requests that replace finished ones (`closed_loop`), the rest through `estimate`.
 """
 
 from __future__ import annotations
@@ -191,6 +194,11 @@ def score_speed(rows: Iterable[dict[str, Any]], cat: Catalog, models: dict) -> I
                 yield row, "no decode figure"
                 continue
             context = n_in + (n_out or 0) // 2
+            if batch > 1 and n_out and row.get("closed_loop", True):
+                yield Scored(
+                    row, f"decode_{bits}", float(got), closed_loop(perf, batch, n_in, n_out)
+                )
+                continue
             w = Workload(batch=batch, context=context)
             settings = Settings(tensor_parallel_size=tp, enforce_eager=eager, vllm_version=version)
             e = estimate(gpu, model, fmt, settings, w)
@@ -210,6 +218,21 @@ def score_speed(rows: Iterable[dict[str, Any]], cat: Catalog, models: dict) -> I
             yield Scored(row, f"e2e_{bits}", float(got), n_out / seconds)
         else:
             yield row, f"unknown kind {kind!r}"
+
+
+def closed_loop(perf: EnginePerf, batch: int, n_in: int, n_out: int) -> float:
+    """Per-sequence decode tokens/s in a closed-loop serving run at concurrency `batch`.
+
+    As each request ends another starts, and its prompt is prefilled in the steps the others
+    decode in (V1's chunked prefill; V0's separate prefill steps stall them as long): the steps
+    a request decodes in carry (B - 1) x input / output prompt tokens on average besides the B
+    decodes. Its TPOT is that mixed step, not a pure decode step."""
+    chunk = (batch - 1) * n_in / n_out
+    context = n_in + n_out / 2
+    kv = batch * context
+    pairs = kv + chunk * n_in / 2
+    step = perf.step_time(round(batch + chunk), kv, pairs, seqs=batch)
+    return 1.0 / step
 
 
 def p90(values: list[float]) -> float:
