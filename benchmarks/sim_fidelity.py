@@ -79,10 +79,8 @@ from harness.vllm_server import (
 
 from fleetctl.calibration import (
     Key,
-    Scrape,
     entry_for,
     measured,
-    parse_metrics,
     window,
     windows,
 )
@@ -90,6 +88,7 @@ from fleetctl.catalog import load_catalog
 from fleetctl.perf import EnginePerf
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.workload import WorkItem
+from fleetctl.vllm_metrics import Scrape, parse_metrics
 
 PROFILES = REPO / "tests" / "data" / "profiles"
 TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"

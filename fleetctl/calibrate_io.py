@@ -7,16 +7,18 @@ import datetime as dt
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from fleetctl.calibration import Key, ServerReading, entry_for, measure, parse_metrics, windows
+from fleetctl.calibration import Key, ServerReading, entry_for, measure, windows
 from fleetctl.http import Client, HttpError
 from fleetctl.text import plural
+from fleetctl.vllm_metrics import parse_metrics
 
 if TYPE_CHECKING:
-    from fleetctl.calibration import Calibration, Entry, Scrape
+    from fleetctl.calibration import Calibration, Entry
     from fleetctl.catalog import Catalog
     from fleetctl.inventory import Inventory
     from fleetctl.routing.types import Backend
     from fleetctl.statedir import StateDir
+    from fleetctl.vllm_metrics import Scrape
 
 SCRAPE_TIMEOUT_S = 5.0
 # `apply` and `health` refresh the calibration on their way out: a short watch keeps them quick

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleetctl.perf import BLOCK_SIZE, CUDA_INVISIBLE_BYTES, EnginePerf
+from fleetctl.vllm_metrics import Scrape
 
 CALIBRATION_FORMAT = 1
 # A fit from fewer windows or tokens than this is noise, not a measurement.
@@ -37,94 +37,9 @@ IMPLAUSIBLE_RATIO = 10.0
 KEEP_SAMPLES = 256  # the sliding window of decode/prefill samples an entry keeps, newest last
 DEFAULT_CONTEXT = 512  # tokens per sequence for the model's step when the server gave no lengths
 
-# sample name -> field of Scrape; values add up over label sets (engines of a data-parallel
-# server, finished_reason, ...).
-_SERIES = {
-    "vllm:num_requests_running": "running",
-    "vllm:inter_token_latency_seconds_sum": "itl_sum",
-    "vllm:inter_token_latency_seconds_count": "itl_count",
-    "vllm:iteration_tokens_total_count": "steps",
-    "vllm:iteration_tokens_total_sum": "step_tokens",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:prompt_tokens_cached_total": "prompt_cached",
-    "vllm:request_prefill_time_seconds_sum": "prefill_sum",
-    "vllm:request_prefill_time_seconds_count": "prefill_count",
-    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_kv_tokens",
-    "vllm:request_prompt_tokens_sum": "prompt_sum",
-    "vllm:request_prompt_tokens_count": "prompt_count",
-    "vllm:request_generation_tokens_sum": "generation_sum",
-    "vllm:request_generation_tokens_count": "generation_count",
-    "vllm:time_to_first_token_seconds_sum": "ttft_sum",
-    "vllm:time_to_first_token_seconds_count": "ttft_count",
-}
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
 
 class CalibrationError(ValueError):
     """A calibration document that is not one: the message says which field and why."""
-
-
-# --- one scrape --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Scrape:
-    """The counters and gauges of one /metrics page that calibration reads; None: not there."""
-
-    kv_tokens: int | None = None  # num_gpu_blocks x block_size, over the engines
-    gpu_memory_utilization: float | None = None  # what the KV cache was sized at
-    running: float | None = None
-    itl_sum: float | None = None
-    itl_count: float | None = None
-    steps: float | None = None  # engine steps (vllm:iteration_tokens_total's count)
-    step_tokens: float | None = None  # tokens those steps computed (decodes and prefill chunks)
-    prompt_tokens: float | None = None  # prompt tokens prefilled, counted as they are
-    prompt_cached: float | None = None  # of those, found in the prefix cache (not computed)
-    prefill_sum: float | None = None
-    prefill_count: float | None = None
-    prefill_kv_tokens: float | None = None  # prompt tokens computed, not taken from the cache
-    prompt_sum: float | None = None
-    prompt_count: float | None = None
-    generation_sum: float | None = None
-    generation_count: float | None = None
-    ttft_sum: float | None = None
-    ttft_count: float | None = None
-    at: float | None = None  # when it was read (monotonic seconds), set by the reader
-
-    @property
-    def is_vllm(self) -> bool:
-        return self.kv_tokens is not None or self.itl_count is not None
-
-
-def parse_metrics(text: str) -> Scrape:
-    """The figures calibration needs from one vLLM /metrics page (Prometheus text format)."""
-    values: dict[str, float] = {}
-    kv: int | None = None
-    util: float | None = None
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        ends = [i for i in (line.find("{"), line.find(" ")) if i >= 0]
-        name = line[: min(ends)] if ends else line
-        if name == "vllm:cache_config_info":
-            labels = dict(_LABEL.findall(line))
-            try:
-                tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
-            except (KeyError, ValueError):
-                continue
-            kv = tokens + (kv or 0)
-            util = _float(labels.get("gpu_memory_utilization"))
-            continue
-        field_name = _SERIES.get(name)
-        if field_name is None:
-            continue
-        try:
-            value = float(line.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        if math.isfinite(value):
-            values[field_name] = values.get(field_name, 0.0) + value
-    return Scrape(kv_tokens=kv, gpu_memory_utilization=util, **values)
 
 
 # --- two scrapes: one window -------------------------------------------------------------------
@@ -190,6 +105,26 @@ class Sample:
         )
 
 
+# The counters of a Scrape that a window differences (the gauges are read at its ends).
+_COUNTERS = (
+    "itl_sum",
+    "itl_count",
+    "steps",
+    "step_tokens",
+    "prompt_tokens",
+    "prompt_cached",
+    "prefill_sum",
+    "prefill_count",
+    "prefill_kv_tokens",
+    "prompt_sum",
+    "prompt_count",
+    "generation_sum",
+    "generation_count",
+    "ttft_sum",
+    "ttft_count",
+)
+
+
 def window(before: Scrape, after: Scrape) -> Sample | None:
     """One sample from two scrapes of the same server; None when a counter went backwards (the
     server restarted between them) or nothing happened."""
@@ -200,7 +135,7 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
             return None
         return b - a
 
-    deltas = {name: delta(name) for name in _SERIES.values() if name != "running"}
+    deltas = {name: delta(name) for name in _COUNTERS}
     # Not a sample's figures: they only say how many prompt tokens each step carried (below).
     step_tokens, prompted, cached = (
         deltas.pop(n) for n in ("step_tokens", "prompt_tokens", "prompt_cached")
@@ -255,14 +190,6 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
         prefill_per_step=per_step,
     )
     return out if (out.tokens or out.requests or out.first_tokens) else None
-
-
-def _float(text: str | None) -> float | None:
-    try:
-        value = float(text) if text is not None else None
-    except ValueError:
-        return None
-    return value if value is not None and math.isfinite(value) else None
 
 
 def windows(scrapes: Sequence[Scrape]) -> list[Sample]:

@@ -14,8 +14,8 @@ from fleetctl.facts import Facts
 from fleetctl.http import HttpError
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Deployment
-from fleetctl.router.scrape import parse_vllm_metrics
 from fleetctl.text import plural
+from fleetctl.vllm_metrics import parse_metrics
 
 Status = Literal["ok", "warn", "fail"]
 KV_SATURATED = 0.95
@@ -185,7 +185,7 @@ def check_servers(
             )
         try:
             _, text = _get(base + "/metrics", timeout)
-            usage = parse_vllm_metrics(text).kv_usage
+            usage = parse_metrics(text).kv_usage
         except HttpError:
             usage = None
         if usage is not None and usage >= KV_SATURATED:

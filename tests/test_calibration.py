@@ -19,12 +19,10 @@ from fleetctl.calibration import (
     Figure,
     Key,
     Sample,
-    Scrape,
     StepModel,
     entry_for,
     fit_step,
     measure,
-    parse_metrics,
     window,
     windows,
 )
@@ -32,6 +30,7 @@ from fleetctl.errors import UserError
 from fleetctl.estimate import Settings, Workload, apply_calibration, estimate
 from fleetctl.perf import CUDA_INVISIBLE_BYTES, EnginePerf
 from fleetctl.statedir import StateDir
+from fleetctl.vllm_metrics import Scrape, parse_metrics
 from tests.conftest import REPO
 from tests.procs import NAME, Emulator, free_port, http_request
 

@@ -12,7 +12,6 @@ from fleetctl.calibration import (
     EngineFit,
     Key,
     Sample,
-    Scrape,
     engine_fit,
     entry_for,
     fit_step,
@@ -20,6 +19,7 @@ from fleetctl.calibration import (
 )
 from fleetctl.catalog import load_catalog
 from fleetctl.perf import EnginePerf
+from fleetctl.vllm_metrics import Scrape
 
 PROFILES = Path(__file__).parent / "data" / "profiles"
 KEY = Key("CPU-TEST", "tiny-llama", "bf16", 1)

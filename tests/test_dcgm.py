@@ -9,8 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from fleetctl.http import Client
+from fleetctl.router.dcgm import parse_dcgm_mem_copy
 from fleetctl.router.live import LiveState
-from fleetctl.router.scrape import parse_dcgm_mem_copy
 from fleetctl.routing.types import Backend
 
 DATA = Path(__file__).parent / "data"

@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parent.parent / "fleetctl"
 
 # Lower layers first. A module may import its own layer and any below it, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "limits", "text", "jsonout", "resources", "tables", "vllm_release"),
+    ("errors", "limits", "text", "jsonout", "resources", "tables", "vllm_release", "vllm_metrics"),
     ("names", "validation", "yamlsrc", "vllm_flags"),
     ("catalog", "hfconfig"),
     ("inventory",),
@@ -28,7 +28,18 @@ LAYERS: list[tuple[str, ...]] = [
     ("render",),
     ("cli", "__main__", "__init__"),
 ]
-PURE = ("routing", "planner", "perf", "plan", "state", "facts", "facts_parse", "sim", "calibration")
+PURE = (
+    "routing",
+    "planner",
+    "perf",
+    "plan",
+    "state",
+    "facts",
+    "facts_parse",
+    "sim",
+    "calibration",
+    "vllm_metrics",
+)
 IO_LIBRARIES = ("aiohttp", "asyncio", "redis", "paramiko", "urllib", "socket", "subprocess")
 
 

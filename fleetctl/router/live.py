@@ -16,16 +16,15 @@ from fleetctl.calibration import (
     EngineFit,
     Key,
     Sample,
-    Scrape,
     engine_fit,
     entry_for,
-    parse_metrics,
     window,
 )
 from fleetctl.http import Client, HttpError
 from fleetctl.router.backends import model_problem, served_name
-from fleetctl.router.scrape import parse_dcgm_mem_copy, parse_vllm_metrics
+from fleetctl.router.dcgm import parse_dcgm_mem_copy
 from fleetctl.routing.types import Backend
+from fleetctl.vllm_metrics import Scrape, parse_metrics
 
 log = logging.getLogger("fleetctl.router")
 MODELS_EVERY_S = 10.0  # between /v1/models reads of a backend that serves the right name
@@ -222,14 +221,15 @@ class LiveState:
         self.probed(b, time.monotonic())
 
     def apply(self, b: Backend, text: str, now: float) -> None:
-        m = parse_vllm_metrics(text)
+        """One /metrics page, parsed once for routing and the online fit alike."""
+        m = replace(parse_metrics(text), at=now)
         s = self.state(b)
         s.scraped_at = now
         b.running = int(m.running or 0)
         b.waiting = int(m.waiting or 0)
         b.kv_usage = m.kv_usage or 0.0
-        if m.kv_cache_size_tokens:
-            b.kv_tokens = m.kv_cache_size_tokens  # the server's real capacity wins
+        if m.kv_tokens:
+            b.kv_tokens = m.kv_tokens  # the server's real capacity wins
         if m.read_bytes is not None and b.perf is not None:
             if s.read_bytes is not None and now > s.read_at and m.read_bytes >= s.read_bytes:
                 rate = (m.read_bytes - s.read_bytes) / (now - s.read_at)
@@ -238,15 +238,14 @@ class LiveState:
             s.read_bytes, s.read_at = m.read_bytes, now
         elif b.perf is not None:
             b.bandwidth_util = modelled_bandwidth(b)
-        self.learn(b, text)
+        self.learn(b, m)
 
-    def learn(self, b: Backend, text: str) -> None:
+    def learn(self, b: Backend, counters: Scrape) -> None:
         """The online fit: one window per pair of consecutive scrapes that decoded something,
         refitted every FIT_EVERY windows; once calibration's trust rules pass, `b.perf` runs
         with the measured step terms (logged when first measured and when the speed or the
         fixed step cost moves by over 10%)."""
         s = self.state(b)
-        counters = replace(parse_metrics(text), at=time.monotonic())
         before, s.counters = s.counters, counters
         if b.perf is None or not self.online_fit:
             return
