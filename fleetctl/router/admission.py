@@ -36,8 +36,9 @@ class Admission:
     async def run(self) -> None:
         """Places queued requests whenever something changes, and at least every 50 ms (aging)."""
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), 0.05)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.05):
+                    await self._kick.wait()
             self._kick.clear()
             self.dispatch()
 
@@ -83,7 +84,11 @@ class Admission:
             return fut.result()
         placed = False
         try:
-            decision = await asyncio.wait_for(fut, self.queue_timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it returns the result, and drops the
+            # cancellation, when the client leaves in the same loop turn as the request is placed
+            # (the handler then ran on for a client long gone; fixed in 3.12).
+            async with asyncio.timeout(self.queue_timeout_s):
+                decision = await fut
             placed = True
             return decision
         except TimeoutError:

@@ -326,16 +326,16 @@ class Upstream:
         loop = asyncio.get_running_loop()
         if key[2] and self._ssl is None:
             self._ssl = ssl.create_default_context()
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(
+        # Not asyncio.wait_for: on Python 3.11 a cancellation (the client left) that lands as
+        # the connection completes is dropped, and the request then went on to the backend.
+        async with asyncio.timeout(self.connect_timeout):
+            _, conn = await loop.create_connection(
                 lambda: _Conn(pool),
                 key[0],
                 key[1],
                 ssl=self._ssl if key[2] else None,
                 server_hostname=sni if key[2] else None,
-            ),
-            self.connect_timeout,
-        )
+            )
         return conn
 
     async def _head(self, conn: _Conn) -> Response:
