@@ -506,6 +506,10 @@ def summarize(o: Outcome, items: list[WorkItem]) -> dict[str, Any]:
     long_ttft = [s.ttft for s in good if s.item in long_ids]
     short_ttft = [s.ttft for s in good if s.item not in long_ids]
     cpu = o.cpu
+    speeds: dict[str, list[float]] = {}
+    for b in o.backends.values():
+        if "speed_factor" in b:
+            speeds.setdefault(str(b["gpu"]), []).append(b["speed_factor"])
     return {
         "requests": len(o.samples),
         "completed": len(good),
@@ -521,17 +525,7 @@ def summarize(o: Outcome, items: list[WorkItem]) -> dict[str, Any]:
         "a100_prompt_share": sum(b["prompt_tokens"] for b in a100) / total_tok,
         "preemptions": sum(b["preemptions"] for b in o.backends.values()),
         # The speed route-serve believed at the end, per GPU type (min, max); {} for others.
-        "speed_factor": {
-            gpu: (min(v), max(v))
-            for gpu in {str(b["gpu"]) for b in o.backends.values()}
-            if (
-                v := [
-                    b["speed_factor"]
-                    for b in o.backends.values()
-                    if b["gpu"] == gpu and "speed_factor" in b
-                ]
-            )
-        },
+        "speed_factor": {gpu: (min(v), max(v)) for gpu, v in speeds.items()},
         "lag_p99_ms": pct([s.lag for s in o.samples if s.lag == s.lag], 99) * 1000,
         "lag_max_ms": max((s.lag for s in o.samples), default=0.0) * 1000,
         "wall_s": o.wall_s,

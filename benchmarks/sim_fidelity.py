@@ -114,8 +114,10 @@ class Row:
 Buckets = list[tuple[float, float]]  # (upper bound, cumulative count), +Inf last
 
 
-# Every request on a new connection: reusing one the server's keep-alive timer has just closed
-# fails as ServerDisconnectedError (seen once in the suite on a busy machine).
+def connector() -> aiohttp.TCPConnector:
+    """Every request on a new connection: reusing one the server's keep-alive timer has just
+    closed fails as ServerDisconnectedError (seen once in the suite on a busy machine)."""
+    return aiohttp.TCPConnector(limit=0, force_close=True)
 
 
 def token_body(ids: list[int], max_tokens: int) -> bytes:
@@ -171,8 +173,7 @@ async def calibrate(
     rng = random.Random(seed)
     scrapes: list[Scrape] = []
     started = time.monotonic()
-    conn = aiohttp.TCPConnector(limit=0, force_close=True)
-    async with aiohttp.ClientSession(connector=conn) as session:
+    async with aiohttp.ClientSession(connector=connector()) as session:
         done = asyncio.Event()
 
         async def scraper() -> None:
@@ -208,9 +209,8 @@ async def replay(url: str, items: list[WorkItem], seed: int) -> tuple[list[Row],
     before, /metrics after)."""
     rng = random.Random(seed)
     bodies = [token_body(prompt_ids(w.prompt, rng), w.output) for w in items]
-    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector(), timeout=timeout) as session:
         before = await scrape(session, url)
         got = await open_loop(
             session, url + "/v1/completions", bodies, [w.arrival for w in items], 600.0

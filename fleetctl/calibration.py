@@ -768,33 +768,43 @@ def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
     if entry.step is None or not entry.step_trusted or not decoding:
         return None
     ctx = _mean_context(entry.samples)
-    total = sum(s.tokens for s in decoding)
+    # Windows of one batch and chunk have one model step: each shape is stepped once. (This
+    # runs in route-serve's online fit, every few scrapes of every backend.)
+    shapes: dict[tuple[int, int], float] = {}
+    for s in decoding:
+        shape = (max(1, round(s.batch)), round(s.prefill_per_step))
+        shapes[shape] = shapes.get(shape, 0.0) + s.tokens
+    total = sum(shapes.values())
     measured = sum(s.tokens * (s.wall_step_s or s.step_s) for s in decoding) / total
 
     def model(speed: float) -> float:
         at = replace(perf, speed=speed)
-        return sum(s.tokens * _window_step(at, s, ctx) for s in decoding) / total
+        return sum(w * _window_step(at, b, c, ctx) for (b, c), w in shapes.items()) / total
 
     # The model's step falls as the speed rises, down to what no GPU speed shortens (the host's
     # fixed cost, and the launches an eager step waits on). A measured step near that floor
     # says nothing of the GPU; a speed past the 10x bounds is no measurement of it either.
     lo, hi = 1 / IMPLAUSIBLE_RATIO, IMPLAUSIBLE_RATIO
-    gpu_at_one = model(1.0) - model(1e9)
-    if gpu_at_one <= 0 or measured - model(1e9) < 0.01 * gpu_at_one:
+    floor = model(1e9)
+    gpu_at_one = model(1.0) - floor
+    if gpu_at_one <= 0 or measured - floor < 0.01 * gpu_at_one:
         return None
+    if not perf.launch_s and perf.compute_speed is None:
+        # Both roofs scale as 1/speed and nothing else does: every step is floor + gpu / speed.
+        speed = gpu_at_one / (measured - floor)
+        return speed if lo < speed < hi else None
+    # With a launch floor (eager) or a separate compute speed, the step is only monotone.
     if not model(hi) < measured < model(lo):
         return None
-    for _ in range(60):  # bisection on a log scale: the step is monotone in the speed
+    for _ in range(40):  # bisection on a log scale: 100^(2^-40), far below any measurement
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if model(mid) > measured else (lo, mid)
     return math.sqrt(lo * hi)
 
 
-def _window_step(perf: EnginePerf, s: Sample, ctx: float) -> float:
-    """The model's mean step for window `s`: its decodes at `ctx` tokens each, and its prompt
-    tokens per step as one chunk beside them."""
-    batch = max(1, round(s.batch))
-    chunk = round(s.prefill_per_step)
+def _window_step(perf: EnginePerf, batch: int, chunk: int, ctx: float) -> float:
+    """The model's mean step for a window of `batch` decodes at `ctx` tokens each, and its
+    prompt tokens per step (`chunk`) as one chunk beside them."""
     kv = batch * ctx + chunk
     pairs = batch * ctx + chunk * chunk / 2
     return perf.step_time(batch + chunk, kv, pairs, seqs=batch + (1 if chunk else 0))

@@ -357,7 +357,9 @@ class EnginePerf:
             2.0 * self.model.params_active * batch / self.tp / self.flops + comm,
             self._attn_flops_per_ctx / self.tp / self.flops,
         )
-        lines = [mem, compute] + ([(self.launch_s, 0.0)] if self.launch_s else [])
+        lines = [mem, compute]
+        if self.launch_s:
+            lines.append((self.launch_s, 0.0))
         return lines, self.step_overhead + self.per_seq_s * batch
 
     def decode_span(self, batch: int, kv0: float, steps: int) -> float:
@@ -366,23 +368,26 @@ class EnginePerf:
         if steps <= 0:
             return 0.0
         lines, const = self._decode_lines(batch)
-
-        def at(i: int) -> float:
-            return kv0 + batch * i
-
         # The upper envelope of the lines changes only where two of them cross: split the
-        # steps there and sum each piece's one line in closed form.
-        cuts = {0, steps}
+        # steps there and sum each piece's one line in closed form. (Plain loops: this is the
+        # simulator's hot path, and there are at most three lines.)
+        cuts = [0, steps]
         for j, (a1, b1) in enumerate(lines):
             for a2, b2 in lines[j + 1 :]:
                 if b1 != b2:
                     i = math.ceil(((a2 - a1) / (b1 - b2) - kv0) / batch)
                     if 0 < i < steps:
-                        cuts.add(i)
+                        cuts.append(i)
+        cuts.sort()
         total = const * steps
-        edges = sorted(cuts)
-        for first, end in itertools.pairwise(edges):
-            a, b = max(lines, key=lambda ln: ln[0] + ln[1] * at(first))
+        for first, end in itertools.pairwise(cuts):
+            if end == first:
+                continue
+            x = kv0 + batch * first
+            a, b = lines[0]
+            for a2, b2 in lines[1:]:
+                if a2 + b2 * x > a + b * x:
+                    a, b = a2, b2
             n = end - first
             # sum over i in [first, end) of a + b * (kv0 + batch * i)
             total += n * (a + b * kv0) + b * batch * (n * first + n * (n - 1) / 2)

@@ -46,11 +46,16 @@ def _families(name: str) -> set[str]:
     }
 
 
-# family -> the wanted samples that may follow its TYPE line
-_BY_FAMILY: dict[str, list[str]] = {_CACHE_INFO: [_CACHE_INFO]}
-for _name in _SERIES:
-    for _family in _families(_name):
-        _BY_FAMILY.setdefault(_family, []).append(_name)
+def _by_family() -> dict[str, list[str]]:
+    """family -> the wanted samples that may follow its TYPE line."""
+    out: dict[str, list[str]] = {_CACHE_INFO: [_CACHE_INFO]}
+    for name in _SERIES:
+        for family in _families(name):
+            out.setdefault(family, []).append(name)
+    return out
+
+
+_BY_FAMILY = _by_family()
 _ALL = [*_SERIES, _CACHE_INFO]
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
