@@ -7,7 +7,8 @@ from collections import defaultdict
 import pytest
 
 from fleetctl.perf import EnginePerf, kv_budget
-from fleetctl.routing.policy import HardwareAware, KvAware, PowerOfTwo, RoundRobin, make_policy
+from fleetctl.routing.policy import HardwareAware, KvAware, PowerOfTwo, RoundRobin
+from fleetctl.routing.registry import make_policy
 from fleetctl.routing.types import Backend, Request
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.workload import Synthetic

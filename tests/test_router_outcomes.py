@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetctl.router.daemon import DaemonConfig, Router
 from fleetctl.router.serve import AccessLog, served_by, server_options
-from fleetctl.routing.policy import make_policy
+from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
 from tests.procs import NAME, free_port, http_request

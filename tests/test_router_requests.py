@@ -16,7 +16,7 @@ from aiohttp import web
 from fleetctl.router.daemon import DaemonConfig
 from fleetctl.router.daemon import Router as DaemonRouter
 from fleetctl.router.serve import server_options
-from fleetctl.routing.policy import make_policy
+from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
 from tests.procs import NAME, free_port, http_request

@@ -27,7 +27,8 @@ from fleetctl.router.live import LiveState
 from fleetctl.router.proxy import SERVED_BY
 from fleetctl.router.relay import header_value
 from fleetctl.router.tokens import TokenCounter
-from fleetctl.routing.policy import POLICIES, RoutingConfig, make_policy
+from fleetctl.routing.policy import RoutingConfig
+from fleetctl.routing.registry import make_policy, policy_names
 from fleetctl.routing.scheduler import Aging, Scheduler
 from fleetctl.routing.types import Backend, OutputEstimator
 from fleetctl.statedir import StateDir
@@ -129,8 +130,10 @@ def build_router(
     online_fit: bool = True,
     calibrated: bool = True,
 ) -> Router:
-    if policy not in POLICIES:
-        raise UserError(f"unknown policy '{policy}'", None, f"choose from {', '.join(POLICIES)}")
+    if policy not in policy_names():
+        raise UserError(
+            f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
+        )
     spec = inv.spec.router
     # Live servers' measured KV and speed over the model's, where `fleetctl calibrate` has them;
     # the log says which classes, so it starts before the backends load.

@@ -9,9 +9,10 @@ KV-usage scoring of production-stack and llm-d); `hardware-aware` is the seed's 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from fleetctl.routing.prefix import NoPrefix, PrefixView
 from fleetctl.routing.sessions import Pin, SessionTable
 from fleetctl.routing.types import Backend, Decision, Request, precision_matches
 
@@ -34,19 +35,33 @@ class Policy:
 
     name = "base"
     admission = False  # whether the scheduler queues requests router-side (KV-derived caps)
+    # What each backend has cached of a prompt (prefix-aware policies read it; the daemon
+    # and the simulator set it); `routed` tells it where a prompt went.
+    prefix: PrefixView = NoPrefix()
 
     def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
-        """Backends that could ever serve `req`; an empty list comes with the reason."""
+        """Backends that could ever serve `req`: healthy, of its model, and with a
+        max_model_len that takes prompt + max_tokens; an empty list comes with the reason."""
         found = [b for b in backends if b.model == req.model and b.healthy]
         if not found:
             return [], f"no healthy backend serves {req.model}"
-        return found, ""
+        need = req.context_needed
+        fits = [b for b in found if not b.max_model_len or b.max_model_len >= need]
+        if not fits:
+            longest = max(b.max_model_len for b in found)
+            return [], (
+                f"prompt ({req.prompt_tokens} tokens) + max_tokens needs a context of {need}; "
+                f"the longest {req.model} serves is {longest}"
+            )
+        return fits, ""
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         raise NotImplementedError
 
     def placed(self, req: Request, backend: Backend) -> None:
-        """Told where a request went (for sessions)."""
+        """Told where a request went (for sessions and the prefix index)."""
+        if req.blocks is not None:
+            self.prefix.routed(backend.name, req.blocks)
 
 
 class RoundRobin(Policy):
@@ -199,27 +214,9 @@ class HardwareAware(Policy):
         return wait + step
 
     def placed(self, req: Request, backend: Backend) -> None:
+        super().placed(req, backend)
         if req.session is None:
             return
         pin = self.sessions.get(req.session)
         if pin is None or pin.node_class != backend.node_class or pin.node != backend.node:
             self.sessions.set(req.session, Pin(backend.node_class, backend.node))
-
-
-POLICIES: dict[str, Callable[..., Policy]] = {
-    "round-robin": RoundRobin,
-    "least-outstanding": LeastOutstanding,
-    "power-of-two": PowerOfTwo,
-    "kv-aware": KvAware,
-    "hardware-aware": HardwareAware,
-}
-
-
-def make_policy(name: str, seed: int = 0, config: RoutingConfig | None = None) -> Policy:
-    if name == "power-of-two":
-        return PowerOfTwo(seed)
-    if name == "hardware-aware":
-        return HardwareAware(config)
-    if name not in POLICIES:
-        raise KeyError(name)
-    return POLICIES[name]()

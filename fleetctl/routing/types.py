@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetctl.perf import EnginePerf
+from fleetctl.routing.prefix import PromptBlocks
 
 # Precision hints name a format or a family of formats.
 PRECISION_FAMILIES = {
@@ -45,10 +46,20 @@ class Request:
     prompt_chars: int = 0  # characters of prompt text, to calibrate the token estimate
     # Backends (by name) a retry must avoid: the ones that already failed this request.
     exclude: frozenset[str] = frozenset()
+    # What the client asked for as max_tokens (None: vLLM fills the context).
+    max_tokens: int | None = None
+    # The prompt as chained block hashes, when known: prefix-cache-aware policies match them.
+    blocks: PromptBlocks | None = None
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
+
+    @property
+    def context_needed(self) -> int:
+        """The shortest max_model_len that accepts it: vLLM refuses prompt + max_tokens over
+        it, and a prompt without max_tokens needs room for one token."""
+        return self.prompt_tokens + (self.max_tokens or 1)
 
 
 @dataclass(slots=True)
@@ -63,6 +74,7 @@ class Backend:
     kv_tokens: int
     max_num_seqs: int = 256
     perf: EnginePerf | None = None
+    max_model_len: int = 0  # its --max-model-len; 0: unknown (then length does not filter)
     healthy: bool = True
     # Scraped from the server's /metrics (or read from the simulated engine).
     running: int = 0

@@ -13,7 +13,7 @@ from rich.text import Text
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
 from fleetctl.progress import progress
-from fleetctl.routing.policy import POLICIES
+from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.fleet import Server
 from fleetctl.sim.run import Comparison, compare
@@ -44,10 +44,10 @@ def run_simulate(
     if plot is not None:
         require_matplotlib()
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    unknown = [p for p in names if p not in POLICIES]
+    unknown = [p for p in names if p not in policy_names()]
     if unknown:
         raise UserError(
-            f"unknown policy '{unknown[0]}'", None, f"choose from {', '.join(POLICIES)}"
+            f"unknown policy '{unknown[0]}'", None, f"choose from {', '.join(policy_names())}"
         )
     if (workload is None) == (trace is None):
         raise UserError("give exactly one of --workload and --trace", None, "see --help")

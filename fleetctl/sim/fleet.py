@@ -16,7 +16,8 @@ from fleetctl.calibration import Calibration, measured
 from fleetctl.inventory import Inventory
 from fleetctl.perf import BLOCK_SIZE, EnginePerf
 from fleetctl.plan import Deployment
-from fleetctl.routing.policy import RoutingConfig, make_policy
+from fleetctl.routing.policy import RoutingConfig
+from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Aging, Scheduler, first_token, release
 from fleetctl.routing.types import Backend, OutputEstimator, Request
 from fleetctl.sim.engine import Engine, Seq
@@ -191,7 +192,17 @@ def simulate(
         for s in servers
     ]
     backends = [
-        Backend(s.name, s.node, s.gpu_type, s.model, s.variant, s.kv_tokens, s.max_num_seqs, s.perf)
+        Backend(
+            s.name,
+            s.node,
+            s.gpu_type,
+            s.model,
+            s.variant,
+            s.kv_tokens,
+            s.max_num_seqs,
+            s.perf,
+            max_model_len=s.max_model_len,
+        )
         for s in servers
     ]
     estimate = OutputEstimator(output_estimate)
@@ -295,6 +306,8 @@ def simulate(
                 w.precision,
                 w.strict,
                 w.arrival,
+                max_tokens=w.max_tokens,
+                blocks=w.blocks,
             )
             requests[w.id] = req
             sched.submit(req)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fleetctl.errors import Location, UserError
+from fleetctl.routing.prefix import PromptBlocks
 
 PROGRESS_ROWS = 4096  # rows between progress reports
 
@@ -28,6 +29,7 @@ class WorkItem:
     precision: str | None = None
     strict: bool = False
     max_tokens: int | None = None  # what the client asked for; None: the router estimates
+    blocks: PromptBlocks | None = None  # the prompt's chained block hashes, when the trace has them
 
 
 def load_trace(
