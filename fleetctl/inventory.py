@@ -112,6 +112,9 @@ class ModelSpec(Strict):
         min_length=1
     )
     max_context: int = Field(gt=0, le=MAX_TOKENS)
+    # With it, each node class runs the longest max_model_len its KV cache holds, at least
+    # this; max_context is then what the fleet serves somewhere, not what every server takes.
+    min_context: int | None = Field(None, gt=0, le=MAX_TOKENS)
     workload: WorkloadSpec | None = None
     min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     max_replicas: int | None = Field(None, ge=1, le=MAX_REPLICAS)
@@ -472,6 +475,12 @@ def _resolve_models(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple
                 f"max_context {ms.max_context} exceeds {profile.name}'s {profile.max_context}",
                 src.at((*at, "max_context")),
                 f"lower it to at most {profile.max_context}, or use a longer-context model profile",
+            )
+        if ms.min_context is not None and ms.min_context > ms.max_context:
+            raise UserError(
+                f"min_context {ms.min_context} exceeds max_context {ms.max_context}",
+                src.at((*at, "min_context")),
+                f"lower min_context to at most {ms.max_context}, or raise max_context",
             )
         if ms.max_replicas is not None and ms.max_replicas < ms.min_replicas:
             raise UserError(

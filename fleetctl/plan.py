@@ -47,6 +47,9 @@ class Server:
     args_head: tuple[str, ...]  # `vllm serve` arguments before --host/--port
     args_tail: tuple[str, ...]  # and after
     env: tuple[tuple[str, str], ...]  # besides CUDA_VISIBLE_DEVICES
+    # Why max_model_len is what it is: "131072 = max_context", or with the model's
+    # min_context the KV budget that made it shorter. Not a flag: it never restarts a server.
+    max_model_len_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,7 @@ class Deployment:
             "source": s.source,
             "tensor_parallel_size": s.tensor_parallel_size,
             "max_model_len": s.max_model_len,
+            "max_model_len_reason": s.max_model_len_reason,
             "gpu_memory_utilization": s.gpu_memory_utilization,
             "kv_cache_dtype": s.kv_cache_dtype,
             "max_num_batched_tokens": s.max_num_batched_tokens,
@@ -166,6 +170,7 @@ class Deployment:
             args_head=head,
             args_tail=tail,
             env=env,
+            max_model_len_reason=str(d.get("max_model_len_reason", "")),
         )
         return cls(d["node"], d["host"], tuple(d["gpu_indices"]), int(d["port"]), server)
 

@@ -165,8 +165,34 @@ def summary_line(actions: Iterable[Action]) -> Text:
     )
 
 
+def context_lines(plan: Plan) -> list[str]:
+    """Why each length, for models whose servers run lengths below max_context (min_context):
+    one line per model, GPU type, format and TP size."""
+    shortened = {
+        d.model
+        for d in plan.deployments
+        if d.server.max_model_len_reason and not _at_max(d.server.max_model_len_reason)
+    }
+    out: dict[tuple[object, ...], str] = {}
+    for d in plan.deployments:
+        if d.model in shortened:
+            key = (d.model, d.gpu_type, d.variant, d.tensor_parallel_size)
+            out.setdefault(
+                key,
+                f"{d.model} on {d.gpu_type} ({d.variant}, TP={d.tensor_parallel_size}): "
+                f"max_model_len {d.server.max_model_len_reason}",
+            )
+    return [out[k] for k in sorted(out, key=str)]
+
+
+def _at_max(reason: str) -> bool:
+    return reason.endswith("= max_context")
+
+
 def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
     parts: list[RenderableType] = [plan_table(plan), model_table(plan)]
+    if not explain:  # --explain lists the same among each deployment's reasons
+        parts.extend(Text(line) for line in context_lines(plan))
     if explain:
         seen = set()
         for d in plan.deployments:

@@ -20,6 +20,7 @@ from fleetctl.planner.candidates import (
     Candidate,
     NodeClass,
     candidates,
+    fits,
     node_classes,
     prune_dominated,
     tp_sizes,
@@ -83,6 +84,12 @@ def plan_fleet(
         Unplaced(m.name, _why_unplaced(m, classes, feasible, rejected))
         for m in inv.models
         if not by_model[m.name] and m.spec.min_replicas > 0
+    ) + tuple(
+        Unplaced(m.name, _why_short(m, by_model[m.name]))
+        for m in inv.models
+        if m.spec.min_context is not None
+        and by_model[m.name]
+        and all(d.server.max_model_len < m.spec.max_context for d in by_model[m.name])
     )
     summaries = tuple(
         ModelSummary(
@@ -137,7 +144,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         "--tensor-parallel-size",
         str(k.tp),
         "--max-model-len",
-        str(model.spec.max_context),
+        str(k.max_model_len),
         "--gpu-memory-utilization",
         f"{k.gpu_memory_utilization:g}",
         "--dtype",
@@ -163,7 +170,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         source=variant.source,
         gpu_type=k.cls.gpu.name,
         tensor_parallel_size=k.tp,
-        max_model_len=model.spec.max_context,
+        max_model_len=k.max_model_len,
         gpu_memory_utilization=k.gpu_memory_utilization,
         kv_cache_dtype=model.spec.kv_cache_dtype,
         max_num_batched_tokens=k.max_num_batched_tokens,
@@ -178,6 +185,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         args_head=("serve", variant.source, "--served-model-name", model.name),
         args_tail=tuple(tail),
         env=tuple(sorted(model.spec.env.items())),
+        max_model_len_reason=k.context_reason,
     )
 
 
@@ -201,8 +209,10 @@ def _reasons(k: Candidate, feasible: list[Candidate], serving: dict[str, set[str
         )
     out.append(
         f"KV budget {_gb(k.budget.kv_total)} = {k.budget.kv_tokens:,} tokens: "
-        f"{k.sequences_at_max_len} sequences at max_model_len {m.spec.max_context}"
+        f"{k.sequences_at_max_len} sequences at max_model_len {k.max_model_len}"
     )
+    if m.spec.min_context is not None:
+        out.append(f"max_model_len {k.context_reason}")
     if k.calibrated:
         out.append(k.calibrated)
     if len(m.variants) > 1:
@@ -227,9 +237,10 @@ def _reasons(k: Candidate, feasible: list[Candidate], serving: dict[str, set[str
         out.append(f"{gpu.name} is the only GPU type that fits it")
     for name, other in sorted(best_elsewhere.items()):
         there = other.capacity_rps / other.tp
+        at_len = "" if other.max_model_len == k.max_model_len else f" {other.max_model_len}"
         text = (
             f"vs {name}: {there:.2f} req/s per GPU there ({other.variant.format.name}, "
-            f"TP={other.tp}, {other.sequences_at_max_len} sequences at max_model_len)"
+            f"TP={other.tp}, {other.sequences_at_max_len} sequences at max_model_len{at_len})"
         )
         busy = sorted(serving.get(name, set()) - {m.name})
         if there > per_gpu_rps and busy:
@@ -248,6 +259,16 @@ def _why_unplaced(
             "add GPUs or lower other models' min_replicas"
         )
     mine = [k for k in rejected if k.model is m]
+    short = [k for k in mine if fits(k)]  # min_context: they fit, but none reaches max_context
+    if short:
+        best = max(short, key=lambda k: (k.max_model_len, -k.tp))
+        return (
+            f"{m.name} must serve max_context {m.spec.max_context} on some server, but no "
+            f"GPU class holds {plural(m.spec.min_sequences, 'sequence')} of it: the longest "
+            f"is {best.max_model_len} on {best.cls.label} ({best.variant.format.name}, "
+            f"TP={best.tp}); lower max_context to {best.max_model_len} or add a "
+            f"larger-memory class"
+        )
     if not mine:
         blockers = [
             why_not(c, m, v, next(iter(tp_sizes(m, c.gpu_count)), None))
@@ -258,7 +279,13 @@ def _why_unplaced(
         return f"no node can run it: {text}" if text else "no node can run it"
     best = max(mine, key=lambda k: (k.budget.kv_per_gpu * k.tp, -k.tp))
     fmt = best.variant.format.name
-    need_kv = m.spec.min_sequences * m.spec.max_context * best.perf.kv_token_bytes * best.tp
+    # With min_context, the shortest length a server may run is what did not fit.
+    length, field = (
+        (m.spec.max_context, "max_context")
+        if m.spec.min_context is None
+        else (m.spec.min_context, "min_context")
+    )
+    need_kv = m.spec.min_sequences * length * best.perf.kv_token_bytes * best.tp
     if best.budget.kv_per_gpu <= 0:
         largest = max(c.gpu_count for c in classes if c.gpu is best.cls.gpu)
         return (
@@ -270,8 +297,18 @@ def _why_unplaced(
     return (
         f"{m.name} {fmt} fits its weights on {best.cls.label} at TP={best.tp} but leaves "
         f"{_gb(best.budget.kv_total)} of KV cache; "
-        f"{plural(m.spec.min_sequences, 'sequence')} of {m.spec.max_context} tokens need "
-        f"{_gb(need_kv)}: lower max_context or add memory"
+        f"{plural(m.spec.min_sequences, 'sequence')} of {length} tokens need "
+        f"{_gb(need_kv)}: lower {field} or add memory"
+    )
+
+
+def _why_short(m: Model, placed: list[Deployment]) -> str:
+    """Why a model with min_context got servers but none at its max_context."""
+    longest = max(d.server.max_model_len for d in placed)
+    return (
+        f"no {m.name} server reaches max_context {m.spec.max_context} (the longest placed "
+        f"runs {longest}): the GPUs that hold it are taken by models with a better claim; "
+        "add GPUs that hold max_context or lower other models' min_replicas"
     )
 
 
@@ -293,18 +330,23 @@ def _warnings(
                 f"{s.demand_rps:g} req/s workload; add GPUs or lower the workload"
             )
     low = inv.spec.planner.warn_sequences_below
-    groups: dict[tuple[str, str, str, int], list[str]] = defaultdict(list)
+    groups: dict[tuple[str, str, str, int, int], list[str]] = defaultdict(list)
     for d in deployments:
-        if d.server.max_sequences_at_max_len < low:
-            groups[(d.model, d.variant, d.gpu_type, d.server.max_sequences_at_max_len)].append(
-                d.node
-            )
-    for (model, variant, gpu, seqs), nodes in sorted(groups.items()):
-        max_len = inv.model(model).spec.max_context
+        srv = d.server
+        if srv.max_sequences_at_max_len < low:
+            key = (d.model, d.variant, d.gpu_type, srv.max_sequences_at_max_len, srv.max_model_len)
+            groups[key].append(d.node)
+    for (model, variant, gpu, seqs, max_len), nodes in sorted(groups.items()):
+        # A length below max_context (min_context) is already the longest the KV cache holds.
+        fix = (
+            "lower max_context"
+            if max_len >= inv.model(model).spec.max_context
+            else "raise min_sequences (a shorter max_model_len, more sequences)"
+        )
         out.append(
             f"{model} {variant} on {gpu} ({_node_list(nodes)}): the KV cache holds only "
             f"{plural(seqs, 'sequence')} of {max_len} tokens; the weights fit but long prompts "
-            f"will queue or be preempted: lower max_context or use a larger-memory class"
+            f"will queue or be preempted: {fix} or use a larger-memory class"
         )
     used: dict[int, int] = defaultdict(int)
     for p in placements:

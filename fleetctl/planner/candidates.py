@@ -8,11 +8,28 @@ from fleetctl.calibration import Calibration, measured
 from fleetctl.catalog import GpuProfile
 from fleetctl.inventory import Inventory, Model, Node, Variant
 from fleetctl.names import natural_key
-from fleetctl.perf import EnginePerf, KvBudget, kv_budget, max_sequences, vllm_batch_defaults
+from fleetctl.perf import (
+    BLOCK_SIZE,
+    GB,
+    EnginePerf,
+    KvBudget,
+    kv_budget,
+    max_sequences,
+    vllm_batch_defaults,
+)
+from fleetctl.text import plural
 
 TP_SIZES = (1, 2, 4, 8)
 # Mean request shape assumed when a model has no workload: a chat turn.
 DEFAULT_PROMPT, DEFAULT_OUTPUT = 1000, 200
+# A length shorter than max_context (a model with min_context) is rounded down to this many
+# tokens: whole KV blocks on every block size vLLM uses (16 on GPUs, 128 on CPUs), and a KV
+# estimate that moves by a few hundred tokens (a new calibration) does not change the flag and
+# so does not restart every server of the class.
+CONTEXT_STEP = 1024
+# Lengths tried per candidate while solving for the longest that fits (one or two suffice
+# where the KV budget does not depend on the length, as on vLLM V1).
+CONTEXT_TRIES = 64
 
 
 @dataclass(frozen=True)
@@ -52,6 +69,10 @@ class Candidate:
     decode_tok_s: float  # one request, short context
     # Where measured figures replaced the model's (KV tokens, speed): the calibration's entry.
     calibrated: str | None = None
+    # Its --max-model-len: the model's max_context, or with min_context the longest this
+    # class's KV cache holds min_sequences of (context_reason says which, in numbers).
+    max_model_len: int = 0
+    context_reason: str = ""
 
     @property
     def option(self) -> tuple[str, str, int]:
@@ -111,16 +132,18 @@ def evaluate(
     tp: int,
     inv: Inventory,
     calibration: Calibration | None = None,
+    max_len: int | None = None,
 ) -> Candidate:
-    """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not);
-    a calibration entry for the same GPU, model, format and TP replaces the model's KV tokens
-    and speed with what live servers measured."""
+    """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not),
+    with --max-model-len `max_len` (default: the model's max_context); a calibration entry for
+    the same GPU, model, format and TP replaces the model's KV tokens and speed with what live
+    servers measured."""
     planner = inv.spec.planner
     util = model.spec.gpu_memory_utilization or planner.gpu_memory_utilization
     # The release the servers will run: the inventory's apply.vllm_version, else fleetctl's
     # target; its memory-profiling rules and defaults size the KV cache.
     version = inv.spec.apply.vllm_version
-    max_len = model.spec.max_context
+    max_len = max_len or model.spec.max_context
     tokens, seqs = vllm_batch_defaults(cls.gpu, version, max_len)
     budget = kv_budget(
         cls.gpu,
@@ -159,7 +182,7 @@ def evaluate(
             per_gpu = found.kv_tokens * perf.kv_token_bytes
             budget = replace(budget, kv_tokens=found.kv_tokens, kv_per_gpu=per_gpu)
         perf = found.perf(perf)
-    seq_at_max = max_sequences(budget.kv_tokens, model.spec.max_context)
+    seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
     capacity = perf.capacity_rps(prompt, output, budget.kv_tokens, seqs) if seq_at_max else 0.0
     return Candidate(
@@ -176,7 +199,61 @@ def evaluate(
         capacity,
         perf.decode_tok_s(1, 512),
         calibrated,
+        max_len,
+        f"{max_len} = max_context",
     )
+
+
+def fits(cand: Candidate) -> bool:
+    """The planner's KV rule: the cache holds min_sequences sequences of max_model_len."""
+    return cand.sequences_at_max_len >= cand.model.spec.min_sequences and cand.capacity_rps > 0
+
+
+def _longest(cand: Candidate) -> int:
+    """The longest length, in CONTEXT_STEPs and below max_context, of which `cand`'s KV
+    budget holds min_sequences (the inverse of max_sequences: whole blocks per sequence)."""
+    per_seq = (cand.budget.kv_tokens // BLOCK_SIZE) // cand.model.spec.min_sequences * BLOCK_SIZE
+    return min(cand.model.spec.max_context - 1, per_seq) // CONTEXT_STEP * CONTEXT_STEP
+
+
+def shorter(cand: Candidate, inv: Inventory, calibration: Calibration | None = None) -> Candidate:
+    """`cand` (which does not fit at max_context) at the longest max_model_len from its
+    model's min_context up that fits, or `cand` unchanged when not even min_context does.
+
+    The KV budget may depend on the length (vLLM V0 profiles a whole max-length prompt), so
+    each length is evaluated again: start where the budget at max_context says, climb while a
+    fitting length's own budget allows a longer one, step down while one does not fit."""
+    model = cand.model
+    lo = model.spec.min_context
+    if lo is None:
+        return cand
+    best: Candidate | None = None
+    tried: set[int] = set()
+    n = _longest(cand)
+    for _ in range(CONTEXT_TRIES):
+        n = max(n, lo)
+        if n in tried:
+            break
+        tried.add(n)
+        k = evaluate(cand.cls, model, cand.variant, cand.tp, inv, calibration, n)
+        if fits(k):
+            best = k
+            n = _longest(k)
+            if n <= k.max_model_len:
+                break
+        elif best is not None or n == lo:
+            break
+        else:
+            n = min(n - CONTEXT_STEP, _longest(k))
+    if best is None:
+        return cand
+    seqs = plural(best.sequences_at_max_len, "sequence")
+    why = (
+        f"{best.max_model_len}: the KV budget of {best.budget.kv_total / GB:.1f} GB "
+        f"({best.budget.kv_tokens:,} tokens) holds {seqs} of {best.max_model_len}, not of "
+        f"max_context {model.spec.max_context} (min_context {lo})"
+    )
+    return replace(best, context_reason=why)
 
 
 def why_not(cls: NodeClass, model: Model, variant: Variant, tp: int | None) -> str | None:
@@ -197,21 +274,36 @@ def why_not(cls: NodeClass, model: Model, variant: Variant, tp: int | None) -> s
 def candidates(
     inv: Inventory, classes: list[NodeClass], calibration: Calibration | None = None
 ) -> tuple[list[Candidate], list[Candidate]]:
-    """(feasible, rejected) candidates; rejected ones fit no KV for min_sequences at max_context.
-    `calibration`: measured figures that replace the model's where an entry matches."""
+    """(feasible, rejected) candidates; rejected ones fit no KV for min_sequences at max_context
+    (with min_context: at any length from min_context up). A model with min_context whose
+    candidates all fall short of max_context is rejected whole: the fleet must serve
+    max_context somewhere. `calibration`: measured figures that replace the model's where an
+    entry matches."""
     feasible: list[Candidate] = []
     rejected: list[Candidate] = []
-    for cls in classes:
-        for model in inv.models:
+    for model in inv.models:
+        mine: list[Candidate] = []
+        for cls in classes:
             for variant in model.variants:
                 sizes = tp_sizes(model, cls.gpu_count)
                 if why_not(cls, model, variant, sizes[0] if sizes else None):
                     continue
                 for tp in sizes:
                     cand = evaluate(cls, model, variant, tp, inv, calibration)
-                    ok = cand.sequences_at_max_len >= model.spec.min_sequences
-                    (feasible if ok and cand.capacity_rps > 0 else rejected).append(cand)
+                    if not fits(cand):
+                        cand = shorter(cand, inv, calibration)
+                    (mine if fits(cand) else rejected).append(cand)
+        if model.spec.min_context is not None and not any(reaches_max(k) for k in mine):
+            rejected += mine
+        else:
+            feasible += mine
+    # Class-major order, as the optimizer and the plan's tie-breaks have always seen them.
+    feasible.sort(key=lambda k: k.cls.index)
     return feasible, rejected
+
+
+def reaches_max(cand: Candidate) -> bool:
+    return cand.max_model_len >= cand.model.spec.max_context
 
 
 def prune_dominated(cands: list[Candidate], warn_below: int, keep: set[int]) -> list[Candidate]:
@@ -240,6 +332,7 @@ def _dominates(b: Candidate, a: Candidate, warn_below: int, tie_wins: bool) -> b
     cap_b, cap_a = copies * b.capacity_rps, a.capacity_rps
     head_b = min(b.sequences_at_max_len, warn_below)
     head_a = min(a.sequences_at_max_len, warn_below)
-    if cap_b < cap_a or head_b < head_a:
+    # A shorter length never stands in for a longer one (a model with min_context).
+    if cap_b < cap_a or head_b < head_a or b.max_model_len < a.max_model_len:
         return False
     return cap_b > cap_a or head_b > head_a or tie_wins

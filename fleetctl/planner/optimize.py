@@ -8,6 +8,8 @@ GPUs into TP-sized slots. Either way a TP group never spans nodes and no GPU hos
 
 Objective, in one solve (terms in decreasing weight):
   - every model gets min_replicas where GPUs allow (a missing replica costs UNMET_WEIGHT);
+  - a model with min_context whose servers run shorter lengths on some classes also gets one
+    at max_context (a short server without one costs UNMET_WEIGHT: the plan says so);
   - every model's workload is covered: SHORTFALL_WEIGHT per unit of (1 - capacity/workload);
   - spare capacity is shared by proportional fairness: the sum over models of log(capacity /
     workload), piecewise linear, so no model's workload size biases who gets the spare GPUs;
@@ -225,6 +227,14 @@ def solve(
         prog.row({**{y[o]: 1.0 for o in mine}, unmet: 1.0}, m.spec.min_replicas, math.inf)
         if m.spec.max_replicas is not None:
             prog.row({y[o]: 1.0 for o in mine}, -math.inf, m.spec.max_replicas)
+        below = [o for o in mine if cands[o].max_model_len < m.spec.max_context]
+        if below:  # sum(below) <= big * (sum(at max_context) + missing): none without a long one
+            big = float(sum(prog.ub[y[o]] for o in below))
+            missing = prog.col(0, 1, UNMET_WEIGHT, integer=True)
+            coefs = {y[o]: 1.0 for o in below}
+            coefs.update({y[o]: -big for o in mine if o not in below})
+            coefs[missing] = -big
+            prog.row(coefs, -math.inf, 0.0)
         if d and mine:  # shortfall >= 1 - ratio
             short = prog.col(0, 1, SHORTFALL_WEIGHT)
             prog.row({short: 1.0, **ratio}, 1.0, math.inf)

@@ -14,6 +14,7 @@ from fleetctl.calibration import Calibration, measured
 from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
+from fleetctl.limits import MAX_TOKENS
 from fleetctl.perf import EnginePerf, kv_budget, vllm_batch_defaults
 from fleetctl.routing.types import Backend
 from fleetctl.statedir import StateDir
@@ -34,6 +35,8 @@ class BackendEntry(Strict):
     kv_budget_tokens: int | None = Field(None, gt=0)
     max_num_seqs: int | None = Field(None, gt=0)
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
+    # Its --max-model-len: requests longer than it go elsewhere. Unset: not filtered by length.
+    max_model_len: int | None = Field(None, gt=0, le=MAX_TOKENS)
     gpus: tuple[int, ...] = ()  # GPU indices on its node, to read them from DCGM
     dcgm_url: str | None = Field(None, pattern=r"^https?://[^/\s]+(/.*)?$")
     # The name the server serves the model under (vLLM's --served-model-name) when it is not
@@ -106,12 +109,17 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         kv = (
             e.kv_budget_tokens
             or kv_budget(
-                gpu, model, fmt, e.tensor_parallel_size, e.gpu_memory_utilization
+                gpu,
+                model,
+                fmt,
+                e.tensor_parallel_size,
+                e.gpu_memory_utilization,
+                max_model_len=e.max_model_len,
             ).kv_tokens
         )
         perf = EnginePerf(gpu, model, fmt, e.tensor_parallel_size)
         node = e.node or url.split("//", 1)[1].split("/")[0]
-        b = Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf)
+        b = Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf, e.max_model_len or 0)
         b.served_name = e.served_name if e.served_name and e.served_name != e.model else ""
         b.gpus, b.dcgm_url = e.gpus, e.dcgm_url or ""
         out.append(b)
@@ -153,6 +161,7 @@ def backends_from_state(inv: Inventory, state_dir: StateDir) -> list[Backend]:
                 s.kv_budget_tokens,
                 s.max_num_seqs,
                 perf,
+                max_model_len=s.max_model_len,
                 gpus=d.gpu_indices,
                 dcgm_url=dcgm_url(inv, d.host),
             )
@@ -179,7 +188,9 @@ def apply_calibration(
         if b.perf is None:
             continue
         p = b.perf
-        entry = calibration.find(b.gpu_type, p.model.name, b.variant, p.tp, vllm_version)
+        entry = calibration.find(
+            b.gpu_type, p.model.name, b.variant, p.tp, vllm_version, b.max_model_len or None
+        )
         found = measured(entry, p) if entry else None
         if found is None:
             continue
