@@ -20,17 +20,44 @@ from aiohttp import web
 from fleetctl.router.admission import Admission
 from fleetctl.router.intake import Intake, authorize, error_response
 from fleetctl.router.live import LiveState, cancel
+from fleetctl.router.prefix_share import PrefixShare, SharedIndex
 from fleetctl.router.proxy import Hooks, Proxy
 from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.transport import make_transport
+from fleetctl.routing.peers import PEER_POLICIES
 from fleetctl.routing.policy import Policy
+from fleetctl.routing.prefix import PrefixIndex
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend, OutputEstimator
 
 log = logging.getLogger("fleetctl.router")
+
+# Blocks the prefix index holds, over all backends: ~1M blocks of ~16 tokens (benchmarks/
+# prefix_index.py measures its memory).
+PREFIX_CAPACITY = 1 << 20
+
+
+# Our policies that read the prefix index (hardware-aware: a cached prefix is prefill a
+# server skips); every peer policy does (routing/peers.py).
+PREFIX_READERS = frozenset({"hardware-aware"})
+
+
+def reads_prefix(policy: Policy) -> bool:
+    """Whether a policy reads the prefix index, so that requests need their block hashes
+    (~0.03 ms for a 1K-token prompt, benchmarks/prefix_index.py): its `reads_prefix`
+    attribute where it has one, else whether it is one of PREFIX_READERS or a peer's."""
+    says = getattr(policy, "reads_prefix", None)
+    if says is not None:
+        return bool(says)
+    return policy.name in PREFIX_READERS or policy.name in PEER_POLICIES
+
+
+def per_backend(total: int, backends: int) -> int:
+    """A PrefixIndex's capacity (per backend) for `total` blocks over `backends` backends."""
+    return max(1, total // max(1, backends))
 
 
 @dataclass
@@ -66,6 +93,16 @@ class Router:
     shared: RedisShared | None = None  # session pins and the TTFT window, across replicas
     tokens: TokenCounter = field(default_factory=TokenCounter)
     known_formats: frozenset[str] = frozenset()  # the catalog's: a precision hint names one
+    # The prefix index: at most this many blocks over all backends (0: none). A policy that
+    # came with a PrefixIndex (make_policy's `prefix`) keeps it; else the router gives it one.
+    prefix_capacity: int = PREFIX_CAPACITY
+    # Whether requests are hashed into blocks (Request.blocks); None: when the policy reads
+    # the prefix index (reads_prefix).
+    hash_prompts: bool | None = None
+    # The hook for an index fed by the servers' KV events (precise) rather than by placements:
+    # a PrefixIndex(learn=False) given to the policy, fed by fleetctl/router/kv_events.py.
+    prefix: PrefixIndex | None = field(init=False, default=None)
+    prefix_share: PrefixShare | None = field(init=False, default=None)
     _proxy: Proxy | None = None  # built at start, with its upstream connection pool
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     intake: Intake = field(init=False)
@@ -85,6 +122,23 @@ class Router:
         )
         self.intake.index(self.backends)
         self.admission = Admission(self.scheduler, self.backends, self.metrics, c.queue_timeout_s)
+        self._prefix_index()
+
+    def _prefix_index(self) -> None:
+        """The policy's prefix index (the one it came with, or a new one), whether requests
+        are hashed for it, and its sharing with the other replicas through Redis."""
+        given = self.policy.prefix
+        if isinstance(given, PrefixIndex):
+            self.prefix = given
+        elif self.prefix_capacity > 0:
+            self.prefix = SharedIndex(per_backend(self.prefix_capacity, len(self.backends)))
+            self.policy.prefix = self.prefix
+        if self.prefix is None:
+            return
+        wanted = reads_prefix(self.policy) if self.hash_prompts is None else self.hash_prompts
+        self.intake.blocks = wanted
+        if self.shared is not None and wanted and self.prefix.learn:
+            self.prefix_share = PrefixShare(self.shared, self.prefix)
 
     @property
     def policy(self) -> Policy:
@@ -120,6 +174,8 @@ class Router:
                     "session store unreachable (%s); using this replica's memory", type(e).__name__
                 )
             self._tasks.append(asyncio.create_task(self._sync_ttft()))
+            if self.prefix_share is not None:
+                self._tasks.append(asyncio.create_task(self.prefix_share.run()))
         if self.live is not None:
             self._tasks.append(asyncio.create_task(self.live.run()))
 
@@ -180,6 +236,11 @@ class Router:
             merged.append(b)
         self.backends[:] = merged
         self.intake.index(self.backends)
+        if isinstance(self.prefix, SharedIndex):  # ours: its bound follows the backend count
+            self.prefix.capacity = per_backend(self.prefix_capacity, len(self.backends))
+        if self.prefix is not None:  # forget servers that left
+            for name in set(self.prefix.blocks) - {b.name for b in self.backends}:
+                self.prefix.clear(name)
         if self.live is not None:
             self.live.backends = self.backends
         self.admission.kick()
@@ -264,6 +325,17 @@ class Router:
                 age = now - state.scraped_at if state.scraped_at else float("inf")
                 self.metrics.scrape_age.set(b.name, value=age)
                 self.metrics.ejections.values[(b.name,)] = float(state.ejections)
+        if self.prefix is not None:
+            for b in self.backends:
+                self.metrics.prefix_blocks.set(b.name, value=self.prefix.size(b.name))
+        if self.prefix_share is not None:
+            share = self.prefix_share
+            for direction, n in (
+                ("published", share.published),
+                ("applied", share.applied),
+                ("dropped", share.dropped),
+            ):
+                self.metrics.prefix_updates.values[(direction,)] = float(n)
         if self.live is not None:
             self.live.expire_all(now)
         return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")

@@ -1,8 +1,12 @@
-"""State several router replicas share through Redis: session pins and the TTFT window.
+"""State several router replicas share through Redis: session pins, the TTFT window, and
+what each replica's prefix index learns.
 
 Routing decisions stay synchronous and local: a request's pin is fetched from Redis before
 it is queued, and new pins are written after placement. TTFT samples go to a sorted set by
 wall-clock time; each replica rebuilds its aging median from the last window once a second.
+Prefix-index updates are published on a pub/sub channel, fire and forget
+(fleetctl/router/prefix_share.py): a replica that is away misses them, and learns again from
+its own placements.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fleetctl.errors import UserError
@@ -68,3 +73,33 @@ class RedisShared:
             at, value, _ = (m.decode() if isinstance(m, bytes) else m).split(":")
             median.add(mono - (wall - float(at)), float(value))
         return median
+
+    # --- the prefix index's updates (pub/sub) -----------------------------------------------
+
+    @property
+    def prefix_channel(self) -> str:
+        return self.ns + "prefix"
+
+    async def publish_prefix(self, messages: Sequence[bytes]) -> None:
+        """Publish prefix-index updates, in one round trip."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for m in messages:
+                pipe.publish(self.prefix_channel, m)
+            await pipe.execute()
+
+    async def prefix_updates(
+        self, subscribed: Callable[[], None] | None = None
+    ) -> AsyncIterator[bytes]:
+        """Every replica's prefix-index updates (this one's too) as they are published, until
+        the connection fails (the error is raised). `subscribed()` is called once listening."""
+        pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self.prefix_channel)
+            if subscribed is not None:
+                subscribed()
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if msg is not None and msg.get("type") == "message":
+                    yield msg["data"]
+        finally:
+            await pubsub.aclose()

@@ -142,6 +142,17 @@ class RouterMetrics:
             "A backend's speed over the perf model's: measured online, else calibrated, else 1.",
             ("backend",),
         )
+        self.prefix_blocks = Gauge(
+            "fleetctl_prefix_index_blocks",
+            "Prompt blocks the router's prefix index believes a backend holds.",
+            ("backend",),
+        )
+        self.prefix_updates = Counter(
+            "fleetctl_prefix_share_updates_total",
+            "Prefix-index updates shared with the other replicas through the session store: "
+            "published, applied (another replica's) and dropped.",
+            ("direction",),
+        )
 
     def render(self) -> str:
         lines: list[str] = []
@@ -159,6 +170,8 @@ class RouterMetrics:
             self.reserved,
             self.prefill,
             self.speed,
+            self.prefix_blocks,
+            self.prefix_updates,
         ):
             lines.extend(m.render())
         return "\n".join(lines) + "\n"

@@ -1,0 +1,208 @@
+"""The prefix index across router replicas: each replica's placements reach the others'
+indexes through the Redis session store's pub/sub channel.
+
+A placement's update is queued without waiting (`SharedIndex.routed`, called by the policy
+as it places a request) and published by one background task, several per round trip. The
+queue is bounded: when Redis is slow or away, the oldest updates are dropped, never a request
+held; each replica keeps its own index meanwhile. A replica applies every other replica's
+updates to its index as they arrive; one that was away misses what was published then.
+
+An update on the wire: a kind byte (`+` stored, `-` removed, `0` all cleared), a format
+byte (`q`: the hashes are signed 64-bit integers, as CPython's hashes of routing/blocks.py
+are; `Q`: unsigned, as vLLM's KV events carry them, fleetctl/vllm_hash.py), the sender's
+8-character id, the backend's name length (2 bytes, big-endian) and UTF-8 name, then the
+hashes, little-endian. Hashes that fit neither are not shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+from array import array
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Protocol
+
+from fleetctl.routing.prefix import PrefixIndex, PromptBlocks
+
+log = logging.getLogger("fleetctl.router")
+
+STORED, REMOVED, CLEARED = b"+", b"-", b"0"
+OUTBOX_MAX = 4096  # updates waiting to be published; the oldest go first past it
+BATCH = 128  # updates per round trip
+RETRY_S = 1.0  # after Redis fails, wait this long before the next try
+_LEN = struct.Struct(">H")
+
+
+class Store(Protocol):
+    """What sharing needs of the session store (fleetctl/router/shared.py RedisShared)."""
+
+    me: str
+
+    async def publish_prefix(self, messages: Sequence[bytes]) -> None: ...
+
+    def prefix_updates(
+        self, subscribed: Callable[[], None] | None = None
+    ) -> AsyncIterator[bytes]: ...
+
+
+def encode(kind: bytes, sender: str, backend: str, hashes: Sequence[int]) -> bytes | None:
+    """An update's bytes, or None when a hash does not fit 64 bits."""
+    name = backend.encode()
+    packed = None
+    for fmt in ("q", "Q"):
+        try:
+            packed = array(fmt, hashes)
+            break
+        except OverflowError:
+            continue
+    if packed is None or packed.itemsize != 8:
+        return None
+    if not _little:
+        packed.byteswap()
+    head = (kind, packed.typecode.encode(), sender.encode()[:8].ljust(8), _LEN.pack(len(name)))
+    return b"".join((*head, name, packed))
+
+
+def decode(data: bytes) -> tuple[bytes, str, str, tuple[int, ...]]:
+    """(kind, sender, backend, hashes) of an update; ValueError when malformed."""
+    if len(data) < 12:
+        raise ValueError("short prefix update")
+    kind, fmt, sender = data[:1], data[1:2].decode(), data[2:10].decode()
+    (n,) = _LEN.unpack_from(data, 10)
+    backend = data[12 : 12 + n].decode()
+    rest = data[12 + n :]
+    if fmt not in ("q", "Q") or len(backend.encode()) != n or len(rest) % 8:
+        raise ValueError("malformed prefix update")
+    hashes = array(fmt)
+    hashes.frombytes(rest)
+    if not _little:
+        hashes.byteswap()
+    return kind, sender, backend, tuple(hashes)
+
+
+_little = struct.pack("=H", 1) == b"\x01\x00"
+
+
+class SharedIndex(PrefixIndex):
+    """A PrefixIndex whose placements (and, for a KV-event-fed one, whose `stored`,
+    `removed` and `cleared` calls) are also queued for the other replicas, once `share`
+    is set."""
+
+    def __init__(self, capacity: int = 1 << 20, learn: bool = True):
+        super().__init__(capacity, learn)
+        self.share: PrefixShare | None = None
+
+    def routed(self, backend: str, blocks: PromptBlocks) -> None:
+        if self.learn:
+            self.insert(backend, blocks.hashes)
+            if self.share is not None and blocks.hashes:
+                self.share.queue(STORED, backend, blocks.hashes)
+
+    def stored(self, backend: str, hashes: Sequence[int]) -> None:
+        """An engine's BlockStored: insert here, and tell the other replicas."""
+        self.insert(backend, hashes)
+        if self.share is not None:
+            self.share.queue(STORED, backend, hashes)
+
+    def removed(self, backend: str, hashes: Sequence[int]) -> None:
+        self.remove(backend, hashes)
+        if self.share is not None:
+            self.share.queue(REMOVED, backend, hashes)
+
+    def cleared(self, backend: str) -> None:
+        self.clear(backend)
+        if self.share is not None:
+            self.share.queue(CLEARED, backend, ())
+
+
+class PrefixShare:
+    """Publishes this replica's index updates and applies the other replicas' ones."""
+
+    def __init__(self, store: Store, index: PrefixIndex, outbox_max: int = OUTBOX_MAX):
+        self.store = store
+        self.index = index
+        self.outbox: deque[bytes] = deque(maxlen=outbox_max)
+        self.listening = asyncio.Event()  # subscribed: from now on, peers' updates arrive
+        self._wake = asyncio.Event()
+        self.published = self.dropped = self.applied = 0
+        self._warned = 0.0
+        if isinstance(index, SharedIndex):
+            index.share = self
+
+    def queue(self, kind: bytes, backend: str, hashes: Sequence[int]) -> None:
+        """Queue an update; never waits. Past `outbox_max`, the oldest is dropped."""
+        msg = encode(kind, self.store.me, backend, hashes)
+        if msg is None:
+            return
+        if len(self.outbox) == self.outbox.maxlen:
+            self.dropped += 1
+        self.outbox.append(msg)
+        self._wake.set()
+
+    def apply(self, data: bytes) -> bool:
+        """Apply another replica's update to the local index; False for our own or junk."""
+        try:
+            kind, sender, backend, hashes = decode(data)
+        except (ValueError, UnicodeDecodeError):
+            return False
+        if sender == self.store.me:
+            return False
+        if kind == STORED:
+            self.index.insert(backend, hashes)
+        elif kind == REMOVED:
+            self.index.remove(backend, hashes)
+        elif kind == CLEARED:
+            self.index.clear(backend)
+        else:
+            return False
+        self.applied += 1
+        return True
+
+    async def publish(self) -> None:
+        """Publish queued updates, BATCH per round trip, until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self.outbox:
+                batch = [self.outbox.popleft() for _ in range(min(BATCH, len(self.outbox)))]
+                try:
+                    await self.store.publish_prefix(batch)
+                    self.published += len(batch)
+                except Exception as e:  # keep the local index; try again later
+                    self.dropped += len(batch)
+                    self._warn(e)
+                    await asyncio.sleep(RETRY_S)
+
+    async def listen(self) -> None:
+        """Apply the other replicas' updates, resubscribing after a failure, until cancelled."""
+        while True:
+            try:
+                async for data in self.store.prefix_updates(self.listening.set):
+                    self.apply(data)
+            except Exception as e:
+                self.listening.clear()
+                self._warn(e)
+            await asyncio.sleep(RETRY_S)
+
+    async def run(self) -> None:
+        """Both directions, until cancelled."""
+        tasks = [asyncio.create_task(self.publish()), asyncio.create_task(self.listen())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+
+    def _warn(self, e: BaseException) -> None:
+        """One log line per minute at most while Redis fails."""
+        now = time.monotonic()
+        if now - self._warned >= 60.0:
+            self._warned = now
+            log.warning("session store (prefix sharing): %s", type(e).__name__)
