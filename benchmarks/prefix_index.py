@@ -228,7 +228,7 @@ def measure_request(tokens: int, backends: int, min_s: float) -> list[dict[str, 
     class Quiet:
         me = "bench001"
 
-    share = PrefixShare(Quiet(), share_index, outbox_max=1 << 20)  # type: ignore[arg-type]
+    share = PrefixShare(Quiet(), share_index, outbox_bytes=1 << 30)  # type: ignore[arg-type]
     msg = encode(STORED, "peer0001", names[1], blocks.hashes)
     assert msg is not None
     peer = PrefixIndex(capacity=1 << 17)

@@ -412,7 +412,8 @@ def test_the_outbox_is_bounded_and_never_waits():
 
     async def go() -> PrefixShare:
         index = SharedIndex(100)
-        share = PrefixShare(Nowhere(), index, outbox_max=50)
+        size = len(encode(STORED, Nowhere.me, "b0", range(1, 6)) or b"")
+        share = PrefixShare(Nowhere(), index, outbox_bytes=50 * size)
         blocks = PromptBlocks(tuple(range(1, 6)), 16, 80)
         for i in range(500):
             index.routed(f"b{i % 3}", blocks)

@@ -31,7 +31,9 @@ from fleetctl.routing.prefix import PrefixIndex, PromptBlocks
 log = logging.getLogger("fleetctl.router")
 
 STORED, REMOVED, CLEARED = b"+", b"-", b"0"
-OUTBOX_MAX = 4096  # updates waiting to be published; the oldest go first past it
+# Updates waiting to be published: the oldest go first past this many bytes (a 12K-token
+# prompt's update is ~6 KB; 1M blocks' worth is 8 MB).
+OUTBOX_BYTES = 8 << 20
 BATCH = 128  # updates per round trip
 RETRY_S = 1.0  # after Redis fails, wait this long before the next try
 _LEN = struct.Struct(">H")
@@ -122,10 +124,13 @@ class SharedIndex(PrefixIndex):
 class PrefixShare:
     """Publishes this replica's index updates and applies the other replicas' ones."""
 
-    def __init__(self, store: Store, index: PrefixIndex, outbox_max: int = OUTBOX_MAX):
+    def __init__(self, store: Store, index: PrefixIndex, outbox_bytes: int = OUTBOX_BYTES):
         self.store = store
         self.index = index
-        self.outbox: deque[bytes] = deque(maxlen=outbox_max)
+        self.outbox: deque[bytes] = deque()
+        self.outbox_bytes = outbox_bytes
+        self.queued_bytes = 0
+        self._me = store.me.encode()[:8].ljust(8)
         self.listening = asyncio.Event()  # subscribed: from now on, peers' updates arrive
         self._wake = asyncio.Event()
         self.published = self.dropped = self.applied = 0
@@ -134,17 +139,21 @@ class PrefixShare:
             index.share = self
 
     def queue(self, kind: bytes, backend: str, hashes: Sequence[int]) -> None:
-        """Queue an update; never waits. Past `outbox_max`, the oldest is dropped."""
+        """Queue an update; never waits. Past `outbox_bytes`, the oldest are dropped."""
         msg = encode(kind, self.store.me, backend, hashes)
         if msg is None:
             return
-        if len(self.outbox) == self.outbox.maxlen:
-            self.dropped += 1
         self.outbox.append(msg)
+        self.queued_bytes += len(msg)
+        while self.queued_bytes > self.outbox_bytes:
+            self.queued_bytes -= len(self.outbox.popleft())
+            self.dropped += 1
         self._wake.set()
 
     def apply(self, data: bytes) -> bool:
         """Apply another replica's update to the local index; False for our own or junk."""
+        if data[2:10] == self._me:
+            return False
         try:
             kind, sender, backend, hashes = decode(data)
         except (ValueError, UnicodeDecodeError):
@@ -169,6 +178,7 @@ class PrefixShare:
             self._wake.clear()
             while self.outbox:
                 batch = [self.outbox.popleft() for _ in range(min(BATCH, len(self.outbox)))]
+                self.queued_bytes -= sum(len(m) for m in batch)
                 try:
                     await self.store.publish_prefix(batch)
                     self.published += len(batch)
