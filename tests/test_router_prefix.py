@@ -241,10 +241,16 @@ def test_token_id_prompts_hash_16_token_blocks(servers):
         s.stop()
 
 
-@pytest.mark.parametrize("name", ["cache-aware", "prefix-kv", "kv-router", "hardware-aware"])
-def test_prefix_aware_policies_get_hashed_prompts(name):
+@pytest.mark.parametrize("name", ["prefix-kv", "kv-router", "hardware-aware"])
+def test_prefix_aware_policies_get_hashed_prompts_and_the_index(name):
     router = Router([], Scheduler(make_policy(name)))
     assert reads_prefix(router.policy) and router.intake.blocks
+    assert isinstance(router.prefix, SharedIndex) and router.policy.prefix is router.prefix
+
+
+def test_a_policy_with_its_own_index_gets_hashed_prompts_only():
+    router = Router([], Scheduler(make_policy("cache-aware")))
+    assert router.intake.blocks and router.prefix is None
 
 
 def test_cache_aware_sends_chats_sharing_a_system_prompt_to_one_server(servers):
@@ -281,7 +287,7 @@ def test_cache_aware_sends_chats_sharing_a_system_prompt_to_one_server(servers):
 def test_prompts_are_not_hashed_for_a_policy_that_ignores_prefixes(servers):
     policy = Recording()
     router = Router(backends(servers), Scheduler(policy), DaemonConfig())
-    assert not reads_prefix(policy) and not router.intake.blocks
+    assert not reads_prefix(policy) and not router.intake.blocks and router.prefix is None
     s = Serving(router)
     try:
         assert s.chat(SYSTEM, "hello") == 200

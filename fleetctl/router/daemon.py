@@ -43,6 +43,9 @@ PREFIX_CAPACITY = 1 << 20
 # Our policies that read the prefix index (hardware-aware: a cached prefix is prefill a
 # server skips); every peer policy does (routing/peers.py).
 PREFIX_READERS = frozenset({"hardware-aware"})
+# Policies that keep an index of their own, as their peer does (cache-aware's tree, fed by
+# its placements): they need the prompts' blocks, not the router's index.
+OWN_INDEX = frozenset({"cache-aware"})
 
 
 def reads_prefix(policy: Policy) -> bool:
@@ -94,7 +97,8 @@ class Router:
     tokens: TokenCounter = field(default_factory=TokenCounter)
     known_formats: frozenset[str] = frozenset()  # the catalog's: a precision hint names one
     # The prefix index: at most this many blocks over all backends (0: none). A policy that
-    # came with a PrefixIndex (make_policy's `prefix`) keeps it; else the router gives it one.
+    # came with a PrefixIndex (make_policy's `prefix`) keeps it; else the router gives it
+    # one (as make_policy's `prefix` would) when requests are hashed for it.
     prefix_capacity: int = PREFIX_CAPACITY
     # Whether requests are hashed into blocks (Request.blocks); None: when the policy reads
     # the prefix index (reads_prefix).
@@ -125,19 +129,19 @@ class Router:
         self._prefix_index()
 
     def _prefix_index(self) -> None:
-        """The policy's prefix index (the one it came with, or a new one), whether requests
-        are hashed for it, and its sharing with the other replicas through Redis."""
+        """Whether requests are hashed into blocks, the policy's prefix index (the one it
+        came with, else a new one unless it keeps its own), and the index's sharing with
+        the other replicas through Redis."""
+        hashed = reads_prefix(self.policy) if self.hash_prompts is None else self.hash_prompts
+        self.intake.blocks = hashed
         given = self.policy.prefix
+        own = getattr(self.policy, "own_index", self.policy.name in OWN_INDEX)
         if isinstance(given, PrefixIndex):
             self.prefix = given
-        elif self.prefix_capacity > 0:
+        elif hashed and not own and self.prefix_capacity > 0:
             self.prefix = SharedIndex(per_backend(self.prefix_capacity, len(self.backends)))
             self.policy.prefix = self.prefix
-        if self.prefix is None:
-            return
-        wanted = reads_prefix(self.policy) if self.hash_prompts is None else self.hash_prompts
-        self.intake.blocks = wanted
-        if self.shared is not None and wanted and self.prefix.learn:
+        if self.prefix is not None and self.prefix.learn and hashed and self.shared is not None:
             self.prefix_share = PrefixShare(self.shared, self.prefix)
 
     @property

@@ -22,9 +22,8 @@ from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
 from fleetctl.router.backends import load_backends
-from fleetctl.router.daemon import PREFIX_CAPACITY, DaemonConfig, Router, per_backend
+from fleetctl.router.daemon import PREFIX_CAPACITY, DaemonConfig, Router
 from fleetctl.router.live import LiveState
-from fleetctl.router.prefix_share import SharedIndex
 from fleetctl.router.proxy import SERVED_BY
 from fleetctl.router.relay import header_value
 from fleetctl.router.tokens import TokenCounter
@@ -133,9 +132,9 @@ def build_router(
     prefix_capacity: int = PREFIX_CAPACITY,
 ) -> Router:
     """The daemon for an inventory. `prefix_capacity` bounds the prefix index (blocks over
-    all backends, least recently used first out; 0: no index), which the policy reads and
-    its placements feed (approximate), shared with the other replicas through the session
-    store."""
+    all backends, least recently used first out; 0: no index) that Router gives a policy
+    that reads one; its placements feed it (approximate), shared with the other replicas
+    through the session store."""
     if policy not in policy_names():
         raise UserError(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
@@ -146,11 +145,8 @@ def build_router(
     start_logging()
     backends = load_backends(inv, catalog, backends_file, state_dir, calibrated=calibrated)
     routing = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
-    index = None
-    if prefix_capacity > 0:
-        index = SharedIndex(per_backend(prefix_capacity, len(backends)))
     sched = Scheduler(
-        make_policy(policy, config=routing, prefix=index),
+        make_policy(policy, config=routing),
         Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled),
     )
     outputs = {m.name: m.spec.workload.mean_output_tokens for m in inv.models if m.spec.workload}
