@@ -13,7 +13,8 @@ Run (from the repository root, in the dev venv):
     for a million blocks.
 (b) CPU per request, for a Mooncake-sized prompt (~12K tokens: 48K characters, 750 16-token
     blocks) and a 1K-token one: hashing its text (fleetctl/routing/blocks.py text_blocks; the
-    blake2b alternative beside it) or its token ids (token_blocks), matching it against each
+    blake2b alternative beside it) or its token ids (token_blocks, or as vLLM names its
+    blocks for the KV-event-fed index, fleetctl/vllm_hash.py), matching it against each
     backend (PrefixIndex.match), learning its placement (PrefixIndex.routed), and sharing it
     (an update's encode and a peer's decode and insert, fleetctl/router/prefix_share.py).
     Each is set beside the same run's json.loads of the request body (which intake already
@@ -201,6 +202,16 @@ def bisect_match(held: Any, hashes: Any) -> int:
     return lo
 
 
+def vllm_rows(ids: list[int], n: int) -> list[tuple[str, Callable[[], Any], int]]:
+    """Naming the blocks as vLLM does (sha256 of the pickled chain, fleetctl/vllm_hash.py),
+    for the index KV events feed; none where that module is not here."""
+    try:
+        from fleetctl.vllm_hash import block_hashes
+    except ImportError:
+        return []
+    return [("vLLM's block hashes of the ids (sha256)", lambda: block_hashes(ids, 16), n)]
+
+
 def measure_request(tokens: int, backends: int, min_s: float) -> list[dict[str, Any]]:
     rng = random.Random(tokens)
     system = text_of(rng, tokens * 4 // 2)  # half the prompt is a shared system prompt
@@ -258,6 +269,7 @@ def measure_request(tokens: int, backends: int, min_s: float) -> list[dict[str, 
         ("text_blocks with blake2b per chunk", lambda: blake_blocks(text, tokens), n),
         ("text_blocks, 256-char chunks", lambda: text_blocks(text, tokens, 256), coarse),
         ("token_blocks (16-token blocks of ids)", lambda: token_blocks(ids), t),
+        *vllm_rows(ids, t),
         (f"match over {backends} backends", match_all, n),
         (f"match over {backends} backends by bisection (proposed)", match_bisect, n),
         ("routed (learn the placement)", lambda: index.routed(names[1], blocks), n),
