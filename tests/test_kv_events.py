@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import time
 import urllib.request
@@ -593,6 +594,8 @@ def test_real_vllm_events_keep_the_index_exact():
 
     async def drive(index: PrefixIndex, sub: KvEventSubscriber, url: str) -> None:
         bs = await asyncio.to_thread(_block_size, url)
+        # The server inherits this environment; PYTHONHASHSEED, if set, seeds its hashes.
+        seed = os.environ.get("PYTHONHASHSEED")
         prompts = {
             "A": A,
             "A-shared": A[: 2 * bs] + list(range(1500, 1520)),
@@ -604,7 +607,7 @@ def test_real_vllm_events_keep_the_index_exact():
         }
         stats = sub.stats["cpu-1"]
         for name, ids in prompts.items():
-            pb = prompt_blocks(ids, bs)
+            pb = prompt_blocks(ids, bs, seed=seed)
             assert pb is not None
             # What the index says this request will hit, before sending it.
             predicted = server_hit_tokens(index.match("cpu-1", pb.hashes), len(ids), bs)
@@ -643,7 +646,9 @@ def test_real_vllm_events_keep_the_index_exact():
         # The pool has REAL_BLOCKS - 1 usable blocks (one is vLLM's null block); the
         # full blocks of the last three prompts fill six of them, and the index holds
         # exactly those: A's first copy and B's were evicted, and announced as such.
-        held = {h for n in ("D", "E", "A-again") for h in block_hashes(prompts[n], bs) or ()}
+        held = {
+            h for n in ("D", "E", "A-again") for h in block_hashes(prompts[n], bs, seed=seed) or ()
+        }
         assert set(index.blocks["cpu-1"]) == held
         _, hits_total = await asyncio.to_thread(_prefix_counters, url)
         assert hits_total == 2 * bs  # A-shared's two blocks; A-again found nothing
@@ -677,7 +682,7 @@ def test_real_vllm_events_keep_the_index_exact():
                     break
             assert stats2.batches > 0 and stats2.replayed > 0, stats2
             assert stats2.gaps == 0 and stats2.cleared == 0 and stats2.malformed == 0
-            held = {h for ids in after_reset for h in block_hashes(ids, bs) or ()}
+            held = {h for ids in after_reset for h in block_hashes(ids, bs, seed=seed) or ()}
             await _until(lambda: set(index2.blocks.get("cpu-1", ())) == held, 10)
 
     asyncio.run(scenario())
