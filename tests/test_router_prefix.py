@@ -461,3 +461,66 @@ def test_with_a_tokenizer_the_blocks_are_16_token_blocks_of_its_ids():
     assert m.blocks == token_blocks(tok.encode(SYSTEM * 30).ids)
     # Without `blocks` nothing is hashed.
     assert asyncio.run(counter.measure(NAME, long_body, chat=False)).blocks is None
+
+
+# --- the precise source: KV events -----------------------------------------------------------
+
+
+def test_kv_events_feed_the_index_and_prompts_are_named_as_vllm_names_them(servers):
+    """A real ZMQ PUB on loopback stands for vLLM's KV events publisher (the wire itself is
+    tests/test_kv_events.py's): route-serve subscribes to it, names a token-id prompt's
+    blocks as vLLM does, and finds them cached where the events say; its own placements
+    teach the index nothing."""
+    zmq = pytest.importorskip("zmq")
+    msgpack = pytest.importorskip("msgpack")
+    from fleetctl.vllm_hash import block_hashes
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    two = backends(servers)
+    policy = Recording()
+    router = Router(
+        two,
+        Scheduler(policy),
+        DaemonConfig(),
+        hash_prompts=True,
+        kv_events={two[0].name: f"tcp://127.0.0.1:{port}"},
+    )
+    index = router.prefix
+    assert index is not None and not index.learn
+    s = Serving(router)
+    try:
+        ids = list(range(500, 500 + 16 * 6 + 5))
+        hashes = block_hashes(ids, 16)
+        assert hashes is not None
+        stored = {
+            "type": "BlockStored",
+            "block_hashes": hashes[:4],  # the server holds the first 4 of 6 blocks
+            "parent_block_hash": None,
+            "token_ids": ids[:64],
+            "block_size": 16,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+        seq = 0
+
+        def held() -> bool:
+            nonlocal seq  # PUB drops what it sends before the subscriber has joined: resend
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([1.0, [stored], 0])])
+            seq += 1
+            return s.on_loop(lambda: index.size(two[0].name)) == 4
+
+        wait_for(held, "the KV events to reach the index")
+        body = {"model": NAME, "prompt": ids, "max_tokens": 4}
+        for _ in range(2):  # round-robin: one to each backend
+            assert http_request(s.port, "POST", "/v1/completions", body, timeout=30)[0] == 200
+        (req, _), _ = policy.seen
+        assert req.blocks is not None and req.blocks.hashes == tuple(hashes)
+        assert s.on_loop(lambda: index.cached(two[0].name, req.blocks)) == 64
+        assert s.on_loop(lambda: index.size(two[1].name)) == 0  # placements teach nothing
+    finally:
+        s.stop()
+        pub.close()
+        ctx.term()

@@ -103,10 +103,16 @@ class Router:
     # Whether requests are hashed into blocks (Request.blocks); None: when the policy reads
     # the prefix index (reads_prefix).
     hash_prompts: bool | None = None
-    # The hook for an index fed by the servers' KV events (precise) rather than by placements:
-    # a PrefixIndex(learn=False) given to the policy, fed by fleetctl/router/kv_events.py.
+    # Per backend name, the ZMQ endpoint of its vLLM KV events (vLLM's default binds
+    # tcp://*:5557: give tcp://HOST:5557): the index is then fed by them (precise,
+    # fleetctl/router/kv_events.py) rather than by placements (approximate), and prompts are
+    # named as vLLM names its blocks of `kv_block_size` tokens (fleetctl/vllm_hash.py).
+    # Each replica subscribes itself, so nothing of it goes through Redis.
+    kv_events: dict[str, str] | None = None
+    kv_block_size: int = 16  # the servers' --block-size
     prefix: PrefixIndex | None = field(init=False, default=None)
     prefix_share: PrefixShare | None = field(init=False, default=None)
+    _kv: Any = None  # the KvEventSubscriber, while it runs
     _proxy: Proxy | None = None  # built at start, with its upstream connection pool
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     intake: Intake = field(init=False)
@@ -141,7 +147,10 @@ class Router:
         elif hashed and not own and self.prefix_capacity > 0:
             self.prefix = SharedIndex(per_backend(self.prefix_capacity, len(self.backends)))
             self.policy.prefix = self.prefix
-        if self.prefix is not None and self.prefix.learn and hashed and self.shared is not None:
+        if self.kv_events and self.prefix is not None:
+            self.prefix.learn = False
+            self.tokens.engine_block_size = self.kv_block_size
+        elif self.prefix is not None and self.prefix.learn and hashed and self.shared:
             self.prefix_share = PrefixShare(self.shared, self.prefix)
 
     @property
@@ -182,8 +191,18 @@ class Router:
                 self._tasks.append(asyncio.create_task(self.prefix_share.run()))
         if self.live is not None:
             self._tasks.append(asyncio.create_task(self.live.run()))
+        if self.kv_events and self.prefix is not None:
+            # pyzmq and msgpack: needed only with KV events.
+            from fleetctl.router.kv_events import KvEventSubscriber, KvSource
+
+            sources = [KvSource(b, endpoint) for b, endpoint in self.kv_events.items()]
+            self._kv = KvEventSubscriber(self.prefix, sources)
+            await self._kv.start()
 
     async def _stop(self, app: web.Application) -> None:
+        if self._kv is not None:
+            await self._kv.close()
+            self._kv = None
         for t in self._tasks:
             await cancel(t)
         if self._proxy is not None:

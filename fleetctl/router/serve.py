@@ -130,11 +130,13 @@ def build_router(
     online_fit: bool = True,
     calibrated: bool = True,
     prefix_capacity: int = PREFIX_CAPACITY,
+    kv_events: dict[str, str] | None = None,
 ) -> Router:
     """The daemon for an inventory. `prefix_capacity` bounds the prefix index (blocks over
     all backends, least recently used first out; 0: no index) that Router gives a policy
     that reads one; its placements feed it (approximate), shared with the other replicas
-    through the session store."""
+    through the session store; or, with `kv_events` (backend name -> ZMQ endpoint), the
+    servers' KV events feed it (precise; Router.kv_events)."""
     if policy not in policy_names():
         raise UserError(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
@@ -184,6 +186,7 @@ def build_router(
         tokens=TokenCounter(local),
         known_formats=frozenset(catalog.formats),
         prefix_capacity=prefix_capacity,
+        kv_events=kv_events,
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from fleetctl.routing.blocks import text_blocks, token_blocks
 from fleetctl.routing.prefix import PromptBlocks
+from fleetctl.vllm_hash import block_hashes
 
 # Characters per token before any answer has been seen: English text with Llama-3-family
 # BPE tokenizers runs at ~4. It is then calibrated per model from vLLM's own usage counts.
@@ -61,9 +62,19 @@ class TokenCounter:
     """Per model: a Hugging Face tokenizer when one is on local disk, else characters divided
     by a ratio learned from the prompt_tokens vLLM reports (moving average)."""
 
-    def __init__(self, tokenizers: dict[str, Path] | None = None, alpha: float = 0.05):
+    def __init__(
+        self,
+        tokenizers: dict[str, Path] | None = None,
+        alpha: float = 0.05,
+        engine_block_size: int = 0,
+    ):
         self.ratio: dict[str, float] = {}
         self.alpha = alpha
+        # Nonzero: name blocks as vLLM does, with this --block-size (fleetctl/vllm_hash.py),
+        # for an index fed by the servers' KV events. Only token ids can be named so: a
+        # completions prompt given as ids, or its text through the model's tokenizer (not a
+        # chat: the server's chat template is not applied here); others get no blocks.
+        self.engine_block_size = engine_block_size
         self.tokenizers: dict[str, Any] = {}
         for model, path in (tokenizers or {}).items():
             tok = _load_tokenizer(path)
@@ -86,20 +97,30 @@ class TokenCounter:
         the text's fixed chunks. Long prompts are tokenized and hashed off the event loop."""
         text, ids = prompt_text(body, chat)
         blocks = blocks and _one_prompt(body, chat)
+        exact = self.engine_block_size
         tok = self.tokenizers.get(model)
         if tok is not None and text:
-            hasher = token_blocks if blocks else None
+            hasher = self.id_blocks if blocks and not (exact and chat) else None
             if len(text) >= THREAD_OVER_CHARS:
                 return await asyncio.to_thread(_tokenize, tok, text, ids, hasher)
             return _tokenize(tok, text, ids, hasher)
         tokens = max(1, ids + math.ceil(len(text) / self.chars_per_token(model)))
         hashed = None
-        if blocks and text:
+        if blocks and text and not exact:
             hashed = await _off_loop(len(text), text_blocks, text, tokens)
         elif blocks and ids:
             given = body["prompt"]
-            hashed = await _off_loop(len(given) * 4, token_blocks, given)
+            hashed = await _off_loop(len(given) * (50 if exact else 4), self.id_blocks, given)
         return Measured(tokens, len(text), hashed)
+
+    def id_blocks(self, ids: list[int]) -> PromptBlocks | None:
+        """A prompt's token ids as blocks: vLLM's own names with engine_block_size, else
+        routing/blocks.py's 16-token chain."""
+        size = self.engine_block_size
+        if not size:
+            return token_blocks(ids)
+        hashes = block_hashes(ids, size)
+        return None if hashes is None else PromptBlocks(tuple(hashes), size, len(ids))
 
     def observe(self, model: str, chars: int, prompt_tokens: int) -> None:
         """Calibrate from what the server counted (usage.prompt_tokens)."""
