@@ -234,9 +234,12 @@ def test_token_id_prompts_hash_16_token_blocks(servers):
         assert http_request(s.port, "POST", "/v1/completions", body, timeout=30)[0] == 200
         batch = {"model": NAME, "prompt": ["one prompt", "another"], "max_tokens": 4}
         assert http_request(s.port, "POST", "/v1/completions", batch, timeout=30)[0] == 200
-        (one, _), (two, _) = policy.seen
+        single = {"model": NAME, "prompt": [SYSTEM], "max_tokens": 4}
+        assert http_request(s.port, "POST", "/v1/completions", single, timeout=30)[0] == 200
+        (one, _), (two, _), (three, _) = policy.seen
         assert one.blocks == token_blocks(ids) and len(one.blocks.hashes) == 10
         assert two.blocks is None  # a batch has no one prefix
+        assert three.blocks is not None and len(three.blocks.hashes) == len(SYSTEM) // C
     finally:
         s.stop()
 

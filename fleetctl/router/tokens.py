@@ -139,6 +139,8 @@ def _one_prompt(body: dict[str, Any], chat: bool) -> bool:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return True
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return True  # a batch of one text prompt
     return isinstance(prompt, list) and all(type(t) is int for t in prompt)
 
 
