@@ -14,7 +14,17 @@ PKG = Path(__file__).resolve().parent.parent / "fleetctl"
 
 # Lower layers first. A module may import its own layer and any below it, never above.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "limits", "text", "jsonout", "resources", "tables", "vllm_release", "vllm_metrics"),
+    (
+        "errors",
+        "limits",
+        "text",
+        "jsonout",
+        "resources",
+        "tables",
+        "vllm_release",
+        "vllm_metrics",
+        "vllm_hash",
+    ),
     ("names", "validation", "yamlsrc", "vllm_flags"),
     ("catalog", "hfconfig"),
     ("inventory",),
@@ -39,6 +49,7 @@ PURE = (
     "sim",
     "calibration",
     "vllm_metrics",
+    "vllm_hash",
 )
 IO_LIBRARIES = ("aiohttp", "asyncio", "redis", "paramiko", "urllib", "socket", "subprocess")
 

@@ -74,8 +74,8 @@ HELP = {
 }
 
 # vllm:cache_config_info's labels as vLLM 0.32 writes them on a CUDA host; the KV capacity ones
-# are filled in from the modelled engine. Prefix caching is on, vLLM's default (the Engine
-# models it only for preempted requests that resume).
+# are filled in from the modelled engine. Prefix caching is on, vLLM's default; the Engine
+# models it (fleetctl/sim/kvpool.py).
 CACHE_CONFIG_DEFAULTS = {
     "_block_size_resolved": "True",
     "block_size": str(BLOCK_SIZE),
@@ -270,10 +270,9 @@ def render(model_name: str, engine: Engine, rec: Recorder, cache: CacheInfo) -> 
     sleep = {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
     w.gauge("engine_sleep_state", sleep, "sleep_state")
     w.gauge("kv_cache_usage_perc", engine.kv_usage)
-    # The engine models the prefix cache only for preempted requests that resume; getattr keeps
-    # this working with an Engine that does not count hits at all.
-    hits = float(getattr(st, "prefix_cache_hits", 0))
-    w.counter("prefix_cache_queries", st.prompt_tokens + hits)
+    # The engine's prefix cache: prompt tokens looked up at admission, and those found.
+    hits = float(st.prefix_cache_hits)
+    w.counter("prefix_cache_queries", float(st.prefix_cache_queries))
     w.counter("prefix_cache_hits", hits)
     w.counter("num_preemptions", st.preemptions)
     w.counter("prompt_tokens", st.prompt_tokens + hits)

@@ -25,7 +25,11 @@ class RoutingConfig:
     # A backend class is "large-KV" when its KV capacity is at least this share of the largest.
     large_kv_share: float = 0.5
     # How much sooner a small-KV backend must promise a long request's first token to get it.
-    long_small_kv_penalty: float = 4.0
+    # 1: none beyond the estimate, which already charges a request for overflowing a small
+    # KV cache. The seed's 4 left the Mooncake trace's long requests queueing for the A100s
+    # (p99 TTFT 249 s against 27 s at 70% load) and changed the Azure traces by under 8%
+    # (benchmarks/RESULTS.md, issue 12).
+    long_small_kv_penalty: float = 1.0
     # Stay on the session's node (warm prefix cache) unless another is this much faster.
     affinity_slack_s: float = 0.25
 
@@ -59,8 +63,10 @@ class Policy:
         raise NotImplementedError
 
     def placed(self, req: Request, backend: Backend) -> None:
-        """Told where a request went (for sessions and the prefix index)."""
+        """Told where a request went (for sessions and the prefix index): it expects the
+        prefix it finds cached there, which its pending prefill leaves out."""
         if req.blocks is not None:
+            req.cached_tokens = self.prefix.cached(backend.name, req.blocks)
             self.prefix.routed(backend.name, req.blocks)
 
 
@@ -160,8 +166,8 @@ class HardwareAware(Policy):
         small = {b.name for b in pool if b.kv_tokens < cfg.large_kv_share * top}
 
         def cost(b: Backend) -> float:
-            # Long requests prefer the large-KV class: a small-KV backend must promise a first
-            # token `long_small_kv_penalty` times sooner to win one.
+            # Long requests may be steered to the large-KV class: a small-KV backend must then
+            # promise a first token `long_small_kv_penalty` times sooner to win one.
             slow = cfg.long_small_kv_penalty if long and b.name in small else 1.0
             return self.estimate(b, req) * slow
 
@@ -188,9 +194,12 @@ class HardwareAware(Policy):
         if perf is None:  # no model of this GPU: fall back to capacity-normalized load
             return b.outstanding / max(1, b.max_num_seqs)
         # Prompt tokens ahead of ours (each its own sequence: linear, at a typical context) and
-        # ours, at the GPU's prefill speed.
+        # ours, at the GPU's prefill speed. What this server has cached of our prompt is
+        # prefill it skips: we compute only the rest, attending to the cached part.
         wait = b.pending_prefill * perf.prefill_marginal(2048) / 2048
-        wait += perf.prefill_marginal(req.prompt_tokens)
+        cached = self.prefix.cached(b.name, req.blocks) if req.blocks is not None else 0
+        cached = min(cached, req.prompt_tokens - 1)
+        wait += perf.prefill_marginal(req.prompt_tokens - cached, cached)
         # The decode batch this request joins; its per-step time slows our prefill steps too.
         batch = max(1, b.outstanding)
         step = perf.step_time(batch, batch * max(1, req.total_tokens // 2))

@@ -203,15 +203,15 @@ class Scheduler:
 def account(b: Backend, req: Request) -> None:
     b.outstanding += 1
     b.reserved_tokens += req.total_tokens
-    b.pending_prefill += req.prompt_tokens
+    b.pending_prefill += req.prefill_tokens
 
 
 def first_token(b: Backend, req: Request) -> None:
-    b.pending_prefill -= req.prompt_tokens
+    b.pending_prefill -= req.prefill_tokens
 
 
 def release(b: Backend, req: Request, first_token_seen: bool = True) -> None:
     b.outstanding -= 1
     b.reserved_tokens -= req.total_tokens
     if not first_token_seen:
-        b.pending_prefill -= req.prompt_tokens
+        b.pending_prefill -= req.prefill_tokens

@@ -50,10 +50,18 @@ class Request:
     max_tokens: int | None = None
     # The prompt as chained block hashes, when known: prefix-cache-aware policies match them.
     blocks: PromptBlocks | None = None
+    # Prompt tokens its backend is expected to find cached (set when it is placed): the
+    # backend's pending prefill counts only the rest.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.output_tokens
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens its backend will compute."""
+        return self.prompt_tokens - self.cached_tokens
 
     @property
     def context_needed(self) -> int:

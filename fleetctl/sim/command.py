@@ -191,6 +191,8 @@ COLUMNS = [
     ("e2e\np99", "e2e_p99_s", True),
     ("req/s", "throughput_rps", False),
     ("preempt", "preemptions", False),
+    ("prefix\nhit %", "prefix_hit_rate", False),
+    ("prefill\nsaved tok", "prefill_saved_tokens", False),
     ("done", "completed", False),
     ("starved", "starved", False),
     ("rejected", "rejected", False),
@@ -205,7 +207,7 @@ def render(result: Comparison) -> RenderableType:
     rows: list[list[Cell]] = []
     styles: list[str | None] = []
     for name, s in summaries.items():
-        rows.append([name, *(_cell(s[key], ms) for _, key, ms in COLUMNS)])
+        rows.append([name, *(_cell(s[key], ms, key) for _, key, ms in COLUMNS)])
         styles.append("bold green" if s["ttft_p99_s"] == best_p99 else None)
     load = result.offered_rps / result.capacity_rps if result.capacity_rps else math.nan
     table = Records(
@@ -221,11 +223,13 @@ def render(result: Comparison) -> RenderableType:
     return Group(table, *(Text(line) for line in tradeoffs(summaries)))
 
 
-def _cell(v: float | int, ms: bool) -> str:
+def _cell(v: float | int, ms: bool, key: str = "") -> str:
     if isinstance(v, float) and math.isnan(v):
         return "-"
     if ms:
         return f"{v * 1e3:,.0f}"
+    if key == "prefix_hit_rate":
+        return f"{v:.1%}"
     return f"{v:.2f}" if isinstance(v, float) else f"{v:,}"
 
 

@@ -6,7 +6,10 @@ arrival order while the budget, max_num_seqs and free KV blocks allow (chunked p
 0.18 a request is admitted only when its whole prompt fits). V1 keeps one block aside.
 When a sequence needs a KV block and none is free, the most recently admitted running
 sequence is preempted by recompute: its blocks are freed and it waits again at the front.
-Step time comes from the shared performance model (`fleetctl.perf.EnginePerf`).
+Blocks live in `KvPool` (fleetctl/sim/kvpool.py), vLLM's automatic prefix cache: a prompt
+whose leading blocks are cached (named by the chained hashes the request carries, or, after
+a preemption, its own freed blocks) skips their prefill. Step time comes from the shared
+performance model (`fleetctl.perf.EnginePerf`).
 
 Speed: decoding sequences are not touched one by one each step. Each remembers the engine's
 decode-step counter when it started decoding, so its context is `base + (D - d0)`; a heap
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetctl.perf import BLOCK_SIZE, COMPUTE_EFFICIENCY, EnginePerf
+from fleetctl.routing.prefix import PromptBlocks
+from fleetctl.sim.kvpool import KvPool, Run, engine_keys
 from fleetctl.vllm_release import release
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
@@ -37,26 +42,31 @@ class Seq:
         "base_c",
         "base_g",
         "blocks",
-        "cache_mark",
-        "cached_blocks",
         "computed",
         "d0",
         "epoch",
         "finished_at",
         "first_token_at",
         "generated",
+        "held",
+        "keys",
         "output",
+        "own",
+        "own_from",
         "preemptions",
         "prompt",
+        "prompt_blocks",
+        "reg",
         "req",
         "residue",
         "state",
         "target",
     )
 
-    def __init__(self, req: Any, prompt: int, output: int):
+    def __init__(self, req: Any, prompt: int, output: int, blocks: PromptBlocks | None = None):
         self.req = req  # the caller's handle, given back when it finishes
         self.prompt = prompt
+        self.prompt_blocks = blocks  # the prompt's chained hashes, if known
         self.output = max(1, output)
         self.state = WAITING
         self.computed = 0  # while prefilling: tokens whose KV is in the cache
@@ -64,7 +74,11 @@ class Seq:
         self.target = prompt  # tokens to prefill: prompt (+ generated, after a preemption)
         self.blocks = 0  # while prefilling
         self.base_c = self.base_g = self.d0 = self.residue = 0  # while decoding
-        self.cached_blocks = self.cache_mark = 0  # after a preemption
+        self.keys: list[int] = []  # the prompt's full blocks' cache keys (set by the engine)
+        self.held: list[int] = []  # cached blocks it holds (hits, and blocks it computed)
+        self.reg = 0  # keys[:reg] were looked up or registered
+        self.own: Run | None = None  # after a preemption: its private blocks, still cached
+        self.own_from = 0  # the block index its own run starts at
         self.epoch = 0
         self.admitted = 0
         self.first_token_at: float | None = None
@@ -76,8 +90,9 @@ class Seq:
 class EngineStats:
     """Counters in the spirit of vLLM's /metrics."""
 
-    prompt_tokens: int = 0
-    prefix_cache_hits: int = 0  # tokens a resumed request found still cached
+    prompt_tokens: int = 0  # prompt tokens computed (cache hits not included)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
     generation_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
@@ -103,6 +118,8 @@ class Engine:
     # Longest run of identical decode steps applied at once (seconds); None: unlimited. A
     # server streaming tokens in real time sets it, so tokens flow step by step.
     max_span_s: float | None = None
+    # Record KV events (blocks stored and evicted) in `pool.events`, for a publisher.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         # Every decoding sequence takes one token of the step's budget.
@@ -113,8 +130,7 @@ class Engine:
         null = 1 if rules.v1 else 0
         self.whole_prompt = rules.admits_whole_prompt
         self.total_blocks = max(0, self.kv_tokens // self.block_size - null)
-        self.free_blocks = self.total_blocks
-        self.allocated = 0  # blocks ever handed out (the prefix cache's eviction clock)
+        self.pool = KvPool(self.total_blocks, [] if self.kv_events else None)
         self.waiting: deque[Seq] = deque()
         self.running: dict[Seq, None] = {}  # admission order: the last is preempted first
         self.prefilling: list[Seq] = []
@@ -130,6 +146,16 @@ class Engine:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no running request holds (cached ones included, as vLLM counts them)."""
+        return self.pool.free
+
+    def cached_prefix(self, blocks: PromptBlocks) -> int:
+        """Tokens of a prompt this engine has cached now (what its KV events would say)."""
+        keys = engine_keys(blocks, self.block_size)
+        return self.pool.match(keys, len(keys))[0] * self.block_size
 
     @property
     def idle(self) -> bool:
@@ -188,6 +214,8 @@ class Engine:
         done = self.sync(now)
         if self.idle:
             self.clock = max(self.clock, now)
+        if seq.prompt_blocks is not None:
+            seq.keys = engine_keys(seq.prompt_blocks, self.block_size)
         self.waiting.append(seq)
         self.span = None  # the planned step did not know about this request
         return done
@@ -196,12 +224,14 @@ class Engine:
         """Drop a request (its client went away), freeing its KV blocks, as vLLM's abort does."""
         if s.state == WAITING:
             self.waiting.remove(s)
+            self.pool.forget(s.own)
         elif s.state == PREFILL:
             self.prefilling.remove(s)
-            self.free_blocks += s.blocks
+            self._free(s, s.computed, s.blocks)
             del self.running[s]
         elif s.state == DECODE:
-            self.free_blocks += self.blocks_for(self._stop_decode(s))
+            ctx = self._stop_decode(s)
+            self._free(s, ctx, self.blocks_for(ctx))
             del self.running[s]
         s.state = DONE
         s.blocks = 0
@@ -265,7 +295,7 @@ class Engine:
             return False
         budget = self.max_num_batched_tokens - self.n_decode
         free = self.free_blocks - self._blocks_needed(self.steps_done)
-        if self.whole_prompt and self.blocks_for(self.waiting[0].target) > free:
+        if self.whole_prompt and self._lookup(self.waiting[0])[3] > free:
             return False  # it waits for a finish, which ends any run of decode steps
         return budget > 0 and free > 0
 
@@ -344,23 +374,35 @@ class Engine:
             not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
         ):
             s = self.waiting[0]
-            hit = self._cached_tokens(s)  # found in the prefix cache: no compute, its blocks
+            # Found in the prefix cache: no compute for those blocks.
+            shared, free_hits, own, whole = self._lookup(s)
+            hit_blocks = shared + own
+            hit = hit_blocks * self.block_size
             n = min(s.target - hit, budget)
-            need = self.blocks_for(hit + n)
-            if self.blocks_for(s.target) > self.free_blocks and self.whole_prompt:
+            new = self.blocks_for(hit + n) - hit_blocks
+            if whole > self.free_blocks and self.whole_prompt:
                 break  # the rest of its prompt would not fit: admitting it would preempt
-            if need > self.free_blocks:
+            if new + free_hits + own > self.free_blocks:
                 break
             self.waiting.popleft()
-            s.computed, s.cached_blocks = hit, 0
+            pool = self.pool
+            pool.take_hits(s.keys, shared)
+            s.held = s.keys[:shared]
+            if own:
+                pool.take_own(s.own, own)  # type: ignore[arg-type]
+            pool.forget(s.own)
+            s.own = None
+            s.reg = min(len(s.keys), hit_blocks)
+            s.computed = hit
+            self.stats.prefix_cache_queries += s.target
             self.stats.prefix_cache_hits += hit
             self._admissions += 1
             s.admitted = self._admissions
             s.state = PREFILL
             self.running[s] = None
             self.prefilling.append(s)
-            s.blocks += need
-            self._take(need)
+            s.blocks = hit_blocks + new
+            self._take(new)
             chunks.append((s, n))
             budget -= n
         # Preemption may have taken some chunks' sequences away.
@@ -392,6 +434,8 @@ class Engine:
         for s, n in chunks:
             s.computed += n
             st.prompt_tokens += n
+            if s.reg < len(s.keys):
+                self._register(s)
             if s.computed < s.target:
                 continue
             # The step that completes a prefill samples a token.
@@ -402,7 +446,7 @@ class Engine:
                 self.first_tokens.append(s)
             self.prefilling.remove(s)
             if s.generated >= s.output:
-                self.free_blocks += s.blocks
+                self._free(s, s.computed, s.blocks)
                 done.append(self._finish(s))
             else:
                 self._start_decode(s)
@@ -436,31 +480,59 @@ class Engine:
             _, _, epoch, s = heapq.heappop(heap)
             if s.epoch != epoch or s.state != DECODE:
                 continue
-            self.free_blocks += self.blocks_for(self._stop_decode(s))
+            ctx = self._stop_decode(s)
+            self._free(s, ctx, self.blocks_for(ctx))
             done.append(self._finish(s))
         for s in done:
             s.finished_at = at
         return done
 
     def _take(self, blocks: int) -> None:
-        self.free_blocks -= blocks
-        self.allocated += blocks
+        self.pool.allocate(blocks)
+
+    def _lookup(self, s: Seq) -> tuple[int, int, int, int]:
+        """What admitting `s` now would find cached: (its leading shared blocks, how many of
+        those sit free in the queue, its own blocks after a preemption, free blocks its
+        whole prompt would take). At least the last prompt token is recomputed, as in vLLM."""
+        limit = (s.target - 1) // self.block_size
+        pool = self.pool
+        shared, free_hits = pool.match(s.keys, limit)
+        own = pool.own(s.own, limit - shared) if s.own is not None and shared == s.own_from else 0
+        whole = self.blocks_for(s.target) - shared + free_hits
+        return shared, free_hits, own, whole
+
+    def _register(self, s: Seq) -> None:
+        """Blocks of its prompt `s` has now computed in full join the prefix cache."""
+        upto = min(s.computed // self.block_size, len(s.keys))
+        pool, keys, held = self.pool, s.keys, s.held
+        for j in range(s.reg, upto):
+            if pool.register(keys[j]):
+                held.append(keys[j])
+        s.reg = max(s.reg, upto)
+
+    def _free(self, s: Seq, computed: int, blocks: int, resumes: bool = False) -> None:
+        """Give back the `blocks` of `s`, which has `computed` tokens of KV: its full blocks
+        stay cached (its shared ones for anyone; the others, if it `resumes`, for itself)."""
+        held = len(s.held)
+        private = max(0, computed // self.block_size - held)
+        s.own = self.pool.release(s.held, private, blocks - held - private, s if resumes else None)
+        s.own_from = held
+        s.held = []
+        s.reg = 0
 
     def _preempt(self, s: Seq) -> None:
         """Recompute preemption: free the KV, and redo prompt plus generated tokens later.
 
-        vLLM V1 caches prefixes by default: the freed blocks keep their contents until the
-        allocator hands them out again (oldest free blocks first), so a request resumed soon
-        after its preemption recomputes only what was overwritten meanwhile.
+        Its freed blocks keep their contents until the allocator hands them out again, so a
+        request resumed soon after its preemption recomputes only what was overwritten.
         """
         if s.state == DECODE:
-            held = self.blocks_for(self._stop_decode(s))
+            computed = self._stop_decode(s)
+            held = self.blocks_for(computed)
         else:
             self.prefilling.remove(s)
-            held = s.blocks
-        s.cached_blocks = s.computed // self.block_size  # only full blocks are cached
-        s.cache_mark = self.allocated + self.free_blocks  # allocations until ours are reused
-        self.free_blocks += held
+            computed, held = s.computed, s.blocks
+        self._free(s, computed, held, resumes=True)
         del self.running[s]
         s.blocks = 0
         s.computed = 0
@@ -469,15 +541,6 @@ class Engine:
         s.preemptions += 1
         self.stats.preemptions += 1
         self.waiting.appendleft(s)
-
-    def _cached_tokens(self, s: Seq) -> int:
-        """Tokens of a resumed sequence still in the prefix cache: its freed blocks that the
-        allocator has not handed out again. At least the last token is recomputed."""
-        if not s.cached_blocks:
-            return 0
-        overwritten = max(0, self.allocated - s.cache_mark)
-        hits = max(0, s.cached_blocks - overwritten)
-        return min(hits * self.block_size, s.target - 1)
 
     def _finish(self, s: Seq) -> Seq:
         del self.running[s]

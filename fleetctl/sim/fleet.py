@@ -17,10 +17,12 @@ from fleetctl.inventory import Inventory
 from fleetctl.perf import BLOCK_SIZE, EnginePerf
 from fleetctl.plan import Deployment
 from fleetctl.routing.policy import RoutingConfig
+from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Aging, Scheduler, first_token, release
 from fleetctl.routing.types import Backend, OutputEstimator, Request
 from fleetctl.sim.engine import Engine, Seq
+from fleetctl.sim.kvpool import engine_keys
 from fleetctl.sim.workload import WorkItem
 
 
@@ -116,6 +118,8 @@ class SimResult:
     boosts: int
     preemptions: int
     reasons: dict[str, int] = field(default_factory=dict)
+    prefix_queries: int = 0  # prompt tokens the engines looked up in their prefix caches
+    prefix_hits: int = 0  # of those, tokens found cached: prefill saved
 
     def summary(self) -> dict[str, float | int]:
         done = [o for o in self.outcomes if o.finished is not None]
@@ -146,6 +150,10 @@ class SimResult:
             "output_tok_s": tokens / span if span > 0 else 0.0,
             "preemptions": self.preemptions,
             "aging_boosts": self.boosts,
+            "prefix_hit_rate": self.prefix_hits / self.prefix_queries
+            if self.prefix_queries
+            else 0.0,
+            "prefill_saved_tokens": self.prefix_hits,
         }
 
 
@@ -175,10 +183,6 @@ def simulate(
 
     `progress`, if given, hears the share of the arrivals' span simulated so far, now and then.
     """
-    policy = make_policy(policy_name, seed, config)
-    if admission is not None:
-        policy.admission = admission
-    sched = Scheduler(policy, aging or Aging())
     engines = [
         Engine(
             s.perf,
@@ -191,6 +195,11 @@ def simulate(
         )
         for s in servers
     ]
+    # Policies that read prefix caches see the engines' own, as vLLM's KV events tell them.
+    policy = make_policy(policy_name, seed, config, prefix=_EngineCaches(engines))
+    if admission is not None:
+        policy.admission = admission
+    sched = Scheduler(policy, aging or Aging())
     backends = [
         Backend(
             s.name,
@@ -268,7 +277,8 @@ def simulate(
                 release(backends[i], req, first_token_seen=False)
                 continue
             where[req.id] = i  # type: ignore[index]
-            settle(i, engines[i].add(Seq(req.id, item.prompt, item.output), now), now)
+            seq = Seq(req.id, item.prompt, item.output, item.blocks)
+            settle(i, engines[i].add(seq, now), now)
             reschedule(i)
 
     index = {b.name: i for i, b in enumerate(backends)}
@@ -320,4 +330,31 @@ def simulate(
         sched.boosts,
         sum(e.stats.preemptions for e in engines),
         reasons,
+        sum(e.stats.prefix_cache_queries for e in engines),
+        sum(e.stats.prefix_cache_hits for e in engines),
     )
+
+
+class _EngineCaches:
+    """The prefix view of a router fed by every engine's KV events: exact, and current."""
+
+    def __init__(self, engines: Sequence[Engine]):
+        self.engines = {e.name: e for e in engines}
+        # Prompts' keys by (prompt, block size): a policy asks about each queued prompt on
+        # every backend, at every dispatch while it waits. The prompt is kept beside its keys
+        # so its id is not reused while the entry lives.
+        self._keys: dict[tuple[int, int], tuple[PromptBlocks, list[int]]] = {}
+
+    def cached(self, backend: str, blocks: PromptBlocks) -> int:
+        e = self.engines[backend]
+        memo = (id(blocks), e.block_size)
+        found = self._keys.get(memo)
+        if found is None:
+            if len(self._keys) >= 4096:
+                self._keys.clear()
+            found = self._keys[memo] = (blocks, engine_keys(blocks, e.block_size))
+        keys = found[1]
+        return min(blocks.tokens, e.pool.match(keys, len(keys))[0] * e.block_size)
+
+    def routed(self, backend: str, blocks: PromptBlocks) -> None:
+        pass  # the engines' caches change as they compute, not as requests are sent

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import math
 import random
 from collections.abc import Callable, Iterator
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from fleetctl.errors import Location, UserError
-from fleetctl.routing.prefix import PromptBlocks
+from fleetctl.routing.prefix import PromptBlocks, chain
 
 PROGRESS_ROWS = 4096  # rows between progress reports
 
@@ -32,13 +33,19 @@ class WorkItem:
     blocks: PromptBlocks | None = None  # the prompt's chained block hashes, when the trace has them
 
 
+# The Mooncake trace names each 512-token block of a prompt (FAST'25 release, README).
+MOONCAKE_BLOCK_TOKENS = 512
+
+
 def load_trace(
     path: Path,
     model: str,
     limit: int | None = None,
     progress: Callable[[float], None] | None = None,
 ) -> list[WorkItem]:
-    """`TIMESTAMP,ContextTokens,GeneratedTokens` rows (the Azure LLM inference trace format).
+    """A request trace: Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`)
+    or Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`), told
+    apart by the first character.
 
     `progress`, if given, hears the characters read so far every few thousand rows.
     """
@@ -48,7 +55,6 @@ def load_trace(
         raise UserError(
             f"cannot read trace: {e.strerror}", Location(str(path)), "check the path"
         ) from None
-    items: list[WorkItem] = []
     read = 0
 
     def lines() -> Iterator[str]:
@@ -58,35 +64,98 @@ def load_trace(
             yield line
 
     with handle:
-        reader = csv.reader(lines())
-        header = next(reader, None)
-        want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
-        if header is None or [h.strip() for h in header[:3]] != want:
-            raise UserError(
-                f"trace header is {header!r}",
-                Location(str(path), 1),
-                "expected TIMESTAMP,ContextTokens,GeneratedTokens",
-            )
-        start: datetime | None = None
-        for line, row in enumerate(reader, start=2):
-            try:
-                ts = datetime.fromisoformat(row[0].strip()[:26])
-                prompt, output = int(row[1]), int(row[2])
-            except (ValueError, IndexError):
-                raise UserError(
-                    f"bad trace row {row!r}", Location(str(path), line), "fix or remove the row"
-                ) from None
-            start = start or ts
-            items.append(
-                WorkItem(
-                    len(items), (ts - start).total_seconds(), max(1, prompt), max(1, output), model
-                )
-            )
-            if limit and len(items) >= limit:
-                break
-            if progress is not None and line % PROGRESS_ROWS == 0:
-                progress(read)
+        first = handle.read(1)
+        handle.seek(0)
+        if first == "{":
+            items = _read_jsonl(path, lines(), model, limit, progress, lambda: read)
+        else:
+            items = _read_csv(path, lines(), model, limit, progress, lambda: read)
     items.sort(key=lambda w: (w.arrival, w.id))
+    return items
+
+
+def _read_jsonl(
+    path: Path,
+    lines: Iterator[str],
+    model: str,
+    limit: int | None,
+    progress: Callable[[float], None] | None,
+    read: Callable[[], int],
+) -> list[WorkItem]:
+    """Mooncake rows; each prompt's `hash_ids` become chained hashes of 512-token blocks, so
+    two prompts share a leading run of hashes exactly when the trace says they share that
+    prefix. Its output length is what the client asks for as max_tokens (as `vllm bench
+    serve` sends it)."""
+    items: list[WorkItem] = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            ms, prompt, output = row["timestamp"], row["input_length"], row["output_length"]
+            ids = row.get("hash_ids") or []
+            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (ms, prompt, output))
+            if not ok or not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+                raise TypeError
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise UserError(
+                f"bad trace row {line.strip()[:80]!r}",
+                Location(str(path), line_no),
+                "expected JSON with integer timestamp (ms), input_length, output_length "
+                "and a list of integer hash_ids",
+            ) from None
+        prompt, output = max(1, prompt), max(1, output)
+        blocks = PromptBlocks(chain(ids), MOONCAKE_BLOCK_TOKENS, prompt) if ids else None
+        items.append(
+            WorkItem(len(items), ms / 1000, prompt, output, model, max_tokens=output, blocks=blocks)
+        )
+        if limit and len(items) >= limit:
+            break
+        if progress is not None and line_no % PROGRESS_ROWS == 0:
+            progress(read())
+    if items:
+        start = min(w.arrival for w in items)
+        items = [replace(w, arrival=w.arrival - start) for w in items]
+    return items
+
+
+def _read_csv(
+    path: Path,
+    lines: Iterator[str],
+    model: str,
+    limit: int | None,
+    progress: Callable[[float], None] | None,
+    read: Callable[[], int],
+) -> list[WorkItem]:
+    items: list[WorkItem] = []
+    reader = csv.reader(lines)
+    header = next(reader, None)
+    want = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+    if header is None or [h.strip() for h in header[:3]] != want:
+        raise UserError(
+            f"trace header is {header!r}",
+            Location(str(path), 1),
+            "expected TIMESTAMP,ContextTokens,GeneratedTokens",
+        )
+    start: datetime | None = None
+    for line, row in enumerate(reader, start=2):
+        try:
+            ts = datetime.fromisoformat(row[0].strip()[:26])
+            prompt, output = int(row[1]), int(row[2])
+        except (ValueError, IndexError):
+            raise UserError(
+                f"bad trace row {row!r}", Location(str(path), line), "fix or remove the row"
+            ) from None
+        start = start or ts
+        items.append(
+            WorkItem(
+                len(items), (ts - start).total_seconds(), max(1, prompt), max(1, output), model
+            )
+        )
+        if limit and len(items) >= limit:
+            break
+        if progress is not None and line % PROGRESS_ROWS == 0:
+            progress(read())
     return items
 
 

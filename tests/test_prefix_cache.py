@@ -1,0 +1,184 @@
+"""The simulator's prefix cache (vLLM V1's automatic prefix caching), the Mooncake trace reader,
+and the prefix term of hardware-aware routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fleetctl.errors import UserError
+from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.routing.policy import HardwareAware
+from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain
+from fleetctl.routing.types import Backend, Request
+from fleetctl.sim.engine import Engine, Seq
+from fleetctl.sim.fleet import Server, simulate
+from fleetctl.sim.kvpool import KvPool, engine_keys
+from fleetctl.sim.workload import load_trace
+
+DATA = Path(__file__).parent / "data"
+
+
+def engine(catalog, kv=200_000, **kw):
+    g, m, f = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3.1-8b"), catalog.format("bf16")
+    return Engine(EnginePerf(g, m, f), kv, max_model_len=131072, **kw)
+
+
+def prompt(ids, tokens):
+    return PromptBlocks(chain(ids), 512, tokens)
+
+
+def run(e, seqs, gap=100.0):
+    """Each request alone: it arrives after the one before has finished."""
+    t = e.clock
+    for s in seqs:
+        e.add(s, t)
+        e.advance(t + gap)
+        assert s.finished_at is not None
+        e.pool.check()
+        t += gap
+
+
+def test_a_shared_prefix_skips_its_prefill_and_is_counted(catalog):
+    e = engine(catalog)
+    a = Seq(1, 3000, 10, prompt([1, 2, 3, 4, 5, 6], 3000))
+    b = Seq(2, 3000, 10, prompt([1, 2, 3, 9, 9, 9], 3000))  # shares the first three blocks
+    run(e, [a, b])
+    assert e.stats.prefix_cache_queries == 6000
+    assert e.stats.prefix_cache_hits == 3 * 512  # 96 engine blocks of 16
+    assert e.stats.prompt_tokens == 6000 - 3 * 512
+    # An identical prompt hits all but its last token's block.
+    c = Seq(3, 3000, 10, prompt([1, 2, 3, 9, 9, 9], 3000))
+    run(e, [c])
+    assert e.stats.prefix_cache_hits == 3 * 512 + (2999 // 16) * 16
+
+
+def test_lru_eviction_takes_the_least_recently_freed_and_a_request_last_block_first(catalog):
+    # 400 blocks of 16 (one is vLLM's null block): room for one 3200-token prompt at a time.
+    e = engine(catalog, kv=401 * 16)
+    first = Seq(1, 3200, 1, prompt([1, 2, 3, 4, 5, 6, 7], 3200))
+    other = Seq(2, 3200, 1, prompt([50, 51, 52, 53, 54, 55, 56], 3200))
+    run(e, [first, other])
+    # `other` took the 200 never-used blocks; the free queue now holds the 200 blocks `first`
+    # freed, then `other`'s. 100 more blocks evict the last 100 of `first`'s (its tail).
+    filler = Seq(3, 1600, 1, prompt([70, 71, 72, 73], 1600))
+    run(e, [filler])
+    again = Seq(4, 3200, 1, prompt([1, 2, 3, 4, 5, 6, 7], 3200))
+    hits = e.stats.prefix_cache_hits
+    run(e, [again])
+    assert e.stats.prefix_cache_hits - hits == 100 * 16  # its first 100 blocks survived
+
+
+def test_a_preempted_request_finds_its_own_blocks_again(catalog):
+    """Without hashes (the Azure path) a resumed request still hits the blocks it freed, as
+    vLLM V1 hashes every full block; the ones reused meanwhile it recomputes."""
+    e = engine(catalog, kv=2000)
+    seqs = [Seq(i, 500, 300) for i in range(4)]
+    for s in seqs:
+        e.add(s, 0.0)
+    e.advance(1e6)
+    assert all(s.finished_at for s in seqs)
+    assert e.stats.preemptions > 0
+    assert e.stats.prefix_cache_hits > 0
+    e.pool.check()
+    assert e.free_blocks == e.total_blocks
+
+
+def test_shared_blocks_held_by_two_running_requests_are_counted_once(catalog):
+    e = engine(catalog)
+    a = Seq(1, 4096, 200, prompt(range(8), 4096))
+    b = Seq(2, 4096, 200, prompt(range(8), 4096))
+    e.add(a, 0.0)
+    e.advance(0.5)  # a has finished its prefill and is decoding
+    assert a.first_token_at is not None
+    e.add(b, 0.5)
+    e.advance(0.6)
+    assert b.first_token_at is not None
+    used = e.total_blocks - e.free_blocks
+    # b computed only its last block; both hold the 255 shared ones.
+    assert e.stats.prefix_cache_hits == 255 * 16
+    assert used < 2 * 256 + 10
+    e.advance(1e6)
+    e.pool.check()
+    assert e.free_blocks == e.total_blocks
+
+
+def test_engine_keys_split_trace_blocks_into_engine_blocks():
+    a = PromptBlocks(chain([1, 2]), 512, 1000)
+    b = PromptBlocks(chain([1, 3]), 512, 1000)
+    ka, kb = engine_keys(a, 16), engine_keys(b, 16)
+    assert len(ka) == 1000 // 16
+    assert ka[:32] == kb[:32] and not set(ka[32:]) & set(kb[32:])
+    # vLLM's CPU backend: 128-token blocks, four per trace block.
+    assert len(engine_keys(a, 128)) == 7 and engine_keys(a, 128)[:4] == engine_keys(b, 128)[:4]
+
+
+def test_kvpool_allocation_never_exceeds_the_free_blocks():
+    pool = KvPool(10)
+    pool.allocate(10)
+    with pytest.raises(ValueError):
+        pool.allocate(1)
+
+
+def test_mooncake_trace_reads_with_chained_hashes():
+    items = load_trace(DATA / "mooncake_conv_slice.jsonl", "m")
+    assert len(items) == 300
+    first = items[0]
+    assert (first.arrival, first.prompt, first.output, first.max_tokens) == (0.0, 6758, 500, 500)
+    assert first.blocks is not None and len(first.blocks.hashes) == 14
+    assert first.blocks.block_tokens == 512
+    # Every prompt of this service starts with the same 512-token block (its system prompt).
+    heads = {w.blocks.hashes[0] for w in items if w.blocks}
+    assert len(heads) == 1
+    assert [w.arrival for w in items] == sorted(w.arrival for w in items)
+
+
+def test_a_bad_mooncake_row_names_its_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 5, "hash_ids": [1]}\n'
+        '{"timestamp": 5, "input_length": "x", "output_length": 5}\n'
+    )
+    with pytest.raises(UserError) as e:
+        load_trace(p, "m")
+    assert e.value.where is not None and e.value.where.line == 2
+
+
+def test_hardware_aware_counts_the_prefill_a_cached_prefix_saves(catalog):
+    g, m, f = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3.1-8b"), catalog.format("bf16")
+    perf = EnginePerf(g, m, f)
+    kv = kv_budget(g, m, f).kv_tokens
+    a = Backend("a", "a", g.name, "m", "bf16", kv, perf=perf)
+    z = Backend("z", "z", g.name, "m", "bf16", kv, perf=perf)
+    blocks = prompt(range(40), 20_000)
+    index = PrefixIndex()
+    index.insert("z", blocks.hashes[:30])  # z holds 15,360 of its 20,000 tokens
+    policy = HardwareAware()
+    policy.prefix = index
+    req = Request(1, "m", 20_000, 100, blocks=blocks)
+    d = policy.choose(req, [a, z])
+    assert d.backend is z  # by name alone, a would win the tie
+    saved = policy.estimate(a, req) - policy.estimate(z, req)
+    assert saved == pytest.approx(
+        perf.prefill_marginal(20_000) - perf.prefill_marginal(4640, 15360)
+    )
+    policy.placed(req, z)
+    assert req.cached_tokens == 15_360 and req.prefill_tokens == 4640
+
+
+def test_simulate_reports_hit_rate_and_prefill_saved(catalog):
+    g, m, f = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3.1-8b"), catalog.format("bf16")
+    kv = kv_budget(g, m, f).kv_tokens
+    servers = [
+        Server(n, n, g.name, "llama-3.1-8b", "bf16", EnginePerf(g, m, f), kv, 256, 2048, 131072)
+        for n in ("s1", "s2")
+    ]
+    items = load_trace(DATA / "mooncake_conv_slice.jsonl", "llama-3.1-8b")
+    pols = ("round-robin", "hardware-aware")
+    by = {p: simulate(servers, items, p, drain_s=1e5).summary() for p in pols}
+    for s in by.values():
+        assert s["completed"] == 300
+        assert 0 < s["prefix_hit_rate"] < 1 and s["prefill_saved_tokens"] > 0
+    # Knowing the caches, hardware-aware finds more of them than turn-taking does.
+    assert by["hardware-aware"]["prefill_saved_tokens"] > by["round-robin"]["prefill_saved_tokens"]
