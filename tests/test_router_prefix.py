@@ -145,6 +145,7 @@ class Serving:
         self.loop.run_until_complete(site.start())
         ready.set()
         self.loop.run_forever()
+        self.loop.close()
 
     def on_loop(self, fn: Callable[[], Any]) -> Any:
         """fn() on the router's loop (its index is that loop's alone)."""
