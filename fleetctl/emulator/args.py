@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from fleetctl.errors import UserError
+from fleetctl.vllm_hash import ALGOS, DEFAULT_ALGO
 
 # Flags we read; every other `--flag` is one of vLLM's hundreds and is ignored with a warning.
 PROG = "fleetctl emulate"
@@ -42,6 +43,9 @@ class EmulatorArgs:
     enforce_eager: bool = False
     revision: str | None = None
     seed: int = 0
+    enable_prefix_caching: bool | None = None
+    prefix_caching_hash_algo: str = "sha256"
+    kv_events_config: str | None = None
     startup_delay: float = 0.0
     crash_after: int | None = None
     hang_after: int | None = None
@@ -130,6 +134,11 @@ def _parser() -> _Parser:
     vllm.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False)
     vllm.add_argument("--revision")
     vllm.add_argument("--seed", type=int, default=0)
+    vllm.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None
+    )
+    vllm.add_argument("--prefix-caching-hash-algo", choices=ALGOS, default=DEFAULT_ALGO)
+    vllm.add_argument("--kv-events-config", metavar="JSON")
     vllm.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fleetctl.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
 from fleetctl.emulator.args import EmulatorArgs
+from fleetctl.emulator.kv_events import KvEventsConfig, parse_kv_events_config
 from fleetctl.emulator.truth import less_kv, slower
 from fleetctl.errors import UserError
 from fleetctl.perf import BLOCK_SIZE, EnginePerf, KvBudget, kv_budget, vllm_batch_defaults
@@ -53,6 +54,15 @@ class EmulatorConfig:
     api_keys: tuple[str, ...] = ()
     time_scale: float = 1.0
     faults: Faults = Faults()
+    # vLLM V1's automatic prefix caching (on unless --no-enable-prefix-caching), the hash it
+    # names blocks by, and --kv-events-config (None: no events published).
+    prefix_caching: bool = True
+    hash_algo: str = "sha256"
+    kv_events: KvEventsConfig | None = None
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK_SIZE
 
     @property
     def name(self) -> str:
@@ -76,6 +86,8 @@ class EmulatorConfig:
             self.max_num_batched_tokens,
             self.max_model_len,
             self.name,
+            block_size=self.block_size,
+            kv_events=self.kv_events is not None and self.prefix_caching,
         )
         engine.max_span_s = max(MAX_SPAN_S, MIN_WALL_TICK_S * self.time_scale)
         return engine
@@ -144,6 +156,7 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
         gpu = slower(gpu, args.truth_speed)
     _check_fits(budget, max_len)
     source = args.source or model.hf_id or model.name
+    kv_events = parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None
     return EmulatorConfig(
         gpu=gpu,
         model=model,
@@ -170,6 +183,9 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
             args.die_mid_stream,
             args.seed,
         ),
+        prefix_caching=args.enable_prefix_caching is not False,
+        hash_algo=args.prefix_caching_hash_algo,
+        kv_events=kv_events if kv_events is not None and kv_events.publishes else None,
     )
 
 

@@ -5,15 +5,21 @@ applies it, and then, once the emulated clock has reached the end of the applied
 step is applied at its start but its tokens exist only at its end), pushes every running
 request's new tokens (Engine.generated) to that request's queue. Latencies are measured on the
 engine's clock, so they describe the modelled GPU, not the event loop's punctuality.
+
+With a KV event publisher, each engine step's prefix cache changes (the pool's `events`) are
+handed to it as one batch (fleetctl/emulator/kv_events.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fleetctl.emulator.kv_events import BlockNames, KvEventPublisher
 from fleetctl.emulator.metrics import Recorder
+from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.sim.engine import DONE, WAITING, Engine, Seq
 
 # What a request's queue carries: (choice index, tokens generated so far).
@@ -46,12 +52,15 @@ class Driver:
     time_scale: float = 1.0
     recorder: Recorder = field(default_factory=lambda: Recorder(8192))
     t0: float = field(default_factory=time.monotonic)
+    # Where the engine's KV events go (the engine must record them: Engine.kv_events).
+    publisher: KvEventPublisher | None = None
 
     def __post_init__(self) -> None:
         self.jobs: dict[Seq, Job] = {}
         self.queued: list[Job] = []  # not yet scheduled once
         self.finished: list[Seq] = []  # finished in the engine, not yet published
         self._wake = asyncio.Event()
+        self.names = BlockNames(self.engine.block_size) if self.publisher is not None else None
 
     def now(self) -> float:
         """Emulated seconds since start."""
@@ -59,14 +68,25 @@ class Driver:
 
     # --- requests --------------------------------------------------------------------------
 
-    def submit(self, prompt: int, output: int, queue: asyncio.Queue[Update], index: int) -> Job:
-        """Add a sequence at the current emulated time; its tokens will arrive on `queue`."""
+    def submit(
+        self,
+        prompt: int,
+        output: int,
+        queue: asyncio.Queue[Update],
+        index: int,
+        blocks: PromptBlocks | None = None,
+        ids: Sequence[int] | None = None,
+    ) -> Job:
+        """Add a sequence at the current emulated time; its tokens will arrive on `queue`.
+        `blocks` name its prompt for the prefix cache; `ids` are its token ids, if known."""
         now = self.now()
         self._step_until(now)
-        seq = Seq(None, prompt, output)
+        seq = Seq(None, prompt, output, blocks)
         job = Job(seq, index, queue, now, last_token_at=now)
         seq.req = job
         self.finished += self.engine.add(seq, now)
+        if self.names is not None and seq.keys:
+            self.names.describe(seq.keys, ids, self.engine.pool.cached)
         self.jobs[seq] = job
         self.queued.append(job)
         self._wake.set()
@@ -82,6 +102,7 @@ class Driver:
         now = self.now()
         self._step_until(now)
         self.finished += self.engine.sync(now)
+        self._flush_events()
         if job.seq.state != DONE:
             self.engine.abort(job.seq)
         job.aborted = True
@@ -124,10 +145,19 @@ class Driver:
         while (t := e.next_event()) is not None and t <= now:
             start = e.clock
             self.finished += e.advance(t)
+            self._flush_events()
             if self.queued:
                 self._note_scheduled(start)
             if e.clock == start and e.next_event() == t:
                 break  # a step that changed nothing; do not spin on it
+
+    def _flush_events(self) -> None:
+        """Hand the step's prefix cache changes to the publisher as one batch."""
+        events = self.engine.pool.events
+        if events:
+            if self.publisher is not None and self.names is not None:
+                self.publisher.publish(self.names.events(events))
+            events.clear()
 
     def _note_scheduled(self, at: float) -> None:
         still = []

@@ -19,9 +19,11 @@ from typing import Any
 from aiohttp import web
 
 from fleetctl import names
+from fleetctl.emulator import prompts as naming
 from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
 from fleetctl.emulator.driver import Driver, Job, Update
+from fleetctl.emulator.kv_events import KvEventPublisher
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
 from fleetctl.errors import OperationError
 
@@ -43,6 +45,7 @@ class State:
     cache: CacheInfo
     driver: Driver | None = None
     task: asyncio.Task[None] | None = None
+    publisher: KvEventPublisher | None = None
     started: float = field(default_factory=time.monotonic)
     rng: random.Random = field(default_factory=random.Random)
     completion_requests: int = 0
@@ -101,7 +104,10 @@ async def _start_engine(app: web.Application) -> None:
     state = app[STATE]
     c = state.config
     state.started = time.monotonic()
-    state.driver = Driver(c.engine(), c.time_scale, state.recorder)
+    if c.kv_events is not None and c.prefix_caching:
+        state.publisher = KvEventPublisher(c.kv_events)
+        log.info("publishing KV events on %s", c.kv_events.endpoint)
+    state.driver = Driver(c.engine(), c.time_scale, state.recorder, publisher=state.publisher)
     state.task = asyncio.create_task(state.driver.run())
     state.task.add_done_callback(_engine_died)
 
@@ -112,11 +118,14 @@ def _engine_died(task: asyncio.Task[None]) -> None:
 
 
 async def _stop_engine(app: web.Application) -> None:
-    task = app[STATE].task
+    state = app[STATE]
+    task = state.task
     if task is not None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+    if state.publisher is not None:
+        await asyncio.to_thread(state.publisher.close)
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -256,6 +265,7 @@ class Plan:
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    named: list[naming.Named] = field(default_factory=list)  # per prompt, for the cache
 
 
 async def _read_body(request: web.Request) -> dict[str, Any]:
@@ -297,15 +307,19 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if faults.hang_after is not None and state.completion_requests > faults.hang_after:
         state.hung = True
         await _hang_forever()
-    plan = _plan(await _read_body(request), state.config, chat)
+    body = await _read_body(request)
+    plan = _plan(body, state.config, chat)
+    plan.named = await _name_prompts(body, plan, state.config, chat)
     if faults.error_rate and state.rng.random() < faults.error_rate:
         raise proto.ApiError(500, "Emulated server error (--error-rate)", "InternalServerError")
     _record_params(state.recorder, plan)
     queue: asyncio.Queue[Update] = asyncio.Queue()
     driver = state.run()
     jobs = [
-        driver.submit(prompt, out, queue, i * plan.n + j)
-        for i, (prompt, out) in enumerate(zip(plan.prompts, plan.outputs, strict=True))
+        driver.submit(prompt, out, queue, i * plan.n + j, named.blocks, named.ids)
+        for i, (prompt, out, named) in enumerate(
+            zip(plan.prompts, plan.outputs, plan.named, strict=True)
+        )
         for j in range(plan.n)
     ]
     try:
@@ -321,6 +335,19 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if whole:
         _completed(state)
     return response
+
+
+async def _name_prompts(
+    body: dict[str, Any], plan: Plan, c: EmulatorConfig, chat: bool
+) -> list[naming.Named]:
+    """Each prompt's blocks for the prefix cache (none when it is off); long token-id
+    prompts are hashed off the event loop."""
+    if not c.prefix_caching:
+        return [naming.Named(None)] * len(plan.prompts)
+    items = list(zip(naming.sources(body, chat), plan.prompts, strict=True))
+    if naming.id_count(items) >= naming.THREAD_OVER_IDS:
+        return await asyncio.to_thread(naming.name_all, items, c.block_size, c.hash_algo)
+    return naming.name_all(items, c.block_size, c.hash_algo)
 
 
 def _record_params(rec: Recorder, plan: Plan) -> None:
