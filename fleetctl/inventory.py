@@ -134,6 +134,22 @@ class AgingSpec(Strict):
     enabled: bool = True
 
 
+class PrefixCacheSpec(Strict):
+    """vLLM's automatic prefix caching on every server, and its KV events for route-serve."""
+
+    # --enable-prefix-caching on every server (false: --no-enable-prefix-caching).
+    enabled: bool = True
+    # Every server publishes its KV cache events (--kv-events-config) and route-serve
+    # subscribes: its prefix index then holds exactly what each server has cached. The
+    # events carry prompt token ids in cleartext on ports vLLM binds on every interface.
+    kv_events: bool = False
+    # A server on port P publishes on P + events_port_offset and answers replay requests
+    # (batches a subscriber missed) on P + replay_port_offset (null: no replay socket).
+    events_port_offset: int = Field(2000, ge=1, le=65535)
+    replay_port_offset: int | None = Field(4000, ge=1, le=65535)
+    topic: str = Field("kv", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
+
+
 class RouterSpec(Strict):
     listen: str = "127.0.0.1:8080"
     long_context_tokens: int = Field(4096, gt=0, le=MAX_TOKENS)
@@ -144,6 +160,7 @@ class RouterSpec(Strict):
     # Port of a dcgm-exporter on every node (usually 9400): the router then reads each GPU's
     # DCGM_FI_DEV_MEM_COPY_UTIL for memory-bandwidth saturation.
     dcgm_exporter_port: int | None = Field(None, ge=1, le=65535)
+    prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
 
     @field_validator("listen")
     @classmethod
@@ -344,6 +361,8 @@ def load_inventory(path: str | Path, catalog: Catalog) -> Inventory:
     nodes = _expand_nodes(spec, src, catalog)
     _check_ports(spec, nodes, src)
     models = _resolve_models(spec, src, catalog)
+    if spec.router.prefix_cache.kv_events:
+        _check_kv_events(spec, src, catalog)
     return Inventory(Path(path), spec, nodes, models, src)
 
 
@@ -371,7 +390,8 @@ def _check_size(spec: InventorySpec, src: Source) -> None:
 
 
 def _check_ports(spec: InventorySpec, nodes: tuple[Node, ...], src: Source) -> None:
-    """Every port a plan may give a server, its surge port included, must exist."""
+    """Every port a plan may give a server, its surge port included, must exist; so must
+    its KV event ports, apart from every other server's ports on the node."""
     if not nodes:
         return
     base = spec.planner.port_base
@@ -384,6 +404,96 @@ def _check_ports(spec: InventorySpec, nodes: tuple[Node, ...], src: Source) -> N
             src.at(("planner", "port_base")),
             f"lower port_base to at most {65535 - SURGE_PORT_OFFSET - widest.gpu_count + 1}",
         )
+    _check_event_ports(spec, widest, src)
+
+
+def _check_event_ports(spec: InventorySpec, widest: Node, src: Source) -> None:
+    """With KV events, a node's servers (port_base + first GPU, or that + the surge offset)
+    publish on their port + events_port_offset and replay on + replay_port_offset: each of
+    those runs of ports must exist and not overlap another, nor the dcgm-exporter's port."""
+    pc = spec.router.prefix_cache
+    if not pc.kv_events:
+        return
+    at = ("router", "prefix_cache")
+    if not pc.enabled:
+        raise UserError(
+            "kv_events is on but prefix caching is off: vLLM publishes no KV events without it",
+            src.at((*at, "kv_events")),
+            "set prefix_cache.enabled to true, or kv_events to false",
+        )
+    base, n = spec.planner.port_base, widest.gpu_count
+    runs = {"server ports": 0, "replacement server ports": SURGE_PORT_OFFSET}
+    offsets = [("events_port_offset", pc.events_port_offset)]
+    if pc.replay_port_offset is not None:
+        offsets.append(("replay_port_offset", pc.replay_port_offset))
+    for field, off in offsets:
+        kind = field.split("_", 1)[0]
+        for name, start in (
+            (f"{kind} ports", off),
+            (f"replacement {kind} ports", off + SURGE_PORT_OFFSET),
+        ):
+            top = base + start + n - 1
+            if top > 65535:
+                raise UserError(
+                    f"{field} {off} gives {widest.name}'s last GPU the {name[:-1]} {top}, "
+                    "past 65535",
+                    src.at((*at, field)),
+                    f"lower {field} to at most {65535 - base - n + 1 - (start - off)}, or "
+                    "lower planner.port_base",
+                )
+            for other, ostart in runs.items():
+                if abs(start - ostart) < n:
+                    raise UserError(
+                        f"{field} {off} puts {widest.name}'s {name} "
+                        f"({base + start}-{top}) on its {other} "
+                        f"({base + ostart}-{base + ostart + n - 1})",
+                        src.at((*at, field)),
+                        f"give each run of {n} ports its own range: e.g. {field} "
+                        f"{_free_offset(runs, n)}",
+                    )
+            runs[name] = start
+    dcgm = spec.router.dcgm_exporter_port
+    if dcgm is not None:
+        for name, start in runs.items():
+            if base + start <= dcgm < base + start + n:
+                raise UserError(
+                    f"dcgm_exporter_port {dcgm} is one of {widest.name}'s {name}",
+                    src.at(("router", "dcgm_exporter_port")),
+                    "move the KV event ports with prefix_cache.events_port_offset or "
+                    "replay_port_offset",
+                )
+
+
+def _check_kv_events(spec: InventorySpec, src: Source, catalog: Catalog) -> None:
+    """The nodes' vLLM must know the flags KV events need, and no model may turn prefix
+    caching off."""
+    for i, ms in enumerate(spec.models):
+        for j, arg in enumerate(ms.vllm_args):
+            if arg.replace("_", "-").partition("=")[0] == "--no-enable-prefix-caching":
+                raise UserError(
+                    f"vllm_args[{j}] --no-enable-prefix-caching turns off the prefix cache "
+                    "whose KV events router.prefix_cache.kv_events subscribes to",
+                    src.at(("models", i, "vllm_args", j)),
+                    "remove it, or set router.prefix_cache.kv_events to false",
+                )
+    flags = catalog.serve_flags(spec.apply.vllm_version, src.at(("apply", "vllm_version")))
+    for flag in ("--enable-prefix-caching", "--kv-events-config"):
+        if flags.lookup(flag) is None:
+            raise UserError(
+                f"vLLM {flags.version} has no {flag}, which kv_events needs",
+                src.at(("router", "prefix_cache", "kv_events")),
+                "set apply.vllm_version to a release that has it (0.32.0), or kv_events to false",
+            )
+
+
+def _free_offset(runs: dict[str, int], n: int) -> int:
+    """The smallest multiple of 1000 (at least `n` apart from every taken run, and its
+    surge twin) that is free."""
+    step = max(1000, -(-n // 1000) * 1000)
+    off = step
+    while any(abs(off + d - s) < n for s in runs.values() for d in (0, SURGE_PORT_OFFSET)):
+        off += step
+    return off
 
 
 def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[Node, ...]:

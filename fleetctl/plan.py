@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -20,6 +21,30 @@ def fields_of(obj: Any) -> dict[str, Any]:
 
 
 PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """A server's --kv-events-config, from its own port (the inventory's
+    router.prefix_cache): vLLM's ZMQ publisher binds tcp://*:(port + events_offset), on
+    every interface (vLLM binds only so), and its replay socket tcp://*:(port +
+    replay_offset). route-serve connects to both at the server's host."""
+
+    events_offset: int
+    replay_offset: int | None
+    topic: str
+
+    def args(self, port: int) -> tuple[str, ...]:
+        config: dict[str, Any] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port + self.events_offset}",
+        }
+        if self.replay_offset is not None:
+            config["replay_endpoint"] = f"tcp://*:{port + self.replay_offset}"
+        config["topic"] = self.topic
+        # No spaces: one word in ps output, as `status` compares a foreign server's flags.
+        return ("--kv-events-config", json.dumps(config, separators=(",", ":")))
 
 
 @dataclass(frozen=True)
@@ -50,6 +75,9 @@ class Server:
     # Why max_model_len is what it is: "131072 = max_context", or with the model's
     # min_context the KV budget that made it shorter. Not a flag: it never restarts a server.
     max_model_len_reason: str = ""
+    # Its KV events' ports follow each deployment's port, so they are added per deployment
+    # (at the end of its arguments); a Server read back from state has them in args_tail.
+    kv_events: KvEvents | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +122,8 @@ class Deployment:
     @property
     def vllm_args(self) -> tuple[str, ...]:
         s = self.server
-        return (*s.args_head, "--host", self.host, "--port", str(self.port), *s.args_tail)
+        kv = s.kv_events.args(self.port) if s.kv_events is not None else ()
+        return (*s.args_head, "--host", self.host, "--port", str(self.port), *s.args_tail, *kv)
 
     @property
     def env(self) -> tuple[tuple[str, str], ...]:

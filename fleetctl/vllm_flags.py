@@ -32,6 +32,7 @@ PINNED: dict[str, str] = {
     "--api-key": "list VLLM_API_KEY in apply.secrets (never on a command line)",
     "--config": "write the flags in vllm_args (a config file could set any pinned flag)",
     "--headless": "every server fleetctl starts serves HTTP: leave it out",
+    "--kv-events-config": "set router.prefix_cache.kv_events (each server gets its own ports)",
 }
 
 _OPTION_LINE = re.compile(r"^  (-[^\s].*?)(?:\s{2,}|$)")

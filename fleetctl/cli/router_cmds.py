@@ -73,14 +73,28 @@ def route_serve(
         "--no-online-fit",
         help="Do not learn each backend's speed from its /metrics while serving.",
     ),
+    prefix_capacity: int | None = typer.Option(
+        None,
+        "--prefix-capacity",
+        min=0,
+        max=1 << 30,
+        metavar="BLOCKS",
+        help="Blocks the prefix index holds over all backends (default 1048576; 0: none).",
+    ),
+    kv_events: bool | None = typer.Option(
+        None,
+        "--kv-events/--no-kv-events",
+        help="Learn each server's cache from its vLLM KV events, at the ports apply gave it "
+        "(default: the inventory's router.prefix_cache.kv_events).",
+    ),
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
     """Run the OpenAI-compatible routing daemon in front of the fleet (SIGHUP reloads)."""
     from fleetctl.errors import UserError
     from fleetctl.router.backends import load_backends
-    from fleetctl.router.daemon import DaemonConfig
-    from fleetctl.router.serve import build_router, read_secret, serve
+    from fleetctl.router.daemon import PREFIX_CAPACITY, DaemonConfig
+    from fleetctl.router.serve import build_router, kv_sources, read_secret, serve
     from fleetctl.router.transport import TRANSPORTS
 
     if upstream_client not in TRANSPORTS:
@@ -118,13 +132,18 @@ def route_serve(
         session_store=session_store,
         online_fit=not no_online_fit,
         calibrated=not skip_calibration,
+        prefix_capacity=PREFIX_CAPACITY if prefix_capacity is None else prefix_capacity,
+        use_kv_events=kv_events,
     )
 
     def reload():  # type: ignore[no-untyped-def]
         fresh_inv, fresh_catalog = common.load(inventory, profiles)
-        return load_backends(
+        fresh = load_backends(
             fresh_inv, fresh_catalog, backends, sdir, calibrated=not skip_calibration
         )
+        sources = kv_sources(fresh_inv, backends, sdir, kv_events, fresh)
+        router.set_kv_events(sources or {})
+        return fresh
 
     serve(router, listen or inv.spec.router.listen, reload, None if backends else sdir)
 

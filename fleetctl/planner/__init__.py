@@ -11,6 +11,7 @@ from fleetctl.names import natural_key
 from fleetctl.perf import GB
 from fleetctl.plan import (
     Deployment,
+    KvEvents,
     ModelSummary,
     Plan,
     Server,
@@ -140,6 +141,15 @@ def _current_counts(feasible: list[Candidate], classes: list[NodeClass], state: 
 def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
     """Everything about a candidate's servers that does not depend on the node."""
     model, variant, fmt = k.model, k.variant, k.variant.format
+    pc = inv.spec.router.prefix_cache
+    kv = KvEvents(pc.events_port_offset, pc.replay_port_offset, pc.topic) if pc.kv_events else None
+    if kv is not None:
+        replay = f", replay on +{kv.replay_offset}" if kv.replay_offset is not None else ""
+        reasons = (
+            *reasons,
+            f"KV events on its port +{kv.events_offset}{replay} (topic '{kv.topic}'): "
+            "route-serve's prefix index learns what it caches",
+        )
     tail = [
         "--tensor-parallel-size",
         str(k.tp),
@@ -155,6 +165,8 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         str(k.max_num_batched_tokens),
         "--max-num-seqs",
         str(k.max_num_seqs),
+        # On by default in vLLM V1, pinned so that a server started without it is drift.
+        "--enable-prefix-caching" if pc.enabled else "--no-enable-prefix-caching",
     ]
     quant = fmt.quantization_flag(k.cls.gpu)
     if quant:
@@ -186,6 +198,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         args_tail=tuple(tail),
         env=tuple(sorted(model.spec.env.items())),
         max_model_len_reason=k.context_reason,
+        kv_events=kv,
     )
 
 
@@ -357,7 +370,57 @@ def _warnings(
             out.append(
                 f"{plural(idle, c.gpu.name + ' GPU')} left idle: no model benefits from them"
             )
+    out += _kv_event_warnings(inv, deployments)
     return out
+
+
+def _kv_event_warnings(inv: Inventory, deployments: list[Deployment]) -> list[str]:
+    """What KV events expose, and settings that keep route-serve from naming the blocks."""
+    pc = inv.spec.router.prefix_cache
+    if not pc.kv_events or not deployments:
+        return []
+    base = inv.spec.planner.port_base
+    top = max(n.gpu_count for n in inv.nodes) - 1
+    ports = [(pc.events_port_offset, "events")]
+    if pc.replay_port_offset is not None:
+        ports.append((pc.replay_port_offset, "replay"))
+
+    def span(first: int) -> str:
+        return str(first) if not top else f"{first}-{first + top}"
+
+    spans = ", ".join(
+        f"{span(base + off)} and {span(base + off + SURGE_PORT_OFFSET)} ({what})"
+        for off, what in ports
+    )
+    out = [
+        "KV events: every server publishes its prompts' token ids in cleartext, unauthenticated, "
+        f"on TCP ports {spans} of every interface (vLLM binds them on *): let only the "
+        "route-serve hosts reach them (firewall), or turn router.prefix_cache.kv_events off"
+    ]
+    for m in inv.models:
+        algo = _flag_value(m.spec.vllm_args, "--prefix-caching-hash-algo") or "sha256"
+        if algo != "sha256":
+            out.append(
+                f"{m.name}: --prefix-caching-hash-algo {algo}: route-serve names prompts' "
+                "blocks as sha256 does and will find none of its cached prefixes: keep the "
+                "default sha256"
+            )
+        if "PYTHONHASHSEED" in m.spec.env:
+            out.append(
+                f"{m.name}: PYTHONHASHSEED in env changes vLLM's block hashes; route-serve "
+                "hashes prompts without it and will find no cached prefix: remove it"
+            )
+    return out
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value `args` give `flag` (as --flag V, --flag=V, or with underscores), the last."""
+    found = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name.startswith("--") and "--" + name[2:].replace("_", "-") == flag:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return found
 
 
 def _node_list(nodes: list[str]) -> str:

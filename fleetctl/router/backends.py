@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -166,6 +167,82 @@ def backends_from_state(inv: Inventory, state_dir: StateDir) -> list[Backend]:
                 dcgm_url=dcgm_url(inv, d.host),
             )
         )
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class KvEndpoint:
+    """Where route-serve reads one server's KV events (fleetctl.router.kv_events.KvSource,
+    without importing pyzmq): `endpoint` to connect to (or, with `bind`, to bind: vLLM
+    connects), `replay` its replay socket if it has one, and the topic."""
+
+    endpoint: str
+    topic: str = ""
+    replay: str | None = None
+    bind: bool = False
+
+
+# vLLM's publisher binds where its endpoint's host is one of these (kv_events.py), else it
+# connects to that address, and the subscriber binds it.
+_BIND_HOSTS = ("*", "::", "[::]")
+
+
+def _tcp(host: str, port: int) -> str:
+    return "tcp://" + names.host_port(host, port)
+
+
+def _reach(endpoint: object, host: str) -> tuple[str, bool] | None:
+    """(what to reach `endpoint` of a vLLM on `host` at, whether to bind it), or None if it is
+    not a tcp://HOST:PORT endpoint."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return None
+    where, sep, port = endpoint[6:].rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    if where in _BIND_HOSTS:
+        return _tcp(host, int(port)), False
+    return endpoint, True
+
+
+def kv_endpoint(args: tuple[str, ...] | list[str], host: str) -> KvEndpoint | None:
+    """The KV event publisher a server's recorded `vllm serve` arguments configure
+    (--kv-events-config, as the plan writes it), reached at `host`; None without one."""
+    config = None
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name.replace("_", "-") == "--kv-events-config":
+            config = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    if config is None:
+        return None
+    try:
+        c = json.loads(config)
+    except ValueError:
+        return None
+    if not isinstance(c, dict) or not c.get("enable_kv_cache_events"):
+        return None
+    if c.get("publisher", "null") != "zmq":
+        return None
+    found = _reach(c.get("endpoint", "tcp://*:5557"), host)
+    if found is None:
+        return None
+    replay = _reach(c.get("replay_endpoint"), host)
+    topic = c.get("topic", "")
+    return KvEndpoint(
+        found[0],
+        topic if isinstance(topic, str) else "",
+        replay[0] if replay is not None else None,
+        found[1],
+    )
+
+
+def kv_events_from_state(state_dir: StateDir) -> dict[str, KvEndpoint]:
+    """Per backend (its URL, as backends_from_state names it), where it publishes KV events,
+    from the flags `fleetctl apply` started it with; servers without them are left out."""
+    out = {}
+    for d in state_dir.load_state().deployments:
+        found = kv_endpoint(d.vllm_args, d.host)
+        if found is not None:
+            out[d.url()] = found
     return out
 
 

@@ -18,12 +18,13 @@ from typing import Any
 from aiohttp import web
 
 from fleetctl.router.admission import Admission
+from fleetctl.router.backends import KvEndpoint
 from fleetctl.router.intake import Intake, authorize, error_response
 from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.prefix_share import PrefixShare, SharedIndex
 from fleetctl.router.proxy import Hooks, Proxy
 from fleetctl.router.shared import RedisShared
-from fleetctl.router.telemetry import RouterMetrics
+from fleetctl.router.telemetry import Counter, Gauge, RouterMetrics
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.transport import make_transport
 from fleetctl.routing.peers import PEER_POLICIES
@@ -38,6 +39,8 @@ log = logging.getLogger("fleetctl.router")
 # Blocks the prefix index holds, over all backends: ~1M blocks of ~16 tokens (benchmarks/
 # prefix_index.py measures its memory).
 PREFIX_CAPACITY = 1 << 20
+# The KV event subscriber's counts (SourceStats fields) exported on /metrics.
+KV_KINDS = ("batches", "events", "malformed", "gaps", "replayed", "cleared")
 
 
 # Our policies that read the prefix index (hardware-aware: a cached prefix is prefill a
@@ -104,15 +107,22 @@ class Router:
     # the prefix index (reads_prefix).
     hash_prompts: bool | None = None
     # Per backend name, the ZMQ endpoint of its vLLM KV events (vLLM's default binds
-    # tcp://*:5557: give tcp://HOST:5557): the index is then fed by them (precise,
-    # fleetctl/router/kv_events.py) rather than by placements (approximate), and prompts are
-    # named as vLLM names its blocks of `kv_block_size` tokens (fleetctl/vllm_hash.py).
-    # Each replica subscribes itself, so nothing of it goes through Redis.
-    kv_events: dict[str, str] | None = None
-    kv_block_size: int = 16  # the servers' --block-size
+    # tcp://*:5557: give tcp://HOST:5557), or a KvEndpoint with its topic and replay socket:
+    # the index is then fed by them (precise, fleetctl/router/kv_events.py) rather than by
+    # placements (approximate), and prompts are named as vLLM names its blocks of
+    # `kv_block_size` tokens (fleetctl/vllm_hash.py). Each replica subscribes itself, so
+    # nothing of it goes through Redis.
+    kv_events: dict[str, str | KvEndpoint] | None = None
+    # The servers' --block-size until their /metrics say (vllm:cache_config_info's
+    # block_size, read by live.py): prompts are hashed once per request, with the size most
+    # of the subscribed backends use; a backend with another size finds no hits (logged).
+    kv_block_size: int = 16
     prefix: PrefixIndex | None = field(init=False, default=None)
     prefix_share: PrefixShare | None = field(init=False, default=None)
     _kv: Any = None  # the KvEventSubscriber, while it runs
+    _kv_counts: dict[tuple[str, str], float] = field(default_factory=dict)  # of past ones
+    _kv_sizes: str = ""  # the block sizes last logged
+    _kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one (re)subscription at once
     _proxy: Proxy | None = None  # built at start, with its upstream connection pool
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     intake: Intake = field(init=False)
@@ -150,6 +160,8 @@ class Router:
         if self.kv_events and self.prefix is not None:
             self.prefix.learn = False
             self.tokens.engine_block_size = self.kv_block_size
+            if self.live is not None:
+                self.live.on_block_size = self._block_size
         elif self.prefix is not None and self.prefix.learn and hashed and self.shared:
             self.prefix_share = PrefixShare(self.shared, self.prefix)
 
@@ -192,17 +204,92 @@ class Router:
         if self.live is not None:
             self._tasks.append(asyncio.create_task(self.live.run()))
         if self.kv_events and self.prefix is not None:
-            # pyzmq and msgpack: needed only with KV events.
-            from fleetctl.router.kv_events import KvEventSubscriber, KvSource
+            await self._start_kv()
 
-            sources = [KvSource(b, endpoint) for b, endpoint in self.kv_events.items()]
-            self._kv = KvEventSubscriber(self.prefix, sources)
-            await self._kv.start()
+    async def _start_kv(self) -> None:
+        # pyzmq and msgpack: needed only with KV events (the `prefix` extra).
+        from fleetctl.router.kv_events import KvEventSubscriber, KvSource
+
+        assert self.kv_events and self.prefix is not None
+        sources = [
+            KvSource(b, e)
+            if isinstance(e, str)
+            else KvSource(b, e.endpoint, e.topic, e.replay, e.bind)
+            for b, e in sorted(self.kv_events.items())
+        ]
+        self._kv = KvEventSubscriber(self.prefix, sources)
+        await self._kv.start()
+        log.info("KV events: subscribed to %d backends", len(sources))
+
+    async def _stop_kv(self) -> None:
+        if self._kv is None:
+            return
+        for name, stats in self._kv.stats.items():  # counters carry over a restart
+            for kind in KV_KINDS:
+                key = (name, kind)
+                self._kv_counts[key] = self._kv_counts.get(key, 0.0) + getattr(stats, kind)
+        await self._kv.close()
+        self._kv = None
+
+    def set_kv_events(self, fresh: dict[str, str | KvEndpoint]) -> None:
+        """Reload: subscribe to these sources instead (a no-op when they are the same). The
+        subscriber restarts in the background; the index keeps what it holds of backends
+        that stay (a restarted subscription asks each replay socket for what it missed)."""
+        if fresh == (self.kv_events or {}):
+            return
+        self.kv_events = dict(fresh)
+        if self.prefix is None:
+            return
+        if fresh:  # the index now follows the events (from placements until now, if empty)
+            self.prefix.learn = False
+            self.tokens.engine_block_size = self.kv_block_size
+            if self.live is not None:
+                self.live.on_block_size = self._block_size
+
+        async def restart() -> None:
+            async with self._kv_lock:
+                await self._stop_kv()
+                if self.kv_events and self.prefix is not None:
+                    await self._start_kv()
+
+        if self._proxy is not None:  # started: restart now; else _start subscribes
+            task = asyncio.create_task(restart())
+            self._tasks.append(task)
+            task.add_done_callback(self._kv_restarted)
+
+    def _kv_restarted(self, task: asyncio.Task[None]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("KV events: resubscribing failed: %s", task.exception())
+
+    def _block_size(self, b: Backend, size: int) -> None:
+        """A backend's /metrics said its KV block size: hash prompts with the size most
+        subscribed backends use (one size per request), saying so when they differ."""
+        if self.live is None or not self.kv_events:
+            return
+        sizes: dict[int, int] = {}
+        for x in self.backends:
+            got = self.live.state(x).block_size
+            if got and x.name in self.kv_events:
+                sizes[got] = sizes.get(got, 0) + 1
+        if not sizes:
+            return
+        best = max(sizes, key=lambda k: (sizes[k], -k))
+        self.tokens.engine_block_size = self.kv_block_size = best
+        seen = ", ".join(f"{n} x {k}" for k, n in sorted(sizes.items()))
+        if len(sizes) > 1 and seen != self._kv_sizes:
+            log.warning(
+                "KV events: backends use different block sizes (%s tokens): prompts are named "
+                "in blocks of %d, so the others find no cached prefix; give every server the "
+                "same --block-size",
+                seen,
+                best,
+            )
+        self._kv_sizes = seen
 
     async def _stop(self, app: web.Application) -> None:
-        if self._kv is not None:
-            await self._kv.close()
-            self._kv = None
+        await self._stop_kv()
         for t in self._tasks:
             await cancel(t)
         if self._proxy is not None:
@@ -361,4 +448,39 @@ class Router:
                 self.metrics.prefix_updates.values[(direction,)] = float(n)
         if self.live is not None:
             self.live.expire_all(now)
-        return web.Response(text=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        text = self.metrics.render()
+        if self.kv_events and self.prefix is not None:
+            text += self._kv_metrics()
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    def _kv_metrics(self) -> str:
+        """The KV event subscriber's counts per backend (one series per backend and kind:
+        bounded by the backends), and the block size each reports."""
+        counts = Counter(
+            "fleetctl_kv_events_total",
+            "KV events from each backend: batches and events applied, malformed messages "
+            "skipped, gaps (batches lost), batches replayed, index clears.",
+            ("backend", "kind"),
+        )
+        names = {b.name for b in self.backends}
+        for key, v in self._kv_counts.items():
+            if key[0] in names:
+                counts.values[key] = v
+        if self._kv is not None:
+            for name, stats in self._kv.stats.items():
+                for kind in KV_KINDS:
+                    key = (name, kind)
+                    counts.values[key] = self._kv_counts.get(key, 0.0) + getattr(stats, kind)
+        size = Gauge(
+            "fleetctl_kv_block_size",
+            'Tokens per KV block: the size prompts are hashed with (backend ""), and each '
+            "backend's own (vllm:cache_config_info).",
+            ("backend",),
+        )
+        size.set("", value=self.kv_block_size)
+        if self.live is not None:
+            for b in self.backends:
+                got = self.live.state(b).block_size
+                if got:
+                    size.set(b.name, value=got)
+        return "\n".join([*counts.render(), *size.render()]) + "\n"

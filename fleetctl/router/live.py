@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
@@ -32,6 +34,19 @@ MODELS_RETRY_S = 2.0  # ... of one that does not, or gave no answer
 FIT_WINDOWS = 120  # decode windows (consecutive scrapes) the online fit keeps per backend
 FIT_EVERY = 5  # new windows between refits
 SPEED_LOG_CHANGE = 0.10  # a learned speed is logged again when it moves by more than this
+_CACHE_INFO = "\nvllm:cache_config_info{"
+_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d{1,7})"')
+
+
+def block_size(text: str) -> int | None:
+    """The KV block size (tokens) a vLLM /metrics page reports in vllm:cache_config_info's
+    block_size label (16 on GPUs, 128 on CPUs by default); None without one."""
+    at = text.find(_CACHE_INFO)
+    if at < 0:
+        return None
+    end = text.find("\n", at + 1)
+    m = _BLOCK_SIZE.search(text, at, end if end >= 0 else len(text))
+    return int(m.group(1)) or None if m else None
 
 
 def where(b: Backend) -> str:
@@ -65,6 +80,7 @@ class Liveness:
     fit_key: Key | None = None
     fit: EngineFit | None = None  # the measured step terms, once trusted
     logged_step: float | None = None
+    block_size: int | None = None  # its KV block size, read while on_block_size is set
 
 
 @dataclass
@@ -87,6 +103,9 @@ class LiveState:
     dcgm: dict[str, tuple[float, dict[int, float]]] = field(default_factory=dict)
     api_key: str | None = None  # for a backend's /v1/models (vLLM's --api-key guards it)
     online_fit: bool = True  # learn each backend's speed from its scrapes (learn below)
+    # Called with a backend and its KV block size when a scrape first reports it or it
+    # changes (the router hashes prompts for KV events with it); None: not read.
+    on_block_size: Callable[[Backend, int], None] | None = None
 
     def state(self, b: Backend) -> Liveness:
         return self.live.setdefault(b.name, Liveness())
@@ -238,6 +257,11 @@ class LiveState:
             s.read_bytes, s.read_at = m.read_bytes, now
         elif b.perf is not None:
             b.bandwidth_util = modelled_bandwidth(b)
+        if self.on_block_size is not None:
+            size = block_size(text)
+            if size is not None and size != s.block_size:
+                s.block_size = size
+                self.on_block_size(b, size)
         self.learn(b, m)
 
     def learn(self, b: Backend, counters: Scrape) -> None:

@@ -21,7 +21,7 @@ from aiohttp.abc import AbstractAccessLogger
 from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
-from fleetctl.router.backends import load_backends
+from fleetctl.router.backends import KvEndpoint, kv_events_from_state, load_backends
 from fleetctl.router.daemon import PREFIX_CAPACITY, DaemonConfig, Router
 from fleetctl.router.live import LiveState
 from fleetctl.router.proxy import SERVED_BY
@@ -130,13 +130,16 @@ def build_router(
     online_fit: bool = True,
     calibrated: bool = True,
     prefix_capacity: int = PREFIX_CAPACITY,
-    kv_events: dict[str, str] | None = None,
+    kv_events: dict[str, str | KvEndpoint] | None = None,
+    use_kv_events: bool | None = None,
 ) -> Router:
     """The daemon for an inventory. `prefix_capacity` bounds the prefix index (blocks over
     all backends, least recently used first out; 0: no index) that Router gives a policy
     that reads one; its placements feed it (approximate), shared with the other replicas
     through the session store; or, with `kv_events` (backend name -> ZMQ endpoint), the
-    servers' KV events feed it (precise; Router.kv_events)."""
+    servers' KV events feed it (precise; Router.kv_events). Without `kv_events`,
+    `use_kv_events` (None: the inventory's router.prefix_cache.kv_events) takes them from
+    the flags `fleetctl apply` started each server with (kv_sources)."""
     if policy not in policy_names():
         raise UserError(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
@@ -146,6 +149,10 @@ def build_router(
     # the log says which classes, so it starts before the backends load.
     start_logging()
     backends = load_backends(inv, catalog, backends_file, state_dir, calibrated=calibrated)
+    if kv_events is None:
+        kv_events = kv_sources(inv, backends_file, state_dir, use_kv_events, backends)
+    if kv_events:
+        _need_prefix_extra()
     routing = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
     sched = Scheduler(
         make_policy(policy, config=routing),
@@ -188,6 +195,54 @@ def build_router(
         prefix_capacity=prefix_capacity,
         kv_events=kv_events,
     )
+
+
+def kv_sources(
+    inv: Inventory,
+    backends_file: Path | None,
+    state_dir: StateDir,
+    enabled: bool | None,
+    backends: list[Backend],
+) -> dict[str, str | KvEndpoint] | None:
+    """Where each backend publishes KV events, read from the state's recorded flags, when
+    `enabled` (None: the inventory's router.prefix_cache.kv_events); None when off."""
+    on = inv.spec.router.prefix_cache.kv_events if enabled is None else enabled
+    if not on:
+        return None
+    if backends_file is not None:
+        if enabled:
+            raise UserError(
+                "--kv-events reads each server's KV event ports from the state, not from a "
+                "backends file",
+                Location(str(backends_file)),
+                "route servers fleetctl applied (no --backends), or leave out --kv-events",
+            )
+        log.warning("KV events: not read for a backends file's servers (--backends)")
+        return None
+    found: dict[str, str | KvEndpoint] = dict(kv_events_from_state(state_dir))
+    missing = [b.name for b in backends if b.name not in found]
+    if missing:
+        log.warning(
+            "KV events: %d of %d backends publish none (e.g. %s): `fleetctl apply` restarts "
+            "them with router.prefix_cache.kv_events; until then they find no cached prefix",
+            len(missing),
+            len(backends),
+            missing[0],
+        )
+    return found
+
+
+def _need_prefix_extra() -> None:
+    """KV events need pyzmq and msgpack (the `prefix` extra): say so before serving."""
+    import importlib.util
+
+    missing = [m for m in ("zmq", "msgpack") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(
+            f"KV events need {' and '.join(missing)}, which are not installed",
+            None,
+            "pip install 'fleetctl[prefix]', or run route-serve with --no-kv-events",
+        )
 
 
 def server_options(config: DaemonConfig) -> dict[str, Any]:
