@@ -42,3 +42,31 @@ def peer_router_cmd(
     if kind == "sglang-router":
         return [str(bin_ / "python"), "-m", "sglang_router.launch_router", *common]
     raise ValueError(kind)
+
+
+def vllm_bench_timed_trace_cmd(
+    vllm: Path,
+    base_url: str,
+    model: str,
+    tokenizer: Path,
+    trace: Path,
+    requests: int,
+    chunk_hash_size: int,
+    sec_multiplier: float,
+    result_dir: Path,
+    result_file: str,
+) -> list[str]:
+    """vLLM's own load generator replaying a timed trace (Mooncake-style JSONL: timestamp,
+    input_length, output_length, hash_ids) against `base_url`'s /v1/completions: streamed,
+    token-id prompts that share prefixes as the hash_ids say, max_tokens the trace's output
+    length, arrivals at timestamp x `sec_multiplier` seconds. Per-request results are saved
+    (--save-detailed) to result_dir/result_file."""
+    cmd = [str(vllm), "bench", "serve", "--backend", "openai", "--base-url", base_url]
+    cmd += ["--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer)]
+    cmd += ["--dataset-name", "timed_trace", "--dataset-path", str(trace)]
+    cmd += ["--timed-trace-chunk-hash-size", str(chunk_hash_size)]
+    cmd += ["--timed-trace-sec-multiplier", repr(sec_multiplier)]
+    cmd += ["--num-prompts", str(requests), "--ignore-eos", "--disable-tqdm"]
+    cmd += ["--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99"]
+    cmd += ["--save-result", "--save-detailed", "--result-dir", str(result_dir)]
+    return [*cmd, "--result-filename", result_file]
