@@ -137,7 +137,7 @@ class AgingSpec(Strict):
 class PrefixCacheSpec(Strict):
     """vLLM's automatic prefix caching on every server, and its KV events for route-serve."""
 
-    # --enable-prefix-caching on every server (false: --no-enable-prefix-caching).
+    # vLLM V1 caches prefixes by default; false adds --no-enable-prefix-caching to every server.
     enabled: bool = True
     # Every server publishes its KV cache events (--kv-events-config) and route-serve
     # subscribes: its prefix index then holds exactly what each server has cached. The

@@ -54,11 +54,12 @@ def _config(d: Deployment) -> dict | None:
     return json.loads(args[args.index("--kv-events-config") + 1])
 
 
-def test_prefix_caching_is_pinned_and_kv_events_are_off_by_default(tmp_path, catalog):
+def test_prefix_caching_keeps_vllms_default_and_kv_events_are_off_by_default(tmp_path, catalog):
+    """No flag by default (vLLM V1 caches prefixes): upgrading restarts no server."""
     plan = _plan(tmp_path, catalog, INVENTORY)
     assert len(plan.deployments) == 3
     for d in plan.deployments:
-        assert "--enable-prefix-caching" in d.vllm_args
+        assert not {"--enable-prefix-caching", "--no-enable-prefix-caching"} & set(d.vllm_args)
         assert _config(d) is None
     assert not any("KV events" in w for w in plan.warnings)
     off = _plan(tmp_path, catalog, INVENTORY + "router:\n  prefix_cache: {enabled: false}\n")

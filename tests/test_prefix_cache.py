@@ -3,6 +3,7 @@ and the prefix term of hardware-aware routing."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from fleetctl.routing.types import Backend, Request
 from fleetctl.sim.engine import Engine, Seq
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.kvpool import KvPool, engine_keys
-from fleetctl.sim.workload import load_trace
+from fleetctl.sim.workload import WorkItem, load_trace
 
 DATA = Path(__file__).parent / "data"
 
@@ -167,18 +168,92 @@ def test_hardware_aware_counts_the_prefill_a_cached_prefix_saves(catalog):
     assert req.cached_tokens == 15_360 and req.prefill_tokens == 4640
 
 
+def conversations(n=11, turns=5, gap=20.0):
+    """`n` conversations whose every turn resends the one before plus 2,048 new tokens."""
+    items = []
+    for c in range(n):
+        ids: list[int] = []
+        for t in range(turns):
+            ids += [c * 100 + t * 4 + k for k in range(4)]
+            at = c * 1.7 + t * gap
+            items.append(
+                WorkItem(
+                    0,
+                    at,
+                    len(ids) * 512,
+                    50,
+                    "llama-3.1-8b",
+                    max_tokens=50,
+                    blocks=prompt(ids, len(ids) * 512),
+                )
+            )
+    items.sort(key=lambda w: w.arrival)
+    return [replace(w, id=i) for i, w in enumerate(items)]
+
+
 def test_simulate_reports_hit_rate_and_prefill_saved(catalog):
     g, m, f = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3.1-8b"), catalog.format("bf16")
     kv = kv_budget(g, m, f).kv_tokens
     servers = [
         Server(n, n, g.name, "llama-3.1-8b", "bf16", EnginePerf(g, m, f), kv, 256, 2048, 131072)
-        for n in ("s1", "s2")
+        for n in ("s1", "s2", "s3")
     ]
-    items = load_trace(DATA / "mooncake_conv_slice.jsonl", "llama-3.1-8b")
-    pols = ("round-robin", "hardware-aware")
-    by = {p: simulate(servers, items, p, drain_s=1e5).summary() for p in pols}
+    items = conversations()
+    by = {p: simulate(servers, items, p).summary() for p in ("round-robin", "hardware-aware")}
     for s in by.values():
-        assert s["completed"] == 300
+        assert s["completed"] == len(items)
         assert 0 < s["prefix_hit_rate"] < 1 and s["prefill_saved_tokens"] > 0
-    # Knowing the caches, hardware-aware finds more of them than turn-taking does.
-    assert by["hardware-aware"]["prefill_saved_tokens"] > by["round-robin"]["prefill_saved_tokens"]
+    # Every later turn finds its conversation cached where hardware-aware sent the one before
+    # (all but the last token's block), where round-robin finds it by chance.
+    later = sum(w.prompt - 2048 for w in items if w.prompt > 2048)
+    assert by["hardware-aware"]["prefill_saved_tokens"] >= later
+    assert by["round-robin"]["prefill_saved_tokens"] < 0.8 * later
+
+
+def test_a_request_blocked_for_room_is_not_overtaken_on_that_backend(catalog):
+    """EASY backfilling: later requests may use other backends, never the room the blocked
+    one waits for (else a long prompt waits as long as short ones keep coming)."""
+    from fleetctl.routing.policy import LeastOutstanding
+    from fleetctl.routing.scheduler import Scheduler
+
+    big = Backend("big", "big", "A100-SXM4-80GB", "m", "bf16", 100_000, max_model_len=131072)
+    big.outstanding, big.reserved_tokens = 1, 60_000
+    small = Backend("small", "small", "RTX-4090", "m", "bf16", 40_000, max_model_len=32768)
+    small.outstanding, small.reserved_tokens = 2, 2_000
+    policy = LeastOutstanding()
+    policy.admission = True
+    sched = Scheduler(policy)
+    long = Request(1, "m", 50_000, 100, arrival=0.0)  # only `big` takes it, once room frees
+    short = Request(2, "m", 1_000, 100, arrival=1.0)  # fits `big` now, and `small`
+    sched.submit(long)
+    sched.submit(short)
+    sent, rejected = sched.dispatch(2.0, [big, small])
+    assert not rejected
+    assert [(d.request.id, d.decision.backend.name) for d in sent] == [(2, "small")]
+    assert sched.queue == [long]
+
+
+def test_hardware_aware_keeps_optional_work_off_a_class_busy_with_work_only_it_can_do(catalog):
+    g, m, f = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3.1-8b"), catalog.format("bf16")
+    r = catalog.gpu("RTX-4090")
+    a100 = Backend(
+        "a", "a", g.name, "m", "bf16", 400_000, perf=EnginePerf(g, m, f), max_model_len=131072
+    )
+    rtx = Backend(
+        "r", "r", r.name, "m", "bf16", 40_000, perf=EnginePerf(r, m, f), max_model_len=32768
+    )
+    policy = HardwareAware()
+    optional = Request(100, "m", 8_000, 100)
+
+    def pick(req):
+        pool, _ = policy.eligible(req, [a100, rtx])
+        return policy.choose(req, pool).backend
+
+    assert pick(optional) is a100  # faster, and nothing else is known yet
+    for i in range(5):  # only the A100 class can take these
+        req = Request(i, "m", 50_000, 100)
+        assert pick(req) is a100
+        policy.placed(req, a100)
+    assert policy.exclusive_share(a100.node_class) == pytest.approx(1.0)
+    a100.waiting = 3  # three of them wait there for their first token
+    assert pick(Request(101, "m", 8_000, 100)) is rtx

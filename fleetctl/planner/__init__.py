@@ -165,9 +165,13 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         str(k.max_num_batched_tokens),
         "--max-num-seqs",
         str(k.max_num_seqs),
-        # On by default in vLLM V1, pinned so that a server started without it is drift.
-        "--enable-prefix-caching" if pc.enabled else "--no-enable-prefix-caching",
     ]
+    # Prefix caching is on by default in vLLM V1: the flag is pinned only where it matters
+    # (off, or KV events that need it), so that upgrading fleetctl restarts no server.
+    if not pc.enabled:
+        tail.append("--no-enable-prefix-caching")
+    elif pc.kv_events:
+        tail.append("--enable-prefix-caching")
     quant = fmt.quantization_flag(k.cls.gpu)
     if quant:
         tail += ["--quantization", quant]

@@ -70,6 +70,8 @@ class CacheAware(Policy):
     """
 
     name = "cache-aware"
+    reads_prefix = True
+    own_index = True  # its tree, fed by its placements, as the peer keeps one
     CACHE_THRESHOLD = 0.3
     BALANCE_ABS_THRESHOLD = 64
     BALANCE_REL_THRESHOLD = 1.5
@@ -155,6 +157,7 @@ class PrefixKv(Policy):
     """
 
     name = "prefix-kv"
+    reads_prefix = True
     PREFIX_WEIGHT = 2.0
     KV_UTILIZATION_WEIGHT = 1.0
     QUEUE_WEIGHT = 1.0
@@ -240,6 +243,7 @@ class KvRouter(Policy):
     """
 
     name = "kv-router"
+    reads_prefix = True
     OVERLAP_SCORE_WEIGHT = 1.0
 
     def __init__(self, seed: int = 0, overlap_score_weight: float = OVERLAP_SCORE_WEIGHT) -> None:

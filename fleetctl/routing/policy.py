@@ -32,6 +32,8 @@ class RoutingConfig:
     long_small_kv_penalty: float = 1.0
     # Stay on the session's node (warm prefix cache) unless another is this much faster.
     affinity_slack_s: float = 0.25
+    # Placements the share of each class's work that only it can do is averaged over.
+    exclusive_window: int = 1000
 
 
 class Policy:
@@ -42,6 +44,8 @@ class Policy:
     # What each backend has cached of a prompt (prefix-aware policies read it; the daemon
     # and the simulator set it); `routed` tells it where a prompt went.
     prefix: PrefixView = NoPrefix()
+    reads_prefix = False  # whether it reads `prefix` (the daemon then hashes prompts)
+    own_index = False  # whether it keeps an index of its own instead, as its peer does
 
     def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
         """Backends that could ever serve `req`: healthy, of its model, and with a
@@ -118,10 +122,14 @@ class HardwareAware(Policy):
 
     name = "hardware-aware"
     admission = True
+    reads_prefix = True
 
     def __init__(self, config: RoutingConfig | None = None, sessions: SessionTable | None = None):
         self.config = config or RoutingConfig()
         self.sessions = sessions if sessions is not None else SessionTable()
+        self._hit: tuple[Request, str, int] | None = None  # choose's pick and its cached tokens
+        self._exclusive: tuple[Request, bool] | None = None  # eligible's verdict on a request
+        self._work: dict[str, tuple[float, float]] = {}  # class -> (exclusive, all) prefill
 
     def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
         """Healthy backends of the model; only the hinted format when strict; only the
@@ -130,6 +138,10 @@ class HardwareAware(Policy):
         found, why = super().eligible(req, backends)
         if not found:
             return found, why
+        # Whether only some of the model's classes can take it (the others' max_model_len is
+        # too short): the work it brings is then work only they can do.
+        classes = {b.node_class for b in backends if b.model == req.model and b.healthy}
+        self._exclusive = (req, len({b.node_class for b in found}) < len(classes))
         if req.precision:
             match = [b for b in found if precision_matches(req.precision, b.variant)]
             if req.strict and not match:
@@ -165,11 +177,25 @@ class HardwareAware(Policy):
         top = max(b.kv_tokens for b in pool)
         small = {b.name for b in pool if b.kv_tokens < cfg.large_kv_share * top}
 
+        # What each backend has cached of the prompt, looked up once per decision.
+        hits = {b.name: self.cached(b, req) for b in pool}
+        # A request other classes could take too pays, on a class, for the delay it would
+        # cause there to work only that class can do (the longest prompts, on the class with
+        # the longest max_model_len), which has nowhere else to go: its prefill, once for
+        # each request waiting there and the next to come, times the share of the class's
+        # recent work that was exclusive. Without per-class lengths no work is exclusive.
+        spread = len({b.node_class for b in pool}) > 1 and not self.exclusive(req)
+
         def cost(b: Backend) -> float:
             # Long requests may be steered to the large-KV class: a small-KV backend must then
             # promise a first token `long_small_kv_penalty` times sooner to win one.
             slow = cfg.long_small_kv_penalty if long and b.name in small else 1.0
-            return self.estimate(b, req) * slow
+            extra = 0.0
+            if spread and b.perf is not None:
+                share = self.exclusive_share(b.node_class)
+                own = b.perf.prefill_marginal(req.prompt_tokens - hits[b.name], hits[b.name])
+                extra = share * own * (1 + b.waiting)
+            return self.estimate(b, req, hits[b.name]) * slow + extra
 
         best = min(pool, key=lambda b: (cost(b), b.name))
         best_s = cost(best)
@@ -185,10 +211,34 @@ class HardwareAware(Policy):
             if home is not None and home is not best and near:
                 best = home
                 notes.append("affinity:node")
-        return Decision(best, self.name, tuple(notes), ttft_s=self.estimate(best, req))
+        if hits[best.name]:
+            notes.append("prefix:hit")
+        self._hit = (req, best.name, hits[best.name])
+        return Decision(
+            best, self.name, tuple(notes), ttft_s=self.estimate(best, req, hits[best.name])
+        )
 
-    def estimate(self, b: Backend, req: Request) -> float:
-        """Seconds until `req` would see its first token on `b`, with saturation penalties."""
+    def exclusive(self, req: Request) -> bool:
+        """Whether `eligible` found that only some of its model's classes can take `req`."""
+        last = self._exclusive
+        return last is not None and last[0] is req and last[1]
+
+    def exclusive_share(self, node_class: str) -> float:
+        """Of the prefill work recently placed on a class, the share no other class could
+        have taken."""
+        excl, total = self._work.get(node_class, (0.0, 0.0))
+        return excl / total if total else 0.0
+
+    def cached(self, b: Backend, req: Request) -> int:
+        """Prompt tokens `b` holds of `req` (at most all but the last, which vLLM always
+        computes)."""
+        if req.blocks is None:
+            return 0
+        return min(self.prefix.cached(b.name, req.blocks), req.prompt_tokens - 1)
+
+    def estimate(self, b: Backend, req: Request, cached: int | None = None) -> float:
+        """Seconds until `req` would see its first token on `b`, with saturation penalties;
+        `cached`: prompt tokens `b` holds of it (looked up when not given)."""
         cfg = self.config
         perf = b.perf
         if perf is None:  # no model of this GPU: fall back to capacity-normalized load
@@ -197,8 +247,8 @@ class HardwareAware(Policy):
         # ours, at the GPU's prefill speed. What this server has cached of our prompt is
         # prefill it skips: we compute only the rest, attending to the cached part.
         wait = b.pending_prefill * perf.prefill_marginal(2048) / 2048
-        cached = self.prefix.cached(b.name, req.blocks) if req.blocks is not None else 0
-        cached = min(cached, req.prompt_tokens - 1)
+        if cached is None:
+            cached = self.cached(b, req)
         wait += perf.prefill_marginal(req.prompt_tokens - cached, cached)
         # The decode batch this request joins; its per-step time slows our prefill steps too.
         batch = max(1, b.outstanding)
@@ -223,7 +273,21 @@ class HardwareAware(Policy):
         return wait + step
 
     def placed(self, req: Request, backend: Backend) -> None:
-        super().placed(req, backend)
+        last = self._hit
+        if last is not None and last[0] is req and last[1] == backend.name and req.blocks:
+            req.cached_tokens = last[2]  # choose just looked it up
+            self.prefix.routed(backend.name, req.blocks)
+        else:
+            super().placed(req, backend)
+        self._hit = None
+        # The class's work, averaged over the last `exclusive_window` placements (all
+        # classes age together, so a class that stops getting work keeps its share).
+        decay = 1.0 - 1.0 / self.config.exclusive_window
+        for k, (e, t) in self._work.items():
+            self._work[k] = (e * decay, t * decay)
+        e, t = self._work.get(backend.node_class, (0.0, 0.0))
+        work = float(req.prefill_tokens)
+        self._work[backend.node_class] = (e + (work if self.exclusive(req) else 0.0), t + work)
         if req.session is None:
             return
         pin = self.sessions.get(req.session)

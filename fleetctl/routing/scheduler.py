@@ -157,6 +157,10 @@ class Scheduler:
             # A request that found no room rules out later ones that are no smaller and ask
             # for the same thing, so a long queue is not re-examined request by request.
             no_room: dict[tuple[object, ...], int] = {}
+            # Backends a blocked request waits for: later ones backfill elsewhere, never into
+            # the room it waits for, or a big request would wait for ever while smaller ones
+            # take each bit of room as it frees (EASY backfilling's one reservation).
+            held: set[str] = set()
             scan = BACKFILL_SCAN
             while q:
                 if blocked:
@@ -178,6 +182,11 @@ class Scheduler:
                 if not pool:
                     rejected.append(Dispatch(req, Decision.rejected(why)))
                     continue
+                if held:
+                    pool = [b for b in pool if b.name not in held]
+                    if not pool:
+                        keep.append(req)
+                        continue
                 # The policy weighs every eligible backend, full ones too: waiting here for the
                 # best one can beat taking a slower one that has room (its estimate says).
                 decision = self.policy.choose(req, pool)
@@ -185,6 +194,7 @@ class Scheduler:
                 if not self.has_room(decision.backend, req):
                     blocked = True
                     no_room[sig] = min(no_room.get(sig, 1 << 62), req.total_tokens)
+                    held.add(decision.backend.name)
                     keep.append(req)
                     continue
                 self.policy.placed(req, decision.backend)

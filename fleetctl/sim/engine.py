@@ -49,6 +49,7 @@ class Seq:
         "first_token_at",
         "generated",
         "held",
+        "hit",
         "keys",
         "output",
         "own",
@@ -79,6 +80,7 @@ class Seq:
         self.reg = 0  # keys[:reg] were looked up or registered
         self.own: Run | None = None  # after a preemption: its private blocks, still cached
         self.own_from = 0  # the block index its own run starts at
+        self.hit = 0  # prompt tokens found in the prefix cache at its first admission
         self.epoch = 0
         self.admitted = 0
         self.first_token_at: float | None = None
@@ -394,6 +396,8 @@ class Engine:
             s.own = None
             s.reg = min(len(s.keys), hit_blocks)
             s.computed = hit
+            if not s.preemptions:
+                s.hit = hit
             self.stats.prefix_cache_queries += s.target
             self.stats.prefix_cache_hits += hit
             self._admissions += 1

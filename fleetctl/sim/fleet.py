@@ -108,6 +108,7 @@ class Outcome:
     preemptions: int = 0
     rejected: str | None = None
     boosted: bool = False
+    cached: int = 0  # prompt tokens its server found in the prefix cache
 
 
 @dataclass
@@ -247,6 +248,7 @@ def simulate(
             o = outcomes[s.req]
             o.first_token, o.finished = s.first_token_at, s.finished_at
             o.preemptions = s.preemptions
+            o.cached = s.hit
             release(b, requests[s.req])
             estimate.observe(o.item.model, o.item.output)
 
