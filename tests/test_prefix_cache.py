@@ -257,3 +257,21 @@ def test_hardware_aware_keeps_optional_work_off_a_class_busy_with_work_only_it_c
     assert policy.exclusive_share(a100.node_class) == pytest.approx(1.0)
     a100.waiting = 3  # three of them wait there for their first token
     assert pick(Request(101, "m", 8_000, 100)) is rtx
+
+
+def test_a_blocked_request_that_could_go_anywhere_holds_nothing(catalog):
+    """Backfilling around a request with a choice of backends keeps the mean low."""
+    from fleetctl.routing.policy import LeastOutstanding
+    from fleetctl.routing.scheduler import Scheduler
+
+    big = Backend("big", "big", "A100-SXM4-80GB", "m", "bf16", 100_000, max_model_len=131072)
+    big.outstanding, big.reserved_tokens = 1, 60_000
+    other = Backend("other", "other", "A100-SXM4-80GB", "m", "bf16", 100_000, max_model_len=131072)
+    other.outstanding, other.reserved_tokens = 2, 80_000
+    policy = LeastOutstanding()
+    policy.admission = True
+    sched = Scheduler(policy)
+    sched.submit(Request(1, "m", 50_000, 100, arrival=0.0))  # fits neither now
+    sched.submit(Request(2, "m", 1_000, 100, arrival=1.0))
+    sent, _ = sched.dispatch(2.0, [big, other])
+    assert [(d.request.id, d.decision.backend.name) for d in sent] == [(2, "big")]

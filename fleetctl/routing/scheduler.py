@@ -157,9 +157,12 @@ class Scheduler:
             # A request that found no room rules out later ones that are no smaller and ask
             # for the same thing, so a long queue is not re-examined request by request.
             no_room: dict[tuple[object, ...], int] = {}
-            # Backends a blocked request waits for: later ones backfill elsewhere, never into
-            # the room it waits for, or a big request would wait for ever while smaller ones
-            # take each bit of room as it frees (EASY backfilling's one reservation).
+            # Backends a blocked request waits for when only some of its model's backends may
+            # take it (a prompt too long for the others, a strict format, a session's class):
+            # later ones backfill elsewhere, never into the room it waits for, or it would
+            # wait for ever while requests with a choice take each bit of room as it frees
+            # (EASY backfilling's reservation). One that could go anywhere holds nothing:
+            # backfilling around it is what keeps the mean low.
             held: set[str] = set()
             scan = BACKFILL_SCAN
             while q:
@@ -182,6 +185,8 @@ class Scheduler:
                 if not pool:
                     rejected.append(Dispatch(req, Decision.rejected(why)))
                     continue
+                serving = sum(1 for b in ok if b.model == req.model and b.healthy)
+                restricted = len(pool) < serving
                 if held:
                     pool = [b for b in pool if b.name not in held]
                     if not pool:
@@ -194,7 +199,8 @@ class Scheduler:
                 if not self.has_room(decision.backend, req):
                     blocked = True
                     no_room[sig] = min(no_room.get(sig, 1 << 62), req.total_tokens)
-                    held.add(decision.backend.name)
+                    if restricted:
+                        held.add(decision.backend.name)
                     keep.append(req)
                     continue
                 self.policy.placed(req, decision.backend)
