@@ -275,3 +275,35 @@ def test_a_blocked_request_that_could_go_anywhere_holds_nothing(catalog):
     sched.submit(Request(2, "m", 1_000, 100, arrival=1.0))
     sent, _ = sched.dispatch(2.0, [big, other])
     assert [(d.request.id, d.decision.backend.name) for d in sent] == [(2, "big")]
+
+
+def test_route_serve_learns_how_much_of_the_expected_prefix_a_server_finds(catalog):
+    """From the server's vllm:prompt_tokens_cached_total against what the router counted on:
+    an index of placements that overstates the cache earns a discount."""
+    from fleetctl.router.live import PREFIX_WINDOW_TOKENS, LiveState
+
+    b = Backend("http://127.0.0.1:1", "n", "A100-SXM4-80GB", "m", "bf16", 100_000)
+    live = LiveState([b], interval=1.0)
+    page = (DATA / "vllm-0.32.0-cpu-metrics.txt").read_text()
+
+    def scrape(found: int, t: float) -> None:
+        text = page.replace(
+            'vllm:prompt_tokens_cached_total{engine="0",model_name="tiny-llama"} 0.0',
+            f'vllm:prompt_tokens_cached_total{{engine="0",model_name="tiny-llama"}} {found}.0',
+        )
+        live.apply(b, text, t)
+
+    scrape(0, 0.0)
+    for k in range(1, 11):  # each window: the router counts on 2x what the server finds
+        b.cached_sent += PREFIX_WINDOW_TOKENS
+        scrape(k * PREFIX_WINDOW_TOKENS // 2, float(k))
+    assert b.prefix_trust == pytest.approx(0.5, abs=0.02)
+    policy = HardwareAware()
+    req = Request(1, "m", 20_000, 10, blocks=prompt(range(40), 20_000))
+    b.perf = EnginePerf(
+        *(catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3.1-8b")), catalog.format("bf16")
+    )
+    p = b.perf
+    got = policy.estimate(b, req, cached=16_000) - policy.estimate(b, req, cached=0)
+    want = p.prefill_marginal(12_000, 8_000) - p.prefill_marginal(20_000)
+    assert got == pytest.approx(want, rel=0.05)

@@ -33,6 +33,10 @@ MODELS_EVERY_S = 10.0  # between /v1/models reads of a backend that serves the r
 MODELS_RETRY_S = 2.0  # ... of one that does not, or gave no answer
 FIT_WINDOWS = 120  # decode windows (consecutive scrapes) the online fit keeps per backend
 FIT_EVERY = 5  # new windows between refits
+# The prefix trust is updated once the router has counted on this many cached prompt tokens
+# at a backend since the last update (a few long prompts), moving this far toward the share.
+PREFIX_WINDOW_TOKENS = 16_384
+PREFIX_TRUST_ALPHA = 0.3
 SPEED_LOG_CHANGE = 0.10  # a learned speed is logged again when it moves by more than this
 _CACHE_INFO = "\nvllm:cache_config_info{"
 _BLOCK_SIZE = re.compile(r'[{,]block_size="(\d{1,7})"')
@@ -81,6 +85,12 @@ class Liveness:
     fit: EngineFit | None = None  # the measured step terms, once trusted
     logged_step: float | None = None
     block_size: int | None = None  # its KV block size, read while on_block_size is set
+    # Prefix trust: the last page's cached-prompt counter and the router's expectation then,
+    # and what both grew by since the last update.
+    cached_seen: float | None = None
+    cached_sent: int = 0
+    window_found: float = 0.0
+    window_expected: float = 0.0
 
 
 @dataclass
@@ -262,7 +272,26 @@ class LiveState:
             if size is not None and size != s.block_size:
                 s.block_size = size
                 self.on_block_size(b, size)
+        self.learn_prefix(b, m)
         self.learn(b, m)
+
+    def learn_prefix(self, b: Backend, m: Scrape) -> None:
+        """How much of the prefix the router expects a backend to hold it really finds: the
+        growth of its vllm:prompt_tokens_cached_total against the cached tokens the router
+        counted on for what it sent there, once PREFIX_WINDOW_TOKENS are expected, averaged
+        (it becomes `b.prefix_trust`, hardware-aware's discount on its prefix term)."""
+        s = self.state(b)
+        found, sent = m.prompt_cached, b.cached_sent
+        if found is None:
+            return
+        if s.cached_seen is not None and found >= s.cached_seen and sent >= s.cached_sent:
+            s.window_found += found - s.cached_seen
+            s.window_expected += sent - s.cached_sent
+            if s.window_expected >= PREFIX_WINDOW_TOKENS:
+                share = min(1.0, s.window_found / s.window_expected)
+                b.prefix_trust += PREFIX_TRUST_ALPHA * (share - b.prefix_trust)
+                s.window_found = s.window_expected = 0.0
+        s.cached_seen, s.cached_sent = found, sent
 
     def learn(self, b: Backend, counters: Scrape) -> None:
         """The online fit: one window per pair of consecutive scrapes that decoded something,

@@ -249,6 +249,9 @@ class HardwareAware(Policy):
         wait = b.pending_prefill * perf.prefill_marginal(2048) / 2048
         if cached is None:
             cached = self.cached(b, req)
+        # As much of it as this server really finds of what the router expects it to hold
+        # (1 when KV events say exactly; less where an index of placements overstates it).
+        cached = int(cached * b.prefix_trust)
         wait += perf.prefill_marginal(req.prompt_tokens - cached, cached)
         # The decode batch this request joins; its per-step time slows our prefill steps too.
         batch = max(1, b.outstanding)

@@ -220,6 +220,7 @@ def account(b: Backend, req: Request) -> None:
     b.outstanding += 1
     b.reserved_tokens += req.total_tokens
     b.pending_prefill += req.prefill_tokens
+    b.cached_sent += req.cached_tokens
 
 
 def first_token(b: Backend, req: Request) -> None:

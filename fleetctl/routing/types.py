@@ -93,6 +93,10 @@ class Backend:
     # Kept by the router for what it sent there.
     outstanding: int = 0
     reserved_tokens: int = 0  # prompt + expected output of everything in flight
+    # Prompt tokens the router expected it to find cached, over all it sent (a counter), and
+    # the share of that it really found, learned from its vllm:prompt_tokens_cached_total.
+    cached_sent: int = 0
+    prefix_trust: float = 1.0
     pending_prefill: int = 0  # prompt tokens in flight that have not produced a token yet
     # Set for a node whose driver, CUDA or vLLM differs from its class (`fleetctl health`):
     # it then forms a class of its own, so sessions never mix it with the others.
