@@ -231,12 +231,16 @@ def _post_many(emu: Emulator, bodies: list[dict]) -> list[int]:
 
 def test_ttft_grows_under_concurrent_long_prompts(emus):
     emu = emus["slow"]
-    long_prompt = {"model": NAME, "prompt": "word " * 2400, "max_tokens": 2}  # 3000 tokens
+
+    def long_prompt(i: int) -> dict:
+        # ~3000 tokens, each with its own head: identical prompts would hit the prefix cache
+        return {"model": NAME, "prompt": f"request {i}: " + "word " * 2397, "max_tokens": 2}
+
     before = emu.metrics()
-    assert _post_many(emu, [long_prompt]) == [200]
+    assert _post_many(emu, [long_prompt(99)]) == [200]
     mid = emu.metrics()
     alone = _mean_delta(before, mid, "vllm:time_to_first_token_seconds")
-    assert _post_many(emu, [long_prompt] * 12) == [200] * 12
+    assert _post_many(emu, [long_prompt(i) for i in range(12)]) == [200] * 12
     loaded = _mean_delta(mid, emu.metrics(), "vllm:time_to_first_token_seconds")
     assert loaded > 3 * alone, (alone, loaded)
 

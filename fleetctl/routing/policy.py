@@ -24,12 +24,12 @@ class RoutingConfig:
     compute_saturation: float = 0.85
     # A backend class is "large-KV" when its KV capacity is at least this share of the largest.
     large_kv_share: float = 0.5
-    # How much sooner a small-KV backend must promise a long request's first token to get it.
-    # 1: none beyond the estimate, which already charges a request for overflowing a small
-    # KV cache. The seed's 4 left the Mooncake trace's long requests queueing for the A100s
-    # (p99 TTFT 249 s against 27 s at 70% load) and changed the Azure traces by under 8%
-    # (benchmarks/RESULTS.md, issue 12).
-    long_small_kv_penalty: float = 1.0
+    # How much sooner a small-KV backend must promise a long request's first token to get it,
+    # among servers of one max_model_len. Where their lengths differ (a model's min_context),
+    # the lengths are the length classes: the penalty on top left the Mooncake trace's long
+    # requests queueing for the A100s (p99 TTFT 97 s against 21.5 s at 70% load,
+    # benchmarks/RESULTS.md, issue 12).
+    long_small_kv_penalty: float = 4.0
     # Stay on the session's node (warm prefix cache) unless another is this much faster.
     affinity_slack_s: float = 0.25
     # Placements the share of each class's work that only it can do is averaged over.
@@ -176,6 +176,7 @@ class HardwareAware(Policy):
         long = req.total_tokens > cfg.long_context_tokens
         top = max(b.kv_tokens for b in pool)
         small = {b.name for b in pool if b.kv_tokens < cfg.large_kv_share * top}
+        one_length = len({b.max_model_len for b in pool}) == 1
 
         # What each backend has cached of the prompt, looked up once per decision.
         hits = {b.name: self.cached(b, req) for b in pool}
@@ -187,9 +188,9 @@ class HardwareAware(Policy):
         spread = len({b.node_class for b in pool}) > 1 and not self.exclusive(req)
 
         def cost(b: Backend) -> float:
-            # Long requests may be steered to the large-KV class: a small-KV backend must then
-            # promise a first token `long_small_kv_penalty` times sooner to win one.
-            slow = cfg.long_small_kv_penalty if long and b.name in small else 1.0
+            # Among servers of one length, long requests prefer the large-KV class: a small-KV
+            # backend must promise a first token `long_small_kv_penalty` times sooner.
+            slow = cfg.long_small_kv_penalty if long and one_length and b.name in small else 1.0
             extra = 0.0
             if spread and b.perf is not None:
                 share = self.exclusive_share(b.node_class)
