@@ -27,7 +27,6 @@ from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import Counter, Gauge, RouterMetrics
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.transport import make_transport
-from fleetctl.routing.peers import PEER_POLICIES
 from fleetctl.routing.policy import Policy
 from fleetctl.routing.prefix import PrefixIndex
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
@@ -43,22 +42,10 @@ PREFIX_CAPACITY = 1 << 20
 KV_KINDS = ("batches", "events", "malformed", "gaps", "replayed", "cleared")
 
 
-# Our policies that read the prefix index (hardware-aware: a cached prefix is prefill a
-# server skips); every peer policy does (routing/peers.py).
-PREFIX_READERS = frozenset({"hardware-aware"})
-# Policies that keep an index of their own, as their peer does (cache-aware's tree, fed by
-# its placements): they need the prompts' blocks, not the router's index.
-OWN_INDEX = frozenset({"cache-aware"})
-
-
 def reads_prefix(policy: Policy) -> bool:
     """Whether a policy reads the prefix index, so that requests need their block hashes
-    (~0.03 ms for a 1K-token prompt, benchmarks/prefix_index.py): its `reads_prefix`
-    attribute where it has one, else whether it is one of PREFIX_READERS or a peer's."""
-    says = getattr(policy, "reads_prefix", None)
-    if says is not None:
-        return bool(says)
-    return policy.name in PREFIX_READERS or policy.name in PEER_POLICIES
+    (~0.03 ms for a 1K-token prompt, benchmarks/prefix_index.py)."""
+    return policy.reads_prefix
 
 
 def per_backend(total: int, backends: int) -> int:
@@ -151,7 +138,7 @@ class Router:
         hashed = reads_prefix(self.policy) if self.hash_prompts is None else self.hash_prompts
         self.intake.blocks = hashed
         given = self.policy.prefix
-        own = getattr(self.policy, "own_index", self.policy.name in OWN_INDEX)
+        own = self.policy.own_index
         if isinstance(given, PrefixIndex):
             self.prefix = given
         elif hashed and not own and self.prefix_capacity > 0:
