@@ -98,7 +98,15 @@ def simulate(
         None,
         "--trace",
         metavar="FILE",
-        help="Request trace CSV: TIMESTAMP,ContextTokens,GeneratedTokens.",
+        help="Request trace: Azure CSV, Mooncake JSONL, or route-serve's request log "
+        "(a file, or its folder).",
+    ),
+    window: str | None = typer.Option(
+        None,
+        "--window",
+        metavar="START:END",
+        help="Only the trace's requests arriving START to END seconds after its start "
+        "(END may be left out).",
     ),
     policies: str = typer.Option(
         "round-robin,least-outstanding,power-of-two,kv-aware,hardware-aware",
@@ -149,6 +157,7 @@ def simulate(
         plot,
         not as_json,
         not no_calibration,
+        window,
     )
     if as_json:
         print_json(data)

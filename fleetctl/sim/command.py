@@ -35,6 +35,7 @@ def run_simulate(
     plot: Path | None,
     show_progress: bool,
     calibrated: bool = True,
+    window: str | None = None,
 ) -> tuple[dict[str, Any], RenderableType]:
     """Simulate `inv`'s plan under each policy; with `calibrated`, the state folder's
     calibration gives the servers of its classes their measured KV and speed, and says so."""
@@ -52,7 +53,10 @@ def run_simulate(
     if (workload is None) == (trace is None):
         raise UserError("give exactly one of --workload and --trace", None, "see --help")
     target = _target_model(inv, model)
-    items = _items(inv, target, workload, trace, limit, seed, show_progress)
+    if window is not None and trace is None:
+        raise UserError("--window cuts a trace", None, "give --trace, or leave --window out")
+    cut = parse_window(window) if window is not None else None
+    items = _items(inv, target, workload, trace, limit, seed, show_progress, cut)
     if not items:
         raise UserError("the workload has no requests", None, "raise its rate or duration")
     sdir = StateDir.of(inv)
@@ -147,6 +151,7 @@ def _items(
     limit: int | None,
     seed: int,
     show_progress: bool,
+    window: tuple[float, float] | None = None,
 ) -> list[WorkItem]:
     if trace is not None:
         try:
@@ -154,7 +159,7 @@ def _items(
         except OSError:
             size = 0  # load_trace says why it cannot read it
         with progress(f"reading {trace.name}", size, enabled=show_progress) as bar:
-            return load_trace(trace, model, limit, progress=bar.update)
+            return load_trace(trace, model, limit, progress=bar.update, window=window)
     assert workload is not None
     path = Path(workload)
     if path.suffix in (".yaml", ".yml") and path.is_file():
@@ -166,6 +171,21 @@ def _items(
         spec = parse_spec(workload, model)
     _default_lengths(spec, inv, model, workload)
     return spec.generate(seed)
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    """`START:END` seconds (END may be empty: to the end) -> (start, end)."""
+    start, sep, end = text.partition(":")
+    try:
+        lo = float(start or 0)
+        hi = float(end) if end.strip() else math.inf
+    except ValueError:
+        lo = hi = math.nan
+    if not sep or not (0 <= lo < hi):
+        raise UserError(
+            f"bad --window {text!r}", None, "write START:END in seconds, e.g. 600:1200 or 600:"
+        )
+    return lo, hi
 
 
 def _default_lengths(spec: Synthetic, inv: Inventory, model: str, text: str) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TextIO, TypeVar
 
 from fleetctl.errors import Location, UserError
 from fleetctl.routing.prefix import PromptBlocks, chain
@@ -42,36 +42,70 @@ def load_trace(
     model: str,
     limit: int | None = None,
     progress: Callable[[float], None] | None = None,
+    window: tuple[float, float] | None = None,
 ) -> list[WorkItem]:
-    """A request trace: Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`)
-    or Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`), told
-    apart by the first character.
+    """A request trace, its format told by the first character of each file:
+    - Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`);
+    - Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`);
+    - route-serve's request log: the same JSONL with more fields (model, session, priority,
+      precision, max_tokens, block_tokens), one file or a folder of them.
 
-    `progress`, if given, hears the characters read so far every few thousand rows.
+    Rows of another model than `model` (where a row names one) are left out. `window`
+    (start, end): only the requests arriving in [start, end) seconds from the trace's start,
+    shifted to start at 0. `limit`: the first N requests. `progress`, if given, hears the
+    characters read so far every few thousand rows.
     """
-    try:
-        handle = path.open(newline="", encoding="utf-8")
-    except OSError as e:
-        raise UserError(
-            f"cannot read trace: {e.strerror}", Location(str(path)), "check the path"
-        ) from None
+    files = _trace_files(path)
     read = 0
+    items: list[WorkItem] = []
+    cut = limit if window is None and len(files) == 1 else None
+    for f in files:
+        try:
+            handle = f.open(newline="", encoding="utf-8")
+        except OSError as e:
+            raise UserError(
+                f"cannot read trace: {e.strerror}", Location(str(f)), "check the path"
+            ) from None
 
-    def lines() -> Iterator[str]:
-        nonlocal read
-        for line in handle:
-            read += len(line)
-            yield line
+        def lines(handle: TextIO = handle) -> Iterator[str]:
+            nonlocal read
+            for line in handle:
+                read += len(line)
+                yield line
 
-    with handle:
-        first = handle.read(1)
-        handle.seek(0)
-        if first == "{":
-            items = _read_jsonl(path, lines(), model, limit, progress, lambda: read)
-        else:
-            items = _read_csv(path, lines(), model, limit, progress, lambda: read)
+        with handle:
+            first = handle.read(1)
+            handle.seek(0)
+            if first == "{":
+                rows = _read_jsonl(f, lines(), model, cut, progress, lambda: read)
+            elif len(files) > 1:
+                continue  # a folder holds request logs; anything else in it is not a trace
+            else:
+                rows = _read_csv(f, lines(), model, cut, progress, lambda: read)
+        items.extend(replace(w, id=len(items) + k) for k, w in enumerate(rows))
     items.sort(key=lambda w: (w.arrival, w.id))
-    return items
+    if items:
+        start = items[0].arrival + (window[0] if window else 0.0)
+        end = items[0].arrival + window[1] if window else math.inf
+        items = [replace(w, arrival=w.arrival - start) for w in items if start <= w.arrival < end]
+    if limit:
+        items = items[:limit]
+    return [replace(w, id=i) if w.id != i else w for i, w in enumerate(items)]
+
+
+def _trace_files(path: Path) -> list[Path]:
+    """The files of a trace: the path itself, or a folder's request logs in name order (one
+    per day, rotated by size: names sort in time order)."""
+    if not path.is_dir():
+        return [path]
+    found = sorted(p for p in path.iterdir() if p.suffix == ".jsonl" and p.is_file())
+    if not found:
+        raise UserError(
+            "no request log (*.jsonl) in the folder",
+            Location(str(path)),
+            "point --trace at a trace file or at route-serve's requests folder",
+        )
+    return found
 
 
 def _read_jsonl(
@@ -82,21 +116,18 @@ def _read_jsonl(
     progress: Callable[[float], None] | None,
     read: Callable[[], int],
 ) -> list[WorkItem]:
-    """Mooncake rows; each prompt's `hash_ids` become chained hashes of 512-token blocks, so
-    two prompts share a leading run of hashes exactly when the trace says they share that
-    prefix. Its output length is what the client asks for as max_tokens (as `vllm bench
-    serve` sends it)."""
+    """Mooncake rows, or route-serve's request log. Each prompt's `hash_ids` become chained
+    hashes of `block_tokens`-token blocks (512 in Mooncake's trace), so two prompts share a
+    leading run of hashes exactly when the trace says they share that prefix. Mooncake's
+    output length is what the client asks for as max_tokens (as `vllm bench serve` sends
+    it); the log says what the client asked for."""
     items: list[WorkItem] = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-            ms, prompt, output = row["timestamp"], row["input_length"], row["output_length"]
-            ids = row.get("hash_ids") or []
-            ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (ms, prompt, output))
-            if not ok or not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise TypeError
+            item = _row(row, model)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise UserError(
                 f"bad trace row {line.strip()[:80]!r}",
@@ -104,19 +135,66 @@ def _read_jsonl(
                 "expected JSON with integer timestamp (ms), input_length, output_length "
                 "and a list of integer hash_ids",
             ) from None
-        prompt, output = max(1, prompt), max(1, output)
-        blocks = PromptBlocks(chain(ids), MOONCAKE_BLOCK_TOKENS, prompt) if ids else None
-        items.append(
-            WorkItem(len(items), ms / 1000, prompt, output, model, max_tokens=output, blocks=blocks)
-        )
+        if item is not None:
+            items.append(replace(item, id=len(items)))
         if limit and len(items) >= limit:
             break
         if progress is not None and line_no % PROGRESS_ROWS == 0:
             progress(read())
-    if items:
-        start = min(w.arrival for w in items)
-        items = [replace(w, arrival=w.arrival - start) for w in items]
     return items
+
+
+def _row(row: dict[str, object], model: str) -> WorkItem | None:
+    """One JSONL row as a request of `model`; None for a row of another model."""
+    named = row.get("model")
+    if named is not None and named != model:
+        return None
+    ms, prompt, output = (
+        _int(row, "timestamp"),
+        _int(row, "input_length"),
+        _int(row, "output_length"),
+    )
+    ids = row.get("hash_ids") or []
+    if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+        raise TypeError
+    block_tokens = _int(row, "block_tokens", MOONCAKE_BLOCK_TOKENS)
+    if block_tokens <= 0:
+        raise ValueError
+    max_tokens = row.get("max_tokens", output)
+    if max_tokens is not None and not _is_int(max_tokens):
+        raise TypeError
+    session, precision = _text(row, "session"), _text(row, "precision")
+    prompt, output = max(1, prompt), max(1, output)
+    return WorkItem(
+        0,
+        ms / 1000,
+        prompt,
+        output,
+        model,
+        max(0, _int(row, "priority", 0)),
+        session,
+        precision,
+        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        blocks=PromptBlocks(chain(ids), block_tokens, prompt) if ids else None,
+    )
+
+
+def _int(row: dict[str, object], key: str, default: int | None = None) -> int:
+    v = row.get(key, default) if default is not None else row[key]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError
+    return v
+
+
+def _text(row: dict[str, object], key: str) -> str | None:
+    v = row.get(key)
+    if v is not None and not isinstance(v, str):
+        raise TypeError
+    return v
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _read_csv(

@@ -1,0 +1,100 @@
+"""Traces in every format the simulator reads: Azure CSV, Mooncake JSONL, route-serve's request
+log (a file or its folder), cut by model and by time window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleetctl.errors import UserError
+from fleetctl.sim.command import parse_window
+from fleetctl.sim.workload import load_trace
+
+DATA = Path(__file__).parent / "data"
+
+
+def log_line(ms, prompt, out, model="m", **kw):
+    row = {"timestamp": ms, "input_length": prompt, "output_length": out, "hash_ids": [1, 2]}
+    return json.dumps({**row, "model": model, **kw}) + "\n"
+
+
+def test_a_request_log_keeps_sessions_priorities_hints_and_its_block_size(tmp_path):
+    p = tmp_path / "requests-2026-12-01.jsonl"
+    p.write_text(
+        log_line(
+            1_764_547_200_000,
+            40,
+            7,
+            session="ab12",
+            priority=2,
+            precision="int4",
+            max_tokens=None,
+            block_tokens=16,
+        )
+        + log_line(1_764_547_200_500, 40, 7, model="other")
+        + log_line(1_764_547_201_000, 40, 7, max_tokens=64)
+    )
+    items = load_trace(p, "m")
+    assert [(w.arrival, w.session, w.priority, w.precision, w.max_tokens) for w in items] == [
+        (0.0, "ab12", 2, "int4", None),
+        (1.0, None, 0, None, 64),
+    ]
+    assert items[0].blocks is not None and items[0].blocks.block_tokens == 16
+    assert [w.id for w in items] == [0, 1]
+
+
+def test_a_folder_of_logs_reads_as_one_trace_in_time_order(tmp_path):
+    (tmp_path / "requests-2026-12-02.jsonl").write_text(log_line(86_400_000, 10, 1))
+    (tmp_path / "requests-2026-12-01.jsonl").write_text(log_line(0, 10, 1) + log_line(5, 10, 1))
+    (tmp_path / "notes.txt").write_text("not a trace")
+    items = load_trace(tmp_path, "m")
+    assert [w.arrival for w in items] == [0.0, 0.005, 86_400.0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="no request log"):
+        load_trace(empty, "m")
+
+
+def test_a_window_cuts_and_shifts_the_trace():
+    full = load_trace(DATA / "mooncake_conv_slice.jsonl", "m")
+    cut = load_trace(DATA / "mooncake_conv_slice.jsonl", "m", window=(30.0, 60.0))
+    want = [w for w in full if 30.0 <= w.arrival < 60.0]
+    assert len(cut) == len(want) > 10
+    assert [w.arrival for w in cut] == pytest.approx([w.arrival - 30.0 for w in want])
+    assert [w.prompt for w in cut] == [w.prompt for w in want]
+    assert len(load_trace(DATA / "azure_conv_slice.csv", "m", window=(10.0, float("inf")))) < 400
+
+
+def test_window_syntax():
+    assert parse_window("600:1200") == (600.0, 1200.0)
+    assert parse_window("600:") == (600.0, float("inf"))
+    for bad in ("600", "9:3", "a:b", "-1:5"):
+        with pytest.raises(UserError):
+            parse_window(bad)
+
+
+def test_simulate_cuts_a_mooncake_trace_by_window_and_reports_prefix_hits(cli, tmp_path):
+    r = cli(
+        "simulate",
+        "example:mooncake-mixed",
+        "--trace",
+        DATA / "mooncake_conv_slice.jsonl",
+        "--window",
+        "0:20",
+        "--policies",
+        "kv-router,hardware-aware",
+        "--json",
+    )
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    in_window = sum(
+        1 for w in load_trace(DATA / "mooncake_conv_slice.jsonl", "m") if w.arrival < 20
+    )
+    assert data["requests"] == in_window
+    for figures in data["policies"].values():
+        assert figures["completed"] == in_window
+        assert 0 < figures["prefix_hit_rate"] < 1 and figures["prefill_saved_tokens"] > 0
+    bad = cli("simulate", "example:mooncake-mixed", "--workload", "rate=1", "--window", "0:5")
+    assert bad.code == 2 and "--window cuts a trace" in bad.err
