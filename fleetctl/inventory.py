@@ -10,7 +10,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, field_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
 from fleetctl import names
 from fleetctl.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile
@@ -150,6 +150,23 @@ class PrefixCacheSpec(Strict):
     topic: str = Field("kv", max_length=64, pattern=r"^[A-Za-z0-9_.-]*$")
 
 
+class RequestLogSpec(Strict):
+    """route-serve's log of finished requests, in the state folder (router/request_log.py)."""
+
+    enabled: bool = True
+    max_file_mb: float = Field(64, gt=0, le=1 << 20)  # a file is rotated past this
+    max_total_mb: float = Field(1024, gt=0, le=1 << 30)  # the oldest files go past this
+
+    @field_validator("max_total_mb")
+    @classmethod
+    def _total(cls, v: float, info: ValidationInfo) -> float:
+        if v < info.data.get("max_file_mb", 0):
+            raise ValueError(
+                f"max_total_mb {v:g} is below max_file_mb | make it at least max_file_mb"
+            )
+        return v
+
+
 class RouterSpec(Strict):
     listen: str = "127.0.0.1:8080"
     long_context_tokens: int = Field(4096, gt=0, le=MAX_TOKENS)
@@ -161,6 +178,7 @@ class RouterSpec(Strict):
     # DCGM_FI_DEV_MEM_COPY_UTIL for memory-bandwidth saturation.
     dcgm_exporter_port: int | None = Field(None, ge=1, le=65535)
     prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
+    request_log: RequestLogSpec = Field(default_factory=RequestLogSpec)
 
     @field_validator("listen")
     @classmethod

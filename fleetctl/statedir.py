@@ -73,6 +73,11 @@ class StateDir:
     def lock_path(self) -> Path:
         return self.root / "state.lock"
 
+    @property
+    def requests_path(self) -> Path:
+        """route-serve's request log: a folder (fleetctl/router/request_log.py)."""
+        return self.root / "requests"
+
     # --- state: what apply recorded ---------------------------------------------------------
 
     def load_state(self) -> State:

@@ -87,6 +87,12 @@ def route_serve(
         help="Learn each server's cache from its vLLM KV events, at the ports apply gave it "
         "(default: the inventory's router.prefix_cache.kv_events).",
     ),
+    no_request_log: bool = typer.Option(
+        False,
+        "--no-request-log",
+        help="Keep no log of finished requests in the state folder's requests/ (default: "
+        "the inventory's router.request_log.enabled).",
+    ),
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
@@ -134,6 +140,7 @@ def route_serve(
         calibrated=not skip_calibration,
         prefix_capacity=PREFIX_CAPACITY if prefix_capacity is None else prefix_capacity,
         use_kv_events=kv_events,
+        request_log=False if no_request_log else None,
     )
 
     def reload():  # type: ignore[no-untyped-def]

@@ -22,7 +22,8 @@ from fleetctl.router.backends import KvEndpoint
 from fleetctl.router.intake import Intake, authorize, error_response
 from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.prefix_share import PrefixShare, SharedIndex
-from fleetctl.router.proxy import Hooks, Proxy
+from fleetctl.router.proxy import LAST_ATTEMPT, SERVED_BY, Hooks, Proxy
+from fleetctl.router.request_log import RequestLog
 from fleetctl.router.shared import RedisShared
 from fleetctl.router.telemetry import Counter, Gauge, RouterMetrics
 from fleetctl.router.tokens import TokenCounter
@@ -31,7 +32,7 @@ from fleetctl.routing.policy import Policy
 from fleetctl.routing.prefix import PrefixIndex
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
 from fleetctl.routing.scheduler import Scheduler
-from fleetctl.routing.types import Backend, OutputEstimator
+from fleetctl.routing.types import Backend, OutputEstimator, Request
 
 log = logging.getLogger("fleetctl.router")
 
@@ -104,6 +105,9 @@ class Router:
     # block_size, read by live.py): prompts are hashed once per request, with the size most
     # of the subscribed backends use; a backend with another size finds no hits (logged).
     kv_block_size: int = 16
+    # One JSON line per finished request (router/request_log.py); None: no log. The log
+    # needs each prompt's block hashes, so requests are hashed while it is kept.
+    request_log: RequestLog | None = None
     prefix: PrefixIndex | None = field(init=False, default=None)
     prefix_share: PrefixShare | None = field(init=False, default=None)
     _kv: Any = None  # the KvEventSubscriber, while it runs
@@ -130,6 +134,8 @@ class Router:
         self.intake.index(self.backends)
         self.admission = Admission(self.scheduler, self.backends, self.metrics, c.queue_timeout_s)
         self._prefix_index()
+        if self.request_log is not None:
+            self.intake.blocks = True
 
     def _prefix_index(self) -> None:
         """Whether requests are hashed into blocks, the policy's prefix index (the one it
@@ -178,6 +184,8 @@ class Router:
         )
         self._proxy = Proxy(upstream, hooks, c.max_retries, c.api_key, c.backend_api_key)
         self._tasks.append(asyncio.create_task(self.admission.run()))
+        if self.request_log is not None:
+            self._tasks.append(asyncio.create_task(self.request_log.run()))
         if self.shared is not None:
             try:
                 await self.shared.check()
@@ -283,6 +291,8 @@ class Router:
             self._proxy.upstream.close()
         if self.shared is not None:
             await self.shared.close()
+        if self.request_log is not None:
+            self.request_log.close()
 
     async def _sync_ttft(self) -> None:
         """Rebuild the aging median from every replica's samples once a second."""
@@ -352,7 +362,9 @@ class Router:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         started = time.monotonic()
+        arrival = time.time()
         sessions = getattr(self.policy, "sessions", None)
+        req: Request | None = None
         try:
             raw, parsed, req = await self.intake.read(request, chat)
             if self.shared is not None and req.session and sessions is not None:
@@ -367,12 +379,50 @@ class Router:
                     self._background(self.shared.save_pin(req.session, pin))
         except ClientError as e:
             self.metrics.requests.inc("", "", "bad-request", str(e.status))
+            if req is not None:  # parsed, then refused (no room in time)
+                self._finished(request, req, arrival, started, e.status)
             return error_response(e)
+        except BaseException:
+            if req is not None:  # the client left while its request waited for room
+                self._finished(request, req, arrival, started, 499)
+            raise
         if decision.backend is None:
             self.metrics.requests.inc(req.model, "", "rejected", "400")
+            self._finished(request, req, arrival, started, 400)
             return error_response(ClientError(400, decision.reason, "invalid_request_error"))
         assert self._proxy is not None
-        return await self._proxy.serve(request, raw, parsed, req, decision, chat, started)
+        try:
+            out = await self._proxy.serve(request, raw, parsed, req, decision, chat, started)
+        except BaseException:
+            self._finished(request, req, arrival, started, 499)  # the client left (or a bug)
+            raise
+        self._finished(request, req, arrival, started, out.status)
+        return out
+
+    def _finished(
+        self, request: web.Request, req: Request, arrival: float, started: float, status: int
+    ) -> None:
+        """A request ended: its line in the request log, if one is kept."""
+        if self.request_log is None:
+            return
+        attempt = request.get(LAST_ATTEMPT)
+        ttft = output = None
+        if attempt is not None:
+            ttft, output = attempt.ttft, attempt.output
+            if attempt.ended == "failed" and status < 400:
+                status = 502  # the backend failed mid-stream: the client got an error event
+        try:
+            self.request_log.record(
+                req,
+                arrival,
+                request.get(SERVED_BY),
+                ttft,
+                time.monotonic() - started,
+                status,
+                output,
+            )
+        except Exception as e:  # a request never fails for its log line
+            log.warning("request log: %s", type(e).__name__)
 
     async def models(self, request: web.Request) -> web.Response:
         try:

@@ -58,18 +58,22 @@ class Lease:
     """One attempt's hold on a backend, from placement (the scheduler accounted it) to its end.
     Each ending releases the counters only if no other ending has: exactly once."""
 
-    __slots__ = ("b", "first_seen", "held", "hooks", "req", "started")
+    __slots__ = ("b", "ended", "first_seen", "held", "hooks", "output", "req", "started", "ttft")
 
     def __init__(self, hooks: Hooks, b: Backend, req: Request, started: float):
         self.hooks, self.b, self.req, self.started = hooks, b, req, started
         self.first_seen = False
         self.held = True
+        self.ttft: float | None = None  # from arrival to the first byte
+        self.output: int | None = None  # output tokens, as reported or counted
+        self.ended = ""  # "done", "failed" or "abandoned"
 
     def first(self) -> None:
         """The first byte of the answer arrived: the prompt is no longer pending prefill."""
         now = time.monotonic()
         first_token(self.b, self.req)
         self.first_seen = True
+        self.ttft = now - self.started
         self.hooks.metrics.ttft.observe(now - self.started, self.req.model)
         self.hooks.observe_ttft(now, now - self.started)
 
@@ -86,26 +90,37 @@ class Lease:
         backend must not skew the estimates)."""
         if not self._release():
             return
+        self.ended = "done"
         h, req = self.hooks, self.req
         h.metrics.e2e.observe(time.monotonic() - self.started, req.model)
         if streamed is not None:
             h.estimator.observe(req.model, streamed)
+            self.output = streamed
         usage = answer.get("usage") if answer else None
         if isinstance(usage, dict):
             out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
             if _count(out):
                 h.estimator.observe(req.model, out)
+                self.output = out
             if _count(prompt):
                 h.tokens.observe(req.model, req.prompt_chars, prompt)
 
     def failed(self, reason: str) -> None:
         """The backend failed: counted against it (ejection after several, logged with why)."""
-        if self._release() and self.hooks.live is not None:
+        if not self._release():
+            return
+        self.ended = "failed"
+        if self.hooks.live is not None:
             self.hooks.live.failed(self.b, time.monotonic(), reason)
 
     def abandoned(self) -> None:
         """The client left, or a bug: not the backend's fault."""
-        self._release()
+        if self._release():
+            self.ended = "abandoned"
+
+
+# The last attempt's Lease: how it ended, its TTFT and output tokens (the request log).
+LAST_ATTEMPT = web.RequestKey("fleetctl_attempt", Lease)
 
 
 @dataclass
@@ -187,6 +202,7 @@ class Proxy:
         """Send to `b` and relay its answer; None when it failed before the first byte reached
         the client (the caller may retry). The one place an attempt's outcome is handled."""
         lease = Lease(self.hooks, b, req, started)
+        request[LAST_ATTEMPT] = lease
         relay = Stream() if stream else None
         try:
             up = await _post(self.upstream, b.name + path, body_for(b, raw), headers)

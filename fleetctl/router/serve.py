@@ -26,6 +26,7 @@ from fleetctl.router.daemon import PREFIX_CAPACITY, DaemonConfig, Router
 from fleetctl.router.live import LiveState
 from fleetctl.router.proxy import SERVED_BY
 from fleetctl.router.relay import header_value
+from fleetctl.router.request_log import MB, RequestLog
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.registry import make_policy, policy_names
@@ -132,6 +133,7 @@ def build_router(
     prefix_capacity: int = PREFIX_CAPACITY,
     kv_events: dict[str, str | KvEndpoint] | None = None,
     use_kv_events: bool | None = None,
+    request_log: bool | None = None,
 ) -> Router:
     """The daemon for an inventory. `prefix_capacity` bounds the prefix index (blocks over
     all backends, least recently used first out; 0: no index) that Router gives a policy
@@ -139,7 +141,9 @@ def build_router(
     through the session store; or, with `kv_events` (backend name -> ZMQ endpoint), the
     servers' KV events feed it (precise; Router.kv_events). Without `kv_events`,
     `use_kv_events` (None: the inventory's router.prefix_cache.kv_events) takes them from
-    the flags `fleetctl apply` started each server with (kv_sources)."""
+    the flags `fleetctl apply` started each server with (kv_sources). `request_log` (None: the
+    inventory's router.request_log.enabled) keeps the log of finished requests in the state
+    folder's requests/ (router/request_log.py)."""
     if policy not in policy_names():
         raise UserError(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
@@ -194,7 +198,26 @@ def build_router(
         known_formats=frozenset(catalog.formats),
         prefix_capacity=prefix_capacity,
         kv_events=kv_events,
+        request_log=open_request_log(inv, state_dir, request_log),
     )
+
+
+def open_request_log(
+    inv: Inventory, state_dir: StateDir, enabled: bool | None
+) -> RequestLog | None:
+    """The request log the inventory asks for (router.request_log), unless `enabled` says."""
+    spec = inv.spec.router.request_log
+    if not (spec.enabled if enabled is None else enabled):
+        return None
+    folder = state_dir.requests_path
+    try:
+        return RequestLog(folder, int(spec.max_file_mb * MB), int(spec.max_total_mb * MB))
+    except OSError as e:
+        raise UserError(
+            f"cannot keep the request log: {e.strerror or e}",
+            Location(str(folder)),
+            "make the state folder writable, or run route-serve with --no-request-log",
+        ) from None
 
 
 def kv_sources(
