@@ -98,3 +98,47 @@ def test_simulate_cuts_a_mooncake_trace_by_window_and_reports_prefix_hits(cli, t
         assert 0 < figures["prefix_hit_rate"] < 1 and figures["prefill_saved_tokens"] > 0
     bad = cli("simulate", "example:mooncake-mixed", "--workload", "rate=1", "--window", "0:5")
     assert bad.code == 2 and "--window cuts a trace" in bad.err
+
+
+def test_derive_workload_takes_a_peak_of_five_minute_rates():
+    from fleetctl.sim.workload import WorkItem, derive_workload
+
+    items = []
+    for k in range(20):  # window k holds k + 1 requests
+        for j in range(k + 1):
+            items.append(WorkItem(0, k * 300.0 + j, 1000 * (j % 3 + 1), 100, "m"))
+    items.append(WorkItem(0, 20 * 300.0 + 1, 9000, 100, "m", session="s"))  # a partial window
+    d = derive_workload(items, long_tokens=4096)
+    assert d is not None and d.requests == len(items)
+    assert d.requests_per_s == pytest.approx(20 / 300)  # 95th percentile of 1..20
+    assert d.long_share == pytest.approx(1 / len(items))
+    assert d.session_share == pytest.approx(1 / len(items))
+    assert derive_workload([], 4096) is None
+
+
+def test_plan_workload_from_a_request_log_plans_for_the_traffic(cli, tmp_path):
+    logs = tmp_path / "requests"
+    logs.mkdir()
+    day = 1_764_547_200_000
+    lines = [log_line(day + i * 100, 6000, 300, model="llama-3.1-8b") for i in range(600)]
+    (logs / "requests-2026-12-01.jsonl").write_text("".join(lines))
+    r = cli("plan", "example:seed-mixed-8b-16k", "--workload-from", logs, "--json")
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    w = data["workloads"]["llama-3.1-8b"]
+    assert w["source"] == "log" and w["requests"] == 600
+    assert w["requests_per_s"] == pytest.approx(600 / 59.9, rel=1e-3)  # one window: its rate
+    assert (w["mean_prompt_tokens"], w["mean_output_tokens"]) == (6000, 300)
+    assert w["long_share"] == 1.0 and w["inventory"]["requests_per_s"] == 4
+    # The planner sized the model for the traffic, not for the inventory's 4 req/s.
+    demand = {m["model"]: m["demand_rps"] for m in data["models"]}
+    assert demand["llama-3.1-8b"] == pytest.approx(w["requests_per_s"], rel=1e-3)
+    text = cli("plan", "example:seed-mixed-8b-16k", "--workload-from", logs)
+    assert text.code == 0 and "Workloads planned for" in text.out and "(4.00)" in text.out
+
+
+def test_plan_workload_from_a_trace_without_models_needs_one_model(cli):
+    r = cli(
+        "plan", "example:seed-multi-model", "--workload-from", DATA / "mooncake_conv_slice.jsonl"
+    )
+    assert r.code == 2 and "does not say which model" in r.err

@@ -56,6 +56,13 @@ def plan(
     ),
     explain: bool = typer.Option(False, "--explain", help="Show why each deployment is placed so."),
     no_calibration: bool = NoCalibrationOpt,
+    workload_from: Path | None = typer.Option(
+        None,
+        "--workload-from",
+        metavar="LOGS",
+        help="Plan for the traffic in route-serve's request log (a file or its folder) or a "
+        "trace, instead of the inventory's workloads.",
+    ),
 ) -> None:
     """Compute which model, format and TP size runs on which GPUs, and the diff to what runs."""
     import dataclasses
@@ -63,6 +70,11 @@ def plan(
     from fleetctl.statedir import write_atomic
 
     inv, catalog = common.load(inventory, profiles)
+    workloads = None
+    if workload_from is not None:
+        from fleetctl.cli.traffic import workloads_from
+
+        inv, workloads = workloads_from(inv, workload_from)
     sdir = common.state_dir(inv, state_dir)
     result = common.plan_with_facts(
         inv, catalog, sdir, facts, sdir.load_state(), not no_calibration
@@ -72,11 +84,18 @@ def plan(
         saved = dataclasses.replace(result, inventory=str(Path(result.inventory).resolve()))
         write_atomic(out, dump_json(saved.to_json()) + "\n")
     if as_json:
-        print_json(result.to_json())
+        data = result.to_json()
+        if workloads is not None:
+            data["workloads"] = workloads
+        print_json(data)
     else:
         from fleetctl.render import render_plan
 
         console = common.console()
+        if workloads is not None:
+            from fleetctl.cli.traffic import render_workloads
+
+            console.print(render_workloads(workloads))
         console.print(render_plan(result, explain))
         if out is not None:
             console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")

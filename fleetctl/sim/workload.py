@@ -376,3 +376,63 @@ def parse_spec(spec: str, model: str) -> Synthetic:
                 f"bad value for {key}: {value!r}", None, f"expected {fields[key].__name__}"
             ) from None
     return w
+
+
+# Traffic is summed in windows of this length; the peak rate is a high percentile of them.
+RATE_WINDOW_S = 300.0
+PEAK_PERCENTILE = 95
+
+
+@dataclass(frozen=True)
+class Derived:
+    """One model's workload as its traffic shows it (`plan --workload-from`)."""
+
+    requests: int
+    requests_per_s: float  # the PEAK_PERCENTILE-th percentile of RATE_WINDOW_S-second rates
+    mean_prompt_tokens: int
+    mean_output_tokens: int
+    p95_prompt_tokens: int
+    long_share: float  # prompt + output over the router's long_context_tokens
+    session_share: float  # requests that carry a session
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "requests": self.requests,
+            "requests_per_s": round(self.requests_per_s, 4),
+            "mean_prompt_tokens": self.mean_prompt_tokens,
+            "mean_output_tokens": self.mean_output_tokens,
+            "p95_prompt_tokens": self.p95_prompt_tokens,
+            "long_share": round(self.long_share, 4),
+            "session_share": round(self.session_share, 4),
+        }
+
+
+def derive_workload(items: list[WorkItem], long_tokens: int) -> Derived | None:
+    """The workload `items` (one model's, in arrival order) amount to; None for no requests.
+
+    The rate is a peak, not the mean, as the planner sizes for it: the PEAK_PERCENTILE-th
+    percentile of the rates over RATE_WINDOW_S-second windows (a trace shorter than one
+    window: its own rate; a one-request trace: one request per window)."""
+    if not items:
+        return None
+    n = len(items)
+    span = items[-1].arrival - items[0].arrival
+    if span < RATE_WINDOW_S:
+        rate = n / span if span > 0 and n > 1 else 1 / RATE_WINDOW_S
+    else:
+        counts = [0] * (int(span // RATE_WINDOW_S) + 1)
+        for w in items:
+            counts[int((w.arrival - items[0].arrival) // RATE_WINDOW_S)] += 1
+        full = counts[:-1] if len(counts) > 1 else counts  # the last window is partial
+        ranked = sorted(full)
+        rate = ranked[min(len(ranked) - 1, len(ranked) * PEAK_PERCENTILE // 100)] / RATE_WINDOW_S
+    prompts = sorted(w.prompt for w in items)
+    return Derived(
+        n,
+        rate,
+        round(sum(prompts) / n),
+        max(1, round(sum(w.output for w in items) / n)),
+        prompts[min(n - 1, n * 95 // 100)],
+        sum(1 for w in items if w.prompt + w.output > long_tokens) / n,
+        sum(1 for w in items if w.session) / n,
+    )

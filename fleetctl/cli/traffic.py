@@ -1,0 +1,113 @@
+"""`plan --workload-from`: each model's workload from its traffic, beside the inventory's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import RenderableType
+
+from fleetctl.errors import Location, UserError
+from fleetctl.inventory import Inventory, WorkloadSpec
+from fleetctl.limits import MAX_RATE
+from fleetctl.sim.workload import derive_workload, load_trace
+from fleetctl.tables import Col, Records
+
+
+def workloads_from(inv: Inventory, path: Path) -> tuple[Inventory, dict[str, dict[str, Any]]]:
+    """`inv` with each model's workload derived from the traffic at `path`, where it has any,
+    and the workloads as `plan --json` shows them (`source`: log or inventory)."""
+    if len(inv.models) > 1 and not _names_models(path):
+        raise UserError(
+            "this trace does not say which model each request was for",
+            Location(str(path)),
+            "give route-serve's request log, or an inventory with one model",
+        )
+    long_tokens = inv.spec.router.long_context_tokens
+    models = []
+    shown: dict[str, dict[str, Any]] = {}
+    for m in inv.models:
+        derived = derive_workload(load_trace(path, m.name), long_tokens)
+        w = m.spec.workload
+        if derived is None:
+            shown[m.name] = {
+                "requests_per_s": w.requests_per_s if w else None,
+                "mean_prompt_tokens": w.mean_prompt_tokens if w else None,
+                "mean_output_tokens": w.mean_output_tokens if w else None,
+                "source": "inventory",
+            }
+            models.append(m)
+            continue
+        shown[m.name] = {**derived.to_json(), "source": "log"}
+        if w is not None:
+            shown[m.name]["inventory"] = w.model_dump()
+        spec = WorkloadSpec(
+            requests_per_s=min(MAX_RATE, max(derived.requests_per_s, 1e-6)),
+            mean_prompt_tokens=derived.mean_prompt_tokens,
+            mean_output_tokens=derived.mean_output_tokens,
+        )
+        models.append(dataclasses.replace(m, spec=m.spec.model_copy(update={"workload": spec})))
+    return dataclasses.replace(inv, models=tuple(models)), shown
+
+
+def _names_models(path: Path) -> bool:
+    """Whether the trace's rows name their model (route-serve's log does; the public
+    traces do not): its first row, read from the first file."""
+    first = path
+    if path.is_dir():
+        found = sorted(p for p in path.iterdir() if p.suffix == ".jsonl")
+        if not found:
+            return False
+        first = found[0]
+    try:
+        with first.open(encoding="utf-8") as f:
+            line = f.readline()
+        return "model" in json.loads(line)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def render_workloads(shown: dict[str, dict[str, Any]]) -> RenderableType:
+    """The workloads the plan was made for, derived beside the inventory's."""
+    rows = []
+    for name, w in shown.items():
+        inv = w.get("inventory") or {}
+
+        def pair(key: str, fmt: str, w: dict[str, Any] = w, inv: dict[str, Any] = inv) -> str:
+            got = w.get(key)
+            text = "-" if got is None else format(got, fmt)
+            if key in inv:
+                text += f" ({format(inv[key], fmt)})"
+            return text
+
+        share = w.get("long_share")
+        sessions = w.get("session_share")
+        rows.append(
+            [
+                name,
+                w["source"],
+                pair("requests_per_s", ".2f"),
+                pair("mean_prompt_tokens", ","),
+                pair("mean_output_tokens", ","),
+                "-" if w.get("p95_prompt_tokens") is None else f"{w['p95_prompt_tokens']:,}",
+                "-" if share is None else f"{share:.0%}",
+                "-" if sessions is None else f"{sessions:.0%}",
+            ]
+        )
+    return Records(
+        "Workloads planned for",
+        [
+            Col("model", head=True),
+            Col("from"),
+            Col("peak req/s", numeric=True),
+            Col("prompt mean", numeric=True),
+            Col("output mean", numeric=True),
+            Col("prompt p95", numeric=True),
+            Col("long", numeric=True),
+            Col("sessions", numeric=True),
+        ],
+        rows,
+        caption="in parentheses: the inventory's figure; peak = 95th percentile of 5-minute rates",
+    )
