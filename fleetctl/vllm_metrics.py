@@ -65,6 +65,7 @@ class Scrape:
     """What one /metrics page says; None where the server did not report it."""
 
     kv_tokens: int | None = None  # num_gpu_blocks x block_size, over the engines
+    block_size: int | None = None  # tokens per KV block (16 on GPUs, 128 on vLLM's CPU backend)
     gpu_memory_utilization: float | None = None  # what the KV cache was sized at
     running: float | None = None
     waiting: float | None = None
@@ -107,11 +108,15 @@ def parse_metrics(text: str) -> Scrape:
     values: dict[str, float] = {}
     kv: int | None = None
     util: float | None = None
+    size: int | None = None
     for block, names in _wanted_blocks(text):
         for name in names:
             for line in _samples(block, name):
                 if name == _CACHE_INFO:
                     labels = dict(_LABEL.findall(line))
+                    raw = labels.get("block_size", "")
+                    if raw.isdigit() and 0 < int(raw) < 10_000_000:
+                        size = int(raw)
                     try:
                         tokens = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
                     except (KeyError, ValueError):
@@ -133,7 +138,7 @@ def parse_metrics(text: str) -> Scrape:
                     values[field] = max(old, value)
                 else:
                     values[field] = old + value
-    return Scrape(kv_tokens=kv, gpu_memory_utilization=util, **values)
+    return Scrape(kv_tokens=kv, gpu_memory_utilization=util, block_size=size, **values)
 
 
 def _wanted_blocks(text: str) -> list[tuple[str, list[str]]]:

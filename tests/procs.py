@@ -6,20 +6,62 @@ benchmarks/harness/, shared with the benchmarks; this module keeps the tests' na
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
+from typing import Any
 
 import openai
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.harness.commands import emulate_cmd
 from benchmarks.harness.procs import Proc, free_port, stop_process
 from benchmarks.harness.ready import first_answer, http_request, wait_status
 
-__all__ = ["NAME", "SCALE", "SOURCE", "Emulator", "free_port", "http_request", "stop_process"]
+__all__ = [
+    "NAME",
+    "SCALE",
+    "SOURCE",
+    "Emulator",
+    "RouterThread",
+    "free_port",
+    "http_request",
+    "stop_process",
+]
 
 SCALE = "20"
 NAME = "llama-3-8b"
 SOURCE = "meta-llama/Meta-Llama-3-8B-Instruct"
+
+
+class RouterThread:
+    """A daemon Router's app served on 127.0.0.1 in a thread of its own (its event loop),
+    with serve.py's limits; `runner_options` adds to the AppRunner's (e.g. an access log)."""
+
+    def __init__(self, router: Any, **runner_options: Any) -> None:
+        from fleetctl.router.serve import server_options
+
+        self.router = router
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self._options = {**server_options(router.config), **runner_options}
+        ready = threading.Event()
+        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
+        assert ready.wait(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.runner = web.AppRunner(self.router.app(), **self._options)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        ready.set()
+        self.loop.run_forever()
+        self.loop.close()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 class Emulator:

@@ -17,11 +17,11 @@ from fleetctl.plan import Deployment
 from fleetctl.planner import plan_fleet
 from fleetctl.router.backends import KvEndpoint, kv_endpoint
 from fleetctl.router.daemon import DaemonConfig
-from fleetctl.router.live import block_size
 from fleetctl.router.serve import build_router
 from fleetctl.ssh import quote
 from fleetctl.state import State
 from fleetctl.statedir import StateDir
+from fleetctl.vllm_metrics import parse_metrics
 from tests.conftest import write
 
 INVENTORY = """\
@@ -204,14 +204,15 @@ def test_vllm_args_cannot_override_the_events(cli, tmp_path, args, key, words):
         assert w in r.err, r.err
 
 
+def block_size(page: str) -> int | None:
+    return parse_metrics(page).block_size
+
+
 def test_block_size_is_read_from_cache_config_info():
-    page = (Path(__file__).resolve().parents[2] / "shared/captures").joinpath(
-        "vllm-0.32.0-cpu-metrics.txt"
-    )
-    if page.exists():
-        assert block_size(page.read_text()) == 128
+    page = Path(__file__).parent / "data" / "vllm-0.32.0-cpu-metrics.txt"  # a real capture
+    assert block_size(page.read_text()) == 128
     line = 'vllm:cache_config_info{_block_size_resolved="True",block_size="16",engine="0"} 1.0'
-    assert block_size("# TYPE x gauge\n" + line + "\n") == 16
+    assert block_size("# TYPE vllm:cache_config_info gauge\n" + line + "\n") == 16
     assert block_size("vllm:num_requests_running 0\n") is None
 
 

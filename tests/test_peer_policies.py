@@ -15,27 +15,15 @@ from dataclasses import replace
 
 import pytest
 
-from fleetctl.perf import EnginePerf, kv_budget
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain
 from fleetctl.routing.registry import make_policy, policy_names
-from fleetctl.routing.types import Backend, Request
-from fleetctl.sim.fleet import Server, simulate
+from fleetctl.routing.types import Request
+from fleetctl.sim.fleet import simulate
 from fleetctl.sim.workload import Synthetic
+from tests.test_policy import backend, server
 
 BT = 16  # tokens per block in these tests
 PEERS = ("cache-aware", "prefix-kv", "kv-router")
-
-
-def backend(catalog, name, gpu="A100-SXM4-80GB", variant="bf16", model="llama-3-8b", **live):
-    g, m, f = catalog.gpu(gpu), catalog.model(model), catalog.format(variant)
-    kv = kv_budget(g, m, f).kv_tokens
-    return Backend(name, name, g.name, model, variant, kv, 256, EnginePerf(g, m, f), **live)
-
-
-def server(catalog, name, gpu, variant="bf16", model="llama-3-8b", max_len=8192):
-    g, m, f = catalog.gpu(gpu), catalog.model(model), catalog.format(variant)
-    kv = kv_budget(g, m, f).kv_tokens
-    return Server(name, name, g.name, model, variant, EnginePerf(g, m, f), kv, 256, 2048, max_len)
 
 
 def blocks(ids, tokens=None):

@@ -15,15 +15,14 @@ import time
 from collections.abc import Callable
 
 import pytest
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetctl.router.daemon import DaemonConfig, Router
-from fleetctl.router.serve import AccessLog, served_by, server_options
+from fleetctl.router.serve import AccessLog, served_by
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
-from tests.procs import NAME, free_port, http_request
+from tests.procs import NAME, RouterThread, free_port, http_request
 
 BODY = json.dumps(
     {
@@ -121,29 +120,12 @@ class StandIn:
         return True
 
 
-class Serving:
+class Serving(RouterThread):
     """The router's app with serve.py's limits and access log, in a thread."""
 
     def __init__(self, backends: list[Backend], policy: str, config: DaemonConfig) -> None:
-        self.router = Router(backends, Scheduler(make_policy(policy)), config)
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(10)
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        options = server_options(self.router.config)
-        self.runner = web.AppRunner(self.router.app(), access_log_class=AccessLog, **options)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        ready.set()
-        self.loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        router = Router(backends, Scheduler(make_policy(policy)), config)
+        super().__init__(router, access_log_class=AccessLog)
 
     def post(self, headers: dict | None = None, **fields: object) -> tuple[int, dict, bytes]:
         body = {"model": NAME, "prompt": "hello " * 20, "max_tokens": 8, **fields}

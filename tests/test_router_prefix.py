@@ -8,18 +8,15 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.router.daemon import DaemonConfig, Router, reads_prefix
+from fleetctl.router.daemon import DaemonConfig, Router
 from fleetctl.router.prefix_share import STORED, PrefixShare, SharedIndex, decode, encode
-from fleetctl.router.serve import server_options
 from fleetctl.router.shared import RedisShared
 from fleetctl.routing.blocks import TEXT_CHUNK_CHARS, text_blocks, token_blocks
 from fleetctl.routing.policy import RoundRobin
@@ -28,7 +25,7 @@ from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend, Request
 from tests.conftest import REPO
-from tests.procs import NAME, free_port, http_request
+from tests.procs import NAME, RouterThread, free_port, http_request
 from tests.test_route_serve import redis_url  # noqa: F401 - the real redis-server fixture
 from tests.test_router_hostile import Hostile
 
@@ -126,26 +123,8 @@ class Recording(RoundRobin):
         super().placed(req, backend)
 
 
-class Serving:
+class Serving(RouterThread):
     """A daemon Router's app in a thread of its own, on 127.0.0.1."""
-
-    def __init__(self, router: Router) -> None:
-        self.router = router
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(10)
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.router.app(), **server_options(self.router.config))
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        self.loop.run_until_complete(site.start())
-        ready.set()
-        self.loop.run_forever()
-        self.loop.close()
 
     def on_loop(self, fn: Callable[[], Any]) -> Any:
         """fn() on the router's loop (its index is that loop's alone)."""
@@ -164,10 +143,6 @@ class Serving:
         }
         status, _, _ = http_request(self.port, "POST", "/v1/chat/completions", body, timeout=30)
         return status
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +223,7 @@ def test_token_id_prompts_hash_16_token_blocks(servers):
 @pytest.mark.parametrize("name", ["prefix-kv", "kv-router", "hardware-aware"])
 def test_prefix_aware_policies_get_hashed_prompts_and_the_index(name):
     router = Router([], Scheduler(make_policy(name)))
-    assert reads_prefix(router.policy) and router.intake.blocks
+    assert router.policy.reads_prefix and router.intake.blocks
     assert isinstance(router.prefix, SharedIndex) and router.policy.prefix is router.prefix
 
 
@@ -291,7 +266,7 @@ def test_cache_aware_sends_chats_sharing_a_system_prompt_to_one_server(servers):
 def test_prompts_are_not_hashed_for_a_policy_that_ignores_prefixes(servers):
     policy = Recording()
     router = Router(backends(servers), Scheduler(policy), DaemonConfig())
-    assert not reads_prefix(policy) and not router.intake.blocks and router.prefix is None
+    assert not policy.reads_prefix and not router.intake.blocks and router.prefix is None
     s = Serving(router)
     try:
         assert s.chat(SYSTEM, "hello") == 200

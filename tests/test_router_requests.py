@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
-from aiohttp import web
 
 from fleetctl.router.daemon import DaemonConfig
 from fleetctl.router.daemon import Router as DaemonRouter
-from fleetctl.router.serve import server_options
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
-from tests.procs import NAME, free_port, http_request
+from tests.procs import NAME, RouterThread, free_port, http_request
 from tests.test_route_serve import INVENTORY, Router
 from tests.test_router_hostile import Hostile
 
@@ -133,31 +129,13 @@ def test_bad_fields_are_400s(router, fields, words):
     assert status == 400 and words in message, message
 
 
-class InProcess:
+class InProcess(RouterThread):
     """The router's app, served in a thread with serve.py's limits and a given config, in front
     of one backend. For limits the CLI does not expose, so that a test can set them low."""
 
     def __init__(self, config: DaemonConfig, backend_url: str):
         backend = Backend(backend_url, "n0", "RTX-4090", NAME, "bf16", kv_tokens=100_000)
-        self.router = DaemonRouter([backend], Scheduler(make_policy("round-robin")), config)
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(10)
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.router.app(), **server_options(self.router.config))
-        self.loop.run_until_complete(self.runner.setup())
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        self.loop.run_until_complete(site.start())
-        ready.set()
-        self.loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        super().__init__(DaemonRouter([backend], Scheduler(make_policy("round-robin")), config))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from rich.console import RenderableType
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory, WorkloadSpec
 from fleetctl.limits import MAX_RATE
-from fleetctl.sim.workload import derive_workload, load_trace
+from fleetctl.sim.workload import derive_workload, load_trace, trace_files
 from fleetctl.tables import Col, Records
 
 
@@ -55,17 +55,11 @@ def workloads_from(inv: Inventory, path: Path) -> tuple[Inventory, dict[str, dic
 def _names_models(path: Path) -> bool:
     """Whether the trace's rows name their model (route-serve's log does; the public
     traces do not): its first row, read from the first file."""
-    first = path
-    if path.is_dir():
-        found = sorted(p for p in path.iterdir() if p.suffix == ".jsonl")
-        if not found:
-            return False
-        first = found[0]
     try:
-        with first.open(encoding="utf-8") as f:
+        with trace_files(path)[0].open(encoding="utf-8") as f:
             line = f.readline()
         return "model" in json.loads(line)
-    except (OSError, ValueError, TypeError):
+    except (OSError, ValueError, TypeError, UserError):
         return False
 
 

@@ -43,12 +43,6 @@ PREFIX_CAPACITY = 1 << 20
 KV_KINDS = ("batches", "events", "malformed", "gaps", "replayed", "cleared")
 
 
-def reads_prefix(policy: Policy) -> bool:
-    """Whether a policy reads the prefix index, so that requests need their block hashes
-    (~0.03 ms for a 1K-token prompt, benchmarks/prefix_index.py)."""
-    return policy.reads_prefix
-
-
 def per_backend(total: int, backends: int) -> int:
     """A PrefixIndex's capacity (per backend) for `total` blocks over `backends` backends."""
     return max(1, total // max(1, backends))
@@ -92,7 +86,7 @@ class Router:
     # one (as make_policy's `prefix` would) when requests are hashed for it.
     prefix_capacity: int = PREFIX_CAPACITY
     # Whether requests are hashed into blocks (Request.blocks); None: when the policy reads
-    # the prefix index (reads_prefix).
+    # the prefix index (Policy.reads_prefix).
     hash_prompts: bool | None = None
     # Per backend name, the ZMQ endpoint of its vLLM KV events (vLLM's default binds
     # tcp://*:5557: give tcp://HOST:5557), or a KvEndpoint with its topic and replay socket:
@@ -141,7 +135,9 @@ class Router:
         """Whether requests are hashed into blocks, the policy's prefix index (the one it
         came with, else a new one unless it keeps its own), and the index's sharing with
         the other replicas through Redis."""
-        hashed = reads_prefix(self.policy) if self.hash_prompts is None else self.hash_prompts
+        # Prompts are hashed into blocks (~0.03 ms for 1K tokens, benchmarks/prefix_index.py)
+        # for a policy that reads them.
+        hashed = self.policy.reads_prefix if self.hash_prompts is None else self.hash_prompts
         self.intake.blocks = hashed
         given = self.policy.prefix
         own = self.policy.own_index

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,19 +37,6 @@ FIT_EVERY = 5  # new windows between refits
 PREFIX_WINDOW_TOKENS = 16_384
 PREFIX_TRUST_ALPHA = 0.3
 SPEED_LOG_CHANGE = 0.10  # a learned speed is logged again when it moves by more than this
-_CACHE_INFO = "\nvllm:cache_config_info{"
-_BLOCK_SIZE = re.compile(r'[{,]block_size="(\d{1,7})"')
-
-
-def block_size(text: str) -> int | None:
-    """The KV block size (tokens) a vLLM /metrics page reports in vllm:cache_config_info's
-    block_size label (16 on GPUs, 128 on CPUs by default); None without one."""
-    at = text.find(_CACHE_INFO)
-    if at < 0:
-        return None
-    end = text.find("\n", at + 1)
-    m = _BLOCK_SIZE.search(text, at, end if end >= 0 else len(text))
-    return int(m.group(1)) or None if m else None
 
 
 def where(b: Backend) -> str:
@@ -268,7 +254,7 @@ class LiveState:
         elif b.perf is not None:
             b.bandwidth_util = modelled_bandwidth(b)
         if self.on_block_size is not None:
-            size = block_size(text)
+            size = m.block_size
             if size is not None and size != s.block_size:
                 s.block_size = size
                 self.on_block_size(b, size)

@@ -66,7 +66,7 @@ class NoPrefix:
 
 class PrefixIndex:
     """Per backend, the block hashes it is believed to hold, bounded to `capacity` blocks
-    per backend (or `capacities[backend]`); least recently used blocks go first.
+    per backend; least recently used blocks go first.
 
     A prompt's blocks are inserted last block first, so the index drops a prompt's tail
     before its head, as vLLM frees a request's blocks (last first) and evicts them. What a
@@ -78,7 +78,6 @@ class PrefixIndex:
 
     def __init__(self, capacity: int = 1 << 20, learn: bool = True):
         self.capacity = capacity
-        self.capacities: dict[str, int] = {}  # per-backend bounds that differ from capacity
         self.learn = learn  # whether placements feed it (False: KV events do)
         self.blocks: dict[str, OrderedDict[int, None]] = {}
 
@@ -115,17 +114,8 @@ class PrefixIndex:
                 held.move_to_end(h)
             else:
                 held[h] = None
-        bound = self.capacities.get(backend, self.capacity)
-        while len(held) > bound:
+        while len(held) > self.capacity:
             held.popitem(last=False)
-
-    def touch(self, backend: str, hashes: Sequence[int]) -> None:
-        """A hit: these blocks were used again, so they are the last to go."""
-        held = self.blocks.get(backend)
-        if held:
-            for h in reversed(hashes):
-                if h in held:
-                    held.move_to_end(h)
 
     def remove(self, backend: str, hashes: Iterable[int]) -> None:
         """`backend` dropped these blocks (a BlockRemoved event)."""

@@ -49,7 +49,6 @@ class Seq:
         "first_token_at",
         "generated",
         "held",
-        "hit",
         "keys",
         "output",
         "own",
@@ -80,7 +79,6 @@ class Seq:
         self.reg = 0  # keys[:reg] were looked up or registered
         self.own: Run | None = None  # after a preemption: its private blocks, still cached
         self.own_from = 0  # the block index its own run starts at
-        self.hit = 0  # prompt tokens found in the prefix cache at its first admission
         self.epoch = 0
         self.admitted = 0
         self.first_token_at: float | None = None
@@ -154,9 +152,9 @@ class Engine:
         """Blocks no running request holds (cached ones included, as vLLM counts them)."""
         return self.pool.free
 
-    def cached_prefix(self, blocks: PromptBlocks) -> int:
-        """Tokens of a prompt this engine has cached now (what its KV events would say)."""
-        keys = engine_keys(blocks, self.block_size)
+    def cached_tokens(self, keys: list[int]) -> int:
+        """Tokens of a prompt (its blocks' keys, `engine_keys`) this engine has cached now:
+        what its KV events would say."""
         return self.pool.match(keys, len(keys))[0] * self.block_size
 
     @property
@@ -396,8 +394,6 @@ class Engine:
             s.own = None
             s.reg = min(len(s.keys), hit_blocks)
             s.computed = hit
-            if not s.preemptions:
-                s.hit = hit
             self.stats.prefix_cache_queries += s.target
             self.stats.prefix_cache_hits += hit
             self._admissions += 1

@@ -108,7 +108,6 @@ class Outcome:
     preemptions: int = 0
     rejected: str | None = None
     boosted: bool = False
-    cached: int = 0  # prompt tokens its server found in the prefix cache
 
 
 @dataclass
@@ -248,7 +247,6 @@ def simulate(
             o = outcomes[s.req]
             o.first_token, o.finished = s.first_token_at, s.finished_at
             o.preemptions = s.preemptions
-            o.cached = s.hit
             release(b, requests[s.req])
             estimate.observe(o.item.model, o.item.output)
 
@@ -355,8 +353,7 @@ class _EngineCaches:
             if len(self._keys) >= 4096:
                 self._keys.clear()
             found = self._keys[memo] = (blocks, engine_keys(blocks, e.block_size))
-        keys = found[1]
-        return min(blocks.tokens, e.pool.match(keys, len(keys))[0] * e.block_size)
+        return min(blocks.tokens, e.cached_tokens(found[1]))
 
     def routed(self, backend: str, blocks: PromptBlocks) -> None:
         pass  # the engines' caches change as they compute, not as requests are sent

@@ -55,7 +55,7 @@ def load_trace(
     shifted to start at 0. `limit`: the first N requests. `progress`, if given, hears the
     characters read so far every few thousand rows.
     """
-    files = _trace_files(path)
+    files = trace_files(path)
     read = 0
     items: list[WorkItem] = []
     cut = limit if window is None and len(files) == 1 else None
@@ -82,8 +82,8 @@ def load_trace(
                 continue  # a folder holds request logs; anything else in it is not a trace
             else:
                 rows = _read_csv(f, lines(), model, cut, progress, lambda: read)
-        items.extend(replace(w, id=len(items) + k) for k, w in enumerate(rows))
-    items.sort(key=lambda w: (w.arrival, w.id))
+        items.extend(rows)
+    items.sort(key=lambda w: w.arrival)  # stable: ties keep the files' order
     if items:
         start = items[0].arrival + (window[0] if window else 0.0)
         end = items[0].arrival + window[1] if window else math.inf
@@ -93,7 +93,7 @@ def load_trace(
     return [replace(w, id=i) if w.id != i else w for i, w in enumerate(items)]
 
 
-def _trace_files(path: Path) -> list[Path]:
+def trace_files(path: Path) -> list[Path]:
     """The files of a trace: the path itself, or a folder's request logs in name order (one
     per day, rotated by size: names sort in time order)."""
     if not path.is_dir():
