@@ -87,6 +87,9 @@ class NodeSpec(Strict):
     user: User | None = None
     gpus: GpuSpec
     labels: Labels = Field(default_factory=dict)
+    # The price of one node of this entry (all its GPUs) per hour, in the fleet's currency;
+    # null: gpus.count x the GPU profile's cost_per_hour, if it has one (fleetctl/cost.py).
+    cost_per_hour: float | None = Field(None, ge=0, le=1e6)
 
 
 class VariantSpec(Strict):
@@ -98,6 +101,14 @@ class WorkloadSpec(Strict):
     requests_per_s: float = Field(gt=0, le=MAX_RATE)
     mean_prompt_tokens: int = Field(gt=0, le=MAX_TOKENS)
     mean_output_tokens: int = Field(gt=0, le=MAX_TOKENS)
+
+
+class SloSpec(Strict):
+    """A model's latency objectives: 99th percentiles of time to first token and of time
+    per output token (decode step); null means no objective on that figure."""
+
+    ttft_p99_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
+    tpot_p99_ms: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S * 1000)
 
 
 class PlacementSpec(Strict):
@@ -116,6 +127,7 @@ class ModelSpec(Strict):
     # this; max_context is then what the fleet serves somewhere, not what every server takes.
     min_context: int | None = Field(None, gt=0, le=MAX_TOKENS)
     workload: WorkloadSpec | None = None
+    slo: SloSpec | None = None
     min_replicas: int = Field(1, ge=0, le=MAX_REPLICAS)
     max_replicas: int | None = Field(None, ge=1, le=MAX_REPLICAS)
     min_sequences: int = Field(1, ge=1, le=MAX_REPLICAS)
@@ -203,8 +215,18 @@ class PlannerSpec(Strict):
     enforce_eager: bool = False
 
 
+class GateSpec(Strict):
+    """`apply --gate TRACE` refuses a plan the what-if predicts worse than what runs by more
+    than these: p99 TTFT's relative rise (0.10: 10%), SLO attainment's drop (0.02: 2 points)."""
+
+    max_ttft_p99_rise: float = Field(0.10, ge=0, le=100)
+    max_slo_drop: float = Field(0.02, ge=0, le=1)
+
+
 class ApplySpec(Strict):
     """How `fleetctl apply` runs servers on the nodes."""
+
+    gate: GateSpec = Field(default_factory=GateSpec)
 
     vllm_command: str = Field("vllm", min_length=1)  # e.g. /opt/vllm/bin/vllm
     # The vLLM release the nodes run: vllm_args are checked against its `serve --help=all`
@@ -266,6 +288,7 @@ class Node:
     gpu_count: int
     labels: tuple[tuple[str, str], ...]
     line: int | None = None
+    cost_per_hour: float | None = None  # as written on its entry; see fleetctl/cost.py
 
 
 @dataclass(frozen=True)
@@ -556,7 +579,17 @@ def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[N
             by_name[name] = i
             by_addr[addr] = name
             out.append(
-                Node(name, host, port, ns.user or spec.ssh.user, gpu, ns.gpus.count, labels, line)
+                Node(
+                    name,
+                    host,
+                    port,
+                    ns.user or spec.ssh.user,
+                    gpu,
+                    ns.gpus.count,
+                    labels,
+                    line,
+                    ns.cost_per_hour,
+                )
             )
     return tuple(out)
 
