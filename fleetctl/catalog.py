@@ -46,6 +46,9 @@ class GpuProfile(Strict):
     pcie_gen: int
     tdp_w: int
     decode_efficiency: float = Field(gt=0, le=1)
+    # Default price of one GPU per hour (USD, on-demand), used where a node's inventory entry
+    # gives no cost_per_hour; its origin is named in `sources`. null: no default.
+    cost_per_hour: float | None = Field(None, ge=0, le=1e5)
     sources: tuple[str, ...] = Field(min_length=1)
 
     @property
