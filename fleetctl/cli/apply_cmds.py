@@ -54,6 +54,14 @@ def apply(
         "Plan with the profiles alone, not the figures `fleetctl calibrate` measured on live "
         "servers, and do not refresh them from the servers after the apply."
     ),
+    gate_trace: Path | None = typer.Option(
+        None,
+        "--gate",
+        metavar="TRACE",
+        help="Simulate what runs now and the plan on this trace (or request log); refuse a "
+        "plan whose p99 TTFT or SLO attainment is worse beyond apply.gate's thresholds.",
+    ),
+    force: bool = typer.Option(False, "--force", help="Apply even if --gate refuses the plan."),
 ) -> None:
     """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
     from fleetctl.cli.apply_flow import (
@@ -91,11 +99,43 @@ def apply(
         done = refresh_running(inv, catalog, sdir)
         return {"calibration": done.to_json()}, done.lines()
 
-    code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console(), refresh)
+    gate = None
+    if gate_trace is not None:
+        gate = _gate(inv, sdir, gate_trace, force, not skip_calibration)
+    elif force:
+        raise typer.BadParameter("--force overrides --gate: give --gate TRACE too")
+    code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console(), refresh, gate)
     if code:
         raise typer.Exit(code)
     if planned:  # applied as planned, but a model is missing from the plan: say so, exit 3
         common.exit_if_incomplete(planned[0])
+
+
+def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool) -> Any:
+    """apply --gate: the trace is read now (a bad one fails before anything is locked); the
+    comparison runs once the plan is made, against the state apply holds locked."""
+    from fleetctl.cli import whatif
+
+    traffic = whatif.load_traffic(inv, trace)
+
+    def gate(running: list[Any], planned: list[Any]) -> tuple[str | None, dict[str, Any], Any]:
+        calibration = sdir.load_calibration() if calibrated else None
+        w = whatif.compare(inv, running, planned, trace, traffic, calibration)
+        verdict = whatif.gate_verdict(inv, w)
+        fields = {"what_if": w.to_json(), "gate": {**verdict.to_json(), "forced": False}}
+        shown = [whatif.render(w, verdict)]
+        refused = None
+        if not verdict.passed:
+            if force:
+                fields["gate"]["forced"] = True
+                shown.append("gate: --force: applying anyway")
+            else:
+                refused = "; ".join(verdict.reasons) + " (pass --force to apply anyway)"
+        from rich.console import Group
+
+        return refused, fields, Group(*shown)
+
+    return gate
 
 
 @app.command()

@@ -162,9 +162,14 @@ def run_apply(
     secrets_file: Path | None,
     console: Any,
     after: Callable[[], tuple[dict[str, Any], list[str]]] | None = None,
+    gate: Callable[[list[Deployment], list[Deployment]], tuple[str | None, dict[str, Any], Any]]
+    | None = None,
 ) -> int:
     """Plan (or read the plan), show it, confirm, carry it out; then, when nothing failed,
-    `after` (its JSON fields and text lines join the report). Returns the exit code."""
+    `after` (its JSON fields and text lines join the report). Returns the exit code.
+
+    `gate(running, planned)`, before anything is confirmed: why it refuses the plan (None:
+    it passes), its JSON fields and what to show; a refusal ends the apply with exit 1."""
     sdir = StateDir.of(inv, c.state_dir)
     opts = options(inv, c, secrets_file)  # bad secrets fail before anything is locked
     with StateLock(sdir, "apply") as lock:
@@ -190,6 +195,16 @@ def run_apply(
             if note:
                 console.print(f"[yellow]warning:[/] {note}")
             console.print(render_plan(plan) if plan is not None else summary_line(actions))
+        fields: dict[str, Any] = {}
+        if gate is not None:
+            refused, fields, shown_ = gate(list(state.deployments), deployments)
+            if not c.as_json:
+                console.print(shown_)
+            if refused is not None:
+                if c.as_json:
+                    print_json({"ok": False, **fields})
+                sys.stderr.write(f"apply refused by --gate: {refused}\n")
+                return 1
         changes = [a for a in actions if a.op != "keep"]
         if changes and not confirm(f"Apply {plural(len(changes), 'change')}?", c.yes):
             console.print("Nothing changed.")
@@ -206,7 +221,7 @@ def run_apply(
                 "what was confirmed; run apply again to adopt or replace them\n"
             )
             return 130
-    return report(outcomes, book, c, console, "apply", after)
+    return report(outcomes, book, c, console, "apply", after, fields)
 
 
 def run_destroy(inv: Inventory, c: Common, console: Any) -> int:
@@ -246,6 +261,7 @@ def report(
     console: Any,
     what: str,
     after: Callable[[], tuple[dict[str, Any], list[str]]] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> int:
     failed = [o for o in outcomes if o.status == "failed"]
     fields, lines = after() if after is not None and not failed else ({}, [])
@@ -254,6 +270,7 @@ def report(
             "ok": not failed,
             "state_serial": book.serial,
             "outcomes": [o.to_json() for o in outcomes],
+            **(extra or {}),
             **fields,
         }
         print_json(doc)

@@ -63,6 +63,13 @@ def plan(
         help="Plan for the traffic in route-serve's request log (a file or its folder) or a "
         "trace, instead of the inventory's workloads.",
     ),
+    what_if: Path | None = typer.Option(
+        None,
+        "--what-if",
+        metavar="TRACE",
+        help="Simulate what runs now and this plan on the same trace (or request log); "
+        "show TTFT, TPOT, SLO attainment and cost side by side.",
+    ),
 ) -> None:
     """Compute which model, format and TP size runs on which GPUs, and the diff to what runs."""
     import dataclasses
@@ -76,9 +83,19 @@ def plan(
 
         inv, workloads = workloads_from(inv, workload_from)
     sdir = common.state_dir(inv, state_dir)
-    result = common.plan_with_facts(
-        inv, catalog, sdir, facts, sdir.load_state(), not no_calibration
-    )
+    traffic = None
+    if what_if is not None:
+        from fleetctl.cli import whatif
+
+        traffic = whatif.load_traffic(inv, what_if)
+    state = sdir.load_state()
+    result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration)
+    compared = None
+    if what_if is not None and traffic is not None:
+        calibration = sdir.load_calibration() if not no_calibration else None
+        compared = whatif.compare(
+            inv, state.deployments, result.deployments, what_if, traffic, calibration
+        )
     if out is not None:
         # `apply plan.json` may run from another folder: name the inventory absolutely.
         saved = dataclasses.replace(result, inventory=str(Path(result.inventory).resolve()))
@@ -87,6 +104,8 @@ def plan(
         data = result.to_json()
         if workloads is not None:
             data["workloads"] = workloads
+        if compared is not None:
+            data["what_if"] = compared.to_json()
         print_json(data)
     else:
         from fleetctl.render import render_plan
@@ -97,6 +116,8 @@ def plan(
 
             console.print(render_workloads(workloads))
         console.print(render_plan(result, explain))
+        if compared is not None:
+            console.print(whatif.render(compared))
         if out is not None:
             console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")
     common.exit_if_incomplete(result)
