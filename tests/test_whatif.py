@@ -1,0 +1,195 @@
+"""What-if before apply: `plan --what-if TRACE` (the state's fleet beside the plan, on the same
+trace) and `apply --gate TRACE` (refuse a plan predicted worse), through the real CLI, on
+inventories in tmp dirs whose state is written with fleetctl's own State API."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleetctl.catalog import load_catalog
+from fleetctl.inventory import load_inventory
+from fleetctl.planner import plan_fleet
+from fleetctl.state import State
+from fleetctl.statedir import StateDir
+from fleetctl.whatif import KEYS, Figures, judge
+from tests.conftest import write
+from tests.procs import free_port
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def inventory(tmp: Path, rtx: int, extra: str = "", name: str = "inventory.yaml") -> Path:
+    """`rtx` RTX 4090 nodes serving Llama-3 8B; SSH to a loopback port nobody listens on, so
+    an apply that gets past the gate fails at once, touching nothing."""
+    return write(
+        tmp,
+        f"""
+ssh: {{user: nobody, port: {free_port()}, connect_timeout_s: 2}}
+nodes:
+  - name: rtx-[1:{rtx}]
+    host: 127.0.0.[1:{rtx}]
+    gpus: {{type: RTX-4090, count: 1}}
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {{source: meta-llama/Meta-Llama-3-8B-Instruct}}
+    max_context: 4096
+    workload: {{requests_per_s: 2, mean_prompt_tokens: 1000, mean_output_tokens: 100}}
+{extra}""",
+        name,
+    )
+
+
+def trace(tmp: Path, n: int = 300, every_ms: int = 100) -> Path:
+    """Mooncake rows (no model named): n requests, 1000 tokens in, 100 out, 10 per second."""
+    rows = [
+        {"timestamp": i * every_ms, "input_length": 1000, "output_length": 100, "hash_ids": []}
+        for i in range(n)
+    ]
+    p = tmp / "trace.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+def record_running(inv_path: Path, planned_from: Path) -> State:
+    """The state as if apply had run `planned_from`'s plan, in `inv_path`'s state folder."""
+    inv = load_inventory(planned_from, load_catalog())
+    state = State(1, plan_fleet(inv).deployments)
+    StateDir.of(load_inventory(inv_path, load_catalog())).save_state(state)
+    return state
+
+
+def test_nothing_running_yet_says_so_and_the_plan_gets_every_figure(cli, tmp_path):
+    inv = inventory(tmp_path, 2)
+    r = cli("plan", inv, "--what-if", trace(tmp_path), "--json")
+    assert r.code == 0, r.err
+    w = json.loads(r.out)["what_if"]
+    assert set(w["current"]) == set(KEYS) and set(w["candidate"]) == set(KEYS)
+    cur, cand = w["current"], w["candidate"]
+    assert cur["gpus"] == 0 and cur["cost_per_hour"] == 0
+    assert all(cur[k] is None for k in KEYS if k not in ("gpus", "cost_per_hour"))
+    assert cand["gpus"] == 2 and all(cand[k] is not None for k in KEYS)
+    assert 0 < cand["ttft_p50_s"] <= cand["ttft_p99_s"] <= cand["e2e_p99_s"]
+    assert 0 < cand["tpot_p50_ms"] <= cand["tpot_p99_ms"]
+    assert cand["slo_attainment"] == 1.0  # no SLO: every finished request meets it
+    # The RTX 4090 profile's default price, two GPUs.
+    assert cand["cost_per_hour"] == pytest.approx(2 * load_catalog().gpu("RTX-4090").cost_per_hour)
+    assert w["requests"] == 300
+    text = cli("plan", inv, "--what-if", trace(tmp_path))
+    assert text.code == 0 and "What if: 300 requests" in text.out
+    assert "nothing runs yet" in text.out
+
+
+def test_a_smaller_fleet_is_predicted_slower_and_the_gate_refuses_it(cli, tmp_path):
+    big = inventory(tmp_path, 4, name="big.yaml")
+    small = inventory(tmp_path, 1)
+    running = record_running(small, big)
+    t = trace(tmp_path)
+    r = cli("plan", small, "--what-if", t, "--json")
+    assert r.code == 0, r.err
+    w = json.loads(r.out)["what_if"]
+    cur, cand = w["current"], w["candidate"]
+    assert cur["gpus"] == len(running.deployments) == 4 and cand["gpus"] == 1
+    assert cand["ttft_p99_s"] > 1.10 * cur["ttft_p99_s"]
+    # Three of the four running nodes left the inventory: priced by their GPU type.
+    assert cur["cost_per_hour"] == pytest.approx(4 * cand["cost_per_hour"])
+
+    refused = cli("apply", small, "--gate", t, "--yes")
+    assert refused.code == 1
+    assert "apply refused by --gate: p99 TTFT rises" in refused.err
+    assert "pass --force" in refused.err
+    assert "What if" in refused.out and "gate: refused" in refused.out  # what it decided on
+    after = StateDir.of(load_inventory(small, load_catalog())).load_state()
+    assert after.serial == running.serial  # nothing applied
+    assert [d.key for d in after.deployments] == [d.key for d in running.deployments]
+
+    as_json = cli("apply", small, "--gate", t, "--yes", "--json")
+    assert as_json.code == 1
+    doc = json.loads(as_json.out)
+    assert doc["ok"] is False and doc["gate"]["passed"] is False
+    assert doc["what_if"]["candidate"]["gpus"] == 1
+
+    forced = cli("apply", small, "--gate", t, "--yes", "--force")
+    assert "gate: --force: applying anyway" in forced.out
+    assert "refused by --gate" not in forced.err
+    assert forced.code == 1  # past the gate: the nodes cannot be reached (nobody listens)
+    assert "failed" in forced.out
+
+
+def test_the_thresholds_are_settings(cli, tmp_path):
+    """At 4 requests a second one GPU keeps up nearly as well as four: p99 TTFT rises a few
+    percent, under the default 10% and over a strict 1%."""
+    big = inventory(tmp_path, 4, name="big.yaml")
+    default = inventory(tmp_path, 1)
+    strict = inventory(tmp_path, 1, "apply: {gate: {max_ttft_p99_rise: 0.01}}", "strict.yaml")
+    record_running(default, big)
+    record_running(strict, big)
+    light = trace(tmp_path, every_ms=250)
+    passed = cli("apply", default, "--gate", light, "--yes")
+    assert "gate: passed" in passed.out and "refused by --gate" not in passed.err
+    refused = cli("apply", strict, "--gate", light, "--yes")
+    assert refused.code == 1 and "more than apply.gate.max_ttft_p99_rise 1%" in refused.err
+
+
+def test_an_slo_drop_refuses_too(cli, tmp_path):
+    slo = "    slo: {ttft_p99_s: 0.5, tpot_p99_ms: 60}"
+    big = inventory(tmp_path, 4, slo, name="big.yaml")
+    small = inventory(tmp_path, 1, slo + "\napply: {gate: {max_ttft_p99_rise: 100}}")
+    record_running(small, big)
+    r = cli("apply", small, "--gate", trace(tmp_path), "--yes", "--json")
+    assert r.code == 1, r.err
+    doc = json.loads(r.out)
+    cur, cand = doc["what_if"]["current"], doc["what_if"]["candidate"]
+    assert cur["slo_attainment"] > cand["slo_attainment"] + 0.02
+    assert "SLO attainment drops" in r.err
+
+
+def test_judge_passes_within_thresholds_and_a_fleet_that_runs_nothing():
+    def figs(p99: float | None, slo: float | None, gpus: int = 1) -> Figures:
+        return Figures(0.1, p99, 10.0, 12.0, 5.0, slo, gpus, None, None)
+
+    assert judge(figs(1.0, 0.99), figs(1.09, 0.975), 0.10, 0.02).passed
+    assert not judge(figs(1.0, 0.99), figs(1.11, 0.99), 0.10, 0.02).passed
+    assert not judge(figs(1.0, 0.99), figs(1.0, 0.96), 0.10, 0.02).passed
+    assert not judge(figs(1.0, 0.99), figs(None, 0.0), 0.10, 0.02).passed
+    assert judge(figs(None, None, gpus=0), figs(9.0, 0.1), 0.10, 0.02).passed
+
+
+def test_a_trace_without_model_names_needs_a_one_model_inventory(cli, tmp_path):
+    r = cli("plan", "example:seed-multi-model", "--what-if", DATA / "mooncake_conv_slice.jsonl")
+    assert r.code == 2 and "does not say which model" in r.err
+    two = inventory(
+        tmp_path,
+        2,
+        "  - name: other\n    profile: llama-3-8b\n    variants:\n"
+        "      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n    max_context: 4096",
+    )
+    g = cli("apply", two, "--gate", DATA / "azure_conv_slice.csv", "--yes")
+    assert g.code == 2 and "does not say which model" in g.err
+
+
+def test_bad_input_is_one_line_exit_2(cli, tmp_path):
+    inv = inventory(tmp_path, 1)
+    missing = cli("plan", inv, "--what-if", tmp_path / "nope.jsonl")
+    assert missing.code == 2 and "cannot read trace" in missing.err
+    other = tmp_path / "other.jsonl"
+    other.write_text(
+        json.dumps(
+            {
+                "timestamp": 0,
+                "input_length": 5,
+                "output_length": 5,
+                "hash_ids": [],
+                "model": "someone-else",
+            }
+        )
+        + "\n"
+    )
+    empty = cli("plan", inv, "--what-if", other)
+    assert empty.code == 2 and "no request for the inventory's models" in empty.err
+    force = cli("apply", inv, "--force", "--yes")
+    assert force.code == 2 and "--gate" in force.err
