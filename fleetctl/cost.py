@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
-from fleetctl.inventory import Node
+from fleetctl.errors import UserError
+from fleetctl.inventory import Inventory, Node
+
+OBJECTIVES = ("throughput", "cost")
 
 # Where a price comes from, as shown beside it.
 FROM_NODE = "inventory"  # the node entry's cost_per_hour
@@ -56,3 +60,15 @@ def per_million_tokens(cost_per_hour: float | None, tokens_per_s: float | None) 
     if cost_per_hour is None or tokens_per_s is None or tokens_per_s <= 0:
         return None
     return cost_per_hour * 1e6 / (tokens_per_s * 3600.0)
+
+
+def with_objective(inv: Inventory, objective: str) -> Inventory:
+    """`inv` planned for `objective` (plan --objective) instead of its planner.objective."""
+    if objective not in OBJECTIVES:
+        raise UserError(
+            f"unknown objective {objective!r}",
+            None,
+            f"use --objective {' or '.join(OBJECTIVES)}",
+        )
+    planner = inv.spec.planner.model_copy(update={"objective": objective})
+    return dataclasses.replace(inv, spec=inv.spec.model_copy(update={"planner": planner}))

@@ -213,6 +213,9 @@ class PlannerSpec(Strict):
     port_base: int = Field(8000, ge=1024, le=65535 - SURGE_PORT_OFFSET)
     max_num_batched_tokens: int = Field(8192, ge=256, le=MAX_TOKENS)
     enforce_eager: bool = False
+    # throughput: share spare GPUs out among the models; cost: the cheapest GPUs that meet
+    # every workload (needs every node's price). `plan --objective` overrides it.
+    objective: Literal["throughput", "cost"] = "throughput"
 
 
 class GateSpec(Strict):

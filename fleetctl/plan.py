@@ -78,6 +78,9 @@ class Server:
     # Its KV events' ports follow each deployment's port, so they are added per deployment
     # (at the end of its arguments); a Server read back from state has them in args_tail.
     kv_events: KvEvents | None = None
+    # Its GPUs' share of its node's price per hour (fleetctl/cost.py); None: no price known.
+    # Not a flag either; state written before fleetctl knew prices has none.
+    cost_per_hour: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,7 @@ class Deployment:
             "env": dict(self.env),
             "predicted_decode_tok_s": round(s.predicted_decode_tok_s, 1),
             "capacity_rps": round(s.capacity_rps, 3),
+            "cost_per_hour": _money(s.cost_per_hour),
             "reasons": list(s.reasons),
             "args_hash": self.args_hash,
         }
@@ -200,6 +204,7 @@ class Deployment:
             args_tail=tail,
             env=env,
             max_model_len_reason=str(d.get("max_model_len_reason", "")),
+            cost_per_hour=None if d.get("cost_per_hour") is None else float(d["cost_per_hour"]),
         )
         return cls(d["node"], d["host"], tuple(d["gpu_indices"]), int(d["port"]), server)
 
@@ -225,19 +230,40 @@ class Action:
         return d
 
 
+def _money(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 @dataclass(frozen=True)
 class ModelSummary:
-    """Planned capacity against the workload, per model."""
+    """Planned capacity against the workload, per model, and what its GPUs cost."""
 
     model: str
     replicas: int
     gpus: int
     capacity_rps: float
     demand_rps: float | None
+    # Workload not covered at the planner's target utilization (None without a workload).
+    shortfall_rps: float | None = None
+    cost_per_hour: float | None = None  # None: some GPU of it has no price
+    # Output tokens/s the cost is spread over: the workload's (what capacity x target
+    # utilization covers of it), or capacity x target utilization without a workload.
+    output_tokens_per_s: float = 0.0
+
+    @property
+    def cost_per_million_output_tokens(self) -> float | None:
+        from fleetctl.cost import per_million_tokens
+
+        return per_million_tokens(self.cost_per_hour, self.output_tokens_per_s)
 
     def to_json(self) -> dict[str, Any]:
         d = fields_of(self)
         d["capacity_rps"] = round(self.capacity_rps, 3)
+        if self.shortfall_rps is not None:
+            d["shortfall_rps"] = round(self.shortfall_rps, 3)
+        d["cost_per_hour"] = _money(self.cost_per_hour)
+        d["output_tokens_per_s"] = round(self.output_tokens_per_s, 1)
+        d["cost_per_million_output_tokens"] = _money(self.cost_per_million_output_tokens)
         return d
 
 
@@ -251,6 +277,21 @@ class Plan:
     models: tuple[ModelSummary, ...]
     state_serial: int | None = None
     solver: dict[str, Any] = field(default_factory=dict)
+    objective: str = "throughput"
+
+    @property
+    def cost_per_hour(self) -> float | None:
+        """The price per hour of every GPU a deployment uses; None if any has no price."""
+        from fleetctl.cost import total
+
+        return total(d.server.cost_per_hour for d in self.deployments)
+
+    @property
+    def cost_per_million_output_tokens(self) -> float | None:
+        from fleetctl.cost import per_million_tokens
+
+        tokens = sum(m.output_tokens_per_s for m in self.models)
+        return per_million_tokens(self.cost_per_hour, tokens)
 
     @property
     def changes(self) -> tuple[Action, ...]:
@@ -261,6 +302,9 @@ class Plan:
             "format": PLAN_FORMAT,
             "inventory": self.inventory,
             "state_serial": self.state_serial,
+            "objective": self.objective,
+            "cost_per_hour": _money(self.cost_per_hour),
+            "cost_per_million_output_tokens": _money(self.cost_per_million_output_tokens),
             "deployments": [d.to_json() for d in self.deployments],
             "unplaced": [fields_of(u) for u in self.unplaced],
             "warnings": list(self.warnings),

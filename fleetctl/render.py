@@ -130,6 +130,8 @@ def _slots(slots: list[tuple[int, ...]]) -> str:
 
 
 def model_table(plan: Plan) -> Records:
+    """Capacity against workload per model; with prices, what its GPUs cost per hour and per
+    million output tokens (fleetctl/cost.py), and a total row."""
     cols = [
         Col("model", head=True),
         Col("replicas", numeric=True),
@@ -137,17 +139,38 @@ def model_table(plan: Plan) -> Records:
         Col("capacity\nreq/s", numeric=True),
         Col("workload\nreq/s", numeric=True),
     ]
-    rows: list[list[Cell]] = [
-        [
+    short = any(s.shortfall_rps for s in plan.models)
+    priced = any(s.cost_per_hour is not None for s in plan.models if s.replicas)
+    if short:
+        cols.append(Col("short\nreq/s", numeric=True))
+    if priced:
+        cols += [Col("cost\n/hour", numeric=True), Col("cost /M\nout tok", numeric=True)]
+    rows: list[list[Cell]] = []
+    for s in plan.models:
+        row: list[Cell] = [
             s.model,
             str(s.replicas),
             str(s.gpus),
             f"{s.capacity_rps:.2f}",
             f"{s.demand_rps:g}" if s.demand_rps else "-",
         ]
-        for s in plan.models
-    ]
+        if short:
+            row.append(f"{s.shortfall_rps:.2f}" if s.shortfall_rps else "-")
+        if priced:
+            row += [_money(s.cost_per_hour), _money(s.cost_per_million_output_tokens)]
+        rows.append(row)
+    if priced and len(plan.models) > 1:
+        row = ["total", str(sum(s.replicas for s in plan.models))]
+        row += [str(sum(s.gpus for s in plan.models)), "", ""] + [""] * short
+        row += [_money(plan.cost_per_hour), _money(plan.cost_per_million_output_tokens)]
+        rows.append(row)
     return Records("Capacity", cols, rows)
+
+
+def _money(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.4f}"
 
 
 def summary_line(actions: Iterable[Action]) -> Text:
@@ -217,8 +240,27 @@ def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
         parts.append(Text(f"unplaced: {u.model}: {u.reason}", style="red"))
     for w in plan.warnings:
         parts.append(Text(f"warning: {w}", style="yellow"))
+    line = cost_line(plan)
+    if line:
+        parts.append(Text(line))
     parts.append(summary_line(plan.actions))
     return Group(*parts)
+
+
+def cost_line(plan: Plan) -> str | None:
+    """The plan's price in one line, or None where no GPU it uses has a price."""
+    if not any(d.server.cost_per_hour is not None for d in plan.deployments):
+        return None
+    total = plan.cost_per_hour
+    if total is None:
+        missing = sorted({d.gpu_type for d in plan.deployments if d.server.cost_per_hour is None})
+        return (
+            f"Cost: unknown: {', '.join(missing)} GPUs have no price (set cost_per_hour on "
+            "their nodes, or in the GPU profile)"
+        )
+    per_m = plan.cost_per_million_output_tokens
+    tail = f", {_money(per_m)} per million output tokens" if per_m is not None else ""
+    return f"Cost: {_money(total)} per hour (objective {plan.objective}){tail}."
 
 
 def profiles_table(cat: Catalog) -> RenderableType:

@@ -70,6 +70,13 @@ def plan(
         help="Simulate what runs now and this plan on the same trace (or request log); "
         "show TTFT, TPOT, SLO attainment and cost side by side.",
     ),
+    objective: str | None = typer.Option(
+        None,
+        "--objective",
+        metavar="throughput|cost",
+        help="throughput: share spare GPUs out among the models; cost: the cheapest GPUs that "
+        "meet every workload. Default: the inventory's planner.objective (throughput).",
+    ),
 ) -> None:
     """Compute which model, format and TP size runs on which GPUs, and the diff to what runs."""
     import dataclasses
@@ -77,6 +84,10 @@ def plan(
     from fleetctl.statedir import write_atomic
 
     inv, catalog = common.load(inventory, profiles)
+    if objective is not None:
+        from fleetctl.cost import with_objective
+
+        inv = with_objective(inv, objective)
     workloads = None
     if workload_from is not None:
         from fleetctl.cli.traffic import workloads_from

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from fleetctl.calibration import Calibration
+from fleetctl.cost import total
+from fleetctl.errors import UserError
 from fleetctl.inventory import Inventory, Model
 from fleetctl.limits import SURGE_PORT_OFFSET
 from fleetctl.names import natural_key
@@ -24,6 +26,7 @@ from fleetctl.planner.candidates import (
     fits,
     node_classes,
     prune_dominated,
+    request_shape,
     tp_sizes,
     why_not,
 )
@@ -37,19 +40,27 @@ __all__ = ["plan_fleet"]
 
 
 def plan_fleet(
-    inv: Inventory, state: State | None = None, calibration: Calibration | None = None
+    inv: Inventory,
+    state: State | None = None,
+    calibration: Calibration | None = None,
+    objective: str | None = None,
 ) -> Plan:
     """The plan for `inv`, keeping what `state` runs where it is still a good answer; with
-    `calibration`, live servers' measured KV and speed replace the model's where they match."""
+    `calibration`, live servers' measured KV and speed replace the model's where they match.
+    `objective` ("throughput" or "cost", default the inventory's planner.objective): share
+    spare GPUs out, or use the cheapest GPUs that meet every workload."""
     state = state or State()
+    objective = objective or inv.spec.planner.objective
     classes = node_classes(inv)
+    if objective == "cost":
+        _check_prices(inv, classes)
     feasible, rejected = candidates(inv, classes, calibration)
     warn_below = inv.spec.planner.warn_sequences_below
     running = _current_counts(feasible, classes, state)
     feasible = prune_dominated(feasible, warn_below, {i for i, n in enumerate(running) if n})
     current = _current_counts(feasible, classes, state)
     target = inv.spec.planner.target_utilization
-    sol = solve(classes, feasible, inv.models, target, current, warn_below)
+    sol = solve(classes, feasible, inv.models, target, current, warn_below, objective)
     placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
     serving: dict[str, set[str]] = defaultdict(set)
     for p in placements:
@@ -92,17 +103,8 @@ def plan_fleet(
         and by_model[m.name]
         and all(d.server.max_model_len < m.spec.max_context for d in by_model[m.name])
     )
-    summaries = tuple(
-        ModelSummary(
-            m.name,
-            len(by_model[m.name]),
-            sum(d.tensor_parallel_size for d in by_model[m.name]),
-            sum(d.capacity_rps for d in by_model[m.name]),
-            demand(m),
-        )
-        for m in inv.models
-    )
-    warnings = _warnings(inv, deployments, summaries, classes, placements)
+    summaries = tuple(_summary(m, by_model[m.name], target) for m in inv.models)
+    warnings = _warnings(inv, deployments, summaries, classes, placements, objective)
     # Say which candidates' figures were measured, not modelled, and from what.
     warnings += sorted(
         {
@@ -126,7 +128,57 @@ def plan_fleet(
         models=summaries,
         state_serial=state.serial,
         solver=sol.info,
+        objective=objective,
     )
+
+
+def _summary(m: Model, placed: list[Deployment], target: float) -> ModelSummary:
+    """Capacity against workload, and the price of a model's GPUs per output token."""
+    capacity = sum(d.capacity_rps for d in placed)
+    d = demand(m)
+    served = capacity * target if d is None else min(d, capacity * target)
+    return ModelSummary(
+        m.name,
+        len(placed),
+        sum(p.tensor_parallel_size for p in placed),
+        capacity,
+        d,
+        None if d is None else max(0.0, d - capacity * target),
+        total(p.server.cost_per_hour for p in placed),
+        served * request_shape(m)[1],
+    )
+
+
+def _check_prices(inv: Inventory, classes: list[NodeClass]) -> None:
+    """The cost objective needs every node's price: name the first node without one."""
+    for c in classes:
+        if c.cost_per_hour is None:
+            node = c.nodes[0]
+            where = None
+            if inv.source is not None and node.line is not None:
+                index = next(
+                    (
+                        i
+                        for i, n in enumerate(inv.spec.nodes)
+                        if inv.source.line_of(("nodes", i)) == node.line
+                    ),
+                    None,
+                )
+                if index is not None:
+                    where = inv.source.at(("nodes", index))
+            raise UserError(
+                f"objective 'cost' needs a price for every node, and {node.name} "
+                f"({c.gpu.name}) has none",
+                where,
+                "set cost_per_hour on its nodes entry, or a cost_per_hour default in the "
+                f"{c.gpu.name} GPU profile (--profiles)",
+            )
+
+
+def _gpus_price(cls: NodeClass, gpus: int) -> float | None:
+    if cls.cost_per_hour is None:
+        return None
+    return cls.cost_per_hour * gpus / cls.gpu_count
 
 
 def _current_counts(feasible: list[Candidate], classes: list[NodeClass], state: State) -> list[int]:
@@ -203,6 +255,8 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         env=tuple(sorted(model.spec.env.items())),
         max_model_len_reason=k.context_reason,
         kv_events=kv,
+        # Every node of a class has the same price, so all of a candidate's servers do.
+        cost_per_hour=_gpus_price(k.cls, k.tp),
     )
 
 
@@ -335,6 +389,7 @@ def _warnings(
     summaries: tuple[ModelSummary, ...],
     classes: list[NodeClass],
     placements: list[Placement],
+    objective: str = "throughput",
 ) -> list[str]:
     out = []
     target = inv.spec.planner.target_utilization
@@ -371,9 +426,12 @@ def _warnings(
     for c in classes:
         idle = c.size * c.gpu_count - used[c.index]
         if idle and inv.models:
-            out.append(
-                f"{plural(idle, c.gpu.name + ' GPU')} left idle: no model benefits from them"
+            why = (
+                "the workloads are met without them (objective cost)"
+                if objective == "cost"
+                else "no model benefits from them"
             )
+            out.append(f"{plural(idle, c.gpu.name + ' GPU')} left idle: {why}")
     out += _kv_event_warnings(inv, deployments)
     return out
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 from fleetctl.calibration import Calibration, measured
 from fleetctl.catalog import GpuProfile
+from fleetctl.cost import node_cost_per_hour
 from fleetctl.inventory import Inventory, Model, Node, Variant
 from fleetctl.names import natural_key
 from fleetctl.perf import (
@@ -41,6 +42,7 @@ class NodeClass:
     gpu_count: int
     nodes: tuple[Node, ...]
     allowed: frozenset[str]  # model names whose placement rules admit these nodes
+    cost_per_hour: float | None = None  # of one node (fleetctl/cost.py); None: unknown
 
     @property
     def size(self) -> int:
@@ -80,24 +82,31 @@ class Candidate:
 
 
 def node_classes(inv: Inventory) -> list[NodeClass]:
-    groups: dict[tuple[str, int, frozenset[str]], list[Node]] = {}
+    """Nodes grouped by GPU type and count, allowed models and price: nodes of one class
+    are interchangeable for every objective."""
+    groups: dict[tuple[str, int, frozenset[str], float | None], list[Node]] = {}
     by_labels: dict[tuple[tuple[str, str], ...], frozenset[str]] = {}
     for node in inv.nodes:
         allowed = by_labels.get(node.labels)
         if allowed is None:
             allowed = frozenset(m.name for m in inv.models if _labels_match(m, node))
             by_labels[node.labels] = allowed
-        groups.setdefault((node.gpu.name, node.gpu_count, allowed), []).append(node)
+        key = (node.gpu.name, node.gpu_count, allowed, node_cost_per_hour(node))
+        groups.setdefault(key, []).append(node)
     out = []
-    for i, ((_, count, allowed), nodes) in enumerate(sorted(groups.items(), key=_class_order)):
+    for i, ((_, count, allowed, price), nodes) in enumerate(
+        sorted(groups.items(), key=_class_order)
+    ):
         nodes.sort(key=lambda n: natural_key(n.name))
-        out.append(NodeClass(i, nodes[0].gpu, count, tuple(nodes), allowed))
+        out.append(NodeClass(i, nodes[0].gpu, count, tuple(nodes), allowed, price))
     return out
 
 
-def _class_order(item: tuple[tuple[str, int, frozenset[str]], list[Node]]) -> tuple[object, ...]:
-    (gpu, count, allowed), _ = item
-    return (gpu, count, sorted(allowed))
+def _class_order(
+    item: tuple[tuple[str, int, frozenset[str], float | None], list[Node]],
+) -> tuple[object, ...]:
+    (gpu, count, allowed, price), _ = item
+    return (gpu, count, sorted(allowed), -1.0 if price is None else price)
 
 
 def _labels_match(model: Model, node: Node) -> bool:
@@ -185,6 +194,8 @@ def evaluate(
     seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
     capacity = perf.capacity_rps(prompt, output, budget.kv_tokens, seqs) if seq_at_max else 0.0
+    if model.spec.slo is not None and capacity:
+        capacity = slo_capacity(perf, model, prompt, output, budget.kv_tokens, seqs, capacity)
     return Candidate(
         cls,
         model,
@@ -202,6 +213,47 @@ def evaluate(
         max_len,
         f"{max_len} = max_context",
     )
+
+
+# A p99 objective is checked against mean-shape figures: keep this share of it as headroom
+# for longer prompts and for the prefill chunks that ride along decode steps.
+SLO_HEADROOM = 0.5
+
+
+def slo_capacity(
+    perf: EnginePerf,
+    model: Model,
+    prompt: int,
+    output: int,
+    kv_tokens: int,
+    max_num_seqs: int,
+    capacity: float,
+) -> float:
+    """The capacity at which a server still meets the model's SLO, by the same perf model:
+    0 when even one request alone misses its TTFT (its prefill) or TPOT (a decode step);
+    else the saturation capacity at the largest batch whose decode step stays within
+    SLO_HEADROOM of tpot_p99_ms (fewer concurrent sequences, each faster)."""
+    slo = model.spec.slo
+    assert slo is not None
+    if slo.ttft_p99_s is not None and perf.prefill_time(prompt) > slo.ttft_p99_s * SLO_HEADROOM:
+        return 0.0
+    if slo.tpot_p99_ms is None:
+        return capacity
+    limit = slo.tpot_p99_ms / 1000 * SLO_HEADROOM
+    ctx = prompt + output / 2
+    if perf.step_time(1, ctx) > limit:
+        return 0.0
+    most = min(max_num_seqs, max_sequences(kv_tokens, prompt + output))
+    lo, hi = 1, max(most, 1)
+    while lo < hi:  # the largest batch whose step is within the limit (steps grow with it)
+        mid = (lo + hi + 1) // 2
+        if perf.step_time(mid, mid * ctx) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo >= most:
+        return capacity
+    return min(capacity, perf.capacity_rps(prompt, output, kv_tokens, lo))
 
 
 def fits(cand: Candidate) -> bool:

@@ -20,6 +20,16 @@ Objective, in one solve (terms in decreasing weight):
     but never leaves one idle that some model could use (fairness's gain from one more
     replica shrinks as 1/n, and at 55 RTX 4090s it fell below the penalty).
 The problem size depends on the number of classes and candidates, not on the number of nodes.
+
+With objective "cost" (Melange's question: the cheapest GPUs that carry the workload, with
+TP size, quantization and KV budget chosen in the same program), the terms become:
+  - min_replicas and the min_context rule as above (COST_UNMET_WEIGHT each);
+  - every model's workload is covered, capacity x target_utilization >= requests_per_s
+    (COST_SHORTFALL_WEIGHT per unit not covered: a shortfall is reported, never infeasible);
+  - the price per hour of the GPUs deployments use, divided by the whole fleet's price so
+    that it weighs less than any shortfall worth a whole GPU;
+  - the KV penalty and the stay bonus, scaled below a cent's difference;
+  no fairness term and no GPU-use bonus: GPUs no model needs stay idle (and unpaid for).
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ KV_STARVED_PENALTY = 0.05  # log units (~5% of a model's capacity), scaled by th
 STAY_BONUS = 5e-3  # per replica that stays where the current state has it
 GPU_USE_BONUS = 1.2 * KV_STARVED_PENALTY  # per GPU a deployment uses
 LOG_BREAKPOINTS = np.geomspace(1e-3, RATIO_CAP, 30)
+COST_UNMET_WEIGHT = 1e6  # objective "cost": per missing minimum replica
+COST_SHORTFALL_WEIGHT = 1e4  # per unit of workload not covered; the fleet's price weighs 1
+COST_TIE_WEIGHT = 1e-5  # the KV penalty and stay bonus, in cost mode, per their throughput unit
 SOLVER_TIME_LIMIT_S = 20.0
 MIP_REL_GAP = 1e-4
 
@@ -69,6 +82,53 @@ def shapes_for(gpu_count: int, sizes: Sequence[int]) -> list[tuple[int, ...]]:
 
     rec(gpu_count, 0, ())
     return out
+
+
+def _pack(
+    prog: _Program, classes: list[NodeClass], cands: list[Candidate], y: list[int]
+) -> dict[int, list[tuple[tuple[int, ...], int]]]:
+    """Rows that fit the deployments' TP groups into each class's GPUs; the shape columns of
+    classes whose GPU count is not a power of two, by class index."""
+    shapes: dict[int, list[tuple[tuple[int, ...], int]]] = {}  # class -> [(shape, z column)]
+    for c in classes:
+        mine = [o for o, k in enumerate(cands) if k.cls is c]
+        if not mine:
+            continue
+        if is_power_of_two(c.gpu_count):  # TP blocks pack exactly: count GPUs
+            prog.row({y[o]: float(cands[o].tp) for o in mine}, -math.inf, c.size * c.gpu_count)
+            continue
+        sizes = sorted({cands[o].tp for o in mine})
+        cols = [(p, prog.col(0, c.size, integer=True)) for p in shapes_for(c.gpu_count, sizes)]
+        shapes[c.index] = cols
+        prog.row({z: 1.0 for _, z in cols}, -math.inf, c.size)
+        for t in sizes:  # TP=t deployments fit in the shapes' t-sized slots
+            coefs = {y[o]: 1.0 for o in mine if cands[o].tp == t}
+            coefs.update({z: -float(p.count(t)) for p, z in cols if p.count(t)})
+            prog.row(coefs, -math.inf, 0.0)
+    return shapes
+
+
+def _replica_rows(
+    prog: _Program,
+    m: Model,
+    mine: list[int],
+    cands: list[Candidate],
+    y: list[int],
+    unmet_weight: float,
+) -> None:
+    """min_replicas, max_replicas, and with min_context one server at max_context."""
+    unmet = prog.col(0, m.spec.min_replicas, unmet_weight)
+    prog.row({**{y[o]: 1.0 for o in mine}, unmet: 1.0}, m.spec.min_replicas, math.inf)
+    if m.spec.max_replicas is not None:
+        prog.row({y[o]: 1.0 for o in mine}, -math.inf, m.spec.max_replicas)
+    below = [o for o in mine if cands[o].max_model_len < m.spec.max_context]
+    if below:  # sum(below) <= big * (sum(at max_context) + missing): none without a long one
+        big = float(sum(prog.ub[y[o]] for o in below))
+        missing = prog.col(0, 1, unmet_weight, integer=True)
+        coefs = {y[o]: 1.0 for o in below}
+        coefs.update({y[o]: -big for o in mine if o not in below})
+        coefs[missing] = -big
+        prog.row(coefs, -math.inf, 0.0)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -179,10 +239,17 @@ def solve(
     target_utilization: float,
     current: Sequence[int] = (),
     warn_sequences_below: int = 8,
+    objective: str = "throughput",
 ) -> Solution:
-    """Choose how many of each candidate to run; `current` counts what runs now per candidate."""
+    """Choose how many of each candidate to run; `current` counts what runs now per candidate.
+    objective "throughput" shares spare GPUs out fairly; "cost" uses the cheapest GPUs that
+    meet every workload (each class needs a price: NodeClass.cost_per_hour)."""
     if not cands:
         return Solution([], {}, {"status": "nothing to place"})
+    if objective == "cost":
+        return _solve_cost(
+            classes, cands, models, target_utilization, current, warn_sequences_below
+        )
     started = time.perf_counter()
     current = list(current) or [0] * len(cands)
     prog = _Program()
@@ -199,22 +266,7 @@ def solve(
             stay = prog.col(0, current[o], -STAY_BONUS)
             prog.row({stay: 1.0, y[o]: -1.0}, -math.inf, 0.0)
 
-    shapes: dict[int, list[tuple[tuple[int, ...], int]]] = {}  # class -> [(shape, z column)]
-    for c in classes:
-        mine = [o for o, k in enumerate(cands) if k.cls is c]
-        if not mine:
-            continue
-        if is_power_of_two(c.gpu_count):  # TP blocks pack exactly: count GPUs
-            prog.row({y[o]: float(cands[o].tp) for o in mine}, -math.inf, c.size * c.gpu_count)
-            continue
-        sizes = sorted({cands[o].tp for o in mine})
-        cols = [(p, prog.col(0, c.size, integer=True)) for p in shapes_for(c.gpu_count, sizes)]
-        shapes[c.index] = cols
-        prog.row({z: 1.0 for _, z in cols}, -math.inf, c.size)
-        for t in sizes:  # TP=t deployments fit in the shapes' t-sized slots
-            coefs = {y[o]: 1.0 for o in mine if cands[o].tp == t}
-            coefs.update({z: -float(p.count(t)) for p, z in cols if p.count(t)})
-            prog.row(coefs, -math.inf, 0.0)
+    shapes = _pack(prog, classes, cands, y)
 
     for m in models:
         mine = [o for o, k in enumerate(cands) if k.model is m]
@@ -223,18 +275,7 @@ def solve(
         # Ratios count workloads served, or replica-equivalents for a model with no workload.
         norm = d if d else (best or 1.0)
         ratio = {y[o]: cands[o].capacity_rps * target_utilization / norm for o in mine}
-        unmet = prog.col(0, m.spec.min_replicas, UNMET_WEIGHT)
-        prog.row({**{y[o]: 1.0 for o in mine}, unmet: 1.0}, m.spec.min_replicas, math.inf)
-        if m.spec.max_replicas is not None:
-            prog.row({y[o]: 1.0 for o in mine}, -math.inf, m.spec.max_replicas)
-        below = [o for o in mine if cands[o].max_model_len < m.spec.max_context]
-        if below:  # sum(below) <= big * (sum(at max_context) + missing): none without a long one
-            big = float(sum(prog.ub[y[o]] for o in below))
-            missing = prog.col(0, 1, UNMET_WEIGHT, integer=True)
-            coefs = {y[o]: 1.0 for o in below}
-            coefs.update({y[o]: -big for o in mine if o not in below})
-            coefs[missing] = -big
-            prog.row(coefs, -math.inf, 0.0)
+        _replica_rows(prog, m, mine, cands, y, UNMET_WEIGHT)
         if d and mine:  # shortfall >= 1 - ratio
             short = prog.col(0, 1, SHORTFALL_WEIGHT)
             prog.row({short: 1.0, **ratio}, 1.0, math.inf)
@@ -245,6 +286,17 @@ def solve(
                     {s: 1.0, **{c: -v / a for c, v in ratio.items()}}, -math.inf, math.log(a) - 1
                 )
 
+    return _solution(prog, y, shapes, classes, cands, started)
+
+
+def _solution(
+    prog: _Program,
+    y: list[int],
+    shapes: dict[int, list[tuple[tuple[int, ...], int]]],
+    classes: list[NodeClass],
+    cands: list[Candidate],
+    started: float,
+) -> Solution:
     res, info = prog.solve()
     if res.x is None:
         raise OperationError(
@@ -268,3 +320,45 @@ def solve(
         }
     )
     return Solution(counts, picked, info)
+
+
+def _solve_cost(
+    classes: list[NodeClass],
+    cands: list[Candidate],
+    models: Sequence[Model],
+    target_utilization: float,
+    current: Sequence[int],
+    warn_sequences_below: int,
+) -> Solution:
+    """The cheapest deployments that meet every model's workload (see the module's notes)."""
+    started = time.perf_counter()
+    current = list(current) or [0] * len(cands)
+    prices = {c.index: c.cost_per_hour for c in classes}
+    if any(prices[k.cls.index] is None for k in cands):
+        raise ValueError("objective 'cost' needs a price for every node class")
+    fleet = sum(c.size * (c.cost_per_hour or 0.0) for c in classes) or 1.0
+    prog = _Program()
+    y = []
+    for o, k in enumerate(cands):
+        hi = k.cls.size * (k.cls.gpu_count // k.tp)
+        if k.model.spec.max_replicas is not None:
+            hi = min(hi, k.model.spec.max_replicas)
+        short = max(0.0, 1.0 - k.sequences_at_max_len / warn_sequences_below)
+        price = (k.cls.cost_per_hour or 0.0) * k.tp / k.cls.gpu_count
+        cost = price / fleet + COST_TIE_WEIGHT * KV_STARVED_PENALTY * short
+        y.append(prog.col(0, hi, cost, integer=True))
+        if current[o]:
+            stay = prog.col(0, current[o], -COST_TIE_WEIGHT * STAY_BONUS)
+            prog.row({stay: 1.0, y[o]: -1.0}, -math.inf, 0.0)
+    shapes = _pack(prog, classes, cands, y)
+    for m in models:
+        mine = [o for o, k in enumerate(cands) if k.model is m]
+        _replica_rows(prog, m, mine, cands, y, COST_UNMET_WEIGHT)
+        d = demand(m)
+        if d and mine:  # shortfall >= 1 - capacity x target / workload
+            short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT)
+            ratio = {y[o]: cands[o].capacity_rps * target_utilization / d for o in mine}
+            prog.row({short_col: 1.0, **ratio}, 1.0, math.inf)
+    sol = _solution(prog, y, shapes, classes, cands, started)
+    sol.info["objective"] = "cost"
+    return sol
