@@ -1,0 +1,192 @@
+"""Prices and SLOs in the planner: node prices, plan --objective cost, the plan's cost figures."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from fleetctl.catalog import Catalog
+from fleetctl.cost import gpus_cost_per_hour, node_cost_per_hour, per_million_tokens
+from fleetctl.inventory import load_inventory
+from fleetctl.planner import plan_fleet
+from tests.conftest import REPO, write
+
+FLEET = """\
+ssh: {user: ubuntu}
+nodes:
+  - name: a100-[1:4]
+    host: 10.0.1.[11:14]
+    gpus: {type: A100-SXM4-80GB, count: 1}
+  - name: rtx-[1:8]
+    host: 10.0.2.[21:28]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+    max_context: 8192
+    workload: {requests_per_s: 8, mean_prompt_tokens: 1500, mean_output_tokens: 300}
+"""
+
+
+def inventory(tmp_path: Path, catalog: Catalog, text: str = FLEET):  # type: ignore[no-untyped-def]
+    return load_inventory(write(tmp_path, text), catalog)
+
+
+def priced(a100: float, rtx: float, text: str = FLEET) -> str:
+    text = text.replace(
+        "gpus: {type: A100-SXM4-80GB, count: 1}",
+        f"gpus: {{type: A100-SXM4-80GB, count: 1}}\n    cost_per_hour: {a100}",
+    )
+    return text.replace(
+        "gpus: {type: RTX-4090, count: 1}",
+        f"gpus: {{type: RTX-4090, count: 1}}\n    cost_per_hour: {rtx}",
+    )
+
+
+def test_a_node_costs_its_entry_price_else_its_gpus_profile_default(tmp_path, catalog):
+    text = FLEET.replace(
+        "gpus: {type: A100-SXM4-80GB, count: 1}",
+        "gpus: {type: A100-SXM4-80GB, count: 2}\n    cost_per_hour: 5.0",
+    )
+    inv = inventory(tmp_path, catalog, text)
+    a100 = next(n for n in inv.nodes if n.name == "a100-3")
+    rtx = next(n for n in inv.nodes if n.name == "rtx-8")
+    assert a100.cost_per_hour == 5.0  # per node of the range, not per entry
+    assert node_cost_per_hour(a100) == 5.0
+    assert gpus_cost_per_hour(a100, 1) == 2.5
+    default = catalog.gpu("RTX-4090").cost_per_hour
+    assert default is not None and node_cost_per_hour(rtx) == default
+    bare = dataclasses.replace(rtx, gpu=rtx.gpu.model_copy(update={"cost_per_hour": None}))
+    assert node_cost_per_hour(bare) is None and gpus_cost_per_hour(bare, 1) is None
+
+
+def test_every_gpu_profile_names_where_its_default_price_comes_from(catalog):
+    for gpu in catalog.gpus.values():
+        assert gpu.cost_per_hour is not None and gpu.cost_per_hour > 0, gpu.name
+        assert any(s.startswith("cost_per_hour:") and "2025" in s for s in gpu.sources), gpu.name
+
+
+def test_cost_per_million_output_tokens_is_the_hourly_price_over_an_hours_tokens():
+    assert per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)  # 3.6M tokens an hour
+    assert per_million_tokens(None, 1000.0) is None
+    assert per_million_tokens(3.6, 0.0) is None
+
+
+def test_the_cost_objective_meets_the_workload_on_cheaper_gpus(tmp_path, catalog):
+    inv = inventory(tmp_path, catalog)
+    fast = plan_fleet(inv, objective="throughput")
+    cheap = plan_fleet(inv, objective="cost")
+    assert fast.cost_per_hour is not None and cheap.cost_per_hour is not None
+    assert cheap.cost_per_hour < fast.cost_per_hour
+    m = cheap.models[0]
+    assert m.capacity_rps * inv.spec.planner.target_utilization >= 8.0
+    assert m.shortfall_rps == 0
+    assert cheap.solver["objective"] == "cost"
+    assert cheap.cost_per_hour == pytest.approx(
+        sum(d.server.cost_per_hour for d in cheap.deployments)
+    )  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("a100", "rtx", "wanted"),
+    [(1.0, 1.0, "A100-SXM4-80GB"), (20.0, 0.2, "RTX-4090")],
+)
+def test_the_cost_objective_follows_the_prices(tmp_path, catalog, a100, rtx, wanted):
+    """An A100 serves ~3x a 4090's requests: at equal prices it wins; at 100x it loses."""
+    plan = plan_fleet(inventory(tmp_path, catalog, priced(a100, rtx)), objective="cost")
+    used = Counter(d.gpu_type for d in plan.deployments)
+    assert used.most_common(1)[0][0] == wanted, used
+    assert plan.models[0].shortfall_rps == 0
+
+
+def test_a_workload_the_fleet_cannot_carry_is_reported_as_a_shortfall(cli, tmp_path):
+    inv = write(tmp_path, FLEET.replace("requests_per_s: 8", "requests_per_s: 500"))
+    r = cli("plan", inv, "--objective", "cost", "--json", "--state-dir", tmp_path / "s")
+    assert r.code == 0, r.err
+    plan = json.loads(r.out)
+    model = plan["models"][0]
+    assert model["shortfall_rps"] > 400
+    assert len(plan["deployments"]) == 12  # every GPU, and still short
+    assert any("covers" in w and "500 req/s" in w for w in plan["warnings"])
+    r = cli("plan", inv, "--objective", "cost", "--state-dir", tmp_path / "s")
+    assert "short" in r.out
+
+
+def test_plan_json_carries_cost_per_hour_on_top_and_per_deployment(cli, tmp_path):
+    inv = write(tmp_path, priced(2.0, 0.5))
+    r = cli("plan", inv, "--json", "--state-dir", tmp_path / "s")
+    assert r.code == 0, r.err
+    plan = json.loads(r.out)
+    prices = {d["gpu_type"]: d["cost_per_hour"] for d in plan["deployments"]}
+    assert prices == {"A100-SXM4-80GB": 2.0, "RTX-4090": 0.5}
+    assert plan["cost_per_hour"] == pytest.approx(4 * 2.0 + 8 * 0.5)
+    assert plan["objective"] == "throughput"
+    m = plan["models"][0]
+    assert m["cost_per_hour"] == plan["cost_per_hour"]
+    assert m["output_tokens_per_s"] == 8 * 300  # the workload's, which capacity covers
+    assert m["cost_per_million_output_tokens"] == pytest.approx(12.0 / (2400 * 3600) * 1e6, 1e-3)
+    r = cli("plan", inv, "--state-dir", tmp_path / "s")
+    assert "Cost: 12.00 per hour (objective throughput)" in r.out
+
+
+def no_price_profiles(tmp_path: Path) -> Path:
+    """A profiles folder whose RTX-4090 and A100 have no default price."""
+    folder = tmp_path / "profiles" / "gpus"
+    folder.mkdir(parents=True)
+    for name in ("rtx-4090", "a100-sxm4-80gb"):
+        text = (REPO / "profiles" / "gpus" / f"{name}.yaml").read_text()
+        lines = [x for x in text.splitlines() if not x.startswith("cost_per_hour:")]
+        (folder / f"{name}.yaml").write_text("\n".join(lines) + "\n")
+    return tmp_path / "profiles"
+
+
+def test_without_prices_the_plan_shows_none_and_the_cost_objective_says_what_to_set(cli, tmp_path):
+    inv = write(tmp_path, FLEET)
+    profiles = no_price_profiles(tmp_path)
+    r = cli("plan", inv, "--profiles", profiles, "--json", "--state-dir", tmp_path / "s")
+    assert r.code == 0, r.err
+    plan = json.loads(r.out)
+    assert plan["cost_per_hour"] is None and plan["cost_per_million_output_tokens"] is None
+    assert all(d["cost_per_hour"] is None for d in plan["deployments"])
+    assert plan["models"][0]["cost_per_hour"] is None
+    r = cli("plan", inv, "--profiles", profiles, "--state-dir", tmp_path / "s")
+    assert r.code == 0 and "Cost" not in r.out and "cost" not in r.out
+    r = cli("plan", inv, "--profiles", profiles, "--objective", "cost")
+    assert r.code == 2
+    line = r.err.strip()
+    assert "\n" not in line
+    assert "a100-1" in line and "cost_per_hour" in line and "inventory.yaml:3" in line
+
+
+def test_bad_prices_and_slos_name_the_field(cli, tmp_path):
+    bad = FLEET.replace(
+        "gpus: {type: RTX-4090, count: 1}",
+        "gpus: {type: RTX-4090, count: 1}\n    cost_per_hour: -1",
+    )
+    r = cli("validate", write(tmp_path, bad))
+    assert r.code == 2 and "cost_per_hour" in r.err and "inventory.yaml:9" in r.err
+    bad = FLEET + "    slo: {ttft_p99_s: 0}\n"
+    r = cli("validate", write(tmp_path, bad))
+    assert r.code == 2 and "ttft_p99_s" in r.err
+    r = cli("plan", write(tmp_path, FLEET), "--objective", "cheapest")
+    assert r.code == 2 and "--objective throughput or cost" in r.err
+
+
+def test_a_tpot_slo_caps_capacity_and_an_impossible_ttft_places_nothing(tmp_path, catalog):
+    base = plan_fleet(inventory(tmp_path, catalog), objective="throughput")
+    tight = plan_fleet(
+        inventory(tmp_path, catalog, FLEET + "    slo: {tpot_p99_ms: 40}\n"), objective="throughput"
+    )
+    rtx = {d.gpu_type: d.capacity_rps for d in base.deployments}
+    capped = {d.gpu_type: d.capacity_rps for d in tight.deployments}
+    assert capped["A100-SXM4-80GB"] < rtx["A100-SXM4-80GB"]
+    never = plan_fleet(
+        inventory(tmp_path, catalog, FLEET + "    slo: {ttft_p99_s: 0.001}\n"), objective="cost"
+    )
+    assert not never.deployments and [u.model for u in never.unplaced] == ["llama-3-8b"]
