@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -586,11 +587,14 @@ class Entry:
 @dataclass(frozen=True)
 class Calibration:
     entries: tuple[Entry, ...] = field(default_factory=tuple)
+    # How long servers took to start, as apply timed them (warm-up; fleetctl/warmup.py).
+    startups: tuple[Startup, ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format": CALIBRATION_FORMAT,
             "entries": [e.to_json() for e in sorted(self.entries, key=lambda e: e.key)],
+            "startups": [s.to_json() for s in sorted(self.startups, key=lambda s: s.key)],
         }
 
     @classmethod
@@ -608,7 +612,14 @@ class Calibration:
         entries = raw.get("entries")
         if not isinstance(entries, list):
             raise CalibrationError("no 'entries' list")
-        return cls(tuple(Entry.from_json(e, f"entries[{i}]") for i, e in enumerate(entries)))
+        # Absent from files written before apply timed start-ups.
+        startups = raw.get("startups", [])
+        if not isinstance(startups, list):
+            raise CalibrationError("'startups' is not a list")
+        return cls(
+            tuple(Entry.from_json(e, f"entries[{i}]") for i, e in enumerate(entries)),
+            tuple(Startup.from_json(s, f"startups[{i}]") for i, s in enumerate(startups)),
+        )
 
     def get(self, key: Key) -> Entry | None:
         return next((e for e in self.entries if e.key == key), None)
@@ -617,7 +628,7 @@ class Calibration:
         """This calibration with `fresh` entries replacing those of the same key."""
         new = {e.key: e for e in fresh}
         kept = [e for e in self.entries if e.key not in new]
-        return Calibration(tuple(kept) + tuple(new.values()))
+        return Calibration(tuple(kept) + tuple(new.values()), self.startups)
 
     def find(
         self,
@@ -1004,3 +1015,146 @@ class ServerReading:
             "prefill_tok_s": fig(f.prefill_tok_s),
             "ttft_s": fig(f.ttft_s),
         }
+
+
+# --- start-up: how long a server takes from start to healthy ----------------------------------
+
+KEEP_STARTUPS = 16  # start-ups an entry keeps per key, newest last
+
+_SECONDS = r"([0-9]+(?:\.[0-9]+)?)\s*(?:s|secs?|seconds)\b"
+# (phase, pattern): the first match of each counts; later lines of the same phase (one per
+# tensor-parallel rank) took as long, in parallel.
+_STARTUP_PHASES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    ("model_init_s", re.compile(r"Initializing model took " + _SECONDS)),
+    ("weights_s", re.compile(r"Loading weights took " + _SECONDS)),
+    # The GPU runner: the whole load (init and weights) in one line.
+    ("model_load_s", re.compile(r"Model loading took [0-9.]+ GiB (?:memory )?and " + _SECONDS)),
+    ("compile_s", re.compile(r"torch\.compile takes " + _SECONDS + r" in total")),
+    ("graphs_s", re.compile(r"Graph capturing finished in " + _SECONDS)),
+    ("engine_init_s", re.compile(r"init engine (?:\([^)]*\) )?took " + _SECONDS)),
+)
+
+
+def parse_startup_log(text: str) -> dict[str, float]:
+    """The start-up phases a vLLM server's log names, in seconds: model_init_s, weights_s,
+    model_load_s (GPU runner), compile_s, graphs_s, engine_init_s (profile, KV cache and
+    warm-up; it includes compile and graphs). A phase the log does not name is left out."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name, pattern in _STARTUP_PHASES:
+            if name in out:
+                continue
+            m = pattern.search(line)
+            if m:
+                out[name] = float(m.group(1))
+    return out
+
+
+@dataclass(frozen=True)
+class Startup:
+    """How long servers of one key took from the start command to a healthy /health and
+    /v1/models, as apply timed them (`seconds`, newest last), and the phases the newest
+    one's log named. The figure used is the median: the first start on a node may include
+    a download, or a cold page cache, that later ones do not."""
+
+    key: Key
+    measured_at: str
+    seconds: tuple[float, ...]
+    phases: tuple[tuple[str, float], ...] = ()
+    servers: tuple[str, ...] = ()
+
+    @property
+    def median_s(self) -> float:
+        xs = sorted(self.seconds)
+        mid = len(xs) // 2
+        return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+    def describe(self) -> str:
+        """`measured by apply over 3 starts, 2026-12-01 10:20`."""
+        n = len(self.seconds)
+        when = self.measured_at[:16].replace("T", " ")
+        return f"measured by apply over {n} start{'s' if n != 1 else ''}, {when}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key.to_json(),
+            "measured_at": self.measured_at,
+            "median_s": round(self.median_s, 3),
+            "seconds": [round(s, 3) for s in self.seconds],
+            "phases": dict(self.phases),
+            "servers": list(self.servers),
+        }
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> Startup:
+        if not isinstance(raw, dict):
+            raise CalibrationError(f"{where}: not an object")
+        key = Key.from_json(raw.get("key"), f"{where}.key")
+        at = raw.get("measured_at")
+        if not isinstance(at, str) or not at:
+            raise CalibrationError(f"{where}.measured_at: not a timestamp")
+        seconds = raw.get("seconds")
+        if not isinstance(seconds, list) or not seconds or not all(_is_num(s) for s in seconds):
+            raise CalibrationError(f"{where}.seconds: not a list of numbers")
+        if any(s < 0 for s in seconds):
+            raise CalibrationError(f"{where}.seconds: a negative time")
+        phases = raw.get("phases", {})
+        if not isinstance(phases, dict) or not all(
+            isinstance(k, str) and _is_num(v) for k, v in phases.items()
+        ):
+            raise CalibrationError(f"{where}.phases: not an object of numbers")
+        servers = raw.get("servers", [])
+        if not isinstance(servers, list) or not all(isinstance(s, str) for s in servers):
+            raise CalibrationError(f"{where}.servers: not a list of names")
+        return cls(
+            key,
+            at,
+            tuple(float(s) for s in seconds),
+            tuple((k, float(v)) for k, v in phases.items()),
+            tuple(servers),
+        )
+
+
+def record_startup(
+    cal: Calibration,
+    key: Key,
+    seconds: float,
+    measured_at: str,
+    phases: dict[str, float] | None = None,
+    server: str = "",
+) -> Calibration:
+    """`cal` with one more start-up of `key` (the newest KEEP_STARTUPS kept)."""
+    old = next((s for s in cal.startups if s.key == key), None)
+    times = ((old.seconds if old else ()) + (seconds,))[-KEEP_STARTUPS:]
+    servers = tuple(dict.fromkeys((*(old.servers if old else ()), server)))
+    servers = tuple(s for s in servers if s)[-KEEP_STARTUPS:]
+    fresh = Startup(key, measured_at, times, tuple((phases or {}).items()), servers)
+    kept = tuple(s for s in cal.startups if s.key != key)
+    return replace(cal, startups=(*kept, fresh))
+
+
+def find_startup(
+    cal: Calibration,
+    gpu: str,
+    model: str,
+    fmt: str,
+    tp: int,
+    vllm_version: str | None = None,
+) -> Startup | None:
+    """The start-ups of a class (GPU, model, format, TP): the same vLLM version first, then
+    the newest."""
+    found = [
+        s
+        for s in cal.startups
+        if (s.key.gpu, s.key.model, s.key.format, s.key.tp) == (gpu, model, fmt, tp)
+    ]
+    if not found:
+        return None
+    return max(
+        found,
+        key=lambda s: (
+            s.key.node is None,
+            vllm_version is not None and s.key.vllm_version == vllm_version,
+            s.measured_at,
+        ),
+    )

@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("statedir", "planner", "routing", "progress", "estimate"),
     ("sim", "ssh", "http"),
     ("probe", "health", "router", "emulator", "calibrate_io"),
-    ("apply",),
+    ("apply", "warmup"),
     ("render",),
     ("cli", "__main__", "__init__"),
 ]

@@ -194,6 +194,11 @@ n="$1"; sid="$2"
 tail -n "$n" "$root/$sid/log" 2>/dev/null || echo "(no log at ~/.fleetctl/servers/$sid/log)"
 """
 
+# The start-up lines vLLM logs with a duration (fleetctl/warmup.py reads them); bounded.
+_STARTUP = r"""
+grep -E 'took|takes|finished in' "$root/$1/log" 2>/dev/null | head -n 200
+"""
+
 _ALIVE = r"""
 for sid in "$@"; do
   if [ -d "$root/$sid" ] && alive "$root/$sid"; then echo "$sid 1"; else echo "$sid 0"; fi
@@ -327,6 +332,12 @@ class NodeAgent:
 
     def log_tail(self, sid: str, lines: int = 30) -> str:
         return self.session.run(_script(_TAIL, str(lines), sid), self.timeout_s).stdout
+
+    def startup_phases(self, sid: str) -> dict[str, float]:
+        """The start-up phases the server's log names so far (calibration.parse_startup_log)."""
+        from fleetctl.calibration import parse_startup_log
+
+        return parse_startup_log(self.session.run(_script(_STARTUP, sid), self.timeout_s).stdout)
 
 
 class StartError(Exception):

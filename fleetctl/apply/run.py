@@ -9,6 +9,7 @@ moment leaves a state that a re-run (which reconciles against the nodes) converg
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import threading
 import time
@@ -69,10 +70,17 @@ class Outcome:
     port: int | None = None
     detail: str = ""
     log_tail: str = ""
+    # A server this apply started and saw healthy: seconds from its start command to a
+    # healthy /health and /v1/models, and the phases its vLLM log named (fleetctl/warmup.py).
+    startup_s: float | None = None
+    phases: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["gpus"] = list(self.gpus)
+        if self.startup_s is not None:
+            d["startup_s"] = round(self.startup_s, 2)
+        d["phases"] = dict(self.phases)
         return d
 
 
@@ -250,6 +258,7 @@ def _converge(
 
     # 2. Start every new server, then 3. wait for all of them together.
     waiting: dict[str, Step] = {}
+    began: dict[str, float] = {}  # when each server's start command was sent
     refused: set[str] = set()  # servers that could not even start
     for st in steps:
         d = st.deployment
@@ -258,6 +267,7 @@ def _converge(
         if st.kind == "adopt":
             waiting[server_id(d)] = st
             continue
+        t0 = time.monotonic()
         try:
             sid, how = agent.start(d, opts.secrets, _now(), opts.supervisor)
         except StartError as e:
@@ -269,11 +279,14 @@ def _converge(
         what = f"{d.model} {d.variant} on GPUs {_gpus(d)}, port {d.port}"
         emit(node, f"{st.kind}: {what} ({how}{note})")
         waiting[sid] = st
-    healthy, failed = _wait(node, agent, waiting, opts, emit)
-    for sid, st in healthy.items():
+        began[sid] = t0
+    healthy, failed = _wait(node, agent, waiting, opts, emit, began)
+    for sid, (st, took) in healthy.items():
         assert st.deployment is not None
         running[sid] = st.deployment
-        outcomes.append(_outcome(st, "ok", st.note or "healthy"))
+        phases = agent.startup_phases(sid) if took is not None else {}
+        done = _outcome(st, "ok", st.note or "healthy")
+        outcomes.append(dataclasses.replace(done, startup_s=took, phases=phases))
     for st, why, tail in failed.values():
         outcomes.append(_outcome(st, "failed", why, tail))
     # Recorded servers not stopped yet still run (some stop in step 4): keep them listed.
@@ -311,10 +324,17 @@ def _converge(
 
 
 def _wait(
-    node: str, agent: NodeAgent, waiting: dict[str, Step], opts: ApplyOptions, emit: Emit
-) -> tuple[dict[str, Step], dict[str, tuple[Step, str, str]]]:
-    """Poll every started server until healthy, exited, or out of time."""
-    healthy: dict[str, Step] = {}
+    node: str,
+    agent: NodeAgent,
+    waiting: dict[str, Step],
+    opts: ApplyOptions,
+    emit: Emit,
+    began: dict[str, float] | None = None,
+) -> tuple[dict[str, tuple[Step, float | None]], dict[str, tuple[Step, str, str]]]:
+    """Poll every started server until healthy, exited, or out of time. Each healthy one
+    comes with its start-up seconds since `began` (None for one this apply did not start)."""
+    began = began or {}
+    healthy: dict[str, tuple[Step, float | None]] = {}
     failed: dict[str, tuple[Step, str, str]] = {}
     start = time.monotonic()
     last_check, last_why = start, {sid: "" for sid in waiting}
@@ -325,11 +345,13 @@ def _wait(
             ok, why = ready(st.deployment, opts.api_key)
             last_why[sid] = why
             if ok:
-                healthy[sid] = pending.pop(sid)
+                now = time.monotonic()
+                took = now - began[sid] if sid in began else None
+                healthy[sid] = (pending.pop(sid), took)
                 emit(
                     node,
                     f"healthy: {st.deployment.model} on port {st.deployment.port} "
-                    f"after {time.monotonic() - start:.0f} s",
+                    f"after {now - began.get(sid, start):.0f} s",
                 )
         if not pending:
             break

@@ -19,6 +19,7 @@ from fleetctl.names import control_char
 from fleetctl.plan import Deployment, Plan
 from fleetctl.planner.diff import diff
 from fleetctl.ssh import SshOptions
+from fleetctl.state import State
 from fleetctl.statedir import StateDir
 from fleetctl.text import plural
 
@@ -189,12 +190,15 @@ def run_apply(
             plan = make_plan(state)
             deployments, actions = list(plan.deployments), list(plan.actions)
         note = lock.stale_note()
+        disruption = _disruption(inv, sdir, deployments, state)
         if not c.as_json:
             from fleetctl.render import render_plan, summary_line
 
             if note:
                 console.print(f"[yellow]warning:[/] {note}")
             console.print(render_plan(plan) if plan is not None else summary_line(actions))
+            if disruption.line():
+                console.print(disruption.line(), highlight=False)
         fields: dict[str, Any] = {}
         if gate is not None:
             refused, fields, shown_ = gate(list(state.deployments), deployments)
@@ -205,6 +209,7 @@ def run_apply(
                     print_json({"ok": False, **fields})
                 sys.stderr.write(f"apply refused by --gate: {refused}\n")
                 return 1
+        fields = {**fields, "disruption": disruption.to_json()}
         changes = [a for a in actions if a.op != "keep"]
         if changes and not confirm(f"Apply {plural(len(changes), 'change')}?", c.yes):
             console.print("Nothing changed.")
@@ -215,6 +220,7 @@ def run_apply(
         try:
             with NodeProgress(console, "applying", c.as_json) as p:
                 outcomes = apply_fleet(inv, deployments, book, opts, p.emit, p.started, p.done)
+            _record_startups(sdir, inv, deployments, outcomes, console, c.as_json)
         except KeyboardInterrupt:
             sys.stderr.write(
                 "interrupted: servers that were starting keep running and the state records "
@@ -222,6 +228,37 @@ def run_apply(
             )
             return 130
     return report(outcomes, book, c, console, "apply", after, fields)
+
+
+def _disruption(inv: Inventory, sdir: StateDir, deployments: list[Deployment], state: State) -> Any:
+    """What the plan costs the running fleet in warm-up (fleetctl/warmup.py); the start-ups
+    measured so far, when the calibration file can be read."""
+    from fleetctl.warmup import for_plan
+
+    try:
+        cal = sdir.load_calibration()
+    except UserError:
+        cal = None
+    return for_plan(inv, deployments, state, cal)
+
+
+def _record_startups(
+    sdir: StateDir,
+    inv: Inventory,
+    deployments: list[Deployment],
+    outcomes: list[Outcome],
+    console: Any,
+    quiet: bool,
+) -> None:
+    """Each server's measured start-up joins the calibration (warm-up: fleetctl/warmup.py);
+    a calibration file that cannot be read or written is a warning, not a failed apply."""
+    from fleetctl.calibrate_io import record_startups
+
+    try:
+        record_startups(sdir, inv, deployments, outcomes)
+    except (UserError, OSError) as e:
+        if not quiet:
+            console.print(f"[yellow]warning:[/] start-up times not recorded: {e}")
 
 
 def run_destroy(inv: Inventory, c: Common, console: Any) -> int:

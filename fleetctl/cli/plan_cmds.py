@@ -101,6 +101,12 @@ def plan(
         traffic = whatif.load_traffic(inv, what_if)
     state = sdir.load_state()
     result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration)
+    from fleetctl.warmup import for_plan
+
+    # Warm-up: the start-ups apply measured (the calibration), else estimated from weights.
+    disruption = for_plan(
+        inv, result.deployments, state, None if no_calibration else sdir.load_calibration()
+    )
     compared = None
     if what_if is not None and traffic is not None:
         calibration = sdir.load_calibration() if not no_calibration else None
@@ -117,6 +123,7 @@ def plan(
             data["workloads"] = workloads
         if compared is not None:
             data["what_if"] = compared.to_json()
+        data["disruption"] = disruption.to_json()
         print_json(data)
     else:
         from fleetctl.render import render_plan
@@ -127,6 +134,8 @@ def plan(
 
             console.print(render_workloads(workloads))
         console.print(render_plan(result, explain))
+        if disruption.line():
+            console.print(disruption.line(), highlight=False)
         if compared is not None:
             console.print(whatif.render(compared))
         if out is not None:
