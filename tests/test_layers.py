@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("names", "validation", "yamlsrc", "vllm_flags"),
     ("catalog", "hfconfig"),
-    ("inventory",),
+    ("inventory", "cost"),
     ("perf",),
     ("plan", "facts", "facts_parse", "calibration"),
     ("state",),
@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
 PURE = (
     "routing",
     "planner",
+    "cost",
     "perf",
     "plan",
     "state",
