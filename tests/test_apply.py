@@ -649,3 +649,55 @@ def test_replacement_refused_its_port_keeps_the_old_server(cli, fleet):
         squatter.kill()
         squatter.wait()
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+# --- warm-up: start-ups timed and kept ----------------------------------------------------------
+
+STARTUP_LOG = Path(__file__).resolve().parent / "data" / "vllm-0.32.0-cpu-startup.log"
+
+
+def test_apply_times_each_start_up_and_keeps_it_in_the_calibration(cli, fleet):
+    # Each server prints a real vLLM start-up log (captured from vLLM 0.32.0, tests/data) and
+    # then waits at the gate: it is "loading" until the test opens it, HOLD_S after all four
+    # were started. apply must measure at least that, per server, and read the log's phases.
+    hold_s = 1.5
+    for i, name in enumerate(NAMES):
+        gpu = GPU[name.split("-")[0]][0]
+        fleet.hosts.install(i, "vllm", shim(gpu, before=f"cat {STARTUP_LOG}", gate=fleet.gate))
+    import threading
+
+    result: list = []
+    t = threading.Thread(
+        target=lambda: result.append(cli("apply", *fleet.args(fleet.inv, "--yes", "--json")))
+    )
+    t.start()
+    try:
+        wait_until(lambda: len(servers_running(fleet.hosts)) == 4)
+        time.sleep(hold_s)  # the start-up being measured, not a wait for something to happen
+    finally:
+        fleet.open_gate()
+        t.join()
+    (r,) = result
+    assert r.code == 0, r.out + r.err
+    done = outcomes(r)
+    assert len(done) == 4 and all(o["startup_s"] >= hold_s for o in done), done
+    phases = {"model_init_s": 1.304817, "weights_s": 0.27, "engine_init_s": 0.94}
+    assert all(o["phases"] == phases for o in done)
+    cal = json.loads((fleet.tmp / ".fleetctl" / "calibration.json").read_text())
+    startups = {(s["key"]["gpu"], s["key"]["tp"]): s for s in cal["startups"]}
+    assert sorted(startups) == [("A100-SXM4-80GB", 1), ("RTX-4090", 1)]
+    assert len(startups[("A100-SXM4-80GB", 1)]["seconds"]) == 2  # a100-1's two servers
+    assert sorted(startups[("RTX-4090", 1)]["servers"]) == sorted(
+        f"{n}:8000" for n in ("rtx-1", "rtx-2")
+    )
+    # The next plan's disruption uses them: a shorter context replaces every server, and at
+    # 92% of GPU memory each old server stops first, its slot empty while the new one warms.
+    fleet.inventory(max_context=4096)
+    r = cli("plan", fleet.inv, "--json")
+    d = json.loads(r.out)["disruption"]
+    assert d["servers_started"] == 4 and d["servers_stopped"] == 4
+    assert all(s["warmup_source"].startswith("measured by apply over") for s in d["servers"])
+    assert d["capacity_missing_server_minutes"] == d["warmup_server_minutes"] > 0
+    r = cli("plan", fleet.inv)
+    assert "Disruption: 4 servers start" in r.out and "4 replacements stop the old" in r.out
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
