@@ -191,6 +191,9 @@ class RouterSpec(Strict):
     dcgm_exporter_port: int | None = Field(None, ge=1, le=65535)
     prefix_cache: PrefixCacheSpec = Field(default_factory=PrefixCacheSpec)
     request_log: RequestLogSpec = Field(default_factory=RequestLogSpec)
+    # Short completions route-serve sends a server that joins on a reload, once its /health
+    # answers 200, before the server gets any client's traffic (fleetctl/router/live.py).
+    warmup_requests: int = Field(0, ge=0, le=100)
 
     @field_validator("listen")
     @classmethod
