@@ -3,6 +3,7 @@ the estimate without one, and a plan's disruption by the steps apply really take
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -176,3 +177,161 @@ def test_the_warmup_follows_each_servers_weights():
         [big], [dep((0,))], lambda d: warmup_for(None, "g", "m", "f", 1, d.server.weights_bytes)
     )
     assert got.warmup_s == pytest.approx(40 + STARTUP_FIXED_S)
+
+
+# --- route-serve: a joining server gets no traffic until healthy, then warm-up first ---------
+
+
+class Loading:
+    """A real HTTP server that answers /health 503 until the test calls `ready()` (as vLLM's
+    API server does while its engine is not up), serves /v1/models and /metrics all along, and
+    counts the completions it gets: warm-ups (route-serve's own) and the clients'."""
+
+    def __init__(self) -> None:
+        import threading
+
+        from aiohttp import web
+
+        from tests.procs import free_port
+
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.is_ready = False
+        self.log: list[tuple[bool, str]] = []  # (ready then, prompt) per completion
+
+        async def health(_: web.Request) -> web.Response:
+            return web.Response(status=200 if self.is_ready else 503)
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": NAME, "object": "model"}]})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="# no series yet\n")
+
+        async def complete(request: web.Request) -> web.Response:
+            body = await request.json()
+            self.log.append((self.is_ready, str(body.get("prompt"))))
+            return web.json_response(
+                {
+                    "id": "cmpl-1",
+                    "object": "text_completion",
+                    "model": NAME,
+                    "choices": [{"index": 0, "text": " hi", "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                }
+            )
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_post("/v1/completions", complete)
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.runner = web.AppRunner(app)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+            self.loop.run_until_complete(site.start())
+            started.set()
+            self.loop.run_forever()
+
+        threading.Thread(target=run, daemon=True).start()
+        assert started.wait(10)
+
+    def ready(self) -> None:
+        self.is_ready = True
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+NAME = "llama-3-8b"
+
+
+def _route_serve_health(port: int) -> dict:
+    from tests.procs import http_request
+
+    return json.loads(http_request(port, "GET", "/health", timeout=5)[2])
+
+
+def _until(check, proc, log: Path, timeout: float = 60) -> None:
+    import time
+
+    end = time.monotonic() + timeout  # only stops a hang
+    while not check():
+        assert proc.poll() is None and time.monotonic() < end, log.read_text()
+        time.sleep(0.05)
+
+
+def test_route_serve_sends_a_joining_server_nothing_until_healthy_then_warms_it(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.procs import Emulator, free_port, http_request, stop_process
+
+    emu = Emulator(tmp_path)
+    loading = Loading()
+    proc = None
+    try:
+        emu.wait_healthy()
+        inv = tmp_path / "inventory.yaml"
+        inv.write_text(
+            "nodes:\n  - name: rtx-[1:2]\n    gpus: {type: RTX-4090, count: 1}\n"
+            "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"
+            "    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n"
+            "    max_context: 8192\n"
+            "router: {warmup_requests: 2}\n"
+        )
+        entry = {"node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME}
+        backends = tmp_path / "backends.yaml"
+        backends.write_text(json.dumps({"backends": [{**entry, "url": emu.base}]}))
+        port = free_port()
+        log = tmp_path / "router.log"
+        cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv)]
+        cmd += ["--backends", str(backends), "--listen", f"127.0.0.1:{port}"]
+        cmd += ["--state-dir", str(tmp_path / "state"), "--policy", "round-robin"]
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+        def healthy(n: int) -> bool:
+            try:
+                return _route_serve_health(port).get("healthy") == n
+            except OSError:
+                return False
+
+        _until(lambda: healthy(1), proc, log)
+        # apply started a server on rtx-2 (it loads: /health 503) and route-serve reloads.
+        entries = [{**entry, "url": emu.base}, {**entry, "node": "rtx-2", "url": loading.base}]
+        backends.write_text(json.dumps({"backends": entries}))
+        proc.send_signal(signal.SIGHUP)
+        where = f"rtx-2:{loading.port}"
+        _until(
+            lambda: "/health answered 503" in _route_serve_health(port)["unhealthy"].get(where, ""),
+            proc,
+            log,
+        )
+        body = {"model": NAME, "prompt": "client", "max_tokens": 2}
+        for _ in range(6):  # round-robin would send half of them to rtx-2
+            status, headers, _ = http_request(port, "POST", "/v1/completions", body)
+            assert status == 200 and headers["X-Fleet-Backend"] == "rtx-1"
+        assert loading.log == []
+        loading.ready()
+        _until(lambda: healthy(2), proc, log)
+        # The warm-ups came first, from route-serve itself, once /health said ready.
+        assert loading.log == [(True, "Hello"), (True, "Hello")]
+        sent = [http_request(port, "POST", "/v1/completions", body)[1] for _ in range(4)]
+        assert {h["X-Fleet-Backend"] for h in sent} == {"rtx-1", "rtx-2"}
+        assert loading.log[2:] == [(True, "client")] * 2
+        text = log.read_text()
+        assert f"admitted {where}: /health answered 200 and it served 2 warm-up requests" in text
+    finally:
+        if proc is not None:
+            stop_process(proc)
+        loading.stop()
+        emu.stop()

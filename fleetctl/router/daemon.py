@@ -324,6 +324,10 @@ class Router:
         merged = []
         for b in fresh:
             keep = old.get(b.name)
+            if keep is None and self.live is not None:
+                # A server that joins (apply started it, maybe to replace another): no
+                # traffic until its /health says it is ready and it is warmed up.
+                self.live.joining(b)
             if keep is not None:
                 b.outstanding, b.reserved_tokens, b.pending_prefill = (
                     keep.outstanding,

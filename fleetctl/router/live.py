@@ -77,6 +77,10 @@ class Liveness:
     cached_sent: int = 0
     window_found: float = 0.0
     window_expected: float = 0.0
+    # A server that joined on a reload stays out of routing until its /health answers 200
+    # and it served the warm-up requests: why it is still out ("" once admitted).
+    warming: str = ""
+    warmed: int = 0  # warm-up requests it answered
 
 
 @dataclass
@@ -102,9 +106,73 @@ class LiveState:
     # Called with a backend and its KV block size when a scrape first reports it or it
     # changes (the router hashes prompts for KV events with it); None: not read.
     on_block_size: Callable[[Backend, int], None] | None = None
+    # Short completions a joining server answers before it gets clients' traffic
+    # (router.warmup_requests), each within warmup_timeout seconds.
+    warmup_requests: int = 0
+    warmup_timeout: float = 60.0
+    _warmups: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def state(self, b: Backend) -> Liveness:
         return self.live.setdefault(b.name, Liveness())
+
+    # --- joining: health first, then warm-up requests --------------------------------------------
+
+    def joining(self, b: Backend) -> None:
+        """`b` is a server that joins while the router runs (a reload: apply started it, or
+        is replacing one): no traffic until its /health answers 200 and it has answered
+        `warmup_requests` warm-up completions."""
+        s = self.state(b)
+        s.warming, s.warmed = "joining: /health not checked yet", 0
+        b.healthy = False
+
+    async def _join(self, client: Client, b: Backend) -> None:
+        """One step of a joining server: its /health, then (in a task of its own, so that
+        scraping the others does not wait) the warm-up requests; admitted after them."""
+        s = self.state(b)
+        if b.name in self._warmups:
+            return  # its warm-up requests are under way
+        try:
+            r = await client.get(f"{b.name}/health")
+            up = r.status == 200
+            why = "" if up else f"/health answered {r.status}"
+        except HttpError as e:
+            up, why = False, f"/health: {e}"
+        if not up:
+            s.warming = f"joining: {why}"
+            return
+        if s.wrong_model:
+            return  # check_model says why and readmits it once it serves the right name
+        if s.warmed >= self.warmup_requests:
+            self._admit(b)
+            return
+        s.warming = f"warming up: {s.warmed} of {self.warmup_requests} warm-up requests"
+        task = asyncio.create_task(self._warm(b))
+        self._warmups[b.name] = task
+        task.add_done_callback(lambda _: self._warmups.pop(b.name, None))
+
+    async def _warm(self, b: Backend) -> None:
+        """The warm-up completions, one at a time; a failure waits for the next scrape."""
+        s = self.state(b)
+        while s.warmed < self.warmup_requests and s.warming:
+            ok, why = await warmup_request(b, self.api_key, self.warmup_timeout)
+            if not ok:
+                s.warming = f"warming up: warm-up request {s.warmed + 1} failed: {why}"
+                return
+            s.warmed += 1
+        if s.warming:
+            self._admit(b)
+
+    def _admit(self, b: Backend) -> None:
+        s = self.state(b)
+        s.warming, s.failures, s.backoff = "", 0, 1.0
+        # A reload while it warmed up may have made a new Backend of the same name.
+        for x in [b, *(x for x in self.backends if x.name == b.name)]:
+            x.healthy = not s.wrong_model
+        log.info(
+            "admitted %s: /health answered 200%s",
+            where(b),
+            f" and it served {s.warmed} warm-up requests" if s.warmed else "",
+        )
 
     # --- failures and ejection ---------------------------------------------------------------
 
@@ -135,7 +203,7 @@ class LiveState:
         s = self.state(b)
         s.failures = 0
         s.backoff = 1.0
-        if not b.healthy and not s.wrong_model:
+        if not b.healthy and not s.wrong_model and not s.warming:
             b.healthy = True
             log.info("readmitted %s: a request went through", where(b))
 
@@ -144,7 +212,7 @@ class LiveState:
         answer /metrics and still fail requests), so it only lets an ejected backend back in
         once its backoff has passed, half-open: its next failure ejects it again."""
         s = self.state(b)
-        if not b.healthy and now >= s.ejected_until and not s.wrong_model:
+        if not b.healthy and now >= s.ejected_until and not s.wrong_model and not s.warming:
             b.healthy = True
             s.failures = self.eject_after - 1
             log.info(
@@ -157,10 +225,14 @@ class LiveState:
         for b in self.backends:
             if not b.healthy:
                 s = self.state(b)
-                out[where(b)] = s.wrong_model or (
-                    f"ejected after {s.failures} failures: {s.last_error}"
-                    if s.last_error
-                    else "ejected"
+                out[where(b)] = (
+                    s.wrong_model
+                    or s.warming
+                    or (
+                        f"ejected after {s.failures} failures: {s.last_error}"
+                        if s.last_error
+                        else "ejected"
+                    )
                 )
         return out
 
@@ -194,7 +266,7 @@ class LiveState:
             b.healthy = False
         elif s.wrong_model:
             log.info('readmitted %s: it serves "%s"', where(b), want)
-            b.healthy = now >= s.ejected_until
+            b.healthy = now >= s.ejected_until and not s.warming
         s.wrong_model = problem
 
     # --- scraping ----------------------------------------------------------------------------
@@ -215,12 +287,16 @@ class LiveState:
                 self.expire_all(time.monotonic())
                 await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
         finally:
+            for task in list(self._warmups.values()):
+                await cancel(task)
             await client.close()
 
     async def scrape(self, client: Client, b: Backend) -> None:
         s = self.state(b)
         if s.checked is not b or time.monotonic() >= s.models_due:
             await self.check_model(client, b)  # at start, after a reload, then now and then
+        if s.warming:
+            await self._join(client, b)
         now = time.monotonic()
         if not b.healthy and now < s.ejected_until:
             return  # backing off; the next scrape after the backoff is the probe
@@ -364,6 +440,40 @@ def modelled_bandwidth(b: Backend) -> float:
     step = b.perf.step_time(batch, kv)
     read = b.perf.weight_read_bytes(batch) / b.perf.tp + kv * b.perf.kv_token_bytes
     return min(1.0, read / step / (b.perf.gpu.memory_bandwidth_gb_s * 1e9))
+
+
+WARMUP_PROMPT = "Hello"
+WARMUP_MAX_TOKENS = 8
+
+
+async def warmup_request(b: Backend, api_key: str | None, timeout: float) -> tuple[bool, str]:
+    """One short completion sent to `b` by the router itself: (answered 200, why not)."""
+    import aiohttp
+
+    body = {
+        "model": served_name(b),
+        "prompt": WARMUP_PROMPT,
+        "max_tokens": WARMUP_MAX_TOKENS,
+        "temperature": 0,
+    }
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        async with (
+            aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session,
+            session.post(
+                f"{b.name}/v1/completions",
+                json=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                allow_redirects=False,
+            ) as r,
+        ):
+            await r.read()
+            return r.status == 200, f"answered {r.status}"
+    except TimeoutError:
+        return False, f"no answer in {timeout:g} s"
+    except (aiohttp.ClientError, OSError) as e:
+        return False, type(e).__name__
 
 
 async def cancel(task: asyncio.Task[None] | None) -> None:

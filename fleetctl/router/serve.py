@@ -170,6 +170,7 @@ def build_router(
         interval=scrape_interval,
         api_key=config.backend_api_key,
         online_fit=online_fit,
+        warmup_requests=spec.warmup_requests,
     )
     shared = None
     if session_store:
