@@ -47,6 +47,23 @@ def test_phases_from_a_real_vllm_startup_log():
     }
 
 
+def test_weight_loads_from_real_public_gpu_startup_logs():
+    # benchmarks/accuracy/kv_points.yaml quotes real vLLM GPU start-up logs (each row names
+    # its source): both forms of the line, "GiB and" (0.10) and "GiB memory and" (0.19).
+    import yaml
+
+    rows = yaml.safe_load((DATA.parent.parent / "benchmarks/accuracy/kv_points.yaml").read_text())
+    rows = rows["points"] if isinstance(rows, dict) else rows
+    loads = {}
+    for r in rows:
+        line = next((x for x in (r.get("quote") or "").splitlines() if "Model loading" in x), "")
+        if line.rstrip().endswith("seconds"):
+            loads[r["id"]] = parse_startup_log(line).get("model_load_s")
+    assert len(loads) == 34 and None not in loads.values()
+    assert loads["llmd-llama31-8b-bf16-tp1-mml8k"] == 14.42968  # "... and 14.429680 seconds"
+    assert loads["dl-qwen2-7b-bf16-tp1-u025-a100-80"] == 4.422213  # "GiB and 4.422213 seconds"
+
+
 def test_phases_of_the_gpu_runner_from_vllms_format_strings():
     # Not captured (no GPU here): vLLM's own format strings filled in, with its log prefix.
     # Each rank of a TP group logs its load; the first counts (they load in parallel).
