@@ -679,6 +679,10 @@ def test_apply_times_each_start_up_and_keeps_it_in_the_calibration(cli, fleet):
         t.join()
     (r,) = result
     assert r.code == 0, r.out + r.err
+    # Before it ran, nothing was measured: its own disruption was an estimate.
+    before = json.loads(r.out)["disruption"]
+    assert before["servers_started"] == 4 and before["capacity_missing_server_minutes"] == 0
+    assert all(s["warmup_source"].startswith("estimate: ") for s in before["servers"])
     done = outcomes(r)
     assert len(done) == 4 and all(o["startup_s"] >= hold_s for o in done), done
     phases = {"model_init_s": 1.304817, "weights_s": 0.27, "engine_init_s": 0.94}
