@@ -183,7 +183,7 @@ def test_route_serve_logs_one_line_per_finished_request_and_never_text(tmp_path,
     assert 0 < whole["ttft_s"] <= whole["e2e_s"] < 30
     assert whole["session"] and len(whole["session"]) == 16  # keyed, never the id itself
     assert whole["input_length"] > 100 and whole["hash_ids"]
-    assert stream["output_length"] == 4 and stream["session"] is None  # events, less the last
+    assert stream["output_length"] == 5 and stream["session"] is None  # one event a token
     assert chat["priority"] == 3 and chat["precision"] == "bf16" and chat["session"]
     # The same prompt gives the same keyed hashes; a longer one shares their leading run.
     assert whole["hash_ids"] == stream["hash_ids"]

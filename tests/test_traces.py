@@ -116,6 +116,22 @@ def test_derive_workload_takes_a_peak_of_five_minute_rates():
     assert derive_workload([], 4096) is None
 
 
+def test_derive_workload_counts_a_burst_in_the_last_partial_window():
+    """The Azure code trace's first 1,800 rows end in a 28 s burst (318 requests) after two
+    calm windows: leaving the partial window out put the peak below the mean rate."""
+    from fleetctl.sim.workload import WorkItem, derive_workload
+
+    calm = [WorkItem(i, i * 3.0, 100, 10, "m") for i in range(200)]  # 600 s at 1/3 req/s
+    burst = [WorkItem(200 + i, 600.0 + i * 0.2, 100, 10, "m") for i in range(400)]  # 5 req/s
+    d = derive_workload(calm + burst, long_tokens=4096)
+    assert d is not None
+    assert d.requests_per_s == pytest.approx(400 / 79.8, rel=1e-3)  # the burst's own rate
+    short = calm + burst[:50]  # 9.8 s of burst: too short to be a rate of its own
+    d = derive_workload(short, long_tokens=4096)
+    assert d is not None
+    assert d.requests_per_s == pytest.approx(249 / 609.8, rel=1e-3)  # but never below the mean
+
+
 def test_plan_workload_from_a_request_log_plans_for_the_traffic(cli, tmp_path):
     logs = tmp_path / "requests"
     logs.mkdir()

@@ -102,13 +102,18 @@ class Stream:
         self.out = out
         write = out.write
         events = 0
+        # Not tokens: a chat stream's opening event (the role alone) and the usage event of
+        # stream_options.include_usage (no choices). vLLM sends one event per token else, the
+        # last token's carrying finish_reason (serving_completion.py, serving_chat.py).
+        extra = 1 if request.path.endswith("/chat/completions") else 0
         while chunk:
             events += chunk.count(b"data: {")
+            extra += chunk.count(b'"choices":[]')
             await write(chunk)  # as it arrives: no buffering
             self.last = chunk
             chunk = await read()
         await out.write_eof()
-        outcome.done(None, streamed=max(1, events - 1))
+        outcome.done(None, streamed=max(1, events - extra))
         return out
 
     async def end_with_error(self, e: BaseException) -> None:

@@ -411,8 +411,9 @@ def derive_workload(items: list[WorkItem], long_tokens: int) -> Derived | None:
     """The workload `items` (one model's, in arrival order) amount to; None for no requests.
 
     The rate is a peak, not the mean, as the planner sizes for it: the PEAK_PERCENTILE-th
-    percentile of the rates over RATE_WINDOW_S-second windows (a trace shorter than one
-    window: its own rate; a one-request trace: one request per window)."""
+    percentile of the rates over RATE_WINDOW_S-second windows, and at least the mean rate (a
+    trace shorter than one window: its own rate; a one-request trace: one request per
+    window)."""
     if not items:
         return None
     n = len(items)
@@ -423,9 +424,15 @@ def derive_workload(items: list[WorkItem], long_tokens: int) -> Derived | None:
         counts = [0] * (int(span // RATE_WINDOW_S) + 1)
         for w in items:
             counts[int((w.arrival - items[0].arrival) // RATE_WINDOW_S)] += 1
-        full = counts[:-1] if len(counts) > 1 else counts  # the last window is partial
-        ranked = sorted(full)
-        rate = ranked[min(len(ranked) - 1, len(ranked) * PEAK_PERCENTILE // 100)] / RATE_WINDOW_S
+        rates = [c / RATE_WINDOW_S for c in counts[:-1]]
+        # The last window is partial: its own rate counts once it spans a fifth of a window
+        # (a burst at the end of a log is traffic too; a few seconds' worth is noise).
+        tail = span - (len(counts) - 1) * RATE_WINDOW_S
+        if tail >= RATE_WINDOW_S / 5:
+            rates.append(counts[-1] / tail)
+        ranked = sorted(rates)
+        peak = ranked[min(len(ranked) - 1, len(ranked) * PEAK_PERCENTILE // 100)]
+        rate = max(peak, (n - 1) / span)  # a peak never below the mean
     prompts = sorted(w.prompt for w in items)
     return Derived(
         n,
