@@ -2,7 +2,7 @@
 
 Run (from the repository root, in the dev venv):
 
-    python benchmarks/whatif_accuracy.py [--requests 600] [--skip 0] [--time-scale 4]
+    python benchmarks/whatif_accuracy.py [--trace FILE] [--requests 600] [--skip 0] [--time-scale 4]
         [--check PCT] [--quick] [--out DIR]
 
 Two plans of one Llama-3 8B BF16 fleet (max_model_len 8192), each the planner's placement for
@@ -90,8 +90,7 @@ def inventory(name: str, folder: Path) -> Path:
 
 
 def requests(args: argparse.Namespace) -> list[WorkItem]:
-    path = TRACES / "AzureLLMInferenceTrace_code.csv"
-    rows = load_trace(path, MODEL, args.skip + args.requests)[args.skip :]
+    rows = load_trace(Path(args.trace), MODEL, args.skip + args.requests)[args.skip :]
     t0 = rows[0].arrival
     return [
         replace(w, id=i, arrival=w.arrival - t0, max_tokens=w.output) for i, w in enumerate(rows)
@@ -206,7 +205,7 @@ async def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     catalog = load_catalog()
     span = items[-1].arrival
     print(
-        f"{len(items)} requests of the code trace over {span:.0f} model s "
+        f"{len(items)} requests of {Path(args.trace).name} over {span:.0f} model s "
         f"({len(items) / span:.2f} req/s), time scale {args.time_scale:g}",
         flush=True,
     )
@@ -269,6 +268,11 @@ def report(result: dict[str, Any]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument(
+        "--trace",
+        default=str(TRACES / "AzureLLMInferenceTrace_code.csv"),
+        help="Azure CSV or Mooncake JSONL (default: the Azure code trace)",
+    )
     ap.add_argument("--requests", type=int, default=600, help="first N rows of the trace")
     ap.add_argument("--skip", type=int, default=0, help="rows of the trace to skip first")
     ap.add_argument("--time-scale", type=float, default=4.0, help="emulators run X times faster")
