@@ -30,7 +30,16 @@ if TYPE_CHECKING:
     from fleetctl.inventory import Inventory
     from fleetctl.state import State
 
-__all__ = ["disruption", "for_plan", "parse_startup_log", "warmup_for", "warmup_seconds"]
+__all__ = [
+    "CHANGE_THRESHOLD",
+    "disruption",
+    "for_plan",
+    "parse_startup_log",
+    "replacement_minutes",
+    "stay_bonus",
+    "warmup_for",
+    "warmup_seconds",
+]
 
 DISK_READ_BYTES_S = 1.0e9  # weights read at 1 GB/s (a local NVMe SSD; safetensors, page cache cold)
 STARTUP_FIXED_S = 60.0  # process, imports, profiling, KV cache, torch.compile, CUDA graphs
@@ -89,6 +98,34 @@ def warmup_seconds(
 ) -> float:
     """`warmup_for(...).seconds`: what the planner weighs a server start by."""
     return warmup_for(calibration, gpu, model, fmt, tp, weights_bytes, vllm_version).seconds
+
+
+# --- what the planner weighs: a replica that stays spares its replacement's disruption -------
+
+# A change of placement must raise the throughput objective (a sum over models of
+# log(capacity / workload)) by at least this much per server-minute of disruption it causes:
+# 0.02 is a 2% capacity gain for one model per server-minute. Minimum replicas (1e3) and
+# workload shortfall (20 per unit) weigh far more, so staying never leaves a workload short.
+CHANGE_THRESHOLD = 0.02
+# The cost objective: a change must pay its disruption back (GPU-hours of warm-up and of
+# capacity missing, at the GPUs' price) within this many hours of running.
+PAYBACK_HOURS = 24.0
+
+
+def replacement_minutes(warmup_s: float, gpu_memory_utilization: float) -> float:
+    """Server-minutes of disruption one replacement of a running server costs, as apply
+    carries it out: its warm-up, and as long again of capacity missing unless the new server
+    fits beside the old one (their memory shares sum to at most 1: start before stop)."""
+    surge = 2 * gpu_memory_utilization <= 1.0
+    return warmup_s / 60 * (1 if surge else 2)
+
+
+def stay_bonus(
+    warmup_s: float, gpu_memory_utilization: float, threshold: float = CHANGE_THRESHOLD
+) -> float:
+    """The throughput objective's bonus for a replica that stays where it runs: the gain a
+    change must beat."""
+    return threshold * replacement_minutes(warmup_s, gpu_memory_utilization)
 
 
 # --- a plan's disruption ----------------------------------------------------------------------

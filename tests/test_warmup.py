@@ -25,6 +25,8 @@ from fleetctl.warmup import (
     Warmup,
     disruption,
     parse_startup_log,
+    replacement_minutes,
+    stay_bonus,
     warmup_for,
     warmup_seconds,
 )
@@ -125,6 +127,15 @@ def test_measured_startup_wins_over_the_estimate():
     assert warmup_seconds(cal, "A100-SXM4-80GB", "llama-3-8b", "bf16", 1, weights) == 41.5
     # Another format is another class: estimated.
     assert not warmup_for(cal, "A100-SXM4-80GB", "llama-3-8b", "fp8", 1, weights).measured
+
+
+def test_what_a_replica_that_stays_spares():
+    # At the default 92% of GPU memory a replacement stops the old server first: its slot is
+    # empty for the warm-up, so a change costs twice the warm-up in server-minutes.
+    assert replacement_minutes(90, 0.92) == 3.0
+    assert replacement_minutes(90, 0.45) == 1.5  # start before stop: warm-up only
+    # An 8B BF16 server by the estimate (16 GB: 76 s): a change must gain 5% on its model.
+    assert stay_bonus(76.0, 0.92) == pytest.approx(0.02 * 76 / 60 * 2)
 
 
 # --- a plan's disruption -----------------------------------------------------------------------
