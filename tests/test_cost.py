@@ -190,3 +190,6 @@ def test_a_tpot_slo_caps_capacity_and_an_impossible_ttft_places_nothing(tmp_path
         inventory(tmp_path, catalog, FLEET + "    slo: {ttft_p99_s: 0.001}\n"), objective="cost"
     )
     assert not never.deployments and [u.model for u in never.unplaced] == ["llama-3-8b"]
+    why = never.unplaced[0].reason
+    assert "slo" in why and "ttft_p99_s 0.001" in why and "relax the slo" in why, why
+    assert any("idle: no model benefits" in w for w in never.warnings), never.warnings

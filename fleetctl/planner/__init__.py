@@ -27,6 +27,7 @@ from fleetctl.planner.candidates import (
     node_classes,
     prune_dominated,
     request_shape,
+    slo_miss,
     tp_sizes,
     why_not,
 )
@@ -293,6 +294,14 @@ def _reasons(k: Candidate, feasible: list[Candidate], serving: dict[str, set[str
             f"kernel efficiency {fmt.kernel_efficiency.get(gpu.architecture, 1):.2f} "
             f"on {gpu.architecture}"
         )
+    if m.spec.slo is not None:
+        prompt, output = request_shape(m)
+        full = k.perf.capacity_rps(prompt, output, k.budget.kv_tokens, k.max_num_seqs)
+        if k.capacity_rps < full:
+            out.append(
+                f"slo: {k.capacity_rps:.2f} req/s, not {full:.2f} at saturation: the batch is "
+                "capped where a decode step stays within half of tpot_p99_ms"
+            )
     per_gpu_rps = k.capacity_rps / k.tp
     out.append(
         f"on {gpu.name}: {per_gpu_rps:.2f} req/s per GPU at saturation, "
@@ -330,6 +339,14 @@ def _why_unplaced(
             "add GPUs or lower other models' min_replicas"
         )
     mine = [k for k in rejected if k.model is m]
+    missed = [(k, slo_miss(k)) for k in mine if k.sequences_at_max_len >= m.spec.min_sequences]
+    missed = [(k, why) for k, why in missed if why]
+    if missed and len(missed) == len([k for k in mine if k.sequences_at_max_len]):
+        k, why = min(missed, key=lambda kw: kw[0].perf.step_time(1, 1024))
+        return (
+            f"no GPU class meets {m.name}'s slo: on the fastest, {k.cls.label} "
+            f"({k.variant.format.name}, TP={k.tp}), {why}; relax the slo or add faster GPUs"
+        )
     short = [k for k in mine if fits(k)]  # min_context: they fit, but none reaches max_context
     if short:
         best = max(short, key=lambda k: (k.max_model_len, -k.tp))
@@ -426,9 +443,10 @@ def _warnings(
     for c in classes:
         idle = c.size * c.gpu_count - used[c.index]
         if idle and inv.models:
+            met = not any(x.shortfall_rps for x in summaries)
             why = (
                 "the workloads are met without them (objective cost)"
-                if objective == "cost"
+                if objective == "cost" and met and all(x.replicas for x in summaries)
                 else "no model benefits from them"
             )
             out.append(f"{plural(idle, c.gpu.name + ' GPU')} left idle: {why}")

@@ -256,6 +256,29 @@ def slo_capacity(
     return min(capacity, perf.capacity_rps(prompt, output, kv_tokens, lo))
 
 
+def slo_miss(cand: Candidate) -> str | None:
+    """Why `cand` carries no request within its model's SLO, in numbers; None if it does or
+    the model has no SLO."""
+    slo = cand.model.spec.slo
+    if slo is None or cand.capacity_rps > 0:
+        return None
+    prompt, output = request_shape(cand.model)
+    if slo.ttft_p99_s is not None:
+        prefill = cand.perf.prefill_time(prompt)
+        if prefill > slo.ttft_p99_s * SLO_HEADROOM:
+            return (
+                f"a {prompt}-token prompt alone takes {prefill:.2f} s to prefill, over "
+                f"{SLO_HEADROOM:g} x ttft_p99_s {slo.ttft_p99_s:g} s"
+            )
+    if slo.tpot_p99_ms is not None:
+        step = cand.perf.step_time(1, prompt + output / 2) * 1000
+        return (
+            f"one request's decode step takes {step:.1f} ms, over {SLO_HEADROOM:g} x "
+            f"tpot_p99_ms {slo.tpot_p99_ms:g} ms"
+        )
+    return None
+
+
 def fits(cand: Candidate) -> bool:
     """The planner's KV rule: the cache holds min_sequences sequences of max_model_len."""
     return cand.sequences_at_max_len >= cand.model.spec.min_sequences and cand.capacity_rps > 0
