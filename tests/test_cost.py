@@ -193,3 +193,20 @@ def test_a_tpot_slo_caps_capacity_and_an_impossible_ttft_places_nothing(tmp_path
     why = never.unplaced[0].reason
     assert "slo" in why and "ttft_p99_s 0.001" in why and "relax the slo" in why, why
     assert any("idle: no model benefits" in w for w in never.warnings), never.warnings
+
+
+def test_plan_objective_cost_through_the_cli_uses_cheaper_gpus(cli, tmp_path):
+    """The example fleet: the cost objective runs 2 of its 28 GPUs, throughput all of them."""
+    args = ("plan", "example:cost-mixed", "--json", "--state-dir", tmp_path / "s")
+    fast = json.loads(cli(*args).out)
+    r = cli(*args, "--objective", "cost")
+    assert r.code == 0, r.err
+    cheap = json.loads(r.out)
+    assert cheap["objective"] == "cost" and fast["objective"] == "throughput"
+    assert cheap["cost_per_hour"] < fast["cost_per_hour"] / 4
+    assert sum(len(d["gpu_indices"]) for d in cheap["deployments"]) < sum(
+        len(d["gpu_indices"]) for d in fast["deployments"]
+    )
+    assert cheap["models"][0]["shortfall_rps"] == 0
+    h100 = [d for d in cheap["deployments"] if d["gpu_type"] == "H100-SXM-80GB"]
+    assert all(d["cost_per_hour"] == pytest.approx(10.76 / 4) for d in h100)  # the entry's price
