@@ -199,10 +199,14 @@ def main() -> None:
         "slo": {"ttft_p99_s": args.ttft, "tpot_p99_ms": args.tpot},
         "rows": rows,
     }
+    summary["cost_plan_meets_slo"] = cost_mixed["meets_slo"]
     if ok_singles:
         best = min(ok_singles, key=lambda r: r["cost_per_hour"])
         summary["cheapest_single"] = best["fleet"]
-        summary["mixed_saving_vs_single"] = 1 - cost_mixed["cost_per_hour"] / best["cost_per_hour"]
+        if cost_mixed["meets_slo"]:  # a saving only counts where both meet the SLOs
+            summary["mixed_saving_vs_single"] = (
+                1 - cost_mixed["cost_per_hour"] / best["cost_per_hour"]
+            )
     summary["cost_saving_vs_throughput"] = (
         1 - cost_mixed["cost_per_hour"] / rows[0]["cost_per_hour"]
     )
