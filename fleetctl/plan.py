@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fleetctl.cost import per_million_tokens, total
+
 # A replacement that fits beside the server it replaces starts on the slot's other port
 # (port +/- SURGE_PORT_OFFSET), so both run until the new one is healthy (apply/steps.py);
 # limits.py holds it because validation checks every such port exists.
@@ -252,8 +254,6 @@ class ModelSummary:
 
     @property
     def cost_per_million_output_tokens(self) -> float | None:
-        from fleetctl.cost import per_million_tokens
-
         return per_million_tokens(self.cost_per_hour, self.output_tokens_per_s)
 
     def to_json(self) -> dict[str, Any]:
@@ -282,14 +282,10 @@ class Plan:
     @property
     def cost_per_hour(self) -> float | None:
         """The price per hour of every GPU a deployment uses; None if any has no price."""
-        from fleetctl.cost import total
-
         return total(d.server.cost_per_hour for d in self.deployments)
 
     @property
     def cost_per_million_output_tokens(self) -> float | None:
-        from fleetctl.cost import per_million_tokens
-
         tokens = sum(m.output_tokens_per_s for m in self.models)
         return per_million_tokens(self.cost_per_hour, tokens)
 
