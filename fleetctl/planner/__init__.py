@@ -53,9 +53,9 @@ def plan_fleet(
     state = state or State()
     objective = objective or inv.spec.planner.objective
     classes = node_classes(inv)
-    if objective == "cost":
-        _check_prices(inv, classes)
     feasible, rejected = candidates(inv, classes, calibration)
+    if objective == "cost":  # only GPUs some model can use need a price
+        _check_prices(inv, [c for c in classes if any(k.cls is c for k in feasible)])
     warn_below = inv.spec.planner.warn_sequences_below
     running = _current_counts(feasible, classes, state)
     feasible = prune_dominated(feasible, warn_below, {i for i, n in enumerate(running) if n})
