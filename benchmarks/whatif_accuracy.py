@@ -3,7 +3,7 @@
 Run (from the repository root, in the dev venv):
 
     python benchmarks/whatif_accuracy.py [--trace FILE] [--requests 600] [--skip 0] [--time-scale 4]
-        [--check PCT] [--quick] [--out DIR]
+        [--check PCT] [--truth-speed X] [--quick] [--out DIR]
 
 Two plans of one Llama-3 8B BF16 fleet (max_model_len 8192), each the planner's placement for
 an inventory: `mixed` (1 A100 SXM4 80GB + 3 RTX 4090) and `rtx` (3 RTX 4090). The requests are
@@ -134,7 +134,10 @@ async def replay_plan(
             port = ports.pop()
             emus = []
             for d, p in zip(deployments, ports, strict=True):
-                emus.append(Proc(f"emu-{d.node}", emulator_cmd(d, PROFILE, p, scale), pdir))
+                cmd = emulator_cmd(d, PROFILE, p, scale)
+                if args.truth_speed != 1.0:  # a GPU slower than the profiles say
+                    cmd += ["--truth-speed", f"{args.truth_speed:g}"]
+                emus.append(Proc(f"emu-{d.node}", cmd, pdir))
             procs += emus
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             for u, e in zip(urls, emus, strict=True):
@@ -279,6 +282,13 @@ def main() -> None:
     ap.add_argument("--plans", default="mixed,rtx", help="which plans, of mixed and rtx")
     ap.add_argument("--drain-s", type=float, default=120.0, help="wall s to wait for the last")
     ap.add_argument("--check", type=float, default=None, metavar="PCT")
+    ap.add_argument(
+        "--truth-speed",
+        type=float,
+        default=1.0,
+        help="the emulated GPUs run X times as fast as their profiles (the prediction reads "
+        "the profiles): shows the check failing when the model is wrong",
+    )
     ap.add_argument("--quick", action="store_true", help="150 requests at time scale 8")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "whatif_accuracy"))
     args = ap.parse_args()
