@@ -1,6 +1,7 @@
-"""Warm-up as a cost: a server's start-up time (measured by apply, else estimated from its
-weights) and the disruption a plan causes: server-minutes of warm-up, and of capacity missing
-while replacements start.
+"""Warm-up as a cost: servers' start-up times and the disruption a plan causes.
+
+A server's start-up time is measured by apply, else estimated from its weights; a plan's
+disruption is its server-minutes of warm-up, and of capacity missing while replacements start.
 
 Start-up time is what apply times from the start command to a healthy /health and
 /v1/models (fleetctl/apply/run.py); vLLM's start-up log names some of its phases, which
