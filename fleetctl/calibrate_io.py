@@ -13,11 +13,9 @@ from fleetctl.text import plural
 from fleetctl.vllm_metrics import parse_metrics
 
 if TYPE_CHECKING:
-    from fleetctl.apply.run import Outcome
     from fleetctl.calibration import Calibration, Entry
     from fleetctl.catalog import Catalog
     from fleetctl.inventory import Inventory
-    from fleetctl.plan import Deployment
     from fleetctl.routing.types import Backend
     from fleetctl.statedir import StateDir
     from fleetctl.vllm_metrics import Scrape
@@ -186,34 +184,3 @@ async def _max_model_len(client: Client, b: Backend) -> int | None:
             length = card.get("max_model_len")
             return length if isinstance(length, int) and not isinstance(length, bool) else None
     return None
-
-
-def record_startups(
-    sdir: StateDir, inv: Inventory, deployments: list[Deployment], outcomes: list[Outcome]
-) -> int:
-    """Add the start-up time of every server apply started and saw healthy to the state
-    folder's calibration (per GPU type, model, format and TP); returns how many."""
-    from fleetctl.calibration import record_startup
-
-    planned = {(d.node, d.gpu_indices): d for d in deployments}
-    profile_of = {m.name: m.profile.name for m in inv.models}
-    timed = [(o, planned.get((o.node, o.gpus))) for o in outcomes if o.startup_s is not None]
-    timed = [(o, d) for o, d in timed if d is not None]
-    if not timed:
-        return 0
-    cal = sdir.load_calibration()
-    now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    for o, d in timed:
-        assert o.startup_s is not None and d is not None
-        s = d.server
-        key = Key(
-            s.gpu_type,
-            profile_of.get(s.model, s.model),
-            s.variant,
-            s.tensor_parallel_size,
-            inv.spec.apply.vllm_version,
-            s.max_model_len,
-        )
-        cal = record_startup(cal, key, o.startup_s, now, o.phases, f"{o.node}:{o.port}")
-    sdir.save_calibration(cal)
-    return len(timed)

@@ -268,6 +268,52 @@ class ModelSummary:
 
 
 @dataclass(frozen=True)
+class SloCheck:
+    """A model's SLO against the p99 tails the simulator found on the plan (fleetctl/slo_plan.py):
+    `headroom` is the capacity the planner was asked for over the workload to get there."""
+
+    model: str
+    slo_ttft_p99_s: float | None
+    slo_tpot_p99_ms: float | None
+    ttft_p99_s: float | None  # simulated; None: no request finished
+    tpot_p99_ms: float | None
+    requests: int
+    headroom: float = 1.0
+    traffic: str = "synthetic"  # what was simulated: "synthetic" (from the workload) or "trace"
+
+    @property
+    def misses(self) -> tuple[str, ...]:
+        """Each objective missed, with its simulated figure and by how much."""
+        out = []
+        for name, got, want, unit in (
+            ("TTFT p99", self.ttft_p99_s, self.slo_ttft_p99_s, "s"),
+            ("TPOT p99", self.tpot_p99_ms, self.slo_tpot_p99_ms, "ms"),
+        ):
+            if want is None:
+                continue
+            if got is None:
+                out.append(f"{name}: no request finished (objective {want:g} {unit})")
+            elif got > want:
+                out.append(
+                    f"{name} {got:.3g} {unit} against {want:g} {unit} (+{got / want - 1:.0%})"
+                )
+        return tuple(out)
+
+    @property
+    def met(self) -> bool:
+        return not self.misses
+
+    def to_json(self) -> dict[str, Any]:
+        d = fields_of(self)
+        for k in ("ttft_p99_s", "tpot_p99_ms"):
+            d[k] = None if d[k] is None else round(d[k], 4)
+        d["headroom"] = round(self.headroom, 3)
+        d["met"] = self.met
+        d["misses"] = list(self.misses)
+        return d
+
+
+@dataclass(frozen=True)
 class Plan:
     inventory: str
     deployments: tuple[Deployment, ...]
@@ -278,6 +324,8 @@ class Plan:
     state_serial: int | None = None
     solver: dict[str, Any] = field(default_factory=dict)
     objective: str = "throughput"
+    # Each SLO model's simulated tails, where the plan was checked (objective cost).
+    slo_checks: tuple[SloCheck, ...] = ()
 
     @property
     def cost_per_hour(self) -> float | None:
@@ -306,5 +354,6 @@ class Plan:
             "warnings": list(self.warnings),
             "actions": [a.to_json() for a in self.actions],
             "models": [m.to_json() for m in self.models],
+            "slo_checks": [c.to_json() for c in self.slo_checks],
             "solver": self.solver,
         }

@@ -29,10 +29,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("catalog", "hfconfig"),
     ("inventory", "cost"),
     ("perf",),
-    ("plan", "facts", "facts_parse", "calibration"),
+    ("plan", "facts", "facts_parse", "calibration", "startup"),
     ("state",),
     ("statedir", "planner", "routing", "progress", "estimate"),
     ("sim", "ssh", "http"),
+    ("whatif",),  # a fleet's deployments simulated on a trace
+    ("slo_plan",),  # cost plans checked by whatif against each model's SLO
     ("probe", "health", "router", "emulator", "calibrate_io"),
     ("apply", "warmup"),
     ("render",),
@@ -48,7 +50,10 @@ PURE = (
     "facts",
     "facts_parse",
     "sim",
+    "whatif",
+    "slo_plan",
     "calibration",
+    "startup",
     "vllm_metrics",
     "vllm_hash",
 )

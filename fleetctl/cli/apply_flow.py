@@ -252,7 +252,7 @@ def _record_startups(
 ) -> None:
     """Each server's measured start-up joins the calibration (warm-up: fleetctl/warmup.py);
     a calibration file that cannot be read or written is a warning, not a failed apply."""
-    from fleetctl.calibrate_io import record_startups
+    from fleetctl.warmup import record_startups
 
     try:
         record_startups(sdir, inv, deployments, outcomes)

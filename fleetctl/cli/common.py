@@ -12,9 +12,12 @@ import typer
 from fleetctl.cli.options import EXAMPLE_PREFIX
 
 if TYPE_CHECKING:  # heavy imports wait for the command that needs them
+    from collections.abc import Mapping, Sequence
+
     from fleetctl.catalog import Catalog
     from fleetctl.inventory import Inventory
     from fleetctl.plan import Plan
+    from fleetctl.sim.workload import WorkItem
     from fleetctl.state import State
     from fleetctl.statedir import StateDir
 
@@ -68,10 +71,13 @@ def plan_with_facts(
     facts: Path | None,
     state: State,
     calibrated: bool = True,
+    traces: Mapping[str, Sequence[WorkItem]] | None = None,
 ) -> Plan:
     """The plan, with probed GPUs over declared ones (--facts, else the saved facts when there
     are any); each disagreement leads the warnings. With `calibrated`, the state folder's
     calibration (when there is one) replaces the model's KV and speed where it matches.
+    A cost plan is checked by the simulator against each model's SLO, on its trace in
+    `traces` or on synthetic traffic, and re-solved with more capacity where one is missed.
     `plan` and `apply` both plan through here."""
     import dataclasses
 
@@ -83,7 +89,18 @@ def plan_with_facts(
     if found is not None:
         inv, notes = apply_facts(inv, found, catalog)
     calibration = sdir.load_calibration() if calibrated else None
-    result = plan_fleet(inv, state, calibration)
+    if inv.spec.planner.objective == "cost":
+        from fleetctl.slo_plan import plan_within_slos
+
+        planned = inv
+        result = plan_within_slos(
+            inv,
+            lambda headroom: plan_fleet(planned, state, calibration, headroom=headroom),
+            traces,
+            calibration,
+        )
+    else:
+        result = plan_fleet(inv, state, calibration)
     return dataclasses.replace(result, warnings=(*notes, *result.warnings)) if notes else result
 
 

@@ -100,7 +100,12 @@ def plan(
 
         traffic = whatif.load_traffic(inv, what_if)
     state = sdir.load_state()
-    result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration)
+    traces = None
+    if workload_from is not None and inv.spec.planner.objective == "cost":
+        from fleetctl.cli.traffic import traces_from
+
+        traces = traces_from(inv, workload_from)  # the SLO check runs the traffic itself
+    result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
     from fleetctl.warmup import for_plan
 
     # Warm-up: the start-ups apply measured (the calibration), else estimated from weights.

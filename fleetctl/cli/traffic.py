@@ -12,7 +12,7 @@ from rich.console import RenderableType
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory, WorkloadSpec
 from fleetctl.limits import MAX_RATE
-from fleetctl.sim.workload import derive_workload, load_trace, trace_files
+from fleetctl.sim.workload import WorkItem, derive_workload, load_trace, trace_files
 from fleetctl.tables import Col, Records
 
 
@@ -50,6 +50,11 @@ def workloads_from(inv: Inventory, path: Path) -> tuple[Inventory, dict[str, dic
         )
         models.append(dataclasses.replace(m, spec=m.spec.model_copy(update={"workload": spec})))
     return dataclasses.replace(inv, models=tuple(models)), shown
+
+
+def traces_from(inv: Inventory, path: Path) -> dict[str, list[WorkItem]]:
+    """Each model's requests in the traffic at `path` (read as `workloads_from` reads it)."""
+    return {m.name: load_trace(path, m.name) for m in inv.models}
 
 
 def _names_models(path: Path) -> bool:

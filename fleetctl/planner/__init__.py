@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 from fleetctl.calibration import Calibration
 from fleetctl.cost import total
@@ -45,11 +46,13 @@ def plan_fleet(
     state: State | None = None,
     calibration: Calibration | None = None,
     objective: str | None = None,
+    headroom: Mapping[str, float] | None = None,
 ) -> Plan:
     """The plan for `inv`, keeping what `state` runs where it is still a good answer; with
     `calibration`, live servers' measured KV and speed replace the model's where they match.
     `objective` ("throughput" or "cost", default the inventory's planner.objective): share
-    spare GPUs out, or use the cheapest GPUs that meet every workload."""
+    spare GPUs out, or use the cheapest GPUs that meet every workload (times the model's
+    `headroom`, where the simulator found its SLO missed: fleetctl/slo_plan.py)."""
     state = state or State()
     objective = objective or inv.spec.planner.objective
     classes = node_classes(inv)
@@ -61,7 +64,7 @@ def plan_fleet(
     feasible = prune_dominated(feasible, warn_below, {i for i, n in enumerate(running) if n})
     current = _current_counts(feasible, classes, state)
     target = inv.spec.planner.target_utilization
-    sol = solve(classes, feasible, inv.models, target, current, warn_below, objective)
+    sol = solve(classes, feasible, inv.models, target, current, warn_below, objective, headroom)
     placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
     serving: dict[str, set[str]] = defaultdict(set)
     for p in placements:

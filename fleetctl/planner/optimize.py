@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,15 +240,17 @@ def solve(
     current: Sequence[int] = (),
     warn_sequences_below: int = 8,
     objective: str = "throughput",
+    headroom: Mapping[str, float] | None = None,
 ) -> Solution:
     """Choose how many of each candidate to run; `current` counts what runs now per candidate.
     objective "throughput" shares spare GPUs out fairly; "cost" uses the cheapest GPUs that
-    meet every workload (each class needs a price: NodeClass.cost_per_hour)."""
+    meet every workload (each class needs a price: NodeClass.cost_per_hour), each model's
+    times its `headroom` (default 1: the simulator asks for more where an SLO is missed)."""
     if not cands:
         return Solution([], {}, {"status": "nothing to place"})
     if objective == "cost":
         return _solve_cost(
-            classes, cands, models, target_utilization, current, warn_sequences_below
+            classes, cands, models, target_utilization, current, warn_sequences_below, headroom
         )
     started = time.perf_counter()
     current = list(current) or [0] * len(cands)
@@ -329,8 +331,10 @@ def _solve_cost(
     target_utilization: float,
     current: Sequence[int],
     warn_sequences_below: int,
+    headroom: Mapping[str, float] | None = None,
 ) -> Solution:
-    """The cheapest deployments that meet every model's workload (see the module's notes)."""
+    """The cheapest deployments that meet every model's workload times its headroom (see the
+    module's notes)."""
     started = time.perf_counter()
     current = list(current) or [0] * len(cands)
     prices = {c.index: c.cost_per_hour for c in classes}
@@ -355,6 +359,8 @@ def _solve_cost(
         mine = [o for o, k in enumerate(cands) if k.model is m]
         _replica_rows(prog, m, mine, cands, y, COST_UNMET_WEIGHT)
         d = demand(m)
+        if d and headroom:
+            d *= headroom.get(m.name, 1.0)
         if d and mine:  # shortfall >= 1 - capacity x target / workload
             short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT)
             ratio = {y[o]: cands[o].capacity_rps * target_utilization / d for o in mine}

@@ -1,0 +1,126 @@
+"""plan --objective cost checked by the simulator against each model's SLO (fleetctl/slo_plan.py):
+a plan sized from a 5-minute peak misses a burst's TTFT, and the planner asks for more."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from fleetctl.inventory import load_inventory
+from fleetctl.planner import plan_fleet
+from fleetctl.sim.workload import load_trace
+from fleetctl.slo_plan import check, plan_within_slos, synthetic_traffic
+from tests.conftest import write
+
+FLEET = """\
+ssh: {user: ubuntu}
+nodes:
+  - name: a100-[1:4]
+    host: 10.0.1.[11:14]
+    gpus: {type: A100-SXM4-80GB, count: 1}
+    cost_per_hour: 1.8
+  - name: rtx-[1:8]
+    host: 10.0.2.[21:28]
+    gpus: {type: RTX-4090, count: 1}
+    cost_per_hour: 0.7
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+    max_context: 8192
+    workload: {requests_per_s: 8, mean_prompt_tokens: 1500, mean_output_tokens: 300}
+    slo: {ttft_p99_s: 2.0}
+"""
+
+
+def burst_trace(path: Path) -> Path:
+    """Ten calm minutes at 1 req/s, then 40 s at 25 req/s: the derived peak (2.5 req/s, the
+    mean, since the burst is shorter than a fifth of a window) is a tenth of the burst's."""
+    rng = random.Random(1)
+    arrivals = []
+    t = 0.0
+    while t < 600:
+        t += rng.expovariate(1.0)
+        arrivals.append(t)
+    t = 600.0
+    while t < 640:
+        t += rng.expovariate(25.0)
+        arrivals.append(t)
+    rows = (
+        {"timestamp": int(a * 1000), "input_length": 1500, "output_length": 300, "hash_ids": [i]}
+        for i, a in enumerate(arrivals)
+    )
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_a_cost_plan_that_misses_its_ttft_slo_on_a_burst_gets_more_capacity(cli, tmp_path):
+    trace = burst_trace(tmp_path / "burst.jsonl")
+    inv = write(tmp_path, FLEET)
+    args = ("plan", inv, "--objective", "cost", "--state-dir", tmp_path / "st")
+    r = cli(*args, "--workload-from", trace, "--json")
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    (checked,) = data["slo_checks"]
+    assert checked["traffic"] == "trace" and checked["requests"] == len(
+        trace.read_text().splitlines()
+    )
+    assert checked["met"] and checked["ttft_p99_s"] <= 2.0
+    assert checked["headroom"] > 1.5  # asked for more than the derived workload
+    assert data["solver"]["slo_rounds"] > 1
+    # The plan sized for the derived rate alone: fewer GPUs, and the burst misses the SLO.
+    from fleetctl.catalog import load_catalog
+    from fleetctl.cli.traffic import workloads_from
+
+    catalog = load_catalog()
+    loaded, _ = workloads_from(load_inventory(inv, catalog), trace)
+    bare = plan_fleet(loaded, objective="cost")
+    model = loaded.models[0]
+    alone = check(loaded, bare, model, load_trace(trace, model.name), 1.0, "trace")
+    assert not alone.met and alone.ttft_p99_s is not None and alone.ttft_p99_s > 2.0
+    assert data["cost_per_hour"] > (bare.cost_per_hour or 0)
+    gpus = sum(m["gpus"] for m in data["models"])
+    assert gpus > sum(m.gpus for m in bare.models)
+
+
+def test_a_slo_the_fleet_cannot_meet_is_named_with_its_miss(cli, tmp_path):
+    small = FLEET.replace("a100-[1:4]", "a100-1").replace("10.0.1.[11:14]", "10.0.1.11")
+    small = small.replace("rtx-[1:8]", "rtx-1").replace("10.0.2.[21:28]", "10.0.2.21")
+    trace = burst_trace(tmp_path / "burst.jsonl")
+    args = ("plan", write(tmp_path, small), "--objective", "cost", "--state-dir", tmp_path / "st")
+    r = cli(*args, "--workload-from", trace, "--json")
+    assert r.code == 0, r.err  # the plan is valid; it only cannot meet the SLO
+    data = json.loads(r.out)
+    (checked,) = data["slo_checks"]
+    assert not checked["met"] and checked["ttft_p99_s"] > 2.0
+    (miss,) = checked["misses"]
+    assert miss.startswith("TTFT p99") and "against 2 s (+" in miss
+    warning = next(w for w in data["warnings"] if "misses its SLO" in w)
+    assert "llama-3-8b" in warning and "no more GPUs" in warning
+    assert sum(m["gpus"] for m in data["models"]) == 2  # everything it has
+    text = cli(*args, "--workload-from", trace)
+    assert "misses its SLO in simulation" in text.out
+
+
+def test_without_a_trace_the_check_runs_synthetic_traffic_of_the_workload(catalog, tmp_path):
+    tight = FLEET.replace("slo: {ttft_p99_s: 2.0}", "slo: {tpot_p99_ms: 40}")
+    inv = load_inventory(write(tmp_path, tight), catalog)
+    model = inv.models[0]
+    items = synthetic_traffic(model)
+    rate = len(items) / items[-1].arrival
+    assert rate == pytest.approx(8, rel=0.1)  # the workload's rate
+    assert sum(w.prompt for w in items) / len(items) == pytest.approx(1500, rel=0.1)
+    plan = plan_within_slos(inv, lambda h: plan_fleet(inv, objective="cost", headroom=h))
+    (checked,) = plan.slo_checks
+    assert checked.traffic == "synthetic" and checked.requests == len(items)
+    assert checked.met and checked.tpot_p99_ms is not None and checked.tpot_p99_ms <= 40
+    # Without the SLO nothing is simulated, and the plan is the MILP's alone.
+    free = load_inventory(
+        write(tmp_path, FLEET.replace("    slo: {ttft_p99_s: 2.0}\n", "")), catalog
+    )
+    plain = plan_within_slos(free, lambda h: plan_fleet(free, objective="cost", headroom=h))
+    assert plain.slo_checks == () and "slo_rounds" not in plain.solver
