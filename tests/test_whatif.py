@@ -20,6 +20,7 @@ from fleetctl.statedir import StateDir
 from fleetctl.whatif import KEYS, Figures, judge
 from tests.conftest import write
 from tests.procs import free_port
+from tests.test_apply import NAMES, fleet, hosts  # noqa: F401 (fixtures: real SSH test hosts)
 
 DATA = Path(__file__).resolve().parent / "data"
 REPO = Path(__file__).resolve().parent.parent
@@ -247,3 +248,36 @@ def test_the_prediction_follows_route_serve_in_front_of_emulators(tmp_path):
     # Fewer, slower GPUs: slower, predicted and measured alike.
     for side in ("predicted", "measured"):
         assert plans["rtx"][side]["ttft_p99_s"] > plans["mixed"][side]["ttft_p99_s"], report
+
+
+def test_apply_gate_over_real_ssh_passes_refuses_then_is_forced(cli, fleet):  # noqa: F811
+    """apply --gate on test hosts whose `vllm` is the emulator (tests/test_apply.py's fleet):
+    nothing runs, so the gate passes and apply starts four servers; an inventory that keeps
+    the model off the A100s is predicted slower and refused, touching no server; --force
+    applies it."""
+    t = trace(fleet.tmp)
+    r = cli("apply", *fleet.args(fleet.inv, "--gate", t, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    doc = json.loads(r.out)
+    assert doc["gate"]["passed"] and "nothing runs yet" in doc["gate"]["notes"][0]
+    assert doc["what_if"]["current"]["gpus"] == 0 and doc["what_if"]["candidate"]["gpus"] == 4
+    assert len(fleet.state()["deployments"]) == 4
+    pids = {(h, m["port"]): fleet.pid(h, m["port"]) for h in NAMES for m in fleet.manifests(h)}
+
+    text = fleet.inv.read_text()
+    rtx_only = "    placement: {gpu_types: [RTX-4090]}\n    env:"
+    fleet.inv.write_text(text.replace("    env:", rtx_only, 1))
+    refused = cli("apply", *fleet.args(fleet.inv, "--gate", t, "--yes"))
+    assert refused.code == 1 and "apply refused by --gate: p99 TTFT rises" in refused.err
+    assert len(fleet.state()["deployments"]) == 4
+    assert pids == {
+        (h, m["port"]): fleet.pid(h, m["port"]) for h in NAMES for m in fleet.manifests(h)
+    }
+
+    forced = cli("apply", *fleet.args(fleet.inv, "--gate", t, "--yes", "--force", "--json"))
+    assert forced.code == 0, forced.out + forced.err
+    doc = json.loads(forced.out)
+    assert doc["gate"] == {**doc["gate"], "passed": False, "forced": True}
+    assert {d["node"] for d in fleet.state()["deployments"]} == {"rtx-1", "rtx-2"}
+
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
