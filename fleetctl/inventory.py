@@ -219,6 +219,11 @@ class PlannerSpec(Strict):
     # throughput: share spare GPUs out among the models; cost: the cheapest GPUs that meet
     # every workload (needs every node's price). `plan --objective` overrides it.
     objective: Literal["throughput", "cost"] = "throughput"
+    # A change of placement must be worth its disruption (fleetctl/startup.py): with objective
+    # throughput, this much log-capacity (0.02: 2% of one model's) per server-minute of warm-up
+    # and capacity missing; with objective cost, pay its GPU-hours back within payback_hours.
+    change_threshold: float = Field(0.02, ge=0, le=10)
+    payback_hours: float = Field(24.0, gt=0, le=24 * 365)
 
 
 class GateSpec(Strict):

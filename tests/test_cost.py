@@ -13,6 +13,7 @@ from fleetctl.catalog import Catalog
 from fleetctl.cost import gpus_cost_per_hour, node_cost_per_hour, per_million_tokens
 from fleetctl.inventory import load_inventory
 from fleetctl.planner import plan_fleet
+from fleetctl.state import State
 from tests.conftest import REPO, write
 
 FLEET = """\
@@ -210,3 +211,22 @@ def test_plan_objective_cost_through_the_cli_uses_cheaper_gpus(cli, tmp_path):
     assert cheap["models"][0]["shortfall_rps"] == 0
     h100 = [d for d in cheap["deployments"] if d["gpu_type"] == "H100-SXM-80GB"]
     assert all(d["cost_per_hour"] == pytest.approx(10.76 / 4) for d in h100)  # the entry's price
+
+
+def test_a_cost_plan_moves_only_where_the_saving_pays_back_its_warm_up(tmp_path, catalog):
+    """planner.payback_hours: two A100s run the workload; at 4.00 an A100-hour, six RTX 4090s
+    at 1.00 carry it for 2.00 an hour less. That pays back two servers' warm-ups within a
+    day (the default), not within 36 seconds."""
+    first = plan_fleet(inventory(tmp_path, catalog, priced(1.0, 1.0)), objective="cost")
+    assert {d.gpu_type for d in first.deployments} == {"A100-SXM4-80GB"}
+    state = State(1, first.deployments)
+
+    def replan(payback: float | None) -> Counter[str]:
+        text = priced(4.0, 1.0)
+        if payback is not None:
+            text += f"planner:\n  payback_hours: {payback}\n"
+        inv = inventory(tmp_path, catalog, text)
+        return Counter(a.op for a in plan_fleet(inv, state, objective="cost").actions)
+
+    assert replan(None) == Counter(create=6, delete=2)
+    assert replan(0.01) == Counter(keep=2)

@@ -293,3 +293,25 @@ def test_kv_starved_servers_still_fill_idle_gpus(tmp_path, catalog):
     assert len(plan.deployments) == 100
     assert not any("idle" in w for w in plan.warnings)
     assert any("holds only 5 sequences" in w for w in plan.warnings)  # still said
+
+
+def test_a_change_must_be_worth_its_warm_up(tmp_path, catalog):
+    """planner.change_threshold: the 70B's workload grows 30%, just past what it has. Moving
+    four servers to it would cover that, for 27 server-minutes of warm-up and capacity
+    missing (141 GB of weights at 1 GB/s + 60 s, twice: stop before start): not worth it at
+    the default, worth it at 0. Doubled, its shortfall outweighs the disruption."""
+    text = examples()["seed-multi-model"].read_text()
+    first = plan_fleet(load_inventory(write(tmp_path, text), catalog))
+    state = State(1, first.deployments)
+
+    def replan(factor: float, threshold: float | None) -> Counter[str]:
+        grown = text.replace("requests_per_s: 1.2,", f"requests_per_s: {1.2 * factor:g},")
+        assert grown != text
+        if threshold is not None:
+            grown = grown.replace("planner:\n", f"planner:\n  change_threshold: {threshold}\n")
+        inv = load_inventory(write(tmp_path, grown, "grown.yaml"), catalog)
+        return Counter(a.op for a in plan_fleet(inv, state).actions)
+
+    assert replan(1.3, 0.0)["replace"] == 4  # any gain moves servers
+    assert replan(1.3, None) == Counter(keep=len(first.deployments))  # the default keeps them
+    assert replan(2.0, None)["replace"] == 4  # a real shortfall is worth the disruption

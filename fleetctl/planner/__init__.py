@@ -35,6 +35,7 @@ from fleetctl.planner.candidates import (
 from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
 from fleetctl.planner.optimize import demand, solve
+from fleetctl.startup import replacement_minutes, stay_bonus, warmup_seconds
 from fleetctl.state import State
 from fleetctl.text import plural
 
@@ -64,7 +65,13 @@ def plan_fleet(
     feasible = prune_dominated(feasible, warn_below, {i for i, n in enumerate(running) if n})
     current = _current_counts(feasible, classes, state)
     target = inv.spec.planner.target_utilization
-    sol = solve(classes, feasible, inv.models, target, current, warn_below, objective, headroom)
+    stay = [
+        _stay(k, inv, calibration, objective) if n else 0.0
+        for k, n in zip(feasible, current, strict=True)
+    ]
+    sol = solve(
+        classes, feasible, inv.models, target, current, warn_below, objective, headroom, stay
+    )
     placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
     serving: dict[str, set[str]] = defaultdict(set)
     for p in placements:
@@ -151,6 +158,28 @@ def _summary(m: Model, placed: list[Deployment], target: float) -> ModelSummary:
         total(p.server.cost_per_hour for p in placed),
         served * request_shape(m)[1],
     )
+
+
+def _stay(k: Candidate, inv: Inventory, calibration: Calibration | None, objective: str) -> float:
+    """What keeping one replica of `k` where it runs is worth: the disruption its replacement
+    would cause (its warm-up, measured or estimated, doubled where the old server stops
+    first), in log-capacity units at planner.change_threshold per server-minute, or for the
+    cost objective in price per hour, its GPU-hours paid back over planner.payback_hours."""
+    spec = inv.spec.planner
+    warmup = warmup_seconds(
+        calibration,
+        k.cls.gpu.name,
+        k.model.profile.name,
+        k.variant.format.name,
+        k.tp,
+        k.perf.weights,
+        inv.spec.apply.vllm_version,
+    )
+    minutes = replacement_minutes(warmup, k.gpu_memory_utilization)
+    if objective == "cost":
+        price = _gpus_price(k.cls, k.tp) or 0.0
+        return price * minutes / 60 / spec.payback_hours
+    return stay_bonus(warmup, k.gpu_memory_utilization, spec.change_threshold)
 
 
 def _check_prices(inv: Inventory, classes: list[NodeClass]) -> None:

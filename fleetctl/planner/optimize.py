@@ -15,7 +15,9 @@ Objective, in one solve (terms in decreasing weight):
     workload), piecewise linear, so no model's workload size biases who gets the spare GPUs;
   - a penalty for deployments whose KV cache holds fewer than `warn_sequences_below`
     sequences at max_context (the seed's lesson: weights fit, KV does not);
-  - a small bonus for replicas that stay where they run now (adding a node does not reshuffle);
+  - a bonus for replicas that stay where they run now: the gain a change must beat, by the
+    disruption its warm-up causes (planner.change_threshold per server-minute; at least
+    STAY_BONUS, so adding a node does not reshuffle);
   - a bonus per GPU in use, larger than the KV penalty, so that penalty chooses between GPUs
     but never leaves one idle that some model could use (fairness's gain from one more
     replica shrinks as 1/n, and at 55 RTX 4090s it fell below the penalty).
@@ -28,7 +30,8 @@ TP size, quantization and KV budget chosen in the same program), the terms becom
     (COST_SHORTFALL_WEIGHT per unit not covered: a shortfall is reported, never infeasible);
   - the price per hour of the GPUs deployments use, divided by the whole fleet's price so
     that it weighs less than any shortfall worth a whole GPU;
-  - the KV penalty and the stay bonus, scaled below a cent's difference;
+  - the KV penalty, scaled below a cent's difference, and the stay bonus: a replica kept
+    saves its replacement's GPU-hours of disruption at its price, over planner.payback_hours;
   no fairness term and no GPU-use bonus: GPUs no model needs stay idle (and unpaid for).
 """
 
@@ -241,16 +244,26 @@ def solve(
     warn_sequences_below: int = 8,
     objective: str = "throughput",
     headroom: Mapping[str, float] | None = None,
+    stay: Sequence[float] = (),
 ) -> Solution:
     """Choose how many of each candidate to run; `current` counts what runs now per candidate.
     objective "throughput" shares spare GPUs out fairly; "cost" uses the cheapest GPUs that
     meet every workload (each class needs a price: NodeClass.cost_per_hour), each model's
-    times its `headroom` (default 1: the simulator asks for more where an SLO is missed)."""
+    times its `headroom` (default 1: the simulator asks for more where an SLO is missed).
+    `stay` weighs, per candidate, a replica kept where it runs: in log-capacity units for
+    throughput, in the fleet's price per hour for cost (default STAY_BONUS, a tie-breaker)."""
     if not cands:
         return Solution([], {}, {"status": "nothing to place"})
     if objective == "cost":
         return _solve_cost(
-            classes, cands, models, target_utilization, current, warn_sequences_below, headroom
+            classes,
+            cands,
+            models,
+            target_utilization,
+            current,
+            warn_sequences_below,
+            headroom,
+            stay,
         )
     started = time.perf_counter()
     current = list(current) or [0] * len(cands)
@@ -265,8 +278,8 @@ def solve(
         cost = KV_STARVED_PENALTY * short - GPU_USE_BONUS * k.tp
         y.append(prog.col(0, hi, cost, integer=True))
         if current[o]:  # k <= min(y, current): replicas that stay put
-            stay = prog.col(0, current[o], -STAY_BONUS)
-            prog.row({stay: 1.0, y[o]: -1.0}, -math.inf, 0.0)
+            kept = prog.col(0, current[o], -max(STAY_BONUS, stay[o] if stay else 0.0))
+            prog.row({kept: 1.0, y[o]: -1.0}, -math.inf, 0.0)
 
     shapes = _pack(prog, classes, cands, y)
 
@@ -332,6 +345,7 @@ def _solve_cost(
     current: Sequence[int],
     warn_sequences_below: int,
     headroom: Mapping[str, float] | None = None,
+    stay: Sequence[float] = (),
 ) -> Solution:
     """The cheapest deployments that meet every model's workload times its headroom (see the
     module's notes)."""
@@ -352,8 +366,9 @@ def _solve_cost(
         cost = price / fleet + COST_TIE_WEIGHT * KV_STARVED_PENALTY * short
         y.append(prog.col(0, hi, cost, integer=True))
         if current[o]:
-            stay = prog.col(0, current[o], -COST_TIE_WEIGHT * STAY_BONUS)
-            prog.row({stay: 1.0, y[o]: -1.0}, -math.inf, 0.0)
+            bonus = max(COST_TIE_WEIGHT * STAY_BONUS, (stay[o] if stay else 0.0) / fleet)
+            kept = prog.col(0, current[o], -bonus)
+            prog.row({kept: 1.0, y[o]: -1.0}, -math.inf, 0.0)
     shapes = _pack(prog, classes, cands, y)
     for m in models:
         mine = [o for o, k in enumerate(cands) if k.model is m]
