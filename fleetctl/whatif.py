@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,6 +69,7 @@ def what_if(
     policy: str = DEFAULT_POLICY,
     calibration: Calibration | None = None,
     seed: int = 0,
+    progress: Callable[[float], None] | None = None,
 ) -> Figures:
     """Run `traffic` (per model, the trace's own arrivals) over `deployments` (the state's or
     a plan's) through the router's scheduler and `policy`, and sum it up.
@@ -78,7 +79,8 @@ def what_if(
     by every request that finished); one that never finished (no server of its model,
     refused, still queued at the horizon) misses. Latency percentiles are over finished
     requests. Deployments the inventory cannot describe (a model, format or GPU type it no
-    longer has) count in GPUs and cost but are not simulated, and a note says so."""
+    longer has) count in GPUs and cost but are not simulated, and a note says so.
+    `progress`, if given, hears the share of the requests simulated so far (0 to 1)."""
     notes: list[str] = []
     gpu_types = {n.gpu.name for n in inv.nodes}
     formats = {m.name: {v.format.name for v in m.variants} for m in inv.models}
@@ -102,7 +104,9 @@ def what_if(
     outcomes: list[Outcome] = []
     met = 0
     servers = 0
+    everything = sum(len(items) for items in traffic.values()) or 1
     for model, items in traffic.items():
+        hook = _share_of(progress, len(outcomes), len(items), everything)
         if not items:
             continue
         mine = servers_from_plan([d for d in runnable if d.model == model], inv, calibration)
@@ -123,6 +127,7 @@ def what_if(
             config=config,
             aging=aging,
             output_estimate=estimate,
+            progress=hook,
         )
         slo = inv.model(model).spec.slo if model in formats else None
         for o in result.outcomes:
@@ -159,6 +164,15 @@ def what_if(
         served=len(done),
         notes=tuple(notes),
     )
+
+
+def _share_of(
+    progress: Callable[[float], None] | None, before: int, n: int, everything: int
+) -> Callable[[float], None] | None:
+    """One model's share simulated, as the share of all the requests done."""
+    if progress is None:
+        return None
+    return lambda share: progress((before + share * n) / everything)
 
 
 def _finished(o: Outcome) -> bool:

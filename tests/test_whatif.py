@@ -153,6 +153,20 @@ def test_an_slo_drop_refuses_too(cli, tmp_path):
     assert "SLO attainment drops" in r.err
 
 
+def test_progress_hears_the_share_of_requests_simulated(tmp_path):
+    from fleetctl.sim.workload import load_trace
+    from fleetctl.whatif import what_if
+
+    inv = load_inventory(inventory(tmp_path, 2), load_catalog())
+    items = load_trace(trace(tmp_path, n=5000, every_ms=20), "llama-3-8b")
+    heard: list[float] = []
+    figures = what_if(
+        inv, plan_fleet(inv).deployments, {"llama-3-8b": items}, progress=heard.append
+    )
+    assert figures.requests == 5000 and heard and heard == sorted(heard)
+    assert heard[0] > 0 and heard[-1] <= 1
+
+
 def test_judge_passes_within_thresholds_and_a_fleet_that_runs_nothing():
     def figs(p99: float | None, slo: float | None, gpus: int = 1) -> Figures:
         return Figures(0.1, p99, 10.0, 12.0, 5.0, slo, gpus, None, None)

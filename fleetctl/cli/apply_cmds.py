@@ -101,7 +101,7 @@ def apply(
 
     gate = None
     if gate_trace is not None:
-        gate = _gate(inv, sdir, gate_trace, force, not skip_calibration)
+        gate = _gate(inv, sdir, gate_trace, force, not skip_calibration, not as_json)
     elif force:
         raise typer.BadParameter("--force overrides --gate: give --gate TRACE too")
     code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console(), refresh, gate)
@@ -111,7 +111,7 @@ def apply(
         common.exit_if_incomplete(planned[0])
 
 
-def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool) -> Any:
+def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool, show: bool) -> Any:
     """apply --gate: the trace is read now (a bad one fails before anything is locked); the
     comparison runs once the plan is made, against the state apply holds locked."""
     from fleetctl.cli import whatif
@@ -120,7 +120,7 @@ def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool)
 
     def gate(running: list[Any], planned: list[Any]) -> tuple[str | None, dict[str, Any], Any]:
         calibration = sdir.load_calibration() if calibrated else None
-        w = whatif.compare(inv, running, planned, trace, traffic, calibration)
+        w = whatif.compare(inv, running, planned, trace, traffic, calibration, show)
         verdict = whatif.gate_verdict(inv, w)
         fields = {"what_if": w.to_json(), "gate": {**verdict.to_json(), "forced": False}}
         shown = [whatif.render(w, verdict)]

@@ -116,7 +116,7 @@ def plan(
     if what_if is not None and traffic is not None:
         calibration = sdir.load_calibration() if not no_calibration else None
         compared = whatif.compare(
-            inv, state.deployments, result.deployments, what_if, traffic, calibration
+            inv, state.deployments, result.deployments, what_if, traffic, calibration, not as_json
         )
     if out is not None:
         # `apply plan.json` may run from another folder: name the inventory absolutely.

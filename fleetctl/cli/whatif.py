@@ -69,13 +69,25 @@ def compare(
     trace: Path,
     traffic: dict[str, list[WorkItem]],
     calibration: Any = None,
+    show_progress: bool = False,
 ) -> WhatIf:
-    """The state's deployments and the plan's on the same requests."""
-    return WhatIf(
-        trace,
-        what_if(inv, current, traffic, calibration=calibration),
-        what_if(inv, candidate, traffic, calibration=calibration),
-    )
+    """The state's deployments and the plan's on the same requests (a bar on a terminal)."""
+    from fleetctl.progress import progress
+
+    now, plan = "what-if: simulating what runs now", "what-if: simulating the plan"
+    with progress(now, 2, enabled=show_progress) as bar:
+        running = what_if(
+            inv, current, traffic, calibration=calibration, progress=lambda f: bar.update(f, now)
+        )
+        bar.update(1, plan)
+        planned = what_if(
+            inv,
+            candidate,
+            traffic,
+            calibration=calibration,
+            progress=lambda f: bar.update(1 + f, plan),
+        )
+    return WhatIf(trace, running, planned)
 
 
 # (label, key, format): the rows of the side-by-side table.
