@@ -191,6 +191,33 @@ def test_a_trace_without_model_names_needs_a_one_model_inventory(cli, tmp_path):
     assert g.code == 2 and "does not say which model" in g.err
 
 
+def test_a_request_log_naming_models_runs_each_on_its_servers(cli, tmp_path):
+    """route-serve's log names each row's model: each model's rows go to its servers; a model
+    nothing runs yet misses its requests, and another fleet's rows are left out."""
+    inv = tmp_path / "multi.yaml"
+    inv.write_text((REPO / "inventory" / "seed-multi-model.yaml").read_text())
+    loaded = load_inventory(inv, load_catalog())
+    only_8b = tuple(d for d in plan_fleet(loaded).deployments if d.model == "llama-3-8b")
+    StateDir.of(loaded).save_state(State(3, only_8b))
+    rows = []
+    for i in range(90):
+        model = ["llama-3-8b", "llama-2-13b", "not-ours"][i % 3]
+        row = {"timestamp": 1_764_547_200_000 + i * 200, "input_length": 500}
+        rows.append({**row, "output_length": 50, "hash_ids": [i], "model": model})
+    log = tmp_path / "requests-2026-12-01.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = cli("plan", inv, "--what-if", log, "--json")
+    assert r.code == 0, r.err
+    w = json.loads(r.out)["what_if"]
+    assert w["requests"] == 60
+    assert w["current"]["gpus"] == sum(len(d.gpu_indices) for d in only_8b)
+    assert w["current"]["slo_attainment"] == pytest.approx(0.5)  # the 13B's 30 never run
+    assert any(
+        "30 request(s) of llama-2-13b: no server runs it" in n for n in w["notes"]["current"]
+    )
+    assert w["candidate"]["slo_attainment"] == 1.0 and not w["notes"]["candidate"]
+
+
 def test_bad_input_is_one_line_exit_2(cli, tmp_path):
     inv = inventory(tmp_path, 1)
     missing = cli("plan", inv, "--what-if", tmp_path / "nope.jsonl")
