@@ -104,6 +104,7 @@ def what_if(
     outcomes: list[Outcome] = []
     met = 0
     servers = 0
+    unrun = 0  # requests of a model no server runs
     everything = sum(len(items) for items in traffic.values()) or 1
     for model, items in traffic.items():
         hook = _share_of(progress, len(outcomes), len(items), everything)
@@ -115,6 +116,7 @@ def what_if(
             if deployments:
                 notes.append(f"{len(items)} request(s) of {model}: no server runs it")
             outcomes += [Outcome(w) for w in items]
+            unrun += len(items)
             continue
         workload = inv.model(model).spec.workload if model in formats else None
         mean_out = round(sum(w.output for w in items) / len(items))
@@ -145,10 +147,13 @@ def what_if(
     span = last - min((o.item.arrival for o in outcomes), default=0.0)
     rate = tokens / span if span and span > 0 else None
     if not deployments:
-        notes.append("nothing runs yet: no deployment is recorded in the state")
-    starved = len(outcomes) - len(done)
+        notes.append("nothing runs yet: this fleet has no server")
+    starved = len(outcomes) - len(done) - unrun
     if deployments and starved:
-        notes.append(f"{starved} of {len(outcomes)} request(s) did not finish")
+        notes.append(
+            f"{starved} of {len(outcomes) - unrun} simulated request(s) did not finish "
+            "(refused, or still queued when the simulation ended)"
+        )
     return Figures(
         ttft_p50_s=_pct(ttft, 50),
         ttft_p99_s=_pct(ttft, 99),
