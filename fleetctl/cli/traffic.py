@@ -19,12 +19,7 @@ from fleetctl.tables import Col, Records
 def workloads_from(inv: Inventory, path: Path) -> tuple[Inventory, dict[str, dict[str, Any]]]:
     """`inv` with each model's workload derived from the traffic at `path`, where it has any,
     and the workloads as `plan --json` shows them (`source`: log or inventory)."""
-    if len(inv.models) > 1 and not _names_models(path):
-        raise UserError(
-            "this trace does not say which model each request was for",
-            Location(str(path)),
-            "give route-serve's request log, or an inventory with one model",
-        )
+    need_model_names(inv, path)
     long_tokens = inv.spec.router.long_context_tokens
     models = []
     shown: dict[str, dict[str, Any]] = {}
@@ -53,8 +48,33 @@ def workloads_from(inv: Inventory, path: Path) -> tuple[Inventory, dict[str, dic
 
 
 def traces_from(inv: Inventory, path: Path) -> dict[str, list[WorkItem]]:
-    """Each model's requests in the traffic at `path` (read as `workloads_from` reads it)."""
-    return {m.name: load_trace(path, m.name) for m in inv.models}
+    """Each inventory model's requests in the traffic at `path`, at the trace's own times
+    (`plan --what-if`, `apply --gate`, and the cost plan's SLO check)."""
+    need_model_names(inv, path)
+    if not inv.models:
+        raise UserError(
+            "the inventory serves no model", Location(str(inv.path)), "add one under models:"
+        )
+    traffic = {m.name: load_trace(path, m.name) for m in inv.models}
+    if not any(traffic.values()):
+        names = ", ".join(m.name for m in inv.models)
+        raise UserError(
+            f"the trace has no request for the inventory's models ({names})",
+            Location(str(path)),
+            "give a trace or request log of this fleet's traffic",
+        )
+    return traffic
+
+
+def need_model_names(inv: Inventory, path: Path) -> None:
+    """A trace whose rows name no model (Azure, Mooncake) is one model's: the inventory's
+    only; refuse it for a fleet of several."""
+    if len(inv.models) > 1 and not _names_models(path):
+        raise UserError(
+            "this trace does not say which model each request was for",
+            Location(str(path)),
+            "give route-serve's request log, or an inventory with one model",
+        )
 
 
 def _names_models(path: Path) -> bool:

@@ -11,38 +11,18 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Deployment
-from fleetctl.sim.workload import WorkItem, load_trace
+from fleetctl.sim.workload import WorkItem
 from fleetctl.tables import Col, Records
 from fleetctl.whatif import DEFAULT_POLICY, Figures, Verdict, judge, what_if
 
 
 def load_traffic(inv: Inventory, path: Path) -> dict[str, list[WorkItem]]:
-    """Each inventory model's requests in the trace at `path`, at the trace's own times. A
-    trace whose rows name no model (Azure, Mooncake) is one model's: the inventory's only."""
-    from fleetctl.cli.traffic import _names_models
+    """Each inventory model's requests in the trace at `path`, at the trace's own times."""
+    from fleetctl.cli.traffic import traces_from
 
-    if len(inv.models) > 1 and not _names_models(path):
-        raise UserError(
-            "this trace does not say which model each request was for",
-            Location(str(path)),
-            "give route-serve's request log, or an inventory with one model",
-        )
-    if not inv.models:
-        raise UserError(
-            "the inventory serves no model", Location(str(inv.path)), "add one under models:"
-        )
-    traffic = {m.name: load_trace(path, m.name) for m in inv.models}
-    if not any(traffic.values()):
-        names = ", ".join(m.name for m in inv.models)
-        raise UserError(
-            f"the trace has no request for the inventory's models ({names})",
-            Location(str(path)),
-            "give a trace or request log of this fleet's traffic",
-        )
-    return traffic
+    return traces_from(inv, path)
 
 
 @dataclass(frozen=True)
