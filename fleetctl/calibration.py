@@ -20,7 +20,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from fleetctl.perf import BLOCK_SIZE, CUDA_INVISIBLE_BYTES, EnginePerf
 from fleetctl.vllm_metrics import Scrape
@@ -642,22 +642,7 @@ class Calibration:
         """The entry for a class: the same GPU, model, format and TP; of those, a class entry
         (not one node's), then the same vLLM version, then the same max_model_len, then the
         newest."""
-        found = [
-            e
-            for e in self.entries
-            if (e.key.gpu, e.key.model, e.key.format, e.key.tp) == (gpu, model, fmt, tp)
-        ]
-        if not found:
-            return None
-        return max(
-            found,
-            key=lambda e: (
-                e.key.node is None,
-                vllm_version is not None and e.key.vllm_version == vllm_version,
-                max_model_len is not None and e.key.max_model_len == max_model_len,
-                e.measured_at,
-            ),
-        )
+        return _best(self.entries, (gpu, model, fmt, tp), vllm_version, max_model_len)
 
 
 def entry_for(
@@ -1143,18 +1128,37 @@ def find_startup(
 ) -> Startup | None:
     """The start-ups of a class (GPU, model, format, TP): the same vLLM version first, then
     the newest."""
-    found = [
-        s
-        for s in cal.startups
-        if (s.key.gpu, s.key.model, s.key.format, s.key.tp) == (gpu, model, fmt, tp)
-    ]
+    return _best(cal.startups, (gpu, model, fmt, tp), vllm_version)
+
+
+class _Keyed(Protocol):
+    @property
+    def key(self) -> Key: ...
+
+    @property
+    def measured_at(self) -> str: ...
+
+
+K = TypeVar("K", bound=_Keyed)
+
+
+def _best(
+    items: Iterable[K],
+    cls: tuple[str, str, str, int],
+    vllm_version: str | None,
+    max_model_len: int | None = None,
+) -> K | None:
+    """Of `items` for a class (GPU, model, format, TP): a class-wide one (not one node's),
+    then the same vLLM version, then the same max_model_len, then the newest."""
+    found = [i for i in items if (i.key.gpu, i.key.model, i.key.format, i.key.tp) == cls]
     if not found:
         return None
     return max(
         found,
-        key=lambda s: (
-            s.key.node is None,
-            vllm_version is not None and s.key.vllm_version == vllm_version,
-            s.measured_at,
+        key=lambda i: (
+            i.key.node is None,
+            vllm_version is not None and i.key.vllm_version == vllm_version,
+            max_model_len is not None and i.key.max_model_len == max_model_len,
+            i.measured_at,
         ),
     )
