@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,7 @@ from fleetctl.inventory import Inventory
 from fleetctl.plan import Deployment
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.scheduler import Aging
-from fleetctl.sim.fleet import Outcome, servers_from_plan, simulate
+from fleetctl.sim.fleet import Outcome, percentile, servers_from_plan, simulate
 from fleetctl.sim.workload import WorkItem
 
 # The JSON contract of each side of `what_if` (plan --what-if, apply --gate): exactly these.
@@ -216,13 +215,8 @@ def _price(inv: Inventory, d: Deployment) -> float | None:
 
 
 def _pct(values: list[float], p: float) -> float | None:
-    """Linear-interpolated percentile of sorted values (as the simulator's table); None if none."""
-    if not values:
-        return None
-    k = (len(values) - 1) * p / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+    """The simulator's percentile of sorted values; None if none."""
+    return percentile(values, p) if values else None
 
 
 @dataclass(frozen=True)

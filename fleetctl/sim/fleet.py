@@ -140,12 +140,12 @@ class SimResult:
             "starved": sum(1 for o in self.outcomes if o.finished is None and o.rejected is None),
             "rejected": sum(1 for o in self.outcomes if o.rejected is not None),
             "ttft_mean_s": sum(ttft) / len(ttft) if ttft else math.nan,
-            "ttft_p50_s": _pct(ttft, 50),
-            "ttft_p90_s": _pct(ttft, 90),
-            "ttft_p99_s": _pct(ttft, 99),
+            "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p90_s": percentile(ttft, 90),
+            "ttft_p99_s": percentile(ttft, 99),
             "tpot_mean_s": sum(tpot) / len(tpot) if tpot else math.nan,
-            "tpot_p99_s": _pct(tpot, 99),
-            "e2e_p99_s": _pct(e2e, 99),
+            "tpot_p99_s": percentile(tpot, 99),
+            "e2e_p99_s": percentile(e2e, 99),
             "throughput_rps": len(done) / span if span > 0 else 0.0,
             "output_tok_s": tokens / span if span > 0 else 0.0,
             "preemptions": self.preemptions,
@@ -157,7 +157,8 @@ class SimResult:
         }
 
 
-def _pct(values: list[float], p: float) -> float:
+def percentile(values: list[float], p: float) -> float:
+    """Linear-interpolated percentile of sorted values; NaN for none."""
     if not values:
         return math.nan
     k = (len(values) - 1) * p / 100
