@@ -3,14 +3,18 @@
 Run (from the repository root, in the dev venv):
 
     python benchmarks/cost_plan.py [--trace conv|code|PATH] [--speedup 4] [--limit N]
-        [--ttft 2.0] [--tpot 100] [--model llama-3.1-8b] [--max-context 16384] [--json FILE]
+        [--ttft 2.0] [--tpot 100] [--model llama-3.1-8b] [--max-context 16384] [--buckets 4]
+        [--json FILE]
 
 The Azure conversation trace (../shared/traces) is sped up --speedup times (its arrivals
 compressed: the same requests at that many times the rate). Its workload is derived as
 `plan --workload-from` does (sim/workload.py derive_workload: the 95th percentile of its
 5-minute rates, mean prompt and output). One model (Llama-3.1 8B, bf16 or fp8, max_context
 --max-context with min_context 4096: servers that hold less run shorter lengths) gets an SLO
-of --ttft seconds TTFT p99 and --tpot ms TPOT p99.
+of --ttft seconds TTFT p99 and --tpot ms TPOT p99. With --buckets N (default 4, as `plan
+--workload-from` derives them; 0: the mean request only), the workload also carries N length
+buckets (sim/workload.py length_buckets: prompt-length halves x output-length halves), which
+the cost objective sizes each on the GPUs that carry it cheapest.
 
 Fleets, priced by the GPU profiles' default cost_per_hour (profiles/gpus/*.yaml, on-demand
 list prices circa 2025, sources there):
@@ -18,7 +22,10 @@ list prices circa 2025, sources there):
   16x RTX-4090, 16x L4, 16x A10G: more than the workload needs of every type;
 - single: for each GPU type, 32 GPUs of it alone (as many nodes of the same shape).
 Each fleet is planned with the cost objective; the mixed one with the throughput objective
-too. Every plan runs the sped-up trace in fleetctl's simulator (fleetctl/whatif.py what_if:
+too. A cost plan is planned as `plan --objective cost --workload-from` plans it: checked by
+the simulator on the trace against the SLO and re-solved with more headroom where it misses
+(fleetctl/slo_plan.py plan_within_slos). Every plan then runs the sped-up trace in fleetctl's
+simulator once more for the figures below (fleetctl/whatif.py what_if:
 sim/fleet.py servers_from_plan and simulate, route-serve's hardware-aware policy, the
 trace's own arrivals), which gives TTFT p99, TPOT p99 and the share of requests that met
 both SLOs. A plan "meets the SLOs" when its simulated TTFT p99 and TPOT p99 are within them,
@@ -32,6 +39,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +48,17 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from fleetctl.catalog import load_catalog  # noqa: E402
+from fleetctl.cli.traffic import BUCKETS  # noqa: E402
 from fleetctl.inventory import Inventory, load_inventory  # noqa: E402
 from fleetctl.planner import plan_fleet  # noqa: E402
-from fleetctl.sim.workload import derive_workload, load_trace, scale_time  # noqa: E402
+from fleetctl.sim.workload import (  # noqa: E402
+    Bucket,
+    derive_workload,
+    length_buckets,
+    load_trace,
+    scale_time,
+)
+from fleetctl.slo_plan import plan_within_slos  # noqa: E402
 from fleetctl.whatif import what_if  # noqa: E402
 
 TRACES = REPO.parent / "shared" / "traces"
@@ -69,6 +85,7 @@ def inventory_text(
     ttft: float,
     tpot: float,
     max_context: int,
+    buckets: Sequence[Bucket] = (),
 ) -> str:
     lines = ["ssh: {user: ubuntu}", "nodes:"]
     for i, (gpu, count, nodes) in enumerate(fleet):
@@ -86,11 +103,19 @@ def inventory_text(
         f"      fp8: {{source: neuralmagic/{model}-FP8}}",
         f"    max_context: {max_context}",
         "    min_context: 4096",
-        f"    workload: {{requests_per_s: {workload['requests_per_s']:.4f}, "
-        f"mean_prompt_tokens: {workload['mean_prompt_tokens']}, "
-        f"mean_output_tokens: {workload['mean_output_tokens']}}}",
         f"    slo: {{ttft_p99_s: {ttft}, tpot_p99_ms: {tpot}}}",
+        "    workload:",
+        f"      requests_per_s: {workload['requests_per_s']:.4f}",
+        f"      mean_prompt_tokens: {workload['mean_prompt_tokens']}",
+        f"      mean_output_tokens: {workload['mean_output_tokens']}",
     ]
+    if buckets:
+        lines.append("      buckets:")
+        lines += [
+            f"        - {{share: {b.share:.6f}, mean_prompt_tokens: {b.mean_prompt_tokens}, "
+            f"mean_output_tokens: {b.mean_output_tokens}, max_tokens: {b.max_tokens}}}"
+            for b in buckets
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -104,7 +129,14 @@ def run(
     tpot: float,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
-    plan = plan_fleet(inv, objective=objective)
+    if objective == "cost":  # as `plan --objective cost --workload-from TRACE` plans
+        plan = plan_within_slos(
+            inv,
+            lambda headroom: plan_fleet(inv, objective="cost", headroom=headroom),
+            {model: items},
+        )
+    else:
+        plan = plan_fleet(inv, objective=objective)
     planned = time.perf_counter() - t0
     t0 = time.perf_counter()
     fig = what_if(inv, plan.deployments, {model: items})
@@ -131,6 +163,9 @@ def run(
         "cost_per_hour": plan.cost_per_hour,
         "planned_cost_per_million_output_tokens": plan.cost_per_million_output_tokens,
         "capacity_rps": m.capacity_rps,
+        "slo_rounds": plan.solver.get("slo_rounds"),
+        "headroom": [c.headroom for c in plan.slo_checks],
+        "buckets": [b.to_json() for b in m.buckets],
         "shortfall_rps": m.shortfall_rps,
         "unplaced": [u.model for u in plan.unplaced],
         "ttft_p99_s": fig.ttft_p99_s,
@@ -154,6 +189,7 @@ def main() -> None:
     ap.add_argument("--tpot", type=float, default=100.0)
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--max-context", type=int, default=16384)
+    ap.add_argument("--buckets", type=int, default=BUCKETS, help="length buckets (0: mean only)")
     ap.add_argument("--only", default=None, help="comma-separated GPU types for the singles")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -164,14 +200,19 @@ def main() -> None:
     derived = derive_workload(items, 4096)
     assert derived is not None
     workload = derived.to_json()
+    buckets = length_buckets(items, args.buckets)
     print(f"trace {path.name} x{args.speedup:g}: {len(items)} requests, workload {workload}")
+    for b in buckets:
+        print(f"  bucket {b}")
     catalog = load_catalog()
     tmp = REPO / "benchmarks" / "out" / "cost_plan"
     tmp.mkdir(parents=True, exist_ok=True)
 
     def inv_of(name: str, fleet: list[tuple[str, int, int]]) -> Inventory:
         f = tmp / f"{name}.yaml"
-        text = inventory_text(fleet, args.model, workload, args.ttft, args.tpot, args.max_context)
+        text = inventory_text(
+            fleet, args.model, workload, args.ttft, args.tpot, args.max_context, buckets
+        )
         f.write_text(text)
         return load_inventory(f, catalog)
 
@@ -196,6 +237,7 @@ def main() -> None:
         "speedup": args.speedup,
         "requests": len(items),
         "workload": workload,
+        "buckets": [vars(b) for b in buckets],
         "slo": {"ttft_p99_s": args.ttft, "tpot_p99_ms": args.tpot},
         "rows": rows,
     }

@@ -97,10 +97,30 @@ class VariantSpec(Strict):
     revision: Annotated[str, AfterValidator(names.revision)] | None = None
 
 
+class BucketSpec(Strict):
+    """One slice of a workload's requests by length (`plan --workload-from` derives them):
+    its share of the requests, their mean lengths and the longest one (prompt + output)."""
+
+    share: float = Field(gt=0, le=1)
+    mean_prompt_tokens: int = Field(gt=0, le=MAX_TOKENS)
+    mean_output_tokens: int = Field(gt=0, le=MAX_TOKENS)
+    max_tokens: int = Field(gt=0, le=MAX_TOKENS)
+
+
 class WorkloadSpec(Strict):
     requests_per_s: float = Field(gt=0, le=MAX_RATE)
     mean_prompt_tokens: int = Field(gt=0, le=MAX_TOKENS)
     mean_output_tokens: int = Field(gt=0, le=MAX_TOKENS)
+    # Length slices (Melange's request sizes): the cost objective sizes each on the GPUs
+    # that carry it cheapest. Empty: one mean request shape, as always.
+    buckets: tuple[BucketSpec, ...] = Field((), max_length=8)
+
+    @field_validator("buckets")
+    @classmethod
+    def _shares_add_up(cls, v: tuple[BucketSpec, ...]) -> tuple[BucketSpec, ...]:
+        if v and abs(sum(b.share for b in v) - 1) > 0.01:
+            raise ValueError(f"bucket shares add up to {sum(b.share for b in v):.3f}, not 1")
+        return v
 
 
 class SloSpec(Strict):

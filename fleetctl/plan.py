@@ -237,6 +237,28 @@ def _money(x: float | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class BucketUse:
+    """One length bucket of a model's workload (objective cost with `buckets`): its rate
+    at the workload's peak, its mean request, and the requests/s each GPU type, format and
+    TP size carries of it, as the planner sized them."""
+
+    mean_prompt_tokens: int
+    mean_output_tokens: int
+    max_tokens: int
+    requests_per_s: float
+    served_by: tuple[tuple[str, float], ...]  # ("H100-SXM-80GB fp8 TP=1", req/s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mean_prompt_tokens": self.mean_prompt_tokens,
+            "mean_output_tokens": self.mean_output_tokens,
+            "max_tokens": self.max_tokens,
+            "requests_per_s": round(self.requests_per_s, 3),
+            "served_by": {k: round(v, 3) for k, v in self.served_by},
+        }
+
+
+@dataclass(frozen=True)
 class ModelSummary:
     """Planned capacity against the workload, per model, and what its GPUs cost."""
 
@@ -251,6 +273,8 @@ class ModelSummary:
     # Output tokens/s the cost is spread over: the workload's (what capacity x target
     # utilization covers of it), or capacity x target utilization without a workload.
     output_tokens_per_s: float = 0.0
+    # Objective cost with length buckets: which GPUs carry which requests.
+    buckets: tuple[BucketUse, ...] = ()
 
     @property
     def cost_per_million_output_tokens(self) -> float | None:
@@ -258,6 +282,7 @@ class ModelSummary:
 
     def to_json(self) -> dict[str, Any]:
         d = fields_of(self)
+        d["buckets"] = [b.to_json() for b in self.buckets]
         d["capacity_rps"] = round(self.capacity_rps, 3)
         if self.shortfall_rps is not None:
             d["shortfall_rps"] = round(self.shortfall_rps, 3)

@@ -230,3 +230,151 @@ def test_a_cost_plan_moves_only_where_the_saving_pays_back_its_warm_up(tmp_path,
 
     assert replan(None) == Counter(create=6, delete=2)
     assert replan(0.01) == Counter(keep=2)
+
+
+# Two length buckets (Melange's request sizes): 40% short chats, 60% long prompts. The mean
+# request (1,840-token prompt) takes 0.34 s to prefill on a 4090, over half the 0.64 s TTFT
+# objective, so one mean shape rules the 4090 out; a 100-token prompt takes 0.02 s there.
+BUCKETED = """\
+ssh: {user: ubuntu}
+nodes:
+  - name: a100-[1:4]
+    host: 10.0.1.[11:14]
+    gpus: {type: A100-SXM4-80GB, count: 1}
+    cost_per_hour: 2.5
+  - name: rtx-[1:8]
+    host: 10.0.2.[21:28]
+    gpus: {type: RTX-4090, count: 1}
+    cost_per_hour: 1.0
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+    max_context: 8192
+    slo: {ttft_p99_s: 0.64}
+    workload:
+      requests_per_s: 4
+      mean_prompt_tokens: 1840
+      mean_output_tokens: 180
+      buckets:
+        - {share: 0.4, mean_prompt_tokens: 100, mean_output_tokens: 300, max_tokens: 800}
+        - {share: 0.6, mean_prompt_tokens: 3000, mean_output_tokens: 100, max_tokens: 6200}
+"""
+
+
+def mean_only(text: str) -> str:
+    return text[: text.index("      buckets:")]
+
+
+def with_buckets(text: str, *buckets: str) -> str:
+    """FLEET's workload (8 req/s, 1500/300) with these buckets."""
+    flow = "    workload: {requests_per_s: 8, mean_prompt_tokens: 1500, mean_output_tokens: 300}\n"
+    block = (
+        "    workload:\n      requests_per_s: 8\n      mean_prompt_tokens: 1500\n"
+        "      mean_output_tokens: 300\n      buckets:\n"
+        + "".join(f"        - {{{b}}}\n" for b in buckets)
+    )
+    assert flow in text
+    return text.replace(flow, block)
+
+
+def test_length_buckets_put_short_requests_on_cheap_gpus_and_long_ones_on_large(tmp_path, catalog):
+    """Fails before length buckets (the inventory had no `buckets`): the mean-shape plan
+    runs two A100s (5.00 an hour); sized per bucket, one RTX 4090 carries the short
+    requests and an A100 the long ones (3.50)."""
+    mean = plan_fleet(inventory(tmp_path, catalog, mean_only(BUCKETED)), objective="cost")
+    assert Counter(d.gpu_type for d in mean.deployments) == {"A100-SXM4-80GB": 2}
+    plan = plan_fleet(inventory(tmp_path, catalog, BUCKETED), objective="cost")
+    assert plan.cost_per_hour is not None and mean.cost_per_hour is not None
+    assert plan.cost_per_hour < mean.cost_per_hour
+    assert plan.cost_per_hour == pytest.approx(3.5)
+    m = plan.models[0]
+    short, long = m.buckets
+    assert {k for k, _ in short.served_by} == {"RTX-4090 bf16 TP=1"}
+    assert {k for k, _ in long.served_by} == {"A100-SXM4-80GB bf16 TP=1"}
+    assert sum(r for _, r in short.served_by) == pytest.approx(1.6)
+    assert sum(r for _, r in long.served_by) == pytest.approx(2.4)
+    assert m.shortfall_rps == 0
+    # Each server's capacity is for the requests it carries, and covers them at 80%.
+    caps = {d.gpu_type: d.capacity_rps for d in plan.deployments}
+    assert caps["RTX-4090"] * 0.8 >= 1.6 and caps["A100-SXM4-80GB"] * 0.8 >= 2.4
+    rtx = next(d for d in plan.deployments if d.gpu_type == "RTX-4090")
+    assert any("carry: 100/300 100%" in r for r in rtx.server.reasons), rtx.server.reasons
+    data = plan.to_json()["models"][0]["buckets"]
+    assert data[0]["served_by"] == {"RTX-4090 bf16 TP=1": 1.6}
+    # The throughput objective plans the mean shape, buckets or not.
+    fast = plan_fleet(inventory(tmp_path, catalog, BUCKETED), objective="throughput")
+    assert not fast.models[0].buckets
+    assert {d.gpu_type for d in fast.deployments} == {"A100-SXM4-80GB"}
+
+
+def test_a_mean_only_workload_plans_as_one_bucket_of_its_mean(tmp_path, catalog):
+    """Without buckets the program is the one it always was; one bucket of the mean shape
+    gives the same plan."""
+    plain = plan_fleet(inventory(tmp_path, catalog), objective="cost")
+    assert plain.models[0].buckets == () and plain.to_json()["models"][0]["buckets"] == []
+    one = with_buckets(
+        FLEET, "share: 1, mean_prompt_tokens: 1500, mean_output_tokens: 300, max_tokens: 8192"
+    )
+    same = plan_fleet(inventory(tmp_path, catalog, one), objective="cost")
+    assert [(d.node, d.gpu_indices) for d in same.deployments] == [
+        (d.node, d.gpu_indices) for d in plain.deployments
+    ]
+    assert same.cost_per_hour == plain.cost_per_hour
+    assert same.models[0].capacity_rps == pytest.approx(plain.models[0].capacity_rps)
+
+
+def test_a_bucket_longer_than_a_servers_max_model_len_never_lands_there(tmp_path, catalog):
+    """min_context: the 4090s hold 4 sequences of 11264 tokens, not of 32768. Even at a
+    tenth of a cent an hour they take the short bucket only; the bucket whose requests run
+    to 20,000 tokens goes to A100s at 10.00."""
+    text = (
+        with_buckets(
+            priced(10.0, 0.001, FLEET),
+            "share: 0.7, mean_prompt_tokens: 600, mean_output_tokens: 200, max_tokens: 4000",
+            "share: 0.3, mean_prompt_tokens: 9000, mean_output_tokens: 300, max_tokens: 20000",
+        )
+        .replace(
+            "    max_context: 8192\n",
+            "    max_context: 32768\n    min_context: 4096\n    min_sequences: 4\n",
+        )
+        .replace("profile: llama-3-8b", "profile: llama-3.1-8b")
+    )
+    plan = plan_fleet(inventory(tmp_path, catalog, text), objective="cost")
+    lengths = {d.gpu_type: d.server.max_model_len for d in plan.deployments}
+    assert lengths["RTX-4090"] < 20000 <= lengths["A100-SXM4-80GB"]
+    short, long = plan.models[0].buckets
+    assert all(k.startswith("A100") for k, _ in long.served_by), long.served_by
+    assert sum(r for _, r in long.served_by) == pytest.approx(0.3 * 8)
+    assert any(k.startswith("RTX-4090") for k, _ in short.served_by), short.served_by
+    rtx = next(d for d in plan.deployments if d.gpu_type == "RTX-4090")
+    assert any("not 9000/300: requests longer than max_model_len" in r for r in rtx.server.reasons)
+
+
+def test_bucket_shares_must_add_up(cli, tmp_path):
+    bad = with_buckets(
+        FLEET, "share: 0.5, mean_prompt_tokens: 100, mean_output_tokens: 10, max_tokens: 200"
+    )
+    r = cli("validate", write(tmp_path, bad))
+    assert r.code == 2 and "add up to 0.500" in r.err, r.err
+
+
+def test_workload_from_traffic_splits_it_into_length_buckets(cli, tmp_path):
+    """`plan --workload-from`: four buckets (prompt halves x output halves) whose shares
+    add up to 1 and whose rates the cost plan places."""
+    trace = REPO / "tests" / "data" / "azure_conv_slice.csv"
+    args = ("plan", write(tmp_path, FLEET), "--state-dir", tmp_path / "s", "--json")
+    r = cli(*args, "--workload-from", trace, "--objective", "cost")
+    assert r.code == 0, r.err
+    plan = json.loads(r.out)
+    derived = plan["workloads"]["llama-3-8b"]["buckets"]
+    assert len(derived) == 4 and sum(b["share"] for b in derived) == pytest.approx(1)
+    assert derived[0]["mean_prompt_tokens"] < derived[2]["mean_prompt_tokens"]
+    assert derived[0]["mean_output_tokens"] < derived[1]["mean_output_tokens"]
+    used = plan["models"][0]["buckets"]
+    assert len(used) == 4 and plan["models"][0]["shortfall_rps"] == 0
+    rate = plan["models"][0]["demand_rps"]
+    assert sum(b["requests_per_s"] for b in used) == pytest.approx(rate, rel=1e-3)
+    for b in used:
+        assert sum(b["served_by"].values()) == pytest.approx(b["requests_per_s"], rel=1e-2)

@@ -10,21 +10,38 @@ from typing import Any
 from rich.console import RenderableType
 
 from fleetctl.errors import Location, UserError
-from fleetctl.inventory import Inventory, WorkloadSpec
+from fleetctl.inventory import BucketSpec, Inventory, WorkloadSpec
 from fleetctl.limits import MAX_RATE
-from fleetctl.sim.workload import WorkItem, derive_workload, load_trace, trace_files
+from fleetctl.sim.workload import (
+    Bucket,
+    Derived,
+    WorkItem,
+    derive_workload,
+    length_buckets,
+    load_trace,
+    trace_files,
+)
 from fleetctl.tables import Col, Records
 
+# Length buckets per model derived from traffic: 2 prompt-length halves x 2 output-length
+# halves, what the cost objective sizes separately (sim/workload.py length_buckets).
+BUCKETS = 4
 
-def workloads_from(inv: Inventory, path: Path) -> tuple[Inventory, dict[str, dict[str, Any]]]:
+
+def workloads_from(
+    inv: Inventory, path: Path, buckets: int = BUCKETS
+) -> tuple[Inventory, dict[str, dict[str, Any]]]:
     """`inv` with each model's workload derived from the traffic at `path`, where it has any,
-    and the workloads as `plan --json` shows them (`source`: log or inventory)."""
+    split into at most `buckets` length buckets (objective cost sizes each apart; 0 or 1:
+    the mean request only), and the workloads as `plan --json` shows them (`source`: log or
+    inventory)."""
     need_model_names(inv, path)
     long_tokens = inv.spec.router.long_context_tokens
     models = []
     shown: dict[str, dict[str, Any]] = {}
     for m in inv.models:
-        derived = derive_workload(load_trace(path, m.name), long_tokens)
+        items = load_trace(path, m.name)
+        derived = derive_workload(items, long_tokens)
         w = m.spec.workload
         if derived is None:
             shown[m.name] = {
@@ -35,16 +52,31 @@ def workloads_from(inv: Inventory, path: Path) -> tuple[Inventory, dict[str, dic
             }
             models.append(m)
             continue
+        spec = workload_spec(derived, length_buckets(items, buckets))
         shown[m.name] = {**derived.to_json(), "source": "log"}
+        shown[m.name]["buckets"] = [b.model_dump() for b in spec.buckets]
         if w is not None:
-            shown[m.name]["inventory"] = w.model_dump()
-        spec = WorkloadSpec(
-            requests_per_s=min(MAX_RATE, max(derived.requests_per_s, 1e-6)),
-            mean_prompt_tokens=derived.mean_prompt_tokens,
-            mean_output_tokens=derived.mean_output_tokens,
-        )
+            shown[m.name]["inventory"] = w.model_dump(exclude=set() if w.buckets else {"buckets"})
         models.append(dataclasses.replace(m, spec=m.spec.model_copy(update={"workload": spec})))
     return dataclasses.replace(inv, models=tuple(models)), shown
+
+
+def workload_spec(derived: Derived, buckets: list[Bucket]) -> WorkloadSpec:
+    """The inventory's form of a derived workload and its length buckets."""
+    return WorkloadSpec(
+        requests_per_s=min(MAX_RATE, max(derived.requests_per_s, 1e-6)),
+        mean_prompt_tokens=derived.mean_prompt_tokens,
+        mean_output_tokens=derived.mean_output_tokens,
+        buckets=tuple(
+            BucketSpec(
+                share=b.share,
+                mean_prompt_tokens=b.mean_prompt_tokens,
+                mean_output_tokens=b.mean_output_tokens,
+                max_tokens=b.max_tokens,
+            )
+            for b in buckets
+        ),
+    )
 
 
 def traces_from(inv: Inventory, path: Path) -> dict[str, list[WorkItem]]:

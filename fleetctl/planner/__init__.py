@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -13,6 +14,7 @@ from fleetctl.limits import SURGE_PORT_OFFSET
 from fleetctl.names import natural_key
 from fleetctl.perf import GB
 from fleetctl.plan import (
+    BucketUse,
     Deployment,
     KvEvents,
     ModelSummary,
@@ -58,6 +60,9 @@ def plan_fleet(
     objective = objective or inv.spec.planner.objective
     classes = node_classes(inv)
     feasible, rejected = candidates(inv, classes, calibration)
+    if objective != "cost":  # length buckets are the cost objective's: the mean shape rules
+        rejected += [k for k in feasible if not k.capacity_rps]
+        feasible = [k for k in feasible if k.capacity_rps]
     if objective == "cost":  # only GPUs some model can use need a price
         _check_prices(inv, [c for c in classes if any(k.cls is c for k in feasible)])
     warn_below = inv.spec.planner.warn_sequences_below
@@ -77,7 +82,15 @@ def plan_fleet(
     for p in placements:
         serving[p.cand.cls.gpu.name].add(p.cand.model.name)
     used = {id(p.cand): p.cand for p in placements}.values()
-    servers = {id(k): _server(k, inv, tuple(_reasons(k, feasible, serving))) for k in used}
+    mixes = {id(feasible[o]): f for o, f in sol.bucket_shares.items() if sol.counts[o]}
+    servers = {
+        id(k): _server(k, inv, tuple(_reasons(k, feasible, serving, mixes.get(id(k)))))
+        for k in used
+    }
+    for k in used:  # with length buckets, a server's capacity for the requests it carries
+        if id(k) in mixes:
+            cap = _mix_capacity(k, mixes[id(k)])
+            servers[id(k)] = dataclasses.replace(servers[id(k)], capacity_rps=cap)
     base = inv.spec.planner.port_base
     # A slot keeps the port it runs on: apply may have moved it to its surge port while
     # replacing a server without downtime, and the router already knows it there.
@@ -114,7 +127,15 @@ def plan_fleet(
         and by_model[m.name]
         and all(d.server.max_model_len < m.spec.max_context for d in by_model[m.name])
     )
-    summaries = tuple(_summary(m, by_model[m.name], target) for m in inv.models)
+    summaries = tuple(
+        _summary(
+            m,
+            by_model[m.name],
+            target,
+            _bucket_uses(m, feasible, sol.bucket_shares, (headroom or {}).get(m.name, 1.0)),
+        )
+        for m in inv.models
+    )
     warnings = _warnings(inv, deployments, summaries, classes, placements, objective)
     # Say which candidates' figures were measured, not modelled, and from what.
     warnings += sorted(
@@ -143,20 +164,68 @@ def plan_fleet(
     )
 
 
-def _summary(m: Model, placed: list[Deployment], target: float) -> ModelSummary:
+def _mix_capacity(k: Candidate, shares: tuple[float, ...]) -> float:
+    """Requests/s one server of `k` carries at saturation of the mix of length buckets the
+    planner gave it (`shares` of each bucket): those requests over the time they take, each
+    bucket at its own capacity. Its mean-shape capacity where it carries none."""
+    w = k.model.spec.workload
+    if w is None or not k.bucket_capacity:
+        return k.capacity_rps
+    rates = [f * b.share for f, b in zip(shares, w.buckets, strict=True)]
+    busy = sum(r / c for r, c in zip(rates, k.bucket_capacity, strict=True) if r > 0 and c > 0)
+    return sum(rates) / busy if busy > 0 else k.capacity_rps
+
+
+def _bucket_uses(
+    m: Model, feasible: list[Candidate], shares: dict[int, tuple[float, ...]], headroom: float
+) -> tuple[BucketUse, ...]:
+    """Each length bucket of `m`'s workload, and the requests/s of it each GPU type, format
+    and TP size was sized for (the workload's times `headroom`, what the solver was asked)."""
+    w = m.spec.workload
+    if w is None or not w.buckets or not any(feasible[o].model is m for o in shares):
+        return ()
+    out = []
+    for b, bucket in enumerate(w.buckets):
+        rate = bucket.share * w.requests_per_s
+        by: dict[str, float] = defaultdict(float)
+        for o, f in shares.items():
+            k = feasible[o]
+            if k.model is m and f[b] > 1e-6:
+                by[f"{k.cls.gpu.name} {k.variant.format.name} TP={k.tp}"] += f[b] * rate * headroom
+        out.append(
+            BucketUse(
+                bucket.mean_prompt_tokens,
+                bucket.mean_output_tokens,
+                bucket.max_tokens,
+                rate,
+                tuple(sorted(by.items(), key=lambda kv: -kv[1])),
+            )
+        )
+    return tuple(out)
+
+
+def _summary(
+    m: Model, placed: list[Deployment], target: float, buckets: tuple[BucketUse, ...] = ()
+) -> ModelSummary:
     """Capacity against workload, and the price of a model's GPUs per output token."""
     capacity = sum(d.capacity_rps for d in placed)
     d = demand(m)
     served = capacity * target if d is None else min(d, capacity * target)
+    short = None if d is None else max(0.0, d - capacity * target)
+    if buckets:  # a bucket no server carries is short, whatever the others' capacity
+        short = sum(max(0.0, b.requests_per_s - sum(r for _, r in b.served_by)) for b in buckets)
+        short = 0.0 if short < 1e-6 * (d or 1.0) else short
+        served = (d or 0.0) - short
     return ModelSummary(
         m.name,
         len(placed),
         sum(p.tensor_parallel_size for p in placed),
         capacity,
         d,
-        None if d is None else max(0.0, d - capacity * target),
+        short,
         total(p.server.cost_per_hour for p in placed),
         served * request_shape(m)[1],
+        buckets,
     )
 
 
@@ -297,10 +366,36 @@ def _gb(n: float) -> str:
     return f"{n / GB:.1f} GB"
 
 
-def _reasons(k: Candidate, feasible: list[Candidate], serving: dict[str, set[str]]) -> list[str]:
-    """Why this class, this format and this TP, in numbers."""
+def _reasons(
+    k: Candidate,
+    feasible: list[Candidate],
+    serving: dict[str, set[str]],
+    mix: tuple[float, ...] | None = None,
+) -> list[str]:
+    """Why this class, this format and this TP, in numbers; `mix`: the share of each of the
+    model's length buckets its servers carry (objective cost with buckets)."""
     m, fmt, gpu = k.model, k.variant.format, k.cls.gpu
     out = []
+    w = m.spec.workload
+    if mix is not None and w is not None:
+        carried = [
+            f"{b.mean_prompt_tokens}/{b.mean_output_tokens} {f:.0%}"
+            for f, b in zip(mix, w.buckets, strict=True)
+            if f > 1e-6
+        ]
+        out.append(
+            "length buckets (mean prompt/output tokens) these servers carry: "
+            + (", ".join(carried) or "none (a minimum replica)")
+        )
+        too_long = [
+            f"{b.mean_prompt_tokens}/{b.mean_output_tokens}"
+            for b in w.buckets
+            if b.max_tokens > k.max_model_len
+        ]
+        if too_long:
+            out.append(
+                f"not {', '.join(too_long)}: requests longer than max_model_len {k.max_model_len}"
+            )
     if k.tp == 1:
         out.append(
             f"TP=1: {_gb(k.perf.weights)} of weights fit one {gpu.memory_mib / 1024:.0f} GiB "
@@ -443,6 +538,18 @@ def _warnings(
     out = []
     target = inv.spec.planner.target_utilization
     for s in summaries:
+        for b in s.buckets:
+            planned = sum(r for _, r in b.served_by)
+            if planned < b.requests_per_s * (1 - 1e-6):
+                out.append(
+                    f"{s.model}: {b.requests_per_s - planned:.2f} of the {b.requests_per_s:.2f} "
+                    f"req/s of its requests of about {b.mean_prompt_tokens} prompt and "
+                    f"{b.mean_output_tokens} output tokens (up to {b.max_tokens}) have no "
+                    "capacity planned: no GPU class carries them within the SLO and "
+                    "max_model_len, or the fleet has no more such GPUs"
+                )
+        if s.buckets:
+            continue
         if s.demand_rps and s.replicas and s.capacity_rps * target < s.demand_rps:
             share = s.capacity_rps * target / s.demand_rps
             out.append(

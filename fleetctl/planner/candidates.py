@@ -75,6 +75,10 @@ class Candidate:
     # class's KV cache holds min_sequences of (context_reason says which, in numbers).
     max_model_len: int = 0
     context_reason: str = ""
+    # Per length bucket of the model's workload (WorkloadSpec.buckets), the capacity in
+    # requests/s for that bucket's mean request, SLO-capped as capacity_rps is; 0 where the
+    # bucket's longest request exceeds max_model_len. Empty without buckets.
+    bucket_capacity: tuple[float, ...] = ()
 
     @property
     def option(self) -> tuple[str, str, int]:
@@ -193,9 +197,22 @@ def evaluate(
         perf = found.perf(perf)
     seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
-    capacity = perf.capacity_rps(prompt, output, budget.kv_tokens, seqs) if seq_at_max else 0.0
-    if model.spec.slo is not None and capacity:
-        capacity = slo_capacity(perf, model, prompt, output, budget.kv_tokens, seqs, capacity)
+    capacity = shape_capacity(perf, model, prompt, output, budget.kv_tokens, seqs, seq_at_max)
+    w = model.spec.workload
+    per_bucket = tuple(
+        0.0
+        if b.max_tokens > max_len
+        else shape_capacity(
+            perf,
+            model,
+            b.mean_prompt_tokens,
+            b.mean_output_tokens,
+            budget.kv_tokens,
+            seqs,
+            seq_at_max,
+        )
+        for b in (w.buckets if w else ())
+    )
     return Candidate(
         cls,
         model,
@@ -212,7 +229,27 @@ def evaluate(
         calibrated,
         max_len,
         f"{max_len} = max_context",
+        per_bucket,
     )
+
+
+def shape_capacity(
+    perf: EnginePerf,
+    model: Model,
+    prompt: int,
+    output: int,
+    kv_tokens: int,
+    max_num_seqs: int,
+    seq_at_max: int,
+) -> float:
+    """Requests/s at saturation for one request shape, capped by the model's SLO: 0 where
+    the KV cache holds no sequence at max_model_len."""
+    if not seq_at_max:
+        return 0.0
+    capacity = perf.capacity_rps(prompt, output, kv_tokens, max_num_seqs)
+    if model.spec.slo is not None and capacity:
+        capacity = slo_capacity(perf, model, prompt, output, kv_tokens, max_num_seqs, capacity)
+    return capacity
 
 
 # A p99 objective is checked against mean-shape figures: keep this share of it as headroom
@@ -280,8 +317,11 @@ def slo_miss(cand: Candidate) -> str | None:
 
 
 def fits(cand: Candidate) -> bool:
-    """The planner's KV rule: the cache holds min_sequences sequences of max_model_len."""
-    return cand.sequences_at_max_len >= cand.model.spec.min_sequences and cand.capacity_rps > 0
+    """The planner's KV rule: the cache holds min_sequences sequences of max_model_len, and
+    it carries some requests within the SLO (the mean request, or one length bucket's)."""
+    return cand.sequences_at_max_len >= cand.model.spec.min_sequences and (
+        cand.capacity_rps > 0 or any(cand.bucket_capacity)
+    )
 
 
 def _longest(cand: Candidate) -> int:
@@ -410,4 +450,8 @@ def _dominates(b: Candidate, a: Candidate, warn_below: int, tie_wins: bool) -> b
     # A shorter length never stands in for a longer one (a model with min_context).
     if cap_b < cap_a or head_b < head_a or b.max_model_len < a.max_model_len:
         return False
-    return cap_b > cap_a or head_b > head_a or tie_wins
+    # With length buckets, B must carry at least A's capacity in every one of them.
+    if any(copies * x < y for x, y in zip(b.bucket_capacity, a.bucket_capacity, strict=True)):
+        return False
+    more = any(copies * x > y for x, y in zip(b.bucket_capacity, a.bucket_capacity, strict=True))
+    return cap_b > cap_a or head_b > head_a or more or tie_wins

@@ -28,6 +28,13 @@ TP size, quantization and KV budget chosen in the same program), the terms becom
   - min_replicas and the min_context rule as above (COST_UNMET_WEIGHT each);
   - every model's workload is covered, capacity x target_utilization >= requests_per_s
     (COST_SHORTFALL_WEIGHT per unit not covered: a shortfall is reported, never infeasible);
+    with length buckets (a workload derived from traffic: WorkloadSpec.buckets), Melange's
+    slices instead: continuous f[o, b], the share of bucket b's rate candidate o carries, each
+    bucket covered (sum over o of f[o, b] = 1 less its shortfall) and each candidate's
+    replicas busy at most target_utilization (sum over b of f[o, b] x rate_b / capacity[o, b]
+    <= y[o] x target), capacity[o, b] being the same perf model's for the bucket's mean
+    request, 0 where the bucket's longest request exceeds the candidate's max_model_len;
+    short requests may then go to small cheap GPUs and long ones to large ones;
   - the price per hour of the GPUs deployments use, divided by the whole fleet's price so
     that it weighs less than any shortfall worth a whole GPU;
   - the KV penalty, scaled below a cent's difference, and the stay bonus: a replica kept
@@ -68,6 +75,9 @@ class Solution:
     counts: list[int]  # per candidate
     shapes: dict[int, list[tuple[tuple[int, ...], int]]]  # class index -> [(shape, nodes)]
     info: dict[str, Any] = field(default_factory=dict)
+    # Objective cost with length buckets: per candidate, the share of each of its model's
+    # buckets that its replicas together carry.
+    bucket_shares: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
 
 def shapes_for(gpu_count: int, sizes: Sequence[int]) -> list[tuple[int, ...]]:
@@ -311,13 +321,18 @@ def _solution(
     classes: list[NodeClass],
     cands: list[Candidate],
     started: float,
+    values: list[float] | None = None,
 ) -> Solution:
+    """The solved program's counts and shapes; `values`, if given, receives every column's
+    value."""
     res, info = prog.solve()
     if res.x is None:
         raise OperationError(
             f"placement solver (HiGHS) found no solution: {res.message} "
             "(this is a fleetctl bug; please report it with the inventory)"
         )
+    if values is not None:
+        values[:] = res.x
     counts = [round(res.x[col]) for col in y]
     picked = {
         ci: [(p, round(res.x[z])) for p, z in cols if round(res.x[z])]
@@ -370,16 +385,59 @@ def _solve_cost(
             kept = prog.col(0, current[o], -bonus)
             prog.row({kept: 1.0, y[o]: -1.0}, -math.inf, 0.0)
     shapes = _pack(prog, classes, cands, y)
+    shares: dict[int, dict[int, int]] = {}  # candidate -> bucket -> its share column
     for m in models:
         mine = [o for o, k in enumerate(cands) if k.model is m]
         _replica_rows(prog, m, mine, cands, y, COST_UNMET_WEIGHT)
         d = demand(m)
         if d and headroom:
             d *= headroom.get(m.name, 1.0)
-        if d and mine:  # shortfall >= 1 - capacity x target / workload
+        buckets = m.spec.workload.buckets if m.spec.workload else ()
+        if d and mine and buckets:
+            _bucket_rows(prog, buckets, d, mine, cands, y, target_utilization, shares)
+        elif d and mine:  # shortfall >= 1 - capacity x target / workload
             short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT)
             ratio = {y[o]: cands[o].capacity_rps * target_utilization / d for o in mine}
             prog.row({short_col: 1.0, **ratio}, 1.0, math.inf)
-    sol = _solution(prog, y, shapes, classes, cands, started)
+    x: list[float] = []
+    sol = _solution(prog, y, shapes, classes, cands, started, x)
     sol.info["objective"] = "cost"
+    for o, cols in shares.items():
+        n = len(cands[o].bucket_capacity)
+        sol.bucket_shares[o] = tuple(max(0.0, x[cols[b]]) if b in cols else 0.0 for b in range(n))
     return sol
+
+
+def _bucket_rows(
+    prog: _Program,
+    buckets: Sequence[Any],
+    d: float,
+    mine: list[int],
+    cands: list[Candidate],
+    y: list[int],
+    target_utilization: float,
+    shares: dict[int, dict[int, int]],
+) -> None:
+    """Melange's slices: f[o, b] >= 0, the share of bucket b's rate that candidate o's
+    replicas carry; each bucket covered (sum over o of f[o, b] + its shortfall = 1, the
+    shortfall weighed by the bucket's share of the workload); each candidate's replicas
+    busy at most target_utilization (sum over b of f[o, b] x rate_b / capacity[o, b] <=
+    y[o] x target). A bucket goes only where its capacity is positive: where its longest
+    request fits max_model_len and its mean request meets the SLO."""
+    busy: dict[int, dict[int, float]] = {o: {y[o]: -target_utilization} for o in mine}
+    for b, bucket in enumerate(buckets):
+        rate = bucket.share * d
+        short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT * bucket.share)
+        cover = {short_col: 1.0}
+        for o in mine:
+            caps = cands[o].bucket_capacity
+            if b >= len(caps) or caps[b] <= 0:
+                continue
+            f = prog.col(0, 1)
+            shares.setdefault(o, {})[b] = f
+            cover[f] = 1.0
+            busy[o][f] = rate / caps[b]
+        prog.row(cover, 1.0, 1.0)  # = 1: the shares say who carries the bucket, once
+    for o in mine:
+        if len(busy[o]) > 1:
+            prog.row(busy[o], -math.inf, 0.0)

@@ -443,3 +443,50 @@ def derive_workload(items: list[WorkItem], long_tokens: int) -> Derived | None:
         sum(1 for w in items if w.prompt + w.output > long_tokens) / n,
         sum(1 for w in items if w.session) / n,
     )
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A slice of one model's requests by length: their share of all requests, mean
+    lengths, the longest (prompt + output), and the prompt and output ranges it spans."""
+
+    share: float
+    mean_prompt_tokens: int
+    mean_output_tokens: int
+    max_tokens: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+
+
+def length_buckets(items: list[WorkItem], n: int) -> list[Bucket]:
+    """At most `n` slices of `items` by length, for the cost planner (Melange's request
+    sizes): equal-count prompt-length quantiles, each split again at its output-length
+    quantiles (n = 2 or 3: prompt only; 4: 2 x 2; 6: 3 x 2). Empty for n < 2 or fewer than
+    10 requests a slice: one mean shape is all the traffic shows."""
+    if n < 2 or len(items) < 10 * n:
+        return []
+    by_prompt = n if n < 4 else n // 2
+    by_output = n // by_prompt
+    total = len(items)
+    out = []
+    for group in _quantile_groups(sorted(items, key=lambda w: (w.prompt, w.output)), by_prompt):
+        for part in _quantile_groups(sorted(group, key=lambda w: (w.output, w.prompt)), by_output):
+            prompts = [w.prompt for w in part]
+            outputs = [w.output for w in part]
+            out.append(
+                Bucket(
+                    len(part) / total,
+                    max(1, round(sum(prompts) / len(part))),
+                    max(1, round(sum(outputs) / len(part))),
+                    max(w.prompt + w.output for w in part),
+                    (min(prompts), max(prompts)),
+                    (min(outputs), max(outputs)),
+                )
+            )
+    return out
+
+
+def _quantile_groups(ordered: list[WorkItem], k: int) -> list[list[WorkItem]]:
+    """`ordered` cut into `k` runs of (nearly) equal length."""
+    n = len(ordered)
+    return [ordered[i * n // k : (i + 1) * n // k] for i in range(k)]
