@@ -554,13 +554,16 @@ def test_shared_ttft_window_in_redis(redis_url):
 
     async def go():
         one, two = RedisShared(redis_url, "ttft-test"), RedisShared(redis_url, "ttft-test")
+        one.up = two.up = True
+        a, b = one.ttft_window(60.0), two.ttft_window(60.0)
         for v in (0.1, 0.2, 0.9):
-            await one.add_ttft(v)
-        await two.add_ttft(0.3)
-        median = await two.ttft_median(60.0)
+            a.add(time.monotonic(), v)
+        b.add(time.monotonic(), 0.3)
+        await one.sync_ttft()  # each replica sends its second, then merges every replica's
+        await two.sync_ttft()
         await one.close()
         await two.close()
-        return median.median(time.monotonic())
+        return b.median(time.monotonic())
 
     assert asyncio.run(go()) == pytest.approx(0.25)
 

@@ -399,9 +399,8 @@ def test_the_outbox_is_bounded_and_never_waits():
         index = SharedIndex(100)
         size = len(encode(STORED, Nowhere.me, "b0", range(1, 6)) or b"")
         share = PrefixShare(Nowhere(), index, outbox_bytes=50 * size)
-        blocks = PromptBlocks(tuple(range(1, 6)), 16, 80)
-        for i in range(500):
-            index.routed(f"b{i % 3}", blocks)
+        for i in range(500):  # each a prompt new to the index (a repeat is not shared again)
+            index.routed(f"b{i % 3}", PromptBlocks(tuple(range(5 * i + 1, 5 * i + 6)), 16, 80))
         return share
 
     share = asyncio.run(go())

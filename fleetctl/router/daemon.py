@@ -24,7 +24,7 @@ from fleetctl.router.live import LiveState, cancel
 from fleetctl.router.prefix_share import PrefixShare, SharedIndex
 from fleetctl.router.proxy import LAST_ATTEMPT, SERVED_BY, Hooks, Proxy
 from fleetctl.router.request_log import RequestLog
-from fleetctl.router.shared import RedisShared
+from fleetctl.router.shared import RedisShared, SharedSessions
 from fleetctl.router.telemetry import Counter, Gauge, RouterMetrics
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.transport import make_transport
@@ -32,6 +32,7 @@ from fleetctl.routing.policy import Policy
 from fleetctl.routing.prefix import PrefixIndex
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
 from fleetctl.routing.scheduler import Scheduler
+from fleetctl.routing.sessions import SessionTable
 from fleetctl.routing.types import Backend, OutputEstimator, Request
 
 log = logging.getLogger("fleetctl.router")
@@ -102,6 +103,8 @@ class Router:
     # One JSON line per finished request (router/request_log.py); None: no log. The log
     # needs each prompt's block hashes, so requests are hashed while it is kept.
     request_log: RequestLog | None = None
+    # Which of route-serve's --workers this process is (None: the only one).
+    worker: int | None = None
     prefix: PrefixIndex | None = field(init=False, default=None)
     prefix_share: PrefixShare | None = field(init=False, default=None)
     _kv: Any = None  # the KvEventSubscriber, while it runs
@@ -153,6 +156,28 @@ class Router:
                 self.live.on_block_size = self._block_size
         elif self.prefix is not None and self.prefix.learn and hashed and self.shared:
             self.prefix_share = PrefixShare(self.shared, self.prefix)
+        if self.shared is not None:
+            self._share_state(self.shared)
+
+    def _share_state(self, shared: RedisShared) -> None:
+        """The policy's session pins and the scheduler's TTFT window, kept with the other
+        replicas' through Redis (fleetctl/router/shared.py)."""
+        sessions = getattr(self.policy, "sessions", None)
+        if isinstance(sessions, SessionTable) and not isinstance(sessions, SharedSessions):
+            for session, pin in sessions.pins.items():
+                shared.sessions.set(session, pin)
+            self.policy.sessions = shared.sessions  # type: ignore[attr-defined]
+        window = shared.ttft_window(self.scheduler.aging.window_s)
+        for at, value in self.scheduler.ttft.events:
+            window.add(at, value)
+        self.scheduler.ttft = window
+
+    def new_identity(self) -> None:
+        """A replica id of its own in the session store (a forked worker's)."""
+        if self.shared is not None:
+            self.shared.new_identity()
+            if self.prefix_share is not None:
+                self.prefix_share.renamed()
 
     @property
     def policy(self) -> Policy:
@@ -184,12 +209,10 @@ class Router:
             self._tasks.append(asyncio.create_task(self.request_log.run()))
         if self.shared is not None:
             try:
-                await self.shared.check()
-            except Exception as e:  # keep serving; affinity falls back to this replica's memory
-                log.error(
-                    "session store unreachable (%s); using this replica's memory", type(e).__name__
-                )
-            self._tasks.append(asyncio.create_task(self._sync_ttft()))
+                await asyncio.wait_for(self.shared.check(), 2.0)
+            except Exception as e:  # keep serving on this replica's own state
+                self.shared.down(e)
+            self._tasks.append(asyncio.create_task(self.shared.run()))
             if self.prefix_share is not None:
                 self._tasks.append(asyncio.create_task(self.prefix_share.run()))
         if self.live is not None:
@@ -290,33 +313,10 @@ class Router:
         if self.request_log is not None:
             self.request_log.close()
 
-    async def _sync_ttft(self) -> None:
-        """Rebuild the aging median from every replica's samples once a second."""
-        assert self.shared is not None
-        window = self.scheduler.aging.window_s
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                self.scheduler.ttft = await self.shared.ttft_median(window)
-            except Exception as e:
-                log.warning("session store: %s", type(e).__name__)
-
     def _ttft(self, now: float, ttft: float) -> None:
-        # Aging compares waiting to the backends' TTFT (dispatch to first byte), as simulated.
+        # Aging compares waiting to the backends' TTFT (dispatch to first byte), as simulated;
+        # with a session store, the window's samples reach the others once a second.
         self.scheduler.observe_ttft(now, ttft)
-        if self.shared is not None:
-            self._background(self.shared.add_ttft(ttft))
-
-    def _background(self, coro: Any) -> None:
-        """Fire and forget (a shared-store write), keeping a reference until it ends."""
-        task = asyncio.create_task(coro)
-        self._tasks.append(task)
-        task.add_done_callback(self._forget)
-
-    def _forget(self, task: asyncio.Task[None]) -> None:
-        self._tasks.remove(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("session store: %s", type(task.exception()).__name__)
 
     def replace_backends(self, fresh: list[Backend]) -> None:
         """Reload: keep the live counters of servers that stay; in-flight requests finish."""
@@ -363,20 +363,16 @@ class Router:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         started = time.monotonic()
         arrival = time.time()
-        sessions = getattr(self.policy, "sessions", None)
+        shared = self.shared
         req: Request | None = None
         try:
             raw, parsed, req = await self.intake.read(request, chat)
-            if self.shared is not None and req.session and sessions is not None:
-                try:
-                    await self.shared.load_pin(sessions, req.session)
-                except Exception as e:
-                    log.warning("session store: %s", type(e).__name__)
+            # A session's pin: in memory (kept fresh by the other replicas' updates), else one
+            # batched read, waited for READ_WAIT_S at most. The policy's new pin is queued
+            # for Redis as it places the request (SharedSessions.set), not waited for.
+            if shared is not None and req.session and shared.needs_read(req.session):
+                await shared.read_pin(req.session)
             decision = await self.admission.place(req)
-            if self.shared is not None and req.session and sessions is not None:
-                pin = sessions.get(req.session)
-                if pin is not None:
-                    self._background(self.shared.save_pin(req.session, pin))
         except ClientError as e:
             self.metrics.requests.inc("", "", "bad-request", str(e.status))
             if req is not None:  # parsed, then refused (no room in time)
@@ -393,6 +389,8 @@ class Router:
         assert self._proxy is not None
         try:
             out = await self._proxy.serve(request, raw, parsed, req, decision, chat, started)
+            if shared is not None and req.session and not out.prepared:
+                await shared.settled(req.session)  # a new pin reaches Redis before the answer
         except BaseException:
             self._finished(request, req, arrival, started, 499)  # the client left (or a bug)
             raise
@@ -451,8 +449,17 @@ class Router:
             "healthy": up,
             "queued": len(self.scheduler),
         }
+        if self.worker is not None:
+            body["worker"] = self.worker
         if self.live is not None:  # each backend out of routing, and why (wrong model, ejected)
             body["unhealthy"] = self.live.unhealthy()
+        if self.shared is not None:
+            # Still serving, on this replica's own state: degraded, not down (a load balancer
+            # keeps sending here), with the reason.
+            store = self.shared.health()
+            body["session_store"] = store
+            if up and store["status"] != "ok":
+                body["status"] = "degraded"
         return web.json_response(body, status=200 if up else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -483,6 +490,8 @@ class Router:
                 ("dropped", share.dropped),
             ):
                 self.metrics.prefix_updates.values[(direction,)] = float(n)
+        if self.shared is not None:
+            self.metrics.session_store(self.shared)
         if self.live is not None:
             self.live.expire_all(now)
         text = self.metrics.render()

@@ -2,7 +2,9 @@
 indexes through the Redis session store's pub/sub channel.
 
 A placement's update is queued without waiting (`SharedIndex.routed`, called by the policy
-as it places a request) and published by one background task, several per round trip. The
+as it places a request) and published by one background task, several per round trip; a
+placement that adds no block to this replica's index is shared at most once per REFRESH_S
+per prompt, so a prompt that repeats (a system prompt) costs Redis nothing per request. The
 queue is bounded: when Redis is slow or away, the oldest updates are dropped, never a request
 held; each replica keeps its own index meanwhile. A replica applies every other replica's
 updates to its index as they arrive; one that was away misses what was published then.
@@ -36,6 +38,8 @@ STORED, REMOVED, CLEARED = b"+", b"-", b"0"
 OUTBOX_BYTES = 8 << 20
 BATCH = 128  # updates per round trip
 RETRY_S = 1.0  # after Redis fails, wait this long before the next try
+REFRESH_S = 5.0  # a prompt placed again with no new block is shared at most this often
+REFRESH_KEYS = 1 << 16  # prompts remembered for that (forgotten all at once past it)
 _LEN = struct.Struct(">H")
 
 
@@ -100,9 +104,11 @@ class SharedIndex(PrefixIndex):
 
     def routed(self, backend: str, blocks: PromptBlocks) -> None:
         if self.learn:
-            self.insert(backend, blocks.hashes)
-            if self.share is not None and blocks.hashes:
-                self.share.queue(STORED, backend, blocks.hashes)
+            hashes = blocks.hashes
+            share = self.share
+            if share is not None and hashes and share.worth_sharing(self, backend, hashes):
+                share.queue(STORED, backend, hashes)
+            self.insert(backend, hashes)
 
     def stored(self, backend: str, hashes: Sequence[int]) -> None:
         """An engine's BlockStored: insert here, and tell the other replicas."""
@@ -135,8 +141,32 @@ class PrefixShare:
         self._wake = asyncio.Event()
         self.published = self.dropped = self.applied = 0
         self._warned = 0.0
+        self._shared_at: dict[tuple[str, int], float] = {}  # (backend, last block): when
         if isinstance(index, SharedIndex):
             index.share = self
+
+    def renamed(self) -> None:
+        """The store's replica id changed (a forked worker's)."""
+        self._me = self.store.me.encode()[:8].ljust(8)
+
+    def worth_sharing(self, index: PrefixIndex, backend: str, hashes: Sequence[int]) -> bool:
+        """Whether a placement tells the others something: a block new to this replica's
+        index, or a prompt not shared for REFRESH_S (so that the others' least recently used
+        order sees it is still used). A prompt placed again and again (a system prompt) is
+        then published once per REFRESH_S, not once per request."""
+        held = index.blocks.get(backend)
+        if held is None or hashes[-1] not in held or hashes[0] not in held:
+            fresh = True
+        else:
+            fresh = any(h not in held for h in hashes)
+        now = time.monotonic()
+        key = (backend, hashes[-1])
+        if not fresh and now - self._shared_at.get(key, -REFRESH_S) < REFRESH_S:
+            return False
+        if len(self._shared_at) >= REFRESH_KEYS:
+            self._shared_at.clear()
+        self._shared_at[key] = now
+        return True
 
     def queue(self, kind: bytes, backend: str, hashes: Sequence[int]) -> None:
         """Queue an update; never waits. Past `outbox_bytes`, the oldest are dropped."""
@@ -211,7 +241,12 @@ class PrefixShare:
                     await t
 
     def _warn(self, e: BaseException) -> None:
-        """One log line per minute at most while Redis fails."""
+        """The session store's health says so (once per outage), or one log line per minute
+        at most while Redis fails."""
+        down = getattr(self.store, "down", None)
+        if callable(down):
+            down(e)
+            return
         now = time.monotonic()
         if now - self._warned >= 60.0:
             self._warned = now

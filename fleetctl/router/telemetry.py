@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from typing import Any
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -154,6 +155,54 @@ class RouterMetrics:
             ("direction",),
         )
 
+        # The session store (router/shared.py): whether this replica shares state with the
+        # others now; while it does not, the replicas may disagree.
+        self.store_up = Gauge(
+            "fleetctl_session_store_up",
+            "1 while the session store answers (state shared with the other replicas), 0 while "
+            "this replica routes on its own state.",
+        )
+        self.store_outages = Counter(
+            "fleetctl_session_store_outages_total",
+            "Times the session store went away (this replica then ran on its own state).",
+        )
+        self.store_errors = Counter(
+            "fleetctl_session_store_errors_total", "Failed session store round trips."
+        )
+        self.store_down_s = Gauge(
+            "fleetctl_session_store_down_seconds",
+            "How long the session store has been away (0 while it answers).",
+        )
+        self.store_pending = Gauge(
+            "fleetctl_session_store_pending_pins",
+            "Session pins decided here and not yet in the session store.",
+        )
+        self.store_pins = Counter(
+            "fleetctl_session_store_pins_total",
+            "Session pins: written to the store, applied (another replica's), conflicts (ours "
+            "lost to a later writer's), read (a session unknown here), read_timeout (a request "
+            "went on without), dropped (past the pending bound), restored (written back to a "
+            "store that had lost them).",
+            ("event",),
+        )
+        self.store_local = Gauge(
+            "fleetctl_session_store_local_pins", "Session pins this replica holds in memory."
+        )
+
+    def session_store(self, shared: Any) -> None:
+        """Copy the session store's state (a RedisShared) into the metrics above."""
+        import time
+
+        self.store_up.set(value=1.0 if shared.up else 0.0)
+        self.store_outages.values[()] = float(shared.outages)
+        self.store_errors.values[()] = float(shared.errors)
+        down = 0.0 if shared.up else time.monotonic() - shared.since
+        self.store_down_s.set(value=down)
+        self.store_pending.set(value=len(shared.pending))
+        self.store_local.set(value=len(shared.sessions.pins))
+        for event, n in shared.counts.items():
+            self.store_pins.values[(event,)] = float(n)
+
     def render(self) -> str:
         lines: list[str] = []
         for m in (
@@ -174,4 +223,15 @@ class RouterMetrics:
             self.prefix_updates,
         ):
             lines.extend(m.render())
+        if self.store_pins.values:  # only with a session store
+            for m in (
+                self.store_up,
+                self.store_outages,
+                self.store_errors,
+                self.store_down_s,
+                self.store_pending,
+                self.store_pins,
+                self.store_local,
+            ):
+                lines.extend(m.render())
         return "\n".join(lines) + "\n"
