@@ -93,6 +93,15 @@ def route_serve(
         help="Keep no log of finished requests in the state folder's requests/ (default: "
         "the inventory's router.request_log.enabled).",
     ),
+    workers: int = typer.Option(
+        1,
+        "--workers",
+        min=1,
+        max=256,
+        metavar="N",
+        help="Processes serving the one listening port (SO_REUSEPORT); they share state "
+        "through --session-store.",
+    ),
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
@@ -152,7 +161,7 @@ def route_serve(
         router.set_kv_events(sources or {})
         return fresh
 
-    serve(router, listen or inv.spec.router.listen, reload, None if backends else sdir)
+    serve(router, listen or inv.spec.router.listen, reload, None if backends else sdir, workers)
 
 
 @app.command(

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -287,6 +288,101 @@ def serve(
     listen: str,
     reload: Reload,
     watch: StateDir | None,
+    workers: int = 1,
+) -> None:
+    """Serve until SIGTERM or SIGINT; with `workers` > 1, as that many processes on one
+    listening port (SO_REUSEPORT: the kernel spreads connections over them), restarted if one
+    dies. They share session pins, the aging window and the prefix index through the session
+    store, if the router has one; without, each worker keeps its own."""
+    if workers <= 1:
+        _serve_one(router, listen, reload, watch, reuse_port=False)
+        return
+    start_logging()
+    if router.shared is None:
+        log.warning(
+            "--workers %d without --session-store: each worker keeps its own session pins, "
+            "aging window and prefix index, so a session's turns may reach another class; "
+            "give --session-store redis://HOST:PORT/DB to share them",
+            workers,
+        )
+
+    def child(worker: int) -> None:
+        router.worker = worker
+        router.new_identity()  # each worker is a replica of its own in the session store
+        _serve_one(router, listen, reload, watch, reuse_port=True)
+
+    supervise(child, workers)
+
+
+# A worker that dies is started again, unless this many died within RESTART_WINDOW_S (a worker
+# that cannot start at all: the port is taken, say); then route-serve stops with exit 1.
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 30.0
+
+
+def supervise(child: Callable[[int], None], workers: int) -> None:
+    """Fork `workers` processes running `child(i)`, forward SIGTERM, SIGINT (as SIGTERM) and
+    SIGHUP to them, start one again when it dies, and return once all have ended."""
+    children: dict[int, int] = {}
+    stopping = False
+
+    def spawn(i: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            code = 1
+            try:
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                    signal.signal(sig, signal.SIG_DFL)
+                child(i)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+            except BaseException:
+                log.exception("worker %d failed", i)
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        children[pid] = i
+
+    def forward(sig: int, frame: object) -> None:
+        nonlocal stopping
+        if sig != signal.SIGHUP:
+            stopping = True
+        for pid in list(children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGHUP if sig == signal.SIGHUP else signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    for i in range(workers):
+        spawn(i)
+    log.info("route-serve: %d workers (pids %s) on one port", workers, " ".join(map(str, children)))
+    deaths: list[float] = []
+    failed = False
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        i = children.pop(pid, -1)
+        if i < 0 or stopping:
+            continue
+        now = time.monotonic()
+        deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
+        code = os.waitstatus_to_exitcode(status)
+        if len(deaths) > MAX_RESTARTS:
+            log.error("worker %d exited (%d): too many workers died; stopping", i, code)
+            failed = stopping = True
+            forward(signal.SIGTERM, None)
+            continue
+        log.warning("worker %d (pid %d) exited (%d); starting another", i, pid, code)
+        spawn(i)
+    if failed:
+        raise SystemExit(1)
+
+
+def _serve_one(
+    router: Router, listen: str, reload: Reload, watch: StateDir | None, reuse_port: bool
 ) -> None:
     host, _, port = listen.rpartition(":")
     app = router.app()
@@ -314,11 +410,12 @@ def serve(
     # `kill -USR1 PID` prints every thread's stack to the log, even with the event loop stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     log.info(
-        "fleetctl route-serve on http://%s:%s: %d backends, policy %s",
+        "fleetctl route-serve on http://%s:%s: %d backends, policy %s%s",
         host.strip("[]"),
         port,
         len(router.backends),
         router.policy.name,
+        "" if router.worker is None else f" (worker {router.worker}, pid {os.getpid()})",
     )
     web.run_app(
         app,
@@ -328,6 +425,7 @@ def serve(
         access_log_class=AccessLog,
         access_log_format=ACCESS_LOG_FORMAT,
         print=None,
+        reuse_port=reuse_port or None,
         **server_options(router.config),
     )
 
