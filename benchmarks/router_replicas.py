@@ -346,6 +346,7 @@ class Row:
     p99: list[float] = field(default_factory=list)
     cpu_ms: list[float] = field(default_factory=list)
     store_lines: int = 0  # log lines about the session store
+    gave_up: list[float] = field(default_factory=lambda: [0.0, 0.0])  # reads, writes (50 ms)
     changed: int = 0
     compared: int = 0
 
@@ -393,9 +394,16 @@ async def phase_cost(
                 got = await closed([rs.url], args.conc, args.requests, args.turns, f"c{r}{name[9]}")
                 record(rows[name], got, rs.cpu_s() - cpu0)
                 rows[name].store_lines += rs.log_text().count("session store")
+                gave_up(rows[name], rs)
             finally:
                 rs.stop()
     return list(rows.values())
+
+
+def gave_up(row: Row, rs: RouteServe) -> None:
+    """The store's reads and write waits given up (one worker's /metrics)."""
+    for i, e in enumerate(("read_timeout", "write_timeout")):
+        row.gave_up[i] += rs.metric(f'fleetctl_session_store_pins_total{{event="{e}"}}') or 0
 
 
 async def phase_workers(
@@ -419,6 +427,7 @@ async def phase_workers(
                 got = await closed([rs.url], args.conc, args.requests, args.turns, f"w{r}{n}{core}")
                 record(rows[name], got, rs.cpu_s() - cpu0)
                 rows[name].store_lines += rs.log_text().count("session store")
+                gave_up(rows[name], rs)
             finally:
                 rs.stop()
     return list(rows.values())
@@ -522,8 +531,9 @@ def report(rows: list[Row], base: str | None) -> list[str]:
     med = statistics.median
     out = [
         "| target | requests | failed | req/s | p50 ms | p99 ms | p50 added | p99 added | "
-        "router CPU ms/req | class changes | 'session store' log lines |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "router CPU ms/req | class changes | 'session store' log lines | "
+        "store waits cut at 50 ms (reads/writes) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ref = next((r for r in rows if r.name == base), None)
     for r in rows:
@@ -535,7 +545,8 @@ def report(rows: list[Row], base: str | None) -> list[str]:
         out.append(
             f"| {r.name} | {r.requests} | {r.failed} | {med(r.rps):.0f} | {ms(med(r.p50))} | "
             f"{ms(med(r.p99))} | {added50} | {added99} | {cpu} | "
-            f"{share(r.changed, r.compared)} | {r.store_lines} |"
+            f"{share(r.changed, r.compared)} | {r.store_lines} | "
+            f"{r.gave_up[0]:.0f}/{r.gave_up[1]:.0f} |"
         )
     return out
 

@@ -260,7 +260,17 @@ class RedisShared:
         self.epoch = 0  # +1 at each recovery
         self.outages = self.errors = 0
         self.counts = dict.fromkeys(
-            ("written", "applied", "conflicts", "read", "read_timeout", "dropped", "restored"), 0
+            (
+                "written",
+                "applied",
+                "conflicts",
+                "read",
+                "read_timeout",
+                "write_timeout",
+                "dropped",
+                "restored",
+            ),
+            0,
         )
         self.sessions = SharedSessions(self)
         self.pending: OrderedDict[str, tuple[Pin, str]] = OrderedDict()
@@ -402,16 +412,16 @@ class RedisShared:
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
         self._acks.setdefault(session, []).append(waiter)
-        timer = loop.call_later(READ_WAIT_S, self._gave_up, waiter)
+        timer = loop.call_later(READ_WAIT_S, self._gave_up, waiter, "write_timeout")
         try:
             await waiter
         finally:
             timer.cancel()
 
-    def _gave_up(self, waiter: asyncio.Future[bool]) -> None:
+    def _gave_up(self, waiter: asyncio.Future[bool], what: str = "read_timeout") -> None:
         if not waiter.done():
             waiter.set_result(False)
-            self.counts["read_timeout"] += 1
+            self.counts[what] += 1
 
     async def load_pin(self, table: SessionTable, session: str) -> None:
         """Copy the session's pin from Redis into `table` (one round trip, unbatched)."""

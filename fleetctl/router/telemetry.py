@@ -181,7 +181,8 @@ class RouterMetrics:
             "fleetctl_session_store_pins_total",
             "Session pins: written to the store, applied (another replica's), conflicts (ours "
             "lost to a later writer's), read (a session unknown here), read_timeout (a request "
-            "went on without), dropped (past the pending bound), restored (written back to a "
+            "went on without), write_timeout (an answer left before its new pin reached the "
+            "store), dropped (past the pending bound), restored (written back to a "
             "store that had lost them).",
             ("event",),
         )
