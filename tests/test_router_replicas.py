@@ -290,3 +290,47 @@ def test_the_issue_load_loses_no_pin(
     db.close()
     assert len(first) >= 12_000  # 48,000 turns, 4 a session (the last ones cut short)
     assert stored == first
+
+
+def test_last_writer_wins_per_session_by_version(redis: Redis) -> None:
+    """Two replicas write one session's pin: Redis keeps the later version, whichever
+    arrives last, and the replica whose pin lost adopts the winner (a counted conflict)."""
+    from fleetctl.router.shared import RedisShared, decode_pin
+    from fleetctl.routing.sessions import Pin
+
+    async def go() -> tuple[RedisShared, RedisShared, str, bytes]:
+        a, b = RedisShared(redis.url, "lww"), RedisShared(redis.url, "lww")
+        tasks = [asyncio.create_task(x.run()) for x in (a, b)]
+        try:
+            for x in (a, b):
+                await asyncio.wait_for(x.subscribed.wait(), LIMIT_S)
+            older = a.stamp()
+            b.saw(older)
+            newer = b.stamp()
+            assert newer > older
+            rtx, a100 = Pin("RTX-4090/gptq-int4", "rtx-1"), Pin("A100-SXM4-80GB/bf16", "a100-1")
+            b.sessions.adopt("s1", rtx, newer)  # b decided later; its write lands first
+            b.queue_pin("s1", rtx, newer)
+            end = time.monotonic() + LIMIT_S
+            while a.sessions.get("s1") != rtx:  # a hears it through the pins channel
+                assert time.monotonic() < end
+                await asyncio.sleep(0.01)
+            a.sessions.pins["s1"] = a100  # as if a had decided earlier, and sends it late
+            a.sessions.known["s1"].stamp = older
+            a.queue_pin("s1", a100, older)
+            while a.counts["conflicts"] < 1:
+                assert time.monotonic() < end
+                await asyncio.sleep(0.01)
+            raw = await a.client.get(a.key("s1"))
+            return a, b, newer, raw
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for x in (a, b):
+                await x.close()
+
+    a, b, newer, raw = asyncio.run(go())
+    assert decode_pin(raw) == (newer, Pin("RTX-4090/gptq-int4", "rtx-1"))
+    assert a.sessions.get("s1") == Pin("RTX-4090/gptq-int4", "rtx-1")
+    assert b.counts["conflicts"] == 0 and a.counts["applied"] == 1

@@ -490,16 +490,21 @@ class RedisShared:
                     _release(waiting)
 
     def _reconcile(self, session: str, raw: bytes | None) -> None:
-        """Redis's pin for a session against ours."""
+        """Redis's pin for a session against ours: the later one wins, here and there."""
+        theirs = ""
         if raw:
-            with contextlib.suppress(ValueError):
-                stamp, pin = decode_pin(raw)
-                self.sessions.adopt(session, pin, stamp)
-            return
+            try:
+                theirs, pin = decode_pin(raw)
+            except ValueError:
+                return
+            self.sessions.adopt(session, pin, theirs)
         k = self.sessions.known.get(session)
         mine = self.sessions.pins.get(session)
-        if k is not None and mine is not None and session not in self.pending:
-            # Redis lost it (restarted empty, or it expired): write ours back, same version.
+        if k is None or mine is None or k.stamp <= theirs:
+            return
+        if session not in self.pending and session not in self._sending:
+            # Redis lost it (restarted empty, or it expired) or holds an older one: write
+            # ours back, with its version.
             self.counts["restored"] += 1
             self.queue_pin(session, mine, k.stamp)
 
