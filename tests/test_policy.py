@@ -34,8 +34,27 @@ def test_round_robin_cycles_and_p2c_is_seeded(catalog):
     bs = [backend(catalog, f"b{i}") for i in range(3)]
     rr = RoundRobin()
     assert [rr.choose(req(), bs).backend.name for _ in range(4)] == ["b0", "b1", "b2", "b0"]
-    picks = [[PowerOfTwo(7).choose(req(), bs).backend.name for _ in range(1)] for _ in range(2)]
-    assert picks[0] == picks[1]
+
+    def picks(seed):
+        p2c = PowerOfTwo(seed)
+        return [p2c.choose(req(), bs).backend.name for _ in range(30)]
+
+    # One seed, one sequence; another seed, another (ties go by name: b2 never wins one).
+    assert picks(7) == picks(7)
+    assert picks(7) != picks(8) and set(picks(7)) == {"b0", "b1"}
+
+
+def test_p2c_takes_the_less_loaded_of_its_two_draws(catalog):
+    # Loaded backends: every draw of two has a strictly less loaded one, which it must take.
+    bs = [backend(catalog, f"b{i}", outstanding=load) for i, load in enumerate((0, 5, 9))]
+    for seed in range(5):
+        p2c = PowerOfTwo(seed)
+        names = [p2c.choose(req(), bs).backend.name for _ in range(60)]
+        assert "b2" not in names  # the busiest never wins a draw
+        assert names.count("b0") > names.count("b1") > 0  # b0 wins 2 draws of 3, b1 one
+    # Two backends: the idle one, always.
+    two = [backend(catalog, "busy", outstanding=7), backend(catalog, "idle", outstanding=1)]
+    assert {PowerOfTwo(s).choose(req(), two).backend.name for s in range(20)} == {"idle"}
 
 
 def test_kv_aware_takes_the_emptiest(catalog):
@@ -53,6 +72,46 @@ def test_long_requests_go_to_the_large_kv_class(catalog):
     a100.pending_prefill = 20000
     short = ha.choose(req(prompt=300, out=50), [a100, rtx])
     assert short.backend is rtx and "length:short" in short.reason
+
+
+def test_long_requests_take_the_small_kv_class_only_when_it_is_4x_sooner(catalog):
+    # The penalty: a small-KV backend gets a long request only where it promises the first
+    # token long_small_kv_penalty (4) times sooner than the large-KV class.
+    rtx = backend(catalog, "rtx", gpu="RTX-4090")
+    long = req(prompt=5000, out=500)
+    ha = HardwareAware()
+    # The A100's backlog makes it about 2.5x slower than the idle 4090: it still gets it.
+    a100 = backend(catalog, "a100", pending_prefill=20000)
+    ratio = ha.estimate(a100, long) / ha.estimate(rtx, long)
+    assert 1.5 < ratio < 3.5
+    d = ha.choose(long, [a100, rtx])
+    assert d.backend is a100 and "length:long->large-kv" in d.reason
+    # About 4.5x slower: now the 4090 is worth it.
+    a100 = backend(catalog, "a100", pending_prefill=40000)
+    assert ha.estimate(a100, long) / ha.estimate(rtx, long) > 4.0
+    d = ha.choose(long, [a100, rtx])
+    assert d.backend is rtx and "length:long->small-kv" in d.reason
+    # A short request has no penalty: the 2.5x slower A100 loses it.
+    a100 = backend(catalog, "a100", pending_prefill=20000)
+    assert ha.choose(req(prompt=500, out=100), [a100, rtx]).backend is rtx
+
+
+def test_kv_overflow_costs_the_overflowing_backend_its_turn(catalog):
+    ha = HardwareAware()
+    r = req(prompt=2000, out=500)
+    full = backend(catalog, "full", outstanding=2)
+    busier = backend(catalog, "busier", outstanding=8)
+    # With room in both caches, the shorter batch is sooner.
+    assert ha.choose(r, [full, busier]).backend is full
+    below = ha.estimate(full, r)
+    # Half full: still no wait for room, the estimate does not move.
+    full.reserved_tokens = full.kv_tokens // 2
+    assert ha.estimate(full, r) == pytest.approx(below)
+    # What is in flight already fills its cache: the request would wait for room there.
+    full.reserved_tokens = full.kv_tokens * 3 // 2
+    assert ha.estimate(full, r) > below * 1.5
+    d = ha.choose(r, [full, busier])
+    assert d.backend is busier, d
 
 
 def test_bandwidth_saturation_biases_away_even_with_a_short_queue(catalog):
@@ -113,6 +172,31 @@ def test_session_affinity_holds_for_every_later_turn(catalog):
     assert all(first == x for first, x in later)  # 100% of later turns
     # And both classes got sessions: affinity is not "everything on one class".
     assert {t[0] for t in turns.values()} == {"A100-SXM4-80GB", "RTX-4090"}
+
+
+def test_a_session_keeps_its_class_while_that_class_is_the_busier(catalog):
+    ha = HardwareAware()
+    a100 = backend(catalog, "a100", outstanding=12, pending_prefill=30000)
+    rtx = [backend(catalog, f"rtx-{i}", gpu="RTX-4090") for i in range(2)]
+    first = req(0, prompt=300, out=50, session="s1")
+    d = ha.choose(first, [a100, *rtx])
+    assert d.backend.gpu_type == "RTX-4090", d  # the A100 is busy: a 4090 is sooner
+    ha.placed(first, d.backend)
+    # Now the 4090s are loaded and the A100 idle: any request without the session moves...
+    a100.outstanding, a100.pending_prefill = 0, 0
+    for b in rtx:
+        b.outstanding, b.pending_prefill, b.reserved_tokens = 12, 30000, 20000
+    fleet = [a100, *rtx]
+    assert ha.choose(req(1, prompt=300, out=50), fleet).backend is a100
+    assert ha.choose(req(2, prompt=300, out=50, session="other"), fleet).backend is a100
+    # ...but the session's next turns stay on its class, by eligibility and by choice.
+    turn = req(3, prompt=800, out=50, session="s1")
+    pool, _ = ha.eligible(turn, fleet)
+    assert {b.gpu_type for b in pool} == {"RTX-4090"}
+    d = ha.choose(turn, fleet)
+    assert d.backend.gpu_type == "RTX-4090" and "affinity:class" in d.reason, d
+    # Even when offered the whole fleet (the daemon's eligibility pass skipped).
+    assert ha.choose(req(4, prompt=800, out=50, session="s1"), fleet).backend is not a100
 
 
 def test_strict_hints_in_simulation(catalog):
