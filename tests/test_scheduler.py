@@ -44,6 +44,49 @@ def test_aging_boosts_exactly_past_factor_times_median():
     assert off.aging_threshold(1) is None
 
 
+def test_every_aged_request_is_boosted_at_once_and_they_keep_arrival_order(catalog):
+    s = Scheduler(HardwareAware(), Aging(factor=2.0, window_s=60))
+    s.observe_ttft(100.0, 1.0)  # threshold 2.0 s
+    arrivals = {
+        "top-a": (0, 90.0), "top-b": (0, 99.5),  # top class, in order
+        "p1-a": (1, 91.0), "p1-b": (1, 95.0), "p1-c": (1, 97.0), "p1-new": (1, 99.0),
+        "p3-a": (3, 89.0), "p3-b": (3, 96.0), "p3-new": (3, 99.9),
+    }  # fmt: skip
+    for rid, (prio, t) in arrivals.items():
+        s.submit(Request(rid, "llama-3-8b", 10, 10, priority=prio, arrival=t))
+    big = one_backend(catalog, kv_tokens=1_000_000, max_seqs=100)
+    sent, _ = s.dispatch(100.0, [big])
+    # One dispatch boosts all five that waited over 2 s, from every class, not one of them.
+    assert s.boosts == 5
+    boosted = {d.request.id for d in sent if d.request.boosted}
+    assert boosted == {"p1-a", "p1-b", "p1-c", "p3-a", "p3-b"}
+    # The top class (with the boosted requests in it) goes first, by arrival across classes;
+    # then what was not boosted, by class.
+    order = [d.request.id for d in sent]
+    top = sorted(
+        ["top-a", "top-b", *boosted], key=lambda r: arrivals[r][1]
+    )  # 89, 90, 91, 95, 96, 97, 99.5
+    assert order == [*top, "p1-new", "p3-new"]
+
+
+def test_boosted_requests_wait_in_arrival_order_while_the_fleet_is_full(catalog):
+    s = Scheduler(HardwareAware(), Aging(factor=2.0, window_s=60))
+    s.observe_ttft(0.0, 1.0)
+    for rid, prio, t in [("c", 2, 3.0), ("a", 1, 1.0), ("d", 2, 4.0), ("b", 3, 2.0)]:
+        s.submit(Request(rid, "llama-3-8b", 10, 10, priority=prio, arrival=t))
+    full = one_backend(catalog, max_seqs=1)
+    full.outstanding = 1
+    assert s.dispatch(10.0, [full]) == ([], [])
+    assert [r.id for r in s.queue] == ["a", "b", "c", "d"] and s.boosts == 4
+    # Room for one at a time: they leave in arrival order.
+    out = []
+    for now in (11.0, 12.0, 13.0, 14.0):
+        full.outstanding = 0
+        (d,), _ = s.dispatch(now, [full])
+        out.append(d.request.id)
+    assert out == ["a", "b", "c", "d"]
+
+
 def test_caps_come_from_the_kv_budget_and_priority_is_strict(catalog):
     b = one_backend(catalog, kv_tokens=10_000, max_seqs=4)
     s = Scheduler(HardwareAware(), Aging(enabled=False))
