@@ -56,6 +56,22 @@ def test_kv_bytes_per_token(catalog):
     assert kv_bytes_per_token(m, 2, tp=16) == 2 * 32 * 1 * 128 * 2
 
 
+def test_fp8_kv_cache_doubles_the_tokens_of_one_kv_budget(catalog):
+    # The budget in bytes is the same (weights and reserves do not change); an fp8 cache holds
+    # twice the tokens in it, to the block.
+    g, m, bf16 = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3-8b"), catalog.format("bf16")
+    auto, fp8 = kv_budget(g, m, bf16), kv_budget(g, m, bf16, kv_cache_dtype="fp8")
+    assert fp8.kv_per_gpu == auto.kv_per_gpu
+    assert fp8.kv_tokens == pytest.approx(2 * auto.kv_tokens, abs=16)
+    assert fp8.kv_tokens == fp8.kv_per_gpu // 65536 // 16 * 16  # 64 KiB a token, whole blocks
+    for dtype in ("fp8_e4m3", "fp8_e5m2"):
+        assert kv_budget(g, m, bf16, kv_cache_dtype=dtype).kv_tokens == fp8.kv_tokens
+    # The engine reads half the KV bytes per token, so long-context decode is faster.
+    e_auto, e_fp8 = EnginePerf(g, m, bf16), EnginePerf(g, m, bf16, kv_cache_dtype="fp8")
+    assert (e_auto.kv_token_bytes, e_fp8.kv_token_bytes) == (131072, 65536)
+    assert e_fp8.step_time(64, 64 * 8000) < e_auto.step_time(64, 64 * 8000)
+
+
 def test_quantized_weights_keep_embeddings_in_16_bits(catalog):
     m13 = catalog.model("llama-2-13b")
     gptq = weights_bytes(m13, catalog.format("gptq-int4"))

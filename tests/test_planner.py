@@ -109,6 +109,37 @@ models:
     )
 
 
+def test_an_fp8_kv_cache_fits_twice_the_sequences(tmp_path, catalog):
+    # The same 4090 and 13B GPTQ as above: 8 sequences of 4096 tokens do not fit a 16-bit KV
+    # cache (15.2 GB holds 4), they do fit an fp8 one (twice the tokens in the same bytes).
+    text = """\
+nodes:
+  - name: rtx-1
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: m13
+    profile: llama-2-13b
+    variants: {gptq-int4: {source: TheBloke/Llama-2-13B-chat-GPTQ}}
+    max_context: 4096
+    min_sequences: 8
+    kv_cache_dtype: %s
+"""
+    auto = plan_text(tmp_path, catalog, text % "auto")
+    assert not auto.deployments and auto.unplaced
+    fp8 = plan_text(tmp_path, catalog, text % "fp8")
+    (d,) = fp8.deployments
+    assert not fp8.unplaced
+    s = d.server
+    assert s.kv_cache_dtype == "fp8" and "--kv-cache-dtype fp8" in " ".join(s.args_tail)
+    assert s.max_sequences_at_max_len >= 8
+    four = plan_text(
+        tmp_path, catalog, (text % "auto").replace("min_sequences: 8", "min_sequences: 4")
+    )
+    (a,) = four.deployments
+    assert s.kv_budget_bytes == a.server.kv_budget_bytes
+    assert s.kv_budget_tokens == pytest.approx(2 * a.server.kv_budget_tokens, abs=16)
+
+
 def test_format_must_run_on_the_architecture(tmp_path, catalog):
     # A user profile adds a Turing Quadro RTX 6000; BF16 needs Ampere or newer, FP16 runs.
     prof = tmp_path / "profiles" / "gpus"
