@@ -229,6 +229,38 @@ def test_max_replicas_and_idle_warning(tmp_path, catalog):
     assert any("1 RTX-4090 GPU left idle" in w for w in plan.warnings)
 
 
+MAX_REPLICAS = """\
+nodes:
+  - name: a100-[1:2]
+    gpus: {type: A100-SXM4-80GB, count: 1}
+  - name: rtx-[1:2]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: chat
+    profile: llama-3-8b
+    variants: {bf16: {source: x}, fp8: {source: y}}
+    max_context: 8192
+    max_replicas: %d
+    workload: {requests_per_s: 40, mean_prompt_tokens: 1500, mean_output_tokens: 300}
+"""
+
+
+@pytest.mark.parametrize("objective", ["throughput", "cost"])
+@pytest.mark.parametrize("cap", [1, 2])
+def test_max_replicas_caps_the_model_across_classes_and_variants(tmp_path, catalog, objective, cap):
+    # More demand than the whole fleet serves, and several candidates (two GPU classes, two
+    # formats): only the model's max_replicas row, not any one candidate's bound, holds it.
+    inv = load_inventory(write(tmp_path, MAX_REPLICAS % cap), catalog)
+    plan = plan_fleet(inv, objective=objective)
+    assert len(plan.deployments) == cap, [(d.node, d.variant) for d in plan.deployments]
+    assert len({d.node for d in plan.deployments}) == cap
+    # Without the cap the same fleet runs a server on every GPU.
+    free = load_inventory(
+        write(tmp_path, (MAX_REPLICAS % cap).replace(f"    max_replicas: {cap}\n", "")), catalog
+    )
+    assert len(plan_fleet(free, objective=objective).deployments) == 4
+
+
 def test_deterministic(catalog):
     inv = load_inventory(examples()["seed-multi-model"], catalog)
     a, b = plan_fleet(inv).to_json(), plan_fleet(inv).to_json()
@@ -306,6 +338,86 @@ def test_shapes_cover_the_node(gpus, sizes, count):
     assert len(shapes) == count
     assert all(sum(s) == gpus for s in shapes)
     assert len(set(shapes)) == len(shapes)
+
+
+NON_POWER_OF_TWO = """\
+nodes:
+  - name: h6-[1:2]
+    gpus: {type: H100-SXM-80GB, count: 6}
+  - name: h12-1
+    gpus: {type: H100-SXM-80GB, count: 12}
+models:
+  - name: big
+    profile: qwen2.5-72b
+    variants: {bf16: {source: q}}
+    max_context: 32768
+    min_replicas: 3
+    workload: {requests_per_s: 10, mean_prompt_tokens: 2000, mean_output_tokens: 300}
+  - name: mid
+    profile: llama-3-70b
+    variants: {bf16: {source: l}}
+    max_context: 8192
+    min_replicas: 2
+    workload: {requests_per_s: 10, mean_prompt_tokens: 2000, mean_output_tokens: 300}
+  - name: small
+    profile: llama-3-8b
+    variants: {bf16: {source: s}}
+    max_context: 8192
+    min_replicas: 2
+    workload: {requests_per_s: 10, mean_prompt_tokens: 1500, mean_output_tokens: 300}
+"""
+
+
+@pytest.mark.parametrize("drop", [None, "h6", "h12"])
+def test_six_and_twelve_gpu_nodes_take_a_mix_of_tp_sizes(tmp_path, catalog, drop):
+    """6 and 12 are not powers of two: the solver cuts the nodes into shapes (4+2, 4+1+1,
+    ...) and expansion fills their slots. Every deployment lands on a real GPU of its node,
+    aligned, and no GPU is used twice."""
+    text = NON_POWER_OF_TWO
+    if drop:  # half the GPUs: one replica of each
+        text = text.replace("min_replicas: 3", "min_replicas: 1").replace(
+            "min_replicas: 2", "min_replicas: 1"
+        )
+    if drop == "h6":  # the 12-GPU node alone takes every model
+        text = text.replace("  - name: h6-[1:2]\n    gpus: {type: H100-SXM-80GB, count: 6}\n", "")
+    elif drop == "h12":
+        text = text.replace("  - name: h12-1\n    gpus: {type: H100-SXM-80GB, count: 12}\n", "")
+    inv = load_inventory(write(tmp_path, text), catalog)
+    plan = plan_fleet(inv)
+    nodes = {n.name: n.gpu_count for n in inv.nodes}
+    assert not plan.unplaced
+    assert {d.model for d in plan.deployments} == {"big", "mid", "small"}
+    used: Counter[tuple[str, int]] = Counter()
+    for d in plan.deployments:
+        assert d.node in nodes
+        assert len(d.gpu_indices) == d.tensor_parallel_size == len(set(d.gpu_indices))
+        assert all(0 <= g < nodes[d.node] for g in d.gpu_indices), d
+        assert list(d.gpu_indices) == list(range(d.gpu_indices[0], d.gpu_indices[-1] + 1))
+        assert d.gpu_indices[0] % d.tensor_parallel_size == 0, d  # aligned block
+        used.update((d.node, g) for g in d.gpu_indices)
+    assert max(used.values()) == 1
+    assert sum(used.values()) <= sum(nodes.values())
+    if drop is None:  # TP 1, 2 and 4 all occur, on the 6-GPU nodes too
+        tps = {d.tensor_parallel_size for d in plan.deployments if d.node.startswith("h6")}
+        assert tps == {1, 2, 4}
+    for m in inv.models:
+        mine = [d for d in plan.deployments if d.model == m.name]
+        assert len(mine) >= m.spec.min_replicas, m.name
+
+
+@pytest.mark.parametrize("gpus", [6, 12])
+def test_every_shape_of_a_non_power_of_two_node_is_aligned(gpus):
+    shapes = shapes_for(gpus, [1, 2, 4])
+    for shape in shapes:
+        assert sum(shape) == gpus and list(shape) == sorted(shape, reverse=True)
+        start = 0
+        for size in shape:  # descending powers of two: each slot starts at a multiple of it
+            assert start % size == 0
+            start += size
+    # Every count of 4s, then of 2s, with 1s filling up: (4,2), (4,1,1), (2,2,2), ... .
+    expect = {(q, p) for q in range(gpus // 4 + 1) for p in range((gpus - 4 * q) // 2 + 1)}
+    assert {(s.count(4), s.count(2)) for s in shapes} == expect
+    assert len(shapes) == len(expect)
 
 
 def test_kv_starved_servers_still_fill_idle_gpus(tmp_path, catalog):
