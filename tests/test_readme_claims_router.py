@@ -1,0 +1,561 @@
+"""README claims about `fleetctl route-serve`, each pinned by a test that fails if it breaks.
+
+The router runs as a real `python -m fleetctl route-serve` process in front of real HTTP
+backends on loopback whose `/metrics` page, answers and pace the test sets (`Stub`). Each
+test waits on events (a backend's scrape count, a request arriving, a log line), not on
+sleeps. tests/README.md maps each claim to its test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from fleetctl.router.live import LiveState
+from fleetctl.routing.types import Backend
+from tests.conftest import REPO
+from tests.procs import NAME, free_port, http_request, stop_process
+
+INVENTORY = """\
+nodes:
+  - name: a100-1
+    gpus: {type: A100-SXM4-80GB, count: 1}
+  - name: rtx-[1:4]
+    gpus: {type: RTX-4090, count: 1}
+models:
+  - name: llama-3-8b
+    profile: llama-3-8b
+    variants:
+      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
+    max_context: 8192
+    workload: {requests_per_s: 5, mean_prompt_tokens: 500, mean_output_tokens: 64}
+router: {aging: {factor: 1000.0, window_s: 30}}
+"""
+A100, RTX = "A100-SXM4-80GB", "RTX-4090"
+WAIT_S = 30.0  # only stops a hang: every wait below ends on its event
+
+
+def until(cond: Callable[[], bool], what: str, deadline_s: float = WAIT_S) -> None:
+    """Poll a condition that an event makes true; fails with `what` if it never does."""
+    end = time.monotonic() + deadline_s
+    while not cond():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+class Stub:
+    """A vLLM stand-in on 127.0.0.1 whose /metrics figures, answers and pace the test sets."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.kv = 0.0
+        self.running = 0
+        self.waiting = 0
+        self.read_bytes = 0.0
+        self.read_step = 0.0  # added to the read-bytes counter at every scrape
+        self.gpu_blocks: int | None = None  # vllm:cache_config_info's num_gpu_blocks
+        self.status = 200  # completions' answer
+        self.gate = threading.Event()  # completions wait on it while `hold` is set
+        self.hold = False
+        self.bodies: list[dict] = []
+        self.scrapes = 0
+        self._ready = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self._run, daemon=True).start()
+        assert self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/health", self.health)
+        runner = web.AppRunner(app, access_log=None)
+        self.loop.run_until_complete(runner.setup())
+        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self.loop.run_forever()
+
+    def page(self) -> str:
+        labels = f'{{engine="0",model_name="{NAME}"}}'
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{labels} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{labels} {self.waiting}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{labels} {self.kv}",
+            "# TYPE vllm:estimated_read_bytes_per_gpu_total counter",
+            f"vllm:estimated_read_bytes_per_gpu_total{labels} {self.read_bytes}",
+        ]
+        if self.gpu_blocks is not None:
+            lines += [
+                "# TYPE vllm:cache_config_info gauge",
+                f'vllm:cache_config_info{{block_size="16",engine="0",'
+                f'num_gpu_blocks="{self.gpu_blocks}"}} 1.0',
+            ]
+        return "\n".join(lines) + "\n"
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        self.read_bytes += self.read_step
+        text = self.page()
+        self.scrapes += 1
+        return web.Response(text=text, content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": NAME, "object": "model"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def completions(self, request: web.Request) -> web.Response:
+        body = json.loads(await request.read())
+        self.bodies.append(body)
+        if self.hold:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self.gate.wait, WAIT_S)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "busy"}}, status=self.status)
+        n = int(body.get("max_tokens") or 1)
+        answer = {
+            "id": "cmpl-stub",
+            "object": "text_completion",
+            "model": NAME,
+            "choices": [{"index": 0, "text": " ok" * n, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
+        }
+        return web.json_response(answer)
+
+    def wait_scrapes(self, n: int = 2) -> None:
+        """Until the router has read this page `n` more times (the next decision sees it)."""
+        target = self.scrapes + n
+        until(lambda: self.scrapes >= target, f"{n} scrapes of {self.url}")
+
+
+def entry(stub: Stub, node: str, gpu: str = RTX, **kw: object) -> dict:
+    return {"url": stub.url, "node": node, "gpu_type": gpu, "model": NAME, "variant": "bf16", **kw}
+
+
+class Router:
+    """One `python -m fleetctl route-serve` process on --listen 127.0.0.1:PORT."""
+
+    def __init__(self, tmp: Path, backends: list[dict], *extra: str) -> None:
+        self.port = free_port()
+        self.inv = tmp / "inventory.yaml"
+        self.inv.write_text(INVENTORY)
+        self.backends_path = tmp / "backends.yaml"
+        self.write_backends(backends)
+        self.log = tmp / "router.log"
+        cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(self.inv)]
+        cmd += ["--backends", str(self.backends_path), "--no-request-log"]
+        cmd += ["--listen", f"127.0.0.1:{self.port}", *extra]
+        with self.log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        end = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                self.request("GET", "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < end, self.log.read_text()
+                time.sleep(0.05)
+
+    def write_backends(self, backends: list[dict]) -> None:
+        self.backends_path.write_text(json.dumps({"backends": backends}))
+
+    def request(self, method, path, body=None, headers=None, timeout=30.0):
+        return http_request(self.port, method, path, body, headers, timeout)
+
+    def complete(self, headers: dict | None = None, **body: object):
+        full = {"model": NAME, "prompt": "hello " * 20, "max_tokens": 8, **body}
+        return self.request("POST", "/v1/completions", full, headers)
+
+    def metric(self, name: str) -> float:
+        """The sum of one family's samples on the router's own /metrics."""
+        status, _, page = self.request("GET", "/metrics")
+        assert status == 200
+        total = 0.0
+        for line in page.decode().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+
+
+@pytest.fixture
+def stubs():
+    made: list[Stub] = []
+
+    def make(n: int) -> list[Stub]:
+        new = [Stub() for _ in range(n)]
+        made.extend(new)
+        return new
+
+    yield make
+    for s in made:
+        s.gate.set()
+
+
+@pytest.fixture
+def router(tmp_path):
+    made: list[Router] = []
+
+    def make(backends: list[dict], *extra: str) -> Router:
+        r = Router(tmp_path, backends, *extra)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+def served(stubs: list[Stub]) -> list[int]:
+    return [len(s.bodies) for s in stubs]
+
+
+def route_five(r: Router, stubs: list[Stub], **body: object) -> list[int]:
+    """Five requests one after another; how many each stub received."""
+    before = served(stubs)
+    for _ in range(5):
+        status, _, answer = r.complete(**body)
+        assert status == 200, answer
+    return [a - b for a, b in zip(served(stubs), before, strict=True)]
+
+
+# --- routing on scraped /metrics ----------------------------------------------------------------
+
+
+def test_kv_aware_follows_scraped_kv_usage(stubs, router):
+    """README "The routing daemon": each backend's /metrics is scraped
+    (vllm:kv_cache_usage_perc, running and waiting requests). kv-aware sends every request to
+    the backend whose page reports the emptier KV cache (then the fewer waiting), and follows
+    when the pages swap."""
+    one, two = stubs(2)
+    r = router([entry(one, "rtx-1"), entry(two, "rtx-2")], "--policy", "kv-aware")
+    # KV usage first; with equal usage, vllm:num_requests_waiting decides.
+    phases = [
+        ((0.9, 0), (0.1, 0), [0, 5]),
+        ((0.1, 0), (0.9, 0), [5, 0]),
+        ((0.5, 4), (0.5, 0), [0, 5]),
+        ((0.5, 0), (0.5, 4), [5, 0]),
+    ]
+    for (one.kv, one.waiting), (two.kv, two.waiting), expect in phases:
+        one.wait_scrapes()
+        two.wait_scrapes()
+        assert route_five(r, [one, two]) == expect
+
+
+def test_hardware_aware_avoids_scraped_bandwidth_saturation(stubs, router):
+    """README: bandwidth use from the rate of vllm:estimated_read_bytes_per_gpu_total; a
+    server above the saturation threshold (0.85) pays a penalty in hardware-aware's
+    estimate, so the default policy sends requests to the other, and follows a swap."""
+    one, two = stubs(2)
+    r = router([entry(one, "rtx-1"), entry(two, "rtx-2")])
+    for busy, idle, expect in ((one, two, [0, 5]), (two, one, [5, 0])):
+        busy.read_step, idle.read_step = 1e15, 0.0  # ~4 PB/s against a 4090's ~1 TB/s
+        busy.wait_scrapes(3)
+        idle.wait_scrapes(3)
+        assert route_five(r, [one, two], max_tokens=64) == expect
+
+
+def test_hardware_aware_uses_scraped_kv_capacity(stubs, router):
+    """README: the real KV capacity from vllm:cache_config_info. A server whose page says its
+    KV cache holds 32 tokens would overflow with a 100-token request: hardware-aware sends it
+    to the other server of the class, and follows when the pages swap."""
+    one, two = stubs(2)
+    r = router([entry(one, "rtx-1"), entry(two, "rtx-2")])
+    for small, large, expect in ((one, two, [0, 5]), (two, one, [5, 0])):
+        small.gpu_blocks, large.gpu_blocks = 2, 100_000
+        small.wait_scrapes()
+        large.wait_scrapes()
+        assert route_five(r, [one, two], max_tokens=64) == expect
+
+
+def test_figures_older_than_2_s_are_dropped():
+    """README: figures older than 2 s are dropped and routing falls back to the router's own
+    counts. LiveState keeps a page's figures up to 2 s after the scrape and clears them
+    past it (the scrape loop calls `expire_all` after every round)."""
+    b = Backend("http://127.0.0.1:1", "rtx-1", RTX, NAME, "bf16", kv_tokens=100_000)
+    live = LiveState([b])
+    page = (
+        f'vllm:num_requests_running{{model_name="{NAME}"}} 7\n'
+        f'vllm:num_requests_waiting{{model_name="{NAME}"}} 3\n'
+        f'vllm:kv_cache_usage_perc{{model_name="{NAME}"}} 0.9\n'
+    )
+    live.apply(b, page, 100.0)
+    live.expire_all(101.9)
+    assert (b.running, b.waiting, b.kv_usage) == (7, 3, 0.9)
+    live.expire_all(102.1)
+    assert (b.running, b.waiting, b.kv_usage) == (0, 0, 0.0)
+
+
+# --- retries, ejection, backoff -------------------------------------------------------------------
+
+
+def test_5xx_before_first_byte_retried_twice_at_most(stubs, router):
+    """README: 5xx answers before the first byte are retried on another backend (twice at
+    most): with four backends all answering 503, one request makes exactly 3 attempts, each
+    on a different backend, and the client gets an error."""
+    four = stubs(4)
+    for s in four:
+        s.status = 503
+    r = router([entry(s, f"rtx-{i + 1}") for i, s in enumerate(four)])
+    status, _, _ = r.complete()
+    assert status >= 500
+    assert sorted(served(four)) == [0, 1, 1, 1]
+
+
+def test_ejection_backoff_doubles():
+    """README: three failures in a row eject a backend, with a doubling backoff, until a scrape
+    succeeds. Ejected for 1 s, readmitted by a scrape after it, ejected again for 2 s, then
+    4 s; a request that goes through resets it to 1 s."""
+    b = Backend("http://127.0.0.1:1", "rtx-1", RTX, NAME, "bf16", kv_tokens=100_000)
+    live = LiveState([b])
+    now = 0.0
+    for expected in (1.0, 2.0, 4.0, 8.0):
+        fails = 3 if expected == 1.0 else 1  # after a probe, half-open: one failure ejects
+        for _ in range(fails):
+            assert b.healthy
+            live.failed(b, now)
+        assert not b.healthy
+        assert live.state(b).ejected_until == pytest.approx(now + expected)
+        live.probed(b, now + expected - 0.01)
+        assert not b.healthy  # still backing off
+        now += expected
+        live.probed(b, now)
+        assert b.healthy
+    live.succeeded(b)
+    for _ in range(3):
+        live.failed(b, now)
+    assert live.state(b).ejected_until == pytest.approx(now + 1.0)
+
+
+# --- the request body's priority and user ---------------------------------------------------------
+
+
+def test_body_priority_orders_the_queue(stubs, router):
+    """README: the body's `priority` (0 is the most urgent): with the one server full
+    (max_num_seqs 1), a request of priority 0 that queued after one of priority 9 is sent
+    first."""
+    (one,) = stubs(1)
+    one.hold = True
+    r = router([entry(one, "rtx-1", max_num_seqs=1)])
+    results: dict[str, int] = {}
+
+    def send(tag: str, **body: object) -> threading.Thread:
+        def go() -> None:
+            results[tag] = r.complete(prompt=f"{tag} " * 10, **body)[0]
+
+        t = threading.Thread(target=go)
+        t.start()
+        return t
+
+    threads = [send("first")]
+    until(lambda: len(one.bodies) == 1, "the first request at the backend")
+    threads.append(send("late", priority=9))
+    until(lambda: r.metric("fleetctl_queue_depth") == 1, "one request queued")
+    threads.append(send("urgent", priority=0))
+    until(lambda: r.metric("fleetctl_queue_depth") == 2, "two requests queued")
+    one.hold = False
+    one.gate.set()
+    for t in threads:
+        t.join(WAIT_S)
+    assert results == {"first": 200, "late": 200, "urgent": 200}
+    order = [str(b["prompt"]).split()[0] for b in one.bodies]
+    assert order == ["first", "urgent", "late"]
+
+
+@pytest.mark.parametrize("how", ["body user", "X-Session-ID"])
+def test_session_stays_on_its_class_when_loaded(stubs, router, how):
+    """README "How routing decides": every turn of a session stays on the node class of its
+    first turn, waiting for room there rather than switching; the session comes from
+    `X-Session-ID` or the body's `user`. The first turn goes to the idle A100; with the A100
+    then saturated, a request without a session goes to the 4090, the session's stays."""
+    a100, rtx = stubs(2)
+    r = router([entry(a100, "a100-1", A100), entry(rtx, "rtx-1", RTX)])
+
+    def turn(session: str | None) -> str:
+        if session is None:
+            status, headers, _ = r.complete(max_tokens=64)
+        elif how == "body user":
+            status, headers, _ = r.complete(max_tokens=64, user=session)
+        else:
+            status, headers, _ = r.complete({"X-Session-ID": session}, max_tokens=64)
+        assert status == 200
+        return dict(headers)["X-Fleet-Class"]
+
+    a100.wait_scrapes()
+    assert turn("conv-1").startswith(A100)
+    a100.read_step = 1e15
+    a100.wait_scrapes(3)
+    assert turn(None).startswith(RTX)  # the load is seen
+    for _ in range(3):
+        assert turn("conv-1").startswith(A100)
+    assert turn("conv-2").startswith(RTX)  # a new session starts where it is best
+
+
+def test_session_stays_on_its_node_when_that_costs_little(stubs, router):
+    """README: on the same node when that costs little (warm prefix cache). Two 4090s; the
+    session's first turn lands on one; a request held in flight there makes it a little
+    slower (a sessionless request goes to the other), the session's next turn stays. With the
+    node saturated (a large penalty), the session moves to the other node of its class."""
+    one, two = stubs(2)
+    r = router([entry(one, "rtx-1"), entry(two, "rtx-2")])
+    one.wait_scrapes()
+    two.wait_scrapes()
+    status, _, _ = r.complete(user="conv-1")
+    assert status == 200
+    home = one if len(one.bodies) == 1 else two
+    other = two if home is one else one
+    home.hold = True
+    held = threading.Thread(target=r.complete, kwargs={"prompt": "hold " * 500})
+    held.start()
+    try:
+        until(lambda: home.hold and len(home.bodies) == 2, "the held request at the home node")
+        n_other = len(other.bodies)
+        assert r.complete(prompt="free " * 20)[0] == 200
+        assert len(other.bodies) == n_other + 1  # the home node is the costlier one now
+        home.hold = False  # later requests answer at once; the held one still waits
+        assert r.complete(user="conv-1")[0] == 200
+        assert len(home.bodies) == 3  # stayed home
+        home.read_step = 1e15
+        home.wait_scrapes(3)
+        n_other = len(other.bodies)
+        assert r.complete(user="conv-1", max_tokens=512)[0] == 200
+        assert len(other.bodies) == n_other + 1  # too costly now: moved within the class
+    finally:
+        home.gate.set()
+        held.join(WAIT_S)
+
+
+# --- body limit, reload -----------------------------------------------------------------------
+
+
+def test_max_body_mb_answers_413(stubs, router):
+    """README: 413 for a body over `--max-body-mb`: at 1 MB, a 1.2 MiB body is refused with an
+    OpenAI-style error before it reaches a backend, a 0.8 MiB one goes through."""
+    (one,) = stubs(1)
+    r = router([entry(one, "rtx-1")], "--max-body-mb", "1")
+    pad = "x" * int(1.2 * 2**20)
+    status, _, answer = r.complete(max_tokens=1, pad=pad)
+    assert status == 413, answer
+    assert "error" in json.loads(answer)
+    assert one.bodies == []
+    status, _, _ = r.complete(max_tokens=1, pad="x" * int(0.8 * 2**20))
+    assert status == 200
+
+
+def test_sighup_reload_keeps_requests_in_flight(stubs, router):
+    """README: `kill -HUP` reloads the backends without dropping requests in flight: a request
+    held at the old backend finishes with 200 after a reload that adds a second backend, and
+    the new backend then gets traffic."""
+    one, two = stubs(2)
+    one.hold = True
+    r = router([entry(one, "rtx-1")])
+    result: list[tuple] = []
+    t = threading.Thread(target=lambda: result.append(r.complete(max_tokens=4)))
+    t.start()
+    until(lambda: len(one.bodies) == 1, "the request in flight")
+    r.write_backends([entry(one, "rtx-1"), entry(two, "rtx-2")])
+    os.kill(r.proc.pid, signal.SIGHUP)
+    until(lambda: "reloaded: 2 backends" in r.log.read_text(), "the reload's log line")
+    one.gate.set()
+    t.join(WAIT_S)
+    assert result and result[0][0] == 200, result
+    assert json.loads(result[0][2])["choices"][0]["text"] == " ok" * 4
+    # The reload took: with rtx-1 failing now, requests are answered by rtx-2 (once its
+    # /health admitted it), each retried there from rtx-1.
+    one.status = 503
+    until(lambda: r.complete()[0] == 200, "a request answered by the new backend")
+    assert two.bodies
+
+
+# --- binds 127.0.0.1 by default -------------------------------------------------------------------
+
+
+def listening(pid: int) -> list[str]:
+    """The TCP sockets listening in `pid`'s network namespace, as HEXADDR:HEXPORT."""
+    out = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                out.append(fields[1])
+    return out
+
+
+def in_own_netns(cmd: list[str], log: Path) -> subprocess.Popen:
+    """Run `cmd` in a network namespace of its own (loopback up), so that its default port
+    is free whatever else runs on this machine."""
+    script = 'ip link set lo up && exec "$@"'
+    with log.open("w") as out:
+        return subprocess.Popen(
+            ["unshare", "--net", "sh", "-c", script, "sh", *cmd],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+
+
+def loopback_hex(port: int) -> str:
+    return f"0100007F:{port:04X}"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a network namespace needs root")
+@pytest.mark.parametrize("command", ["route-serve", "emulate"])
+def test_binds_127_0_0_1_by_default(tmp_path, command):
+    """README: route-serve serves on 127.0.0.1:8080 unless --listen or router.listen says
+    otherwise; `fleetctl emulate` (vLLM's flags) on 127.0.0.1:8000 unless --host. Started
+    without any address, each listens on loopback only: no wildcard socket."""
+    if command == "route-serve":
+        inv = tmp_path / "inventory.yaml"
+        inv.write_text(INVENTORY)
+        backends = tmp_path / "backends.yaml"
+        stand_in = {"url": "http://127.0.0.1:9", "node": "rtx-1", "gpu_type": RTX}
+        backends.write_text(
+            json.dumps({"backends": [{**stand_in, "model": NAME, "variant": "bf16"}]})
+        )
+        args = ["route-serve", str(inv), "--backends", str(backends), "--no-request-log"]
+        port = 8080
+    else:
+        args = ["emulate", "--gpu", RTX, "--model", NAME, "--served-model-name", NAME]
+        port = 8000
+    proc = in_own_netns([sys.executable, "-m", "fleetctl", *args], tmp_path / "server.log")
+    try:
+        # unshare execs sh, which execs the server: one pid, once in the new namespace.
+        ours = os.readlink("/proc/self/ns/net")
+
+        def bound() -> bool:
+            if proc.poll() is not None:
+                return True
+            try:
+                moved = os.readlink(f"/proc/{proc.pid}/ns/net") != ours
+            except OSError:
+                return False
+            return moved and any(a.endswith(f":{port:04X}") for a in listening(proc.pid))
+
+        until(bound, "a listening socket", 60)
+        assert proc.poll() is None, (tmp_path / "server.log").read_text()
+        assert listening(proc.pid) == [loopback_hex(port)]
+    finally:
+        stop_process(proc)
