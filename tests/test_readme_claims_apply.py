@@ -1,0 +1,111 @@
+"""README claims about `fleetctl apply` and `status`, each pinned by a test that fails if it
+breaks: apply's pure step decisions, and `status` over real SSH to the test hosts of
+tests/test_apply.py (sshd in network namespaces, `vllm` a shim running `fleetctl emulate`).
+tests/README.md maps each claim to its test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from fleetctl.apply.steps import node_steps
+from tests.test_apply import NAMES, get, squat, wait_until
+from tests.test_apply import fleet as fleet  # a fixture, re-exported
+from tests.test_apply import hosts as hosts  # a fixture, re-exported
+from tests.test_apply_steps import dep, live
+
+# --- start before stop only when the shares sum to at most 1 --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "first"),
+    [
+        (0.5, 0.5, "start"),  # exactly 1: both fit
+        (0.3, 0.7, "start"),
+        (0.5, 0.51, "stop"),  # just over 1
+        (0.92, 0.05, "start"),  # a big old server beside a small new one
+        (0.6, 0.45, "stop"),
+    ],
+)
+def test_start_before_stop_only_when_shares_sum_to_at_most_1(old, new, first):
+    """README "Applying a plan": a replacement starts the new server before stopping the old
+    one when their gpu_memory_utilization shares sum to at most 1, on the slot's other port
+    (port_base + GPU + 1000); otherwise the old server stops first, on the same port."""
+    was = dep((0,), util=old)
+    now = dep((0,), util=new, max_len=4096)
+    [step] = node_steps("n1", [now], [live(was)], recorded=[was])
+    assert step.kind == "replace"
+    if first == "start":
+        assert (step.stop_first, step.deployment.port) == (False, 9000)
+        assert step.note.startswith("start before stop")
+    else:
+        assert (step.stop_first, step.deployment.port) == (True, 8000)
+        assert step.note.startswith("stop then start")
+
+
+# --- status: every condition ----------------------------------------------------------------------
+
+
+def test_status_names_every_condition(cli, fleet):
+    """README "Commands": `status` checks each recorded server live: running, unhealthy, dead,
+    missing, restarted by hand, port taken, unrecorded; exit 1 unless every server runs and
+    every node was reached. One apply, then one server made each way over real SSH hosts."""
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    assert cli("status", *fleet.args(fleet.inv)).code == 0
+    # a100-1 GPU 0 stopped (alive, silent): unhealthy. a100-1 GPU 1 dropped from the state:
+    # unrecorded. rtx-1 killed and its folder removed: missing. rtx-2 killed and its port
+    # squatted by another program: port taken.
+    stopped = fleet.pid("a100-1", 8000)
+    os.kill(stopped, signal.SIGSTOP)
+    squatter = None
+    try:
+        path = fleet.tmp / ".fleetctl" / "state.json"
+        state = json.loads(path.read_text())
+        state["deployments"] = [
+            d for d in state["deployments"] if not (d["node"] == "a100-1" and d["port"] == 8001)
+        ]
+        path.write_text(json.dumps(state))
+        rtx1 = fleet.pid("rtx-1", 8000)
+        os.kill(rtx1, signal.SIGKILL)
+        wait_until(lambda: get(fleet.url("rtx-1", 8000) + "/health")[0] == 0)
+        servers = fleet.home("rtx-1") / ".fleetctl" / "servers"
+        subprocess.run(["rm", "-rf", *map(str, servers.glob("8000-*"))], check=True)
+        os.kill(fleet.pid("rtx-2", 8000), signal.SIGKILL)
+        wait_until(lambda: get(fleet.url("rtx-2", 8000) + "/health")[0] == 0)
+        squatter = squat(fleet.hosts[NAMES.index("rtx-2")], 8000)
+
+        r = cli("status", *fleet.args(fleet.inv, "--json"))
+        assert r.code == 1
+        cond = {(s["node"], s["port"]): s for s in json.loads(r.out)["servers"]}
+        assert {k: v["condition"] for k, v in cond.items()} == {
+            ("a100-1", 8000): "unhealthy",
+            ("a100-1", 8001): "unrecorded",
+            ("rtx-1", 8000): "missing",
+            ("rtx-2", 8000): "port-taken",
+        }, r.out
+        assert "http.server" in cond[("rtx-2", 8000)]["detail"]
+
+        # A node that cannot be reached: its servers are unreachable, exit 1.
+        i = NAMES.index("rtx-2")
+        fleet.hosts.stop(i)
+        try:
+            r = cli("status", *fleet.args(fleet.inv, "--json"))
+        finally:
+            fleet.hosts.start(i)
+        assert r.code == 1
+        out = json.loads(r.out)
+        cond = {(s["node"], s["port"]): s["condition"] for s in out["servers"]}
+        assert cond[("rtx-2", 8000)] == "unreachable"
+        assert [u["node"] for u in out["unreachable"]] == ["rtx-2"]
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+        if squatter is not None:
+            squatter.kill()
+            squatter.wait()
+    # destroy stops what the state holds; the unrecorded server is stopped by an apply.
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
