@@ -423,16 +423,6 @@ class RedisShared:
             waiter.set_result(False)
             self.counts[what] += 1
 
-    async def load_pin(self, table: SessionTable, session: str) -> None:
-        """Copy the session's pin from Redis into `table` (one round trip, unbatched)."""
-        raw = await self.client.get(self.key(session))
-        if raw:
-            stamp, pin = decode_pin(raw)
-            if isinstance(table, SharedSessions):
-                table.adopt(session, pin, stamp)
-            else:
-                table.set(session, pin)
-
     async def _writer(self) -> None:
         while True:
             await self._wake_writer.wait()
