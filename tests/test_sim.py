@@ -171,7 +171,10 @@ def test_simulate_command_json_and_table(cli, tmp_path):
             "starved",
         ):
             assert key in figures
-    assert data["load"] == pytest.approx(0.5, rel=0.01)
+    # The load is what the arrivals really are: their count over the time they span. (That the
+    # fleet really is at that share of its capacity: test_load_is_measured_against_what_the_fleet_can_carry.)
+    assert data["offered_rps"] == pytest.approx(data["requests"] / data["duration_s"], rel=0.01)
+    assert data["load"] == pytest.approx(data["offered_rps"] / data["capacity_rps"], rel=0.01)
     r = cli(
         "simulate",
         "example:seed-mixed-8b",
@@ -185,6 +188,38 @@ def test_simulate_command_json_and_table(cli, tmp_path):
     assert r.code == 2 and "unknown policy 'fastest'" in r.err
     r = cli("simulate", "example:seed-multi-model", "--workload", "rate=3")
     assert r.code == 2 and "--model" in r.err
+
+
+def test_load_is_measured_against_what_the_fleet_can_carry(cli):
+    """--load scales arrivals to a share of the fleet's capacity: below it the queue stays
+    short, past it TTFT climbs with the load. A capacity figure off by 2x either way moves
+    the knee to the wrong side of one of these loads."""
+
+    def run(load):
+        r = cli(
+            "simulate",
+            "example:seed-mixed-8b",
+            "--workload",
+            "rate=10,duration=120",
+            "--load",
+            str(load),
+            "--policies",
+            "hardware-aware",
+            "--json",
+        )
+        assert r.code == 0, r.err
+        data = json.loads(r.out)
+        figures = data["policies"]["hardware-aware"]
+        assert figures["completed"] == data["requests"]
+        return data["requests"] / data["duration_s"], figures["ttft_p99_s"]
+
+    (rate_low, low), (rate_high, high), (rate_over, over) = (run(x) for x in (0.6, 1.3, 2.0))
+    # The same requests, arriving 1.3/0.6 and 2.0/0.6 times as fast: the arrivals' real rate.
+    assert rate_high / rate_low == pytest.approx(1.3 / 0.6, rel=0.02)
+    assert rate_over / rate_low == pytest.approx(2.0 / 0.6, rel=0.02)
+    assert low < 1.5  # at 60% nothing queues for long
+    assert high > 3 * low  # past capacity the queue grows...
+    assert over > 2 * high  # ...and keeps growing with the load
 
 
 def test_simulate_plot(cli, tmp_path):
