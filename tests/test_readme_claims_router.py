@@ -559,3 +559,66 @@ def test_binds_127_0_0_1_by_default(tmp_path, command):
         assert listening(proc.pid) == [loopback_hex(port)]
     finally:
         stop_process(proc)
+
+
+# --- secrets, workers ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag", ["--api-key-file", "--backend-api-key-file"])
+def test_a_key_file_readable_by_others_is_refused(tmp_path, flag):
+    """README: `--api-key-file` (mode 0600). A key file that group or others can read stops
+    route-serve before it serves: exit 2, one line naming the file and `chmod 600`."""
+    key = tmp_path / "key"
+    key.write_text("sk-readable-0123456789\n")
+    key.chmod(0o644)
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(INVENTORY)
+    backends = tmp_path / "backends.yaml"
+    stand_in = {"url": "http://127.0.0.1:9", "node": "rtx-1", "gpu_type": RTX}
+    backends.write_text(json.dumps({"backends": [{**stand_in, "model": NAME, "variant": "bf16"}]}))
+    cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv), "--backends", str(backends)]
+    cmd += ["--listen", f"127.0.0.1:{free_port()}", "--no-request-log", flag, str(key)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        out, _ = proc.communicate(timeout=WAIT_S)  # a route-serve that serves never ends
+    finally:
+        stop_process(proc)
+    assert proc.returncode == 2, out
+    assert b"readable by others" in out and f"chmod 600 {key}".encode() in out
+
+
+def children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="README says five deaths within 30 s stop route-serve; serve.py's supervise() starts "
+    "a fifth replacement and stops at the sixth death (MAX_RESTARTS = 5, len(deaths) > 5)",
+)
+def test_workers_restart_until_five_die_within_30_s(stubs, router):
+    """README "Router replicas": the first process starts a worker again if it dies; five
+    deaths within 30 s stop route-serve, exit 1."""
+    (one,) = stubs(1)
+    r = router([entry(one, "rtx-1")], "--workers", "2")
+    killed: list[int] = []
+
+    def alive() -> list[int]:
+        return [p for p in children(r.proc.pid) if p not in killed]
+
+    while True:
+        # Both workers up (a death was replaced), or route-serve gave up.
+        until(lambda: r.proc.poll() is not None or len(alive()) == 2, "a new worker or the end")
+        if r.proc.poll() is not None:
+            break
+        pid = alive()[0]
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        assert len(killed) <= 10, r.log.read_text()
+    assert r.proc.returncode == 1, r.log.read_text()
+    assert "too many workers died" in r.log.read_text()
+    assert len(killed) == 5, f"route-serve stopped after {len(killed)} worker deaths"
