@@ -622,3 +622,38 @@ def test_workers_restart_until_five_die_within_30_s(stubs, router):
     assert r.proc.returncode == 1, r.log.read_text()
     assert "too many workers died" in r.log.read_text()
     assert len(killed) == 5, f"route-serve stopped after {len(killed)} worker deaths"
+
+
+# --- expected output length -------------------------------------------------------------------------
+
+
+def test_expected_output_is_max_tokens_else_a_moving_average_from_the_workload(stubs, router):
+    """README "How routing decides": expected output length is `max_tokens` when the client
+    sets it, else a per-model moving average of what the model really generated, starting from
+    the inventory's workload (mean_output_tokens: 64). Seen in the tokens the router reserves
+    on the backend while a request is in flight (prompt + expected output)."""
+    (one,) = stubs(1)
+    one.hold = True
+    r = router([entry(one, "rtx-1")])
+
+    def reserved_while_held(**body: object) -> float:
+        one.gate.clear()
+        before = len(one.bodies)
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(r.complete(**body)[0]))
+        t.start()
+        until(lambda: len(one.bodies) == before + 1, "the request at the backend")
+        reserved = r.metric("fleetctl_backend_reserved_tokens")
+        one.gate.set()
+        t.join(WAIT_S)
+        assert result == [200]
+        until(lambda: r.metric("fleetctl_backend_reserved_tokens") == 0, "the room given back")
+        return reserved
+
+    first = reserved_while_held(max_tokens=None)  # nothing observed yet: the workload's 64
+    with_max = reserved_while_held(max_tokens=8)
+    prompt = with_max - 8
+    assert first - prompt == 64
+    # The stand-in generated 1 and 8 tokens: the average has moved from 64 toward them.
+    expected = reserved_while_held(max_tokens=None) - prompt
+    assert 8 < expected < 64
