@@ -101,9 +101,33 @@ def test_probe_reads_every_node_over_ssh(cli, hosts, tmp_path):
     assert rtx["gpus"][0]["memory_total_mib"] == 24564 and rtx["cuda_version"] == "13.0"
     assert rtx["interconnect"] == "pcie"
     assert nodes["rtx-3"]["driver_version"] == "570.124.06"
-    # The planner now uses the probed GPUs.
+    # The planner now uses the probed GPUs: an inventory that declares two A100s a node plans
+    # on the eight probed, and says so.
+    text = inv.read_text().replace(
+        "{type: A100-SXM4-80GB, count: 8}", "{type: A100-SXM4-80GB, count: 2}"
+    )
+    text += (
+        "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"
+        "    variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}\n"
+        "    max_context: 8192\n"
+    )
+    inv.write_text(text)
     r = cli("plan", inv, "--json")
     assert r.code == 0, r.err
+    plan = json.loads(r.out)
+    gpus = {}
+    for d in plan["deployments"]:
+        for g in d["gpu_indices"]:
+            assert (d["node"], g) not in gpus
+            gpus[(d["node"], g)] = d["gpu_type"]
+    assert {g for (n, g) in gpus if n == "a100-1"} == set(range(8))
+    assert {t for (n, _), t in gpus.items() if n.startswith("a100")} == {"A100-SXM4-80GB"}
+    assert {g for (n, g) in gpus if n == "rtx-3"} == {0}
+    assert len(gpus) == 4 * 8 + 8
+    assert any(
+        "a100-1: inventory declares 2x A100-SXM4-80GB, probed 8x A100-SXM4-80GB" in w
+        for w in plan["warnings"]
+    ), plan["warnings"]
 
 
 def test_health_flags_the_skewed_node_and_ecc(cli, hosts, tmp_path):
@@ -133,6 +157,13 @@ def test_health_flags_the_skewed_node_and_ecc(cli, hosts, tmp_path):
 
 def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
     inv = inventory(tmp_path, hosts)
+    # Broken on purpose here, and mended after, so no later test depends on running first.
+    rtx7 = hosts[NAMES.index("rtx-7")]
+    keys = {f: (rtx7.dir / f).read_bytes() for f in ("host_ed25519", "host_ed25519.pub")}
+    smi = {
+        i: (hosts[i].dir / "bin" / "nvidia-smi").read_text()
+        for i in (NAMES.index("rtx-5"), NAMES.index("rtx-6"))
+    }
     hosts.stop(NAMES.index("rtx-8"))
     hosts.rekey(NAMES.index("rtx-7"))
     hosts.install(NAMES.index("rtx-6"), "nvidia-smi", "#!/bin/sh\nsleep 60\n")
@@ -183,6 +214,18 @@ def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
         assert "Traceback" not in r.out + r.err and "paramiko" not in r.out + r.err
     finally:
         hosts.start(NAMES.index("rtx-8"))
+        for i, text in smi.items():
+            hosts.install(i, "nvidia-smi", text)
+        i = NAMES.index("rtx-7")
+        hosts.stop(i)
+        for f, data in keys.items():
+            (rtx7.dir / f).write_bytes(data)
+        hosts._write_config(rtx7)
+        hosts.start(i)
+    # Mended: every node probes as before.
+    r = cli("probe", inventory(tmp_path, hosts), "--known-hosts", hosts.known_hosts, "--json")
+    assert r.code == 0, r.out
+    assert all(len(n["gpus"]) >= 1 for n in json.loads(r.out)["nodes"].values())
 
 
 def test_proxy_jump(cli, hosts, tmp_path):
