@@ -168,6 +168,7 @@ def test_prefix_kv_ties_are_random_but_seeded(catalog):
 
     assert picks(4) == picks(4)
     assert len(set(picks(4))) == 3
+    assert any(picks(s) != picks(4) for s in range(5, 10))  # the seed decides
 
 
 # --- kv-router (Dynamo) --------------------------------------------------------------------
@@ -220,6 +221,7 @@ def test_kv_router_ties_go_to_the_smaller_tree_then_a_seeded_draw(catalog):
 
     assert picks(2) == picks(2)
     assert set(picks(2)) == {"b0", "b1"}
+    assert any(picks(s) != picks(2) for s in range(3, 8))  # the seed decides
 
 
 # --- all three ------------------------------------------------------------------------------
