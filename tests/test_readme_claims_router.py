@@ -66,7 +66,7 @@ class Stub:
         self.read_bytes = 0.0
         self.read_step = 0.0  # added to the read-bytes counter at every scrape
         self.gpu_blocks: int | None = None  # vllm:cache_config_info's num_gpu_blocks
-        self.status = 200  # completions' answer
+        self.status = 200  # completions' answer; 0: the connection drops
         self.gate = threading.Event()  # completions wait on it while `hold` is set
         self.hold = False
         self.bodies: list[dict] = []
@@ -127,6 +127,10 @@ class Stub:
         if self.hold:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, self.gate.wait, WAIT_S)
+        if self.status == 0:  # the connection drops before any byte of an answer
+            assert request.transport is not None
+            request.transport.abort()
+            raise web.HTTPInternalServerError()
         if self.status != 200:
             return web.json_response({"error": {"message": "busy"}}, status=self.status)
         n = int(body.get("max_tokens") or 1)
@@ -322,6 +326,33 @@ def test_5xx_before_first_byte_retried_twice_at_most(stubs, router):
     assert sorted(served(four)) == [0, 1, 1, 1]
 
 
+def test_a_dropped_connection_is_retried_on_another_backend_twice_at_most(stubs, router):
+    """README: connection failures before the first byte are retried on another backend
+    (twice at most). Backends that drop the connection as the request arrives: with two of
+    them ranked first, the third attempt answers; with every backend dropping, exactly 3
+    attempts, then a 502."""
+    four = stubs(4)
+    r = router([entry(s, f"rtx-{i + 1}") for i, s in enumerate(four)], "--policy", "kv-aware")
+    # kv-aware ranks by scraped KV usage: two droppers first, then a good one.
+    for i, s in enumerate(four):
+        s.status, s.kv = (0 if i < 2 else 200), 0.1 * i
+    for s in four:
+        s.wait_scrapes()
+    status, _, answer = r.complete()
+    assert status == 200, answer
+    assert served(four) == [1, 1, 1, 0]
+    # Every backend drops: three attempts, then the client's error.
+    for s in four:
+        s.status = 0
+    before = served(four)
+    status, _, _ = r.complete()
+    assert status >= 500
+    # Three backends tried, the fourth never. (A backend whose kept-alive connection drops may
+    # see the request twice: the upstream client sends it once more on a fresh connection.)
+    tried = [a - b for a, b in zip(served(four), before, strict=True)]
+    assert [n > 0 for n in tried] == [True, True, True, False], tried
+
+
 def test_ejection_backoff_doubles():
     """README: three failures in a row eject a backend, with a doubling backoff, until a scrape
     succeeds. Ejected for 1 s, readmitted by a scrape after it, ejected again for 2 s, then
@@ -409,6 +440,37 @@ def test_session_stays_on_its_class_when_loaded(stubs, router, how):
     for _ in range(3):
         assert turn("conv-1").startswith(A100)
     assert turn("conv-2").startswith(RTX)  # a new session starts where it is best
+
+
+def test_a_session_waits_for_room_on_its_class_rather_than_switching(stubs, router):
+    """README: every turn of a session stays on its first turn's class, waiting for room there
+    rather than switching. The A100 (max_num_seqs 1) is full with a held request: the
+    session's turn waits in the router's queue while a request without a session goes to the
+    idle 4090; once the A100 has room, the turn is served there."""
+    a100, rtx = stubs(2)
+    r = router([entry(a100, "a100-1", A100, max_num_seqs=1), entry(rtx, "rtx-1", RTX)])
+    status, headers, _ = r.complete(user="conv-1")
+    assert status == 200 and dict(headers)["X-Fleet-Class"].startswith(A100)
+    a100.hold = True
+    results: list[tuple] = []
+    threads = [threading.Thread(target=lambda: results.append(r.complete()))]
+    threads[0].start()
+    try:
+        until(lambda: len(a100.bodies) == 2, "a request filling the A100")
+        threads.append(threading.Thread(target=lambda: results.append(r.complete(user="conv-1"))))
+        threads[1].start()
+        until(lambda: r.metric("fleetctl_queue_depth") == 1, "the session's turn queued")
+        status, headers, _ = r.complete()
+        assert status == 200 and dict(headers)["X-Fleet-Class"].startswith(RTX)  # room there
+        assert len(rtx.bodies) == 1 and len(a100.bodies) == 2  # the turn still waits
+    finally:
+        a100.hold = False
+        a100.gate.set()
+        for t in threads:
+            t.join(WAIT_S)
+    assert [res[0] for res in results] == [200, 200]
+    assert len(a100.bodies) == 3 and len(rtx.bodies) == 1
+    assert all(dict(res[1])["X-Fleet-Class"].startswith(A100) for res in results)
 
 
 def test_session_stays_on_its_node_when_that_costs_little(stubs, router):
