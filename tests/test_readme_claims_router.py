@@ -719,3 +719,35 @@ def test_expected_output_is_max_tokens_else_a_moving_average_from_the_workload(s
     # The stand-in generated 1 and 8 tokens: the average has moved from 64 toward them.
     expected = reserved_while_held(max_tokens=None) - prompt
     assert 8 < expected < 64
+
+
+def test_workers_each_reload_on_sighup(stubs, router):
+    """README "Router replicas": the first process forwards SIGHUP to its workers; each
+    reloads (every worker logs the reload)."""
+    one, two = stubs(2)
+    r = router([entry(one, "rtx-1")], "--workers", "2")
+    # A worker that answered has its SIGHUP handler (set as its app starts, before it listens).
+    answered: set[int] = set()
+
+    def both_answered() -> bool:
+        status, _, body = r.request("GET", "/health")
+        if status == 200:
+            answered.add(json.loads(body)["worker"])
+        return answered == {0, 1}
+
+    until(both_answered, "an answer from each worker")
+    r.write_backends([entry(one, "rtx-1"), entry(two, "rtx-2")])
+    os.kill(r.proc.pid, signal.SIGHUP)
+    until(lambda: r.log.read_text().count("reloaded: 2 backends") == 2, "both workers reloaded")
+    assert r.proc.poll() is None
+
+
+@pytest.mark.parametrize(("count", "code"), [(100, 0), (101, 2)])
+def test_warmup_requests_at_most_100(cli, tmp_path, count, code):
+    """README: `router.warmup_requests: N` (default 0, at most 100)."""
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(INVENTORY.replace("router: {", f"router: {{warmup_requests: {count}, "))
+    r = cli("validate", inv)
+    assert r.code == code, r.out + r.err
+    if code:
+        assert "warmup_requests" in r.err
