@@ -109,3 +109,27 @@ def test_status_names_every_condition(cli, fleet):
     # destroy stops what the state holds; the unrecorded server is stopped by an apply.
     assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+def test_a_new_server_must_list_its_model(cli, fleet):
+    """README "Applying a plan": every new server must answer /health and list its model in
+    /v1/models within health_timeout_s; one that does not is reported with the tail of its
+    log, stopped, and left out of the state while the other nodes go on; exit 1. rtx-2's
+    server answers /health but serves another name."""
+    from tests.test_apply import GPU, outcomes, servers_running, shim
+
+    i = NAMES.index("rtx-2")
+    fleet.hosts.install(i, "vllm", shim(GPU["rtx"][0], "--served-model-name other-model"))
+    text = fleet.inv.read_text().replace("health_timeout_s: 60", "health_timeout_s: 5")
+    fleet.inv.write_text(text)
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    assert r.code == 1, r.out + r.err
+    by = {(o["node"], o["gpus"][0]): o for o in outcomes(r)}
+    bad = by[("rtx-2", 0)]
+    assert bad["status"] == "failed"
+    assert "other-model" in bad["detail"] and "llama-3-8b" in bad["detail"], bad
+    assert all(o["status"] == "ok" for k, o in by.items() if k != ("rtx-2", 0))
+    assert [d["node"] for d in fleet.state()["deployments"]].count("rtx-2") == 0
+    rtx2 = fleet.hosts[i]
+    assert not [p for p in servers_running(fleet.hosts) if p in fleet.hosts._namespace_pids([rtx2])]
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
