@@ -199,6 +199,47 @@ def test_a_session_keeps_its_class_while_that_class_is_the_busier(catalog):
     assert ha.choose(req(4, prompt=800, out=50, session="s1"), fleet).backend is not a100
 
 
+def test_a_session_stays_on_its_node_unless_another_is_affinity_slack_sooner(catalog):
+    ha = HardwareAware()
+    rtx = [backend(catalog, f"rtx-{i}", gpu="RTX-4090") for i in range(2)]
+    first = req(0, prompt=300, out=50, session="s")
+    rtx[1].outstanding = 1  # rtx-0 is sooner: the first turn goes there
+    d = ha.choose(first, rtx)
+    assert d.backend is rtx[0]
+    ha.placed(first, d.backend)
+    rtx[1].outstanding = 0
+    # Its node is now a little busier than the other (its warm prefix cache is worth it).
+    rtx[0].outstanding, rtx[0].pending_prefill = 2, 600
+    turn = req(1, prompt=300, out=50, session="s")
+    gap = ha.estimate(rtx[0], turn) - ha.estimate(rtx[1], turn)
+    assert 0 < gap < ha.config.affinity_slack_s
+    d = ha.choose(turn, rtx)
+    assert d.backend is rtx[0] and "affinity:node" in d.reason, d
+    # Much busier: the session moves to the other node of its class.
+    rtx[0].pending_prefill = 30000
+    assert ha.estimate(rtx[0], turn) - ha.estimate(rtx[1], turn) > ha.config.affinity_slack_s
+    d = ha.choose(req(2, prompt=300, out=50, session="s"), rtx)
+    assert d.backend is rtx[1] and "affinity:node" not in d.reason, d
+
+
+def test_what_a_backend_is_believed_to_cache_counts_by_its_prefix_trust(catalog):
+    from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain
+
+    ha = HardwareAware()
+    ha.prefix = PrefixIndex(learn=False)
+    ids = chain(range(250))  # 4000 tokens in blocks of 16
+    ha.prefix.insert("warm", ids)
+    warm = backend(catalog, "warm", gpu="RTX-4090")
+    r = req(prompt=4000, out=50, blocks=PromptBlocks(ids, 16, 4000))
+    full = ha.estimate(warm, r)
+    cold = ha.estimate(warm, r, cached=0)
+    warm.prefix_trust = 0.5
+    half = ha.estimate(warm, r)
+    warm.prefix_trust = 0.0
+    none = ha.estimate(warm, r)
+    assert full < half < cold and none == pytest.approx(cold)
+
+
 def test_strict_hints_in_simulation(catalog):
     servers = [
         server(catalog, "a", "A100-SXM4-80GB"),

@@ -105,6 +105,22 @@ def test_caps_come_from_the_kv_budget_and_priority_is_strict(catalog):
     assert [d.request.id for d in sent] == ["hi2", "lo"]
 
 
+def test_a_request_bigger_than_the_cache_runs_alone_on_an_empty_backend(catalog):
+    b = one_backend(catalog, kv_tokens=10_000, max_seqs=4)
+    s = Scheduler(HardwareAware(), Aging(enabled=False))
+    huge = [Request(f"huge{i}", "llama-3-8b", 12_000, 1000, arrival=i) for i in range(2)]
+    for r in huge:
+        s.submit(r)
+    sent, rejected = s.dispatch(0, [b])
+    # Never fits the cache, so it must be let into an empty backend, or it never runs; the
+    # second waits until the first is done.
+    assert [d.request.id for d in sent] == ["huge0"] and not rejected
+    assert [r.id for r in s.queue] == ["huge1"]
+    release(b, huge[0])
+    sent, _ = s.dispatch(1, [b])
+    assert [d.request.id for d in sent] == ["huge1"]
+
+
 def test_baselines_forward_everything_at_once(catalog):
     b = one_backend(catalog, kv_tokens=1000, max_seqs=1)
     s = Scheduler(RoundRobin())
