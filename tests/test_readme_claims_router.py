@@ -751,3 +751,57 @@ def test_warmup_requests_at_most_100(cli, tmp_path, count, code):
     assert r.code == code, r.out + r.err
     if code:
         assert "warmup_requests" in r.err
+
+
+# --- hardware-aware's thresholds (the pure policy, as route-serve and simulate run it) -------------
+
+
+def _a100_slower_by(catalog, ha, rtx, request, ratio: float):
+    """An A100 whose backlog makes its estimate `ratio` times the idle 4090's (bisection)."""
+    from tests.test_policy import backend
+
+    lo, hi = 0, 1_000_000
+    target = ratio * ha.estimate(rtx, request)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ha.estimate(backend(catalog, "a100", pending_prefill=mid), request) < target:
+            lo = mid
+        else:
+            hi = mid
+    return backend(catalog, "a100", pending_prefill=hi)
+
+
+def test_long_requests_need_a_small_kv_server_four_times_sooner(catalog):
+    """README "How routing decides": prompt + expected output over long_context_tokens (4096)
+    prefers the large-KV class: a small-KV server must promise the first token four times as
+    soon to win it. At 3.8x the A100 keeps it, at 4.2x the 4090 wins; at 4096 tokens a
+    request is not long, at 4097 it is."""
+    from fleetctl.routing.policy import HardwareAware
+    from tests.test_policy import backend, req
+
+    ha = HardwareAware()
+    rtx = backend(catalog, "rtx", gpu="RTX-4090")
+    long = req(prompt=5000, out=500)
+    assert ha.choose(long, [_a100_slower_by(catalog, ha, rtx, long, 3.8), rtx]).backend.name == (
+        "a100"
+    )
+    assert ha.choose(long, [_a100_slower_by(catalog, ha, rtx, long, 4.2), rtx]).backend.name == (
+        "rtx"
+    )
+    a100 = backend(catalog, "a100")
+    assert "length:short" in ha.choose(req(prompt=3996, out=100), [a100, rtx]).reason
+    assert "length:long" in ha.choose(req(prompt=3997, out=100), [a100, rtx]).reason
+
+
+@pytest.mark.parametrize("signal_name", ["bandwidth_util", "compute_util"])
+def test_saturation_penalty_starts_above_0_85(catalog, signal_name):
+    """README: penalties when memory bandwidth or compute is above its saturation threshold
+    (0.85): at 0.84 the estimate is the idle one's, at 0.86 it is higher."""
+    from fleetctl.routing.policy import HardwareAware
+    from tests.test_policy import backend, req
+
+    ha = HardwareAware()
+    r = req(prompt=500, out=200)
+    idle = ha.estimate(backend(catalog, "b"), r)
+    assert ha.estimate(backend(catalog, "b", **{signal_name: 0.84}), r) == idle
+    assert ha.estimate(backend(catalog, "b", **{signal_name: 0.86}), r) > idle
