@@ -121,6 +121,30 @@ def test_a_request_bigger_than_the_cache_runs_alone_on_an_empty_backend(catalog)
     assert [d.request.id for d in sent] == ["huge1"]
 
 
+def test_requests_with_a_choice_do_not_take_the_room_a_restricted_one_waits_for(catalog):
+    g, m, f = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3-8b"), catalog.format("bf16")
+    r, fr = catalog.gpu("RTX-4090"), catalog.format("bf16")
+    # Only the A100 takes a 20K context; it has 15K of KV free now.
+    a100 = Backend("a100", "a", g.name, m.name, "bf16", 100_000, 64, EnginePerf(g, m, f), 32768)
+    rtx = Backend("rtx", "r", r.name, m.name, "bf16", 40_000, 64, EnginePerf(r, m, fr), 8192)
+    a100.outstanding, a100.reserved_tokens = 3, 85_000
+    s = Scheduler(HardwareAware(), Aging(enabled=False))
+    long = Request("long", "llama-3-8b", 19_000, 1000, arrival=0)
+    s.submit(long)
+    shorts = [Request(f"s{i}", "llama-3-8b", 900, 100, arrival=1 + i) for i in range(3)]
+    for q in shorts:
+        s.submit(q)
+    sent, _ = s.dispatch(2, [a100, rtx])
+    # The long one waits for the A100; the short ones backfill, but on the 4090 only, even
+    # though the A100 has room for them and is faster: that room is the long one's.
+    assert [(d.request.id, d.decision.backend.name) for d in sent] == [
+        ("s0", "rtx"),
+        ("s1", "rtx"),
+        ("s2", "rtx"),
+    ]
+    assert a100.reserved_tokens == 85_000 and [q.id for q in s.queue] == ["long"]
+
+
 def test_baselines_forward_everything_at_once(catalog):
     b = one_backend(catalog, kv_tokens=1000, max_seqs=1)
     s = Scheduler(RoundRobin())
