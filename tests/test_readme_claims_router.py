@@ -70,6 +70,7 @@ class Stub:
         self.gate = threading.Event()  # completions wait on it while `hold` is set
         self.hold = False
         self.bodies: list[dict] = []
+        self.has_models = True  # False: /v1/models answers 404 (a server without it)
         self.scrapes = 0
         self._ready = threading.Event()
         self.loop = asyncio.new_event_loop()
@@ -116,6 +117,8 @@ class Stub:
         return web.Response(text=text, content_type="text/plain")
 
     async def models(self, request: web.Request) -> web.Response:
+        if not self.has_models:
+            raise web.HTTPNotFound()
         return web.json_response({"object": "list", "data": [{"id": NAME, "object": "model"}]})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -657,6 +660,23 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def test_a_dead_worker_is_started_again(stubs, router):
+    """README "Router replicas": the first process starts a worker again if it dies; the port
+    keeps answering."""
+    (one,) = stubs(1)
+    r = router([entry(one, "rtx-1")], "--workers", "2")
+    until(lambda: len(children(r.proc.pid)) == 2, "two workers")
+    first = children(r.proc.pid)
+    os.kill(first[0], signal.SIGKILL)
+    until(
+        lambda: len([p for p in children(r.proc.pid) if p != first[0]]) == 2,
+        "a new worker in its place",
+    )
+    assert r.proc.poll() is None
+    assert "starting another" in r.log.read_text()
+    assert r.complete()[0] == 200
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="README says five deaths within 30 s stop route-serve; serve.py's supervise() starts "
@@ -805,3 +825,15 @@ def test_saturation_penalty_starts_above_0_85(catalog, signal_name):
     idle = ha.estimate(backend(catalog, "b"), r)
     assert ha.estimate(backend(catalog, "b", **{signal_name: 0.84}), r) == idle
     assert ha.estimate(backend(catalog, "b", **{signal_name: 0.86}), r) > idle
+
+
+def test_a_server_without_v1_models_is_judged_by_metrics_and_requests(stubs, router):
+    """README: a server without `/v1/models` is judged by its `/metrics` and requests alone:
+    it stays in routing and serves."""
+    (one,) = stubs(1)
+    one.has_models = False
+    r = router([entry(one, "rtx-1")])
+    one.wait_scrapes()
+    status, _, body = r.request("GET", "/health")
+    assert status == 200, body
+    assert r.complete()[0] == 200 and len(one.bodies) == 1
