@@ -72,6 +72,21 @@ def test_fp8_kv_cache_doubles_the_tokens_of_one_kv_budget(catalog):
     assert e_fp8.step_time(64, 64 * 8000) < e_auto.step_time(64, 64 * 8000)
 
 
+def test_tensor_parallel_steps_pay_two_all_reduces_per_layer(catalog):
+    # A batch-1 decode is memory-bound: each GPU reads half the weights and half the KV
+    # heads, then every layer all-reduces twice: a fixed latency (25 us on PCIe, 8 us on
+    # NVLink) and 2 x hidden x 2 bytes through a ring (PCIe 4: 25 GB/s; NVLink: half of 900).
+    m, f = catalog.model("llama-3-8b"), catalog.format("bf16")
+    for gpu, latency, link in (("RTX-4090", 25e-6, 25e9), ("H100-SXM-80GB", 8e-6, 450e9)):
+        g = catalog.gpu(gpu)
+        two = EnginePerf(g, m, f, tp=2)
+        memory = weights_bytes(m, f) / 2 / two.weight_bandwidth
+        memory += 512 * two.kv_token_bytes / two.bandwidth
+        comm = m.num_layers * (2 * latency + 2 * m.hidden_size * 2 * 1.0 / link)
+        assert two.step_time(1, 512) == pytest.approx(memory + comm + two.step_overhead, rel=1e-9)
+        assert EnginePerf(g, m, f).step_time(1, 512) > two.step_time(1, 512)  # still faster
+
+
 def test_quantized_weights_keep_embeddings_in_16_bits(catalog):
     m13 = catalog.model("llama-2-13b")
     gptq = weights_bytes(m13, catalog.format("gptq-int4"))
