@@ -133,3 +133,36 @@ def test_a_new_server_must_list_its_model(cli, fleet):
     rtx2 = fleet.hosts[i]
     assert not [p for p in servers_running(fleet.hosts) if p in fleet.hosts._namespace_pids([rtx2])]
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+# --- the planner: min and max replicas -----------------------------------------------------------------
+
+SCARCE = """\
+nodes:
+  - name: r-[1:4]
+    gpus: {{type: RTX-4090, count: 1}}
+models:
+  - name: small
+    profile: llama-3-8b
+    variants: {{bf16: {{source: x}}}}
+    max_context: 4096
+    min_replicas: {min_small}
+    workload: {{requests_per_s: 0.1, mean_prompt_tokens: 200, mean_output_tokens: 50}}
+  - name: busy
+    profile: llama-3-8b
+    variants: {{bf16: {{source: y}}}}
+    max_context: 4096
+    workload: {{requests_per_s: 100, mean_prompt_tokens: 1000, mean_output_tokens: 300}}
+"""
+
+
+@pytest.mark.parametrize("min_small", [1, 3])
+def test_min_replicas_hold_against_a_busier_model(tmp_path, catalog, min_small):
+    """README "How the planner decides": the program places first minimum replicas, then
+    covers each workload. Four GPUs, a busy model short of capacity and an idle one: the idle
+    model gets exactly its min_replicas (1, or 3), the busy one the rest."""
+    from tests.test_planner import plan_text
+
+    plan = plan_text(tmp_path, catalog, SCARCE.format(min_small=min_small))
+    count = {m: sum(d.model == m for d in plan.deployments) for m in ("small", "busy")}
+    assert count == {"small": min_small, "busy": 4 - min_small}
