@@ -166,3 +166,57 @@ def test_min_replicas_hold_against_a_busier_model(tmp_path, catalog, min_small):
     plan = plan_text(tmp_path, catalog, SCARCE.format(min_small=min_small))
     count = {m: sum(d.model == m for d in plan.deployments) for m in ("small", "busy")}
     assert count == {"small": min_small, "busy": 4 - min_small}
+
+
+# --- the planner: context length per class -------------------------------------------------------------
+
+CLASSES = """\
+nodes:
+  - {{name: n-1, gpus: {{type: RTX-4090, count: 1}}}}
+  - {{name: n-2, gpus: {{type: L40S, count: 1}}}}
+  - {{name: n-3, gpus: {{type: A10G, count: 1}}}}
+  - {{name: n-4, gpus: {{type: RTX-3090, count: 1}}}}
+  - {{name: n-5, gpus: {{type: L4, count: 1}}}}
+  - {{name: n-6, gpus: {{type: A100-SXM4-80GB, count: 1}}}}
+models:
+  - name: m
+    profile: {profile}
+    variants: {{bf16: {{source: x}}}}
+    max_context: {top}
+    min_context: 2048
+    min_sequences: {seqs}
+"""
+
+
+@pytest.mark.parametrize(
+    ("profile", "top", "seqs"), [("llama-3.1-8b", 131072, 1), ("qwen2.5-7b", 32768, 4)]
+)
+def test_per_class_length_is_the_longest_multiple_of_1024_it_holds(
+    tmp_path, catalog, profile, top, seqs
+):
+    """README "Context length per class": a class whose KV cache cannot hold min_sequences of
+    max_context runs the longest length it can hold them of, rounded down to a multiple of
+    1024. Each shorter server's length is a multiple of 1024, its KV holds min_sequences of it,
+    and not of 1024 more."""
+    from tests.test_planner import plan_text
+
+    plan = plan_text(tmp_path, catalog, CLASSES.format(profile=profile, top=top, seqs=seqs))
+    shorter = [d for d in plan.deployments if d.server.max_model_len < top]
+    assert shorter, "every class held max_context: the rule is not exercised"
+    for d in shorter:
+        length, kv = d.server.max_model_len, d.server.kv_budget_tokens
+        assert length % 1024 == 0, (d.gpu_type, length)
+        assert seqs * length <= kv < seqs * (length + 1024), (d.gpu_type, length, kv)
+
+
+def test_mooncake_mixed_runs_131072_on_a100s_and_47104_on_4090s(catalog):
+    """README: for Llama-3.1 8B BF16 (`example:mooncake-mixed`): 131072 on the A100s, 47104
+    on the 4090s."""
+    from fleetctl.inventory import load_inventory
+    from fleetctl.planner import plan_fleet
+    from fleetctl.resources import examples
+
+    plan = plan_fleet(load_inventory(examples()["mooncake-mixed"], catalog), None)
+    lengths = {(d.gpu_type, d.server.max_model_len) for d in plan.deployments}
+    assert {length for gpu, length in lengths if "A100" in gpu} == {131072}
+    assert {length for gpu, length in lengths if "4090" in gpu} == {47104}
