@@ -129,6 +129,13 @@ class Redis:
         self.proc = Proc(f"redis-{self.port}", pinned(cmd, self.core), self.work, own_group=False)
         wait_port(self.port, self.proc.alive)
 
+    def flush(self) -> None:
+        """Forget every key (each measurement starts from an empty store)."""
+        import redis
+
+        with redis.Redis.from_url(self.url) as r:
+            r.flushall()
+
     def kill(self) -> None:
         assert self.proc is not None
         self.proc.proc.kill()
@@ -388,6 +395,7 @@ async def phase_cost(
                 record(rows[name], got)
                 continue
             extra = ("--session-store", redis.url) if "Redis" in name else ()
+            redis.flush()
             rs = RouteServe(work, f"cost{r}-{len(extra)}", entries, *extra, core=args.router_core)
             try:
                 cpu0 = rs.cpu_s()
@@ -421,6 +429,7 @@ async def phase_workers(
         for name, n, core in order:
             print(f"  workers round {r + 1}: {name}", flush=True)
             extra = ("--session-store", redis.url, "--workers", str(n))
+            redis.flush()
             rs = RouteServe(work, f"workers{r}-{n}-{core}", entries, *extra, core=core)
             try:
                 cpu0 = rs.cpu_s()

@@ -78,6 +78,16 @@ async def answered(drive: Drive, task: asyncio.Task[list[Turn]], n: int) -> None
         await asyncio.sleep(0.02)
 
 
+def cut(r: RouteServe) -> float:
+    """Waits on the store this replica cut at their bound (50 ms): a read given up, or an
+    answer that left before its new pin reached Redis. Only these may move a session's turn
+    to another class while Redis is up (a busy machine can delay Redis that long)."""
+    return sum(
+        r.metric(f'fleetctl_session_store_pins_total{{event="{e}"}}') or 0
+        for e in ("read_timeout", "write_timeout")
+    )
+
+
 def stop_all(reps: list[RouteServe]) -> None:
     for r in reps:
         r.stop()
@@ -88,6 +98,7 @@ def test_turns_keep_their_class_whichever_replica_while_one_dies_and_one_restart
 ) -> None:
     reps = replicas(tmp_path, backends, redis.url)
     marks: dict[str, float] = {}
+    gave_up = [0.0]
 
     async def go() -> list[Turn]:
         async with client_session(16) as client:
@@ -95,17 +106,22 @@ def test_turns_keep_their_class_whichever_replica_while_one_dies_and_one_restart
             task = asyncio.create_task(drive.run(client))
             await answered(drive, task, 800)
             # Replica 2 restarts (SIGTERM, then a fresh process on the same port).
+            gave_up[0] += await asyncio.to_thread(cut, reps[2])
             await asyncio.to_thread(reps[2].stop)
             await answered(drive, task, 400)
             await asyncio.to_thread(reps[2].start)
             marks["restarted"] = time.monotonic()
             await answered(drive, task, 800)
             # Replica 1 dies (SIGKILL): its sessions go on at replicas 0 and 2.
+            gave_up[0] += await asyncio.to_thread(cut, reps[1])
             await asyncio.to_thread(reps[1].kill)
             marks["killed"] = time.monotonic()
             await answered(drive, task, 800)
             drive.stop = True
-            return await task
+            turns = await task
+            for r in (reps[0], reps[2]):
+                gave_up[0] += await asyncio.to_thread(cut, r)
+            return turns
 
     try:
         turns = asyncio.run(go())
@@ -113,7 +129,8 @@ def test_turns_keep_their_class_whichever_replica_while_one_dies_and_one_restart
         stop_all(reps)
     assert all(t.status == 200 for t in turns), [t for t in turns if t.status != 200][:3]
     moved, compared = changed(turns)
-    assert compared > 2000 and moved == 0
+    # Zero on an idle machine; never more than the waits the bound cut, each counted.
+    assert compared > 2000 and moved <= gave_up[0], (moved, gave_up)
     # The restarted replica answered turns of sessions pinned before it started, the killed
     # replica's sessions went on elsewhere (their turns failed over), all on their class.
     fresh = [t for t in turns if t.replica == 2 and t.sent > marks["restarted"] and t.turn > 0]
@@ -142,6 +159,7 @@ def test_redis_killed_mid_traffic_then_restarted(
             drive = Drive([r.url for r in reps], conc=16, total=10**9, turns=4, tag="kill")
             task = asyncio.create_task(drive.run(client))
             await answered(drive, task, 800)
+            marks["cut before"] = sum([await asyncio.to_thread(cut, r) for r in reps])
             marks["killed"] = time.monotonic()
             await asyncio.to_thread(redis.kill)
             await until("every replica to report the store degraded", lambda: all_say("degraded"))
@@ -165,14 +183,16 @@ def test_redis_killed_mid_traffic_then_restarted(
         turns = asyncio.run(go())
         logs = [r.log_text() for r in reps]
         pins = [r.metric('fleetctl_session_store_pins_total{event="written"}') for r in reps]
+        cut_all = sum(cut(r) for r in reps)
     finally:
         stop_all(reps)
     assert all(t.status == 200 for t in turns), [t for t in turns if t.status != 200][:3]
     # Agreement: before the kill, and from the moment every replica sent what it decided
     # meanwhile (within 10 s of the restart here, usually well under one).
-    assert changed(turns, lambda t: t.ended < marks["killed"])[0] == 0
+    # (never more than the waits the bound cut, each counted: zero on an idle machine)
+    assert changed(turns, lambda t: t.ended < marks["killed"])[0] <= marks["cut before"]
     after = changed(turns, lambda t: t.sent >= marks["converged"])
-    assert after[1] > 500 and after[0] == 0
+    assert after[1] > 500 and after[0] <= cut_all
     assert marks["converged"] - marks["restarted"] < 10
     for log in logs:  # said once each way, never per request
         assert log.count("session store down") == 1 and log.count("session store back") == 1
@@ -275,21 +295,25 @@ def test_the_issue_load_loses_no_pin(
             for e in ("dropped", "read_timeout")
         }
         logs = [r.log_text() for r in reps]
+        gave_up = sum(cut(r) for r in reps)
     finally:
         stop_all(reps)
     assert all(t.status == 200 for t in turns)
-    assert changed(turns)[0] == 0
+    assert changed(turns)[0] <= gave_up  # zero on an idle machine
     assert counts["dropped"] == 0
     for log in logs:
         assert "session store" not in log
     db = redis_client.Redis.from_url(redis.url)
     first = {t.session: t.node_class for t in turns if t.turn == 0}
+    last = {t.session: t.node_class for t in sorted(turns, key=lambda t: t.turn)}
     stored = {}
     for key in db.scan_iter(match="fleetctl:default:session:load-*", count=1000):
         stored[int(key.decode().rsplit("-", 1)[1])] = db.get(key).decode().split("\n")[1]
     db.close()
     assert len(first) >= 12_000  # 48,000 turns, 4 a session (the last ones cut short)
-    assert stored == first
+    assert (
+        stored == last
+    )  # the pin the session's last turn followed (its first's, but for a cut wait)
 
 
 def test_last_writer_wins_per_session_by_version(redis: Redis) -> None:
