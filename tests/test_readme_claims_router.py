@@ -9,6 +9,7 @@ sleeps. tests/README.md maps each claim to its test.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import signal
@@ -72,6 +73,7 @@ class Stub:
         self.bodies: list[dict] = []
         self.has_models = True  # False: /v1/models answers 404 (a server without it)
         self.scrapes = 0
+        self.scraped_at: list[float] = []  # monotonic time of each /metrics answer
         self._ready = threading.Event()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self._run, daemon=True).start()
@@ -113,6 +115,7 @@ class Stub:
     async def metrics(self, request: web.Request) -> web.Response:
         self.read_bytes += self.read_step
         text = self.page()
+        self.scraped_at.append(time.monotonic())
         self.scrapes += 1
         return web.Response(text=text, content_type="text/plain")
 
@@ -293,6 +296,18 @@ def test_hardware_aware_uses_scraped_kv_capacity(stubs, router):
         small.wait_scrapes()
         large.wait_scrapes()
         assert route_five(r, [one, two], max_tokens=64) == expect
+
+
+def test_metrics_are_scraped_every_250_ms(stubs, router):
+    """README: each backend's /metrics is scraped every 250 ms. The median gap between a
+    stand-in's scrapes over a dozen of them is 250 ms (give or take a busy machine's delays)."""
+    (one,) = stubs(1)
+    router([entry(one, "rtx-1")])
+    one.wait_scrapes(13)
+    at = one.scraped_at[-13:]
+    gaps = sorted(b - a for a, b in itertools.pairwise(at))
+    median = gaps[len(gaps) // 2]
+    assert 0.2 <= median <= 0.4, gaps
 
 
 def test_figures_older_than_2_s_are_dropped():
