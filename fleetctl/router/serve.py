@@ -370,7 +370,7 @@ def supervise(child: Callable[[int], None], workers: int) -> None:
         now = time.monotonic()
         deaths = [t for t in deaths if now - t < RESTART_WINDOW_S] + [now]
         code = os.waitstatus_to_exitcode(status)
-        if len(deaths) > MAX_RESTARTS:
+        if len(deaths) >= MAX_RESTARTS:
             log.error("worker %d exited (%d): too many workers died; stopping", i, code)
             failed = stopping = True
             forward(signal.SIGTERM, None)
