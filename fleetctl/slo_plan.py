@@ -49,20 +49,30 @@ def slo_models(inv: Inventory) -> list[Model]:
 
 def synthetic_traffic(m: Model, seed: int = 0) -> list[WorkItem]:
     """Poisson arrivals at the model's workload rate, lognormal lengths around its means,
-    capped at its max_context: about SYNTHETIC_REQUESTS requests."""
+    capped at its max_context: about SYNTHETIC_REQUESTS requests. A workload with length
+    buckets draws each bucket's share of the rate around its own means, capped at its
+    longest request, so the check sees the mix the MILP sized."""
     w = m.spec.workload
     assert w is not None
     lo, hi = SYNTHETIC_SPAN_S
     span = min(hi, max(lo, SYNTHETIC_REQUESTS / w.requests_per_s))
-    spec = Synthetic(
-        model=m.name,
-        rate=w.requests_per_s,
-        duration=span,
-        prompt=w.mean_prompt_tokens,
-        output=w.mean_output_tokens,
-        max_context=m.spec.max_context,
-    )
-    return spec.generate(seed)
+    slices = [
+        (b.share, b.mean_prompt_tokens, b.mean_output_tokens, min(b.max_tokens, m.spec.max_context))
+        for b in w.buckets
+    ] or [(1.0, w.mean_prompt_tokens, w.mean_output_tokens, m.spec.max_context)]
+    items: list[WorkItem] = []
+    for i, (share, prompt, output, cap) in enumerate(slices):
+        spec = Synthetic(
+            model=m.name,
+            rate=w.requests_per_s * share,
+            duration=span,
+            prompt=prompt,
+            output=output,
+            max_context=cap,
+        )
+        items += spec.generate(seed + i)
+    items.sort(key=lambda it: it.arrival)
+    return [dataclasses.replace(it, id=i) for i, it in enumerate(items)]
 
 
 def check(

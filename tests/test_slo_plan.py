@@ -124,3 +124,25 @@ def test_without_a_trace_the_check_runs_synthetic_traffic_of_the_workload(catalo
     )
     plain = plan_within_slos(free, lambda h: plan_fleet(free, objective="cost", headroom=h))
     assert plain.slo_checks == () and "slo_rounds" not in plain.solver
+
+
+def test_synthetic_traffic_draws_each_length_bucket_at_its_share(catalog, tmp_path):
+    buckets = (
+        "    workload: {requests_per_s: 8, mean_prompt_tokens: 1500, mean_output_tokens: 300,\n"
+        "               buckets: [{share: 0.25, mean_prompt_tokens: 5000, mean_output_tokens: 50,"
+        " max_tokens: 8000},\n"
+        "                         {share: 0.75, mean_prompt_tokens: 300, mean_output_tokens: 380,"
+        " max_tokens: 1200}]}\n"
+    )
+    text = FLEET.replace(
+        "    workload: {requests_per_s: 8, mean_prompt_tokens: 1500, mean_output_tokens: 300}\n",
+        buckets,
+    )
+    model = load_inventory(write(tmp_path, text), catalog).models[0]
+    items = synthetic_traffic(model)
+    long = [w for w in items if w.prompt + w.output > 1200]
+    assert len(long) / len(items) == pytest.approx(0.25, abs=0.05)  # the long bucket's share
+    assert max(w.prompt + w.output for w in items) <= 8000
+    assert [w.id for w in items] == list(range(len(items)))
+    arrivals = [w.arrival for w in items]
+    assert arrivals == sorted(arrivals)
