@@ -692,11 +692,6 @@ def test_a_dead_worker_is_started_again(stubs, router):
     assert r.complete()[0] == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="README says five deaths within 30 s stop route-serve; serve.py's supervise() starts "
-    "a fifth replacement and stops at the sixth death (MAX_RESTARTS = 5, len(deaths) > 5)",
-)
 def test_workers_restart_until_five_die_within_30_s(stubs, router):
     """README "Router replicas": the first process starts a worker again if it dies; five
     deaths within 30 s stop route-serve, exit 1."""
