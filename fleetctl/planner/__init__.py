@@ -137,6 +137,13 @@ def plan_fleet(
         for m in inv.models
     )
     warnings = _warnings(inv, deployments, summaries, classes, placements, objective)
+    # A model with some servers but fewer than min_replicas is served, not unplaced: say so.
+    warnings = [
+        f"{m.name}: only {len(by_model[m.name])} of its min_replicas {m.spec.min_replicas} "
+        "placed: the GPUs that fit it are taken or too few; add GPUs or lower min_replicas"
+        for m in inv.models
+        if 0 < len(by_model[m.name]) < m.spec.min_replicas
+    ] + list(warnings)
     # Say which candidates' figures were measured, not modelled, and from what.
     warnings += sorted(
         {
