@@ -14,27 +14,10 @@ from fleetctl.planner import plan_fleet
 from fleetctl.sim.workload import load_trace
 from fleetctl.slo_plan import check, plan_within_slos, synthetic_traffic
 from tests.conftest import write
+from tests.test_cost import priced
 
-FLEET = """\
-ssh: {user: ubuntu}
-nodes:
-  - name: a100-[1:4]
-    host: 10.0.1.[11:14]
-    gpus: {type: A100-SXM4-80GB, count: 1}
-    cost_per_hour: 1.8
-  - name: rtx-[1:8]
-    host: 10.0.2.[21:28]
-    gpus: {type: RTX-4090, count: 1}
-    cost_per_hour: 0.7
-models:
-  - name: llama-3-8b
-    profile: llama-3-8b
-    variants:
-      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}
-    max_context: 8192
-    workload: {requests_per_s: 8, mean_prompt_tokens: 1500, mean_output_tokens: 300}
-    slo: {ttft_p99_s: 2.0}
-"""
+# test_cost's fleet at 1.80 an A100-hour and 0.70 an RTX 4090-hour, its model with a TTFT SLO.
+FLEET = priced(1.8, 0.7) + "    slo: {ttft_p99_s: 2.0}\n"
 
 
 def burst_trace(path: Path) -> Path:

@@ -144,6 +144,12 @@ def _replica_rows(
         prog.row(coefs, -math.inf, 0.0)
 
 
+def _most_replicas(k: Candidate) -> int:
+    """How many deployments of `k` its class's GPUs hold, at most the model's max_replicas."""
+    hi = k.cls.size * (k.cls.gpu_count // k.tp)
+    return hi if k.model.spec.max_replicas is None else min(hi, k.model.spec.max_replicas)
+
+
 def is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -281,9 +287,7 @@ def solve(
 
     y = []
     for o, k in enumerate(cands):
-        hi = k.cls.size * (k.cls.gpu_count // k.tp)
-        if k.model.spec.max_replicas is not None:
-            hi = min(hi, k.model.spec.max_replicas)
+        hi = _most_replicas(k)
         short = max(0.0, 1.0 - k.sequences_at_max_len / warn_sequences_below)
         cost = KV_STARVED_PENALTY * short - GPU_USE_BONUS * k.tp
         y.append(prog.col(0, hi, cost, integer=True))
@@ -373,9 +377,7 @@ def _solve_cost(
     prog = _Program()
     y = []
     for o, k in enumerate(cands):
-        hi = k.cls.size * (k.cls.gpu_count // k.tp)
-        if k.model.spec.max_replicas is not None:
-            hi = min(hi, k.model.spec.max_replicas)
+        hi = _most_replicas(k)
         short = max(0.0, 1.0 - k.sequences_at_max_len / warn_sequences_below)
         price = (k.cls.cost_per_hour or 0.0) * k.tp / k.cls.gpu_count
         cost = price / fleet + COST_TIE_WEIGHT * KV_STARVED_PENALTY * short
