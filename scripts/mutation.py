@@ -10,10 +10,28 @@ mutants run against only its fast tests (TESTS below), with the dev venv's Pytho
     python scripts/mutation.py                       # every module in TESTS, 600 s each
     python scripts/mutation.py --budget 300 fleetctl/routing/scheduler.py
     python scripts/mutation.py --jobs 2              # modules in parallel (mutmut 2 is serial)
+    python scripts/mutation.py --tests "tests/test_a.py tests/test_b.py" fleetctl/perf.py
 
-A module whose budget runs out is stopped; its untested mutants are reported as such and the
-score counts only the tested ones. The report goes to benchmarks/out/mutation-<date>.md
-(git-ignored): killed / survived / timeout / score per module and each survivor's diff.
+Incremental by default: each module's .mutmut-cache is kept in benchmarks/out/mutation-cache/
+(git-ignored) and copied into the next run's work copy. mutmut 2 then keeps killed mutants
+killed and retests only survivors (and mutants of changed lines) when a test file changed, so
+a run after a new test takes seconds, not minutes. --fresh ignores the cache: use it for a
+number recorded in RESULTS.md.
+
+A surviving mutant that cannot change behaviour is listed, with the reason, in
+scripts/mutation_equivalents/<module>.toml (e.g. routing.scheduler.toml), matched by the
+stripped original and mutated source lines, so the entry survives line-number shifts:
+
+    [[equivalent]]
+    line = "if now - t < self.window:"
+    mutant = "if now - t <= self.window:"
+    why = "float timestamps: the two differ only at equal times"
+
+Score = (killed + timeout) / (tested - equivalent). A module whose budget runs out is stopped;
+its untested mutants are reported as such and the score counts only the tested ones. The
+report goes to benchmarks/out/mutation-<date>.md (git-ignored): killed / survived / timeout /
+equivalent / score per module, each unexplained survivor's diff, and equivalence entries that
+no longer match any survivor (stale: delete them).
 """
 
 from __future__ import annotations
@@ -28,12 +46,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TOOL = "mutmut==2.5.1"
 VENV = Path.home() / ".cache" / "fleetctl" / "mutation-venv"
+CACHE = REPO / "benchmarks" / "out" / "mutation-cache"
+EQUIVALENTS = REPO / "scripts" / "mutation_equivalents"
 
 # module -> the fast tests that exercise it (each file runs in a few seconds).
 TESTS: dict[str, list[str]] = {
@@ -45,7 +66,42 @@ TESTS: dict[str, list[str]] = {
     "fleetctl/perf.py": ["tests/test_perf.py"],
     "fleetctl/sim/engine.py": ["tests/test_sim.py"],
     "fleetctl/apply/steps.py": ["tests/test_apply_steps.py"],
+    "fleetctl/routing/peers.py": ["tests/test_peer_policies.py"],
+    "fleetctl/router/relay.py": ["tests/test_relay.py"],
+    "fleetctl/vllm_metrics.py": ["tests/test_vllm_metrics.py"],
 }
+
+
+def module_key(module: str) -> str:
+    """fleetctl/routing/scheduler.py -> routing.scheduler (cache and equivalents file names)."""
+    return module.removeprefix("fleetctl/").removesuffix(".py").replace("/", ".")
+
+
+def load_equivalents(module: str) -> list[dict[str, str]]:
+    path = EQUIVALENTS / f"{module_key(module)}.toml"
+    if not path.exists():
+        return []
+    entries = tomllib.loads(path.read_text()).get("equivalent", [])
+    for e in entries:
+        missing = {"line", "mutant", "why"} - set(e)
+        if missing:
+            raise SystemExit(f"{path}: an [[equivalent]] entry lacks {sorted(missing)}")
+    return entries
+
+
+def changed_lines(diff: str) -> tuple[str, str]:
+    """The (original, mutated) source line of a one-line mutant's diff, stripped."""
+    old = [
+        ln[1:].strip()
+        for ln in diff.splitlines()
+        if ln.startswith("-") and not ln.startswith("---")
+    ]
+    new = [
+        ln[1:].strip()
+        for ln in diff.splitlines()
+        if ln.startswith("+") and not ln.startswith("+++")
+    ]
+    return " ".join(old), " ".join(new)
 
 
 def ensure_venv() -> Path:
@@ -89,11 +145,21 @@ def statuses(work: Path) -> list[tuple[int, int, str]]:
         db.close()
 
 
-def run_module(module: str, budget: float, python: str, mutmut: Path, keep: bool) -> dict:
+def run_module(
+    module: str,
+    budget: float,
+    python: str,
+    mutmut: Path,
+    keep: bool,
+    tests: str,
+    fresh: bool,
+) -> dict:
     work = Path(tempfile.mkdtemp(prefix="fleetctl-mutation-", dir="/tmp"))
+    cached = CACHE / f"{module_key(module)}.sqlite"
     try:
         copy_tree(work)
-        tests = " ".join(TESTS.get(module, []))
+        if cached.exists() and not fresh:
+            shutil.copy2(cached, work / ".mutmut-cache")
         # mutmut 2 splits the runner on spaces (no shell): PYTHONPATH travels in env below.
         runner = f"{python} -m pytest -x -q -p no:cacheprovider {tests}"
         env = dict(os.environ, PYTHONPATH=str(work), PYTHONDONTWRITEBYTECODE="1")
@@ -128,18 +194,39 @@ def run_module(module: str, budget: float, python: str, mutmut: Path, keep: bool
         log.close()
         elapsed = time.monotonic() - t0
         rows = statuses(work) if (work / ".mutmut-cache").exists() else []
-        survivors = []
+        if rows:
+            CACHE.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(work / ".mutmut-cache", cached)
+        known = load_equivalents(module)
+        used: set[int] = set()
+        survivors, equivalent = [], []
         for mid, line, status in rows:
             if status != "bad_survived":
                 continue
             diff = subprocess.run(
                 [str(mutmut), "show", str(mid)], cwd=work, env=env, capture_output=True, text=True
             ).stdout.strip()
-            survivors.append((mid, line, diff))
+            old, new = changed_lines(diff)
+            match = next(
+                (
+                    i
+                    for i, e in enumerate(known)
+                    if e["line"].strip() == old and e["mutant"].strip() == new
+                ),
+                None,
+            )
+            if match is None:
+                survivors.append((mid, line, diff))
+            else:
+                used.add(match)
+                equivalent.append((mid, line, known[match]["why"]))
         counts: dict[str, int] = {}
         for _, _, status in rows:
             counts[status] = counts.get(status, 0) + 1
+        counts["equivalent"] = len(equivalent)
         return {
+            "equivalent": equivalent,
+            "stale": [e for i, e in enumerate(known) if i not in used],
             "module": module,
             "tests": tests,
             "elapsed": elapsed,
@@ -157,15 +244,16 @@ def run_module(module: str, budget: float, python: str, mutmut: Path, keep: bool
 
 
 def score(counts: dict[str, int]) -> tuple[int, int, int, int, int, str]:
+    """(killed, unexplained survivors, timeout, untested, equivalent, score)."""
     killed = counts.get("ok_killed", 0) + counts.get("ok_suspicious", 0)
-    survived = counts.get("bad_survived", 0)
+    equivalent = counts.get("equivalent", 0)
+    survived = counts.get("bad_survived", 0) - equivalent
     timeout = counts.get("bad_timeout", 0)
     untested = counts.get("untested", 0)
-    skipped = counts.get("skipped", 0)
     tested = killed + survived + timeout
     # A timed-out mutant is one the tests stopped (an infinite loop): counted as killed.
     pct = f"{100 * (killed + timeout) / tested:.1f}%" if tested else "n/a"
-    return killed, survived, timeout, untested, skipped, pct
+    return killed, survived, timeout, untested, equivalent, pct
 
 
 def report(results: list[dict], budget: float, argv: list[str]) -> str:
@@ -178,16 +266,17 @@ def report(results: list[dict], budget: float, argv: list[str]) -> str:
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
         ).stdout.strip(),
         "",
-        "Score = (killed + timeout) / tested; untested = not reached within the budget.",
+        "Score = (killed + timeout) / (tested - equivalent); untested = not reached within the"
+        " budget; equivalent = survivors listed in scripts/mutation_equivalents/ with a reason.",
         "",
-        "| module | tests | killed | survived | timeout | untested | score | time |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| module | tests | killed | survived | timeout | equivalent | untested | score | time |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
-        k, s, t, u, _, pct = score(r["counts"])
+        k, s, t, u, e, pct = score(r["counts"])
         stop = " (budget)" if r["stopped"] else ""
         out.append(
-            f"| {r['module']} | {r['tests']} | {k} | {s} | {t} | {u} | {pct}"
+            f"| {r['module']} | {r['tests']} | {k} | {s} | {t} | {e} | {u} | {pct}"
             f" | {r['elapsed']:.0f} s{stop} |"
         )
     for r in results:
@@ -196,6 +285,13 @@ def report(results: list[dict], budget: float, argv: list[str]) -> str:
             out += ["mutmut produced no results; its log ends:", "", "```", r["log_tail"], "```"]
         for mid, line, diff in r["survivors"]:
             out += [f"### mutant {mid}, line {line}", "", "```diff", diff, "```", ""]
+        if r["stale"]:
+            out += [
+                f"Stale entries in scripts/mutation_equivalents/{module_key(r['module'])}.toml"
+                " (no survivor matches them; delete them):",
+                "",
+            ]
+            out += [f"- `{e['line']}` -> `{e['mutant']}`" for e in r["stale"]]
     return "\n".join(out) + "\n"
 
 
@@ -211,16 +307,25 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, help="report path (benchmarks/out/mutation-<date>.md)")
     ap.add_argument("--keep", action="store_true", help="keep the /tmp work copies")
+    ap.add_argument("--tests", help="test files for the one module given, instead of TESTS's")
+    ap.add_argument(
+        "--fresh", action="store_true", help="ignore the kept cache: test every mutant again"
+    )
     args = ap.parse_args()
     modules = args.modules or list(TESTS)
+    if args.tests and len(modules) != 1:
+        ap.error("--tests needs exactly one module")
     for m in modules:
-        if m not in TESTS:
+        if m not in TESTS and not args.tests:
             ap.error(f"{m}: no tests mapped (add it to TESTS in {Path(__file__).name})")
     mutmut = ensure_venv()
+
+    def one(m: str) -> dict:
+        tests = args.tests or " ".join(TESTS[m])
+        return run_module(m, args.budget, args.python, mutmut, args.keep, tests, args.fresh)
+
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        results = list(
-            pool.map(lambda m: run_module(m, args.budget, args.python, mutmut, args.keep), modules)
-        )
+        results = list(pool.map(one, modules))
     text = report(results, args.budget, sys.argv[1:])
     out = args.out or REPO / "benchmarks" / "out" / f"mutation-{dt.date.today():%Y-%m-%d}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
