@@ -145,6 +145,30 @@ def statuses(work: Path) -> list[tuple[int, int, str]]:
         db.close()
 
 
+def cache_of(work: Path) -> bool:
+    return (work / ".mutmut-cache").exists()
+
+
+def save_cache(src: Path, dest: Path) -> None:
+    """Copy mutmut's SQLite cache through SQLite itself: a run stopped by the budget may leave a
+    hot journal beside it, which a plain file copy would lose (mutmut then finds the copy "out
+    of date" and clears it)."""
+    tmp = dest.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    with sqlite3.connect(src) as a, sqlite3.connect(tmp) as b:
+        a.backup(b)
+    a.close()
+    b.close()
+    tmp.replace(dest)
+
+
+def restore_module(work: Path, module: str) -> None:
+    """A run stopped mid-mutant leaves the mutant in place and the original in MODULE.bak."""
+    bak = work / (module + ".bak")
+    if bak.exists():
+        bak.replace(work / module)
+
+
 def run_module(
     module: str,
     budget: float,
@@ -177,26 +201,39 @@ def run_module(
         ]
         t0 = time.monotonic()
         log = (work / "mutmut.log").open("w")
-        proc = subprocess.Popen(
-            cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        stopped = False
-        try:
-            proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            stopped = True
-            os.killpg(proc.pid, signal.SIGTERM)
+        stopped, restarts, rc = False, 0, 0
+        while True:
+            proc = subprocess.Popen(
+                cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
             try:
-                proc.wait(timeout=10)
+                rc = proc.wait(timeout=max(1.0, budget - (time.monotonic() - t0)))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+                stopped = True
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                restore_module(work, module)
+                break
+            # mutmut 2 sometimes ends its run early with mutants still untested (its worker
+            # process ends without a word under heavy load); the cache lets it go on.
+            left = [r for r in statuses(work) if r[2] == "untested"] if cache_of(work) else []
+            if not left or restarts >= 5 or time.monotonic() - t0 >= budget:
+                break
+            restarts += 1
+            log.write(
+                f"\n[mutation.py] mutmut ended with {len(left)} untested: restart {restarts}\n"
+            )
+            log.flush()
         log.close()
         elapsed = time.monotonic() - t0
-        rows = statuses(work) if (work / ".mutmut-cache").exists() else []
+        rows = statuses(work) if cache_of(work) else []
         if rows:
             CACHE.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(work / ".mutmut-cache", cached)
+            save_cache(work / ".mutmut-cache", cached)
         known = load_equivalents(module)
         used: set[int] = set()
         survivors, equivalent = [], []
@@ -231,7 +268,8 @@ def run_module(
             "tests": tests,
             "elapsed": elapsed,
             "stopped": stopped,
-            "rc": proc.returncode,
+            "rc": rc,
+            "restarts": restarts,
             "counts": counts,
             "survivors": survivors,
             "log_tail": (work / "mutmut.log").read_text(errors="replace")[-2000:],
@@ -275,6 +313,8 @@ def report(results: list[dict], budget: float, argv: list[str]) -> str:
     for r in results:
         k, s, t, u, e, pct = score(r["counts"])
         stop = " (budget)" if r["stopped"] else ""
+        if r["restarts"]:
+            stop += f" ({r['restarts']} restarts)"
         out.append(
             f"| {r['module']} | {r['tests']} | {k} | {s} | {t} | {e} | {u} | {pct}"
             f" | {r['elapsed']:.0f} s{stop} |"
