@@ -48,11 +48,14 @@ def hosts():
 
 @pytest.fixture
 def fleet(hosts, tmp_path, monkeypatch):
-    """Fresh shims, an inventory, and afterwards no server left on any host."""
+    """Fresh shims, an inventory, and afterwards no server left on any host and every host's
+    sshd up again (a test that stops one and fails before it restarts it breaks no other)."""
     for i, name in enumerate(NAMES):
         hosts.install(i, "vllm", shim(GPU[name.split("-")[0]][0]))
     monkeypatch.setenv("HF_TOKEN", SECRET)
     yield Fleet(hosts, tmp_path)
+    for i in range(len(hosts)):
+        hosts.start(i)  # a no-op for a host whose sshd runs
     leftovers = servers_running(hosts)
     for pid in leftovers:
         os.kill(pid, signal.SIGKILL)

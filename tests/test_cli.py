@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.conftest import REPO, write
@@ -43,12 +44,38 @@ def test_plan_json_schema(cli):
     assert len(plan["actions"]) == len(plan["deployments"]) == 12
 
 
+def cells(row: str) -> list[str]:
+    """The cells of one table row as rendered (rich's vertical rules split them)."""
+    return [c.strip() for c in row.split("\u2502") if c.strip()]
+
+
 def test_plan_table_and_explain(cli):
-    r = cli("plan", REPO / "inventory" / "seed-mixed-8b.yaml", "--explain")
+    """README: per-group servers, KV tokens, capacity and `Plan: N to create`; the table
+    shows the figures the plan holds (read from --json) and its capacity adds up."""
+    inv = REPO / "inventory" / "seed-mixed-8b.yaml"
+    r = cli("plan", inv, "--explain")
     assert r.code == 0, r.err
-    assert "a100-[1:4]" in r.out and "rtx-[1:8]" in r.out
+    plan = json.loads(cli("plan", inv, "--json").out)
+    lines = r.out.splitlines()
+    kv = {d["gpu_type"]: d["kv_budget_tokens"] for d in plan["deployments"]}
+    per_gpu = {}
+    # One row per group: 4 A100 nodes and 8 RTX-4090 nodes, one GPU each.
+    for group, gpu, n in (("a100-[1:4]", "A100-SXM4-80GB", 4), ("rtx-[1:8]", "RTX-4090", 8)):
+        (row,) = [ln for ln in lines if f"+ {group}" in ln]
+        c = cells(row)
+        assert c[1] == f"0 {gpu}" and c[6] == f"{kv[gpu]:,}", c  # GPU, then its KV tokens
+        per_gpu[gpu] = (float(c[-1]), n)
+        assert f"= {kv[gpu]:,} tokens" in r.out  # the explain line of the KV budget
+    # The Capacity table: 12 replicas on 12 GPUs, the sum of the rows' req/s (rounded to
+    # 0.01 each, so within 12 x 0.005), against a workload of 20 req/s.
+    (model,) = plan["models"]
+    (row,) = [ln for ln in lines if cells(ln)[:1] == ["llama-3-8b"]]
+    c = cells(row)
+    assert c[:3] == ["llama-3-8b", "12", "12"] and c[4] == "20", c
+    assert float(c[3]) == pytest.approx(sum(rps * n for rps, n in per_gpu.values()), abs=0.06)
+    assert float(c[3]) == pytest.approx(model["capacity_rps"], abs=0.005)
     assert "Plan: 12 to create, 0 to replace, 0 to delete, 0 unchanged." in r.out
-    assert "KV budget" in r.out and "warning:" in r.out
+    assert "warning:" in r.out
 
 
 def test_saved_plan_round_trips_and_diffs_against_state(cli, tmp_path):
@@ -226,7 +253,13 @@ def test_examples_copy_writes_an_editable_inventory(cli, tmp_path, monkeypatch):
     assert r.code == 2 and "pass --force" in r.err
     (tmp_path / "mine").mkdir()
     assert cli("examples", "copy", "seed-mixed-8b", tmp_path / "mine").code == 0
-    assert cli("plan", tmp_path / "mine" / "seed-mixed-8b.yaml", "--json").code == 0
+    mine = tmp_path / "mine" / "seed-mixed-8b.yaml"
+    assert mine.read_text() == copy.read_text()
+    # The copy is editable: an edit to it is what the next plan places.
+    mine.write_text(mine.read_text().replace("max_context: 8192", "max_context: 4096"))
+    r = cli("plan", mine, "--json")
+    assert r.code == 0, r.err
+    assert {d["max_model_len"] for d in json.loads(r.out)["deployments"]} == {4096}
     r = cli("examples", "copy", "nope")
     assert r.code == 2 and "choose one of" in r.err
 
@@ -240,9 +273,18 @@ def test_a_facts_file_that_is_not_usable_is_refused_with_where_and_why(cli, tmp_
     f.write_text(json.dumps({"format": 2, "nodes": {"rtx-1": {"gpus": [{"index": "zero"}]}}}))
     r = cli("plan", inv, "--facts", f)
     assert r.code == 2 and "nodes.rtx-1.gpus[0].index: expected int, got str" in r.err
-    # A facts file of the first format still reads (its keys did not change meaning).
-    f.write_text(json.dumps({"format": 1, "nodes": {"rtx-1": {"gpus": [{"index": 0}]}}}))
-    assert cli("plan", inv, "--facts", f).code == 0
+    # A facts file of the first format still reads (its keys did not change meaning), and is
+    # used: its L40S replaces the RTX-4090 the inventory declares.
+    one = {"rtx-1": {"gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_total_mib": 46068}]}}
+    f.write_text(json.dumps({"format": 1, "nodes": one}))
+    r = cli("plan", inv, "--facts", f, "--json")
+    assert r.code == 0, r.err
+    plan = json.loads(r.out)
+    assert {d["gpu_type"] for d in plan["deployments"] if d["node"] == "rtx-1"} == {"L40S"}
+    assert any(
+        w.startswith("rtx-1: inventory declares 1x RTX-4090, probed 1x L40S")
+        for w in plan["warnings"]
+    ), plan["warnings"]
 
 
 def test_facts_round_trip_through_json():
@@ -306,3 +348,12 @@ def test_status_and_destroy_ask_only_for_the_secrets_they_use(cli, tmp_path, mon
     assert r.code == 1 and "HF_TOKEN" not in r.err, r.err
     r = cli("destroy", inv, "--yes", "--known-hosts", tmp_path / "kh")
     assert r.code == 1 and "HF_TOKEN" not in r.err, r.err
+    # VLLM_API_KEY is the one status reads (for /v1/models): without it, exit 2 naming it;
+    # destroy still needs none.
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    inv.write_text(inv.read_text().replace("[HF_TOKEN]", "[HF_TOKEN, VLLM_API_KEY]"))
+    r = cli("status", inv, "--known-hosts", tmp_path / "kh")
+    assert r.code == 2 and "the secret VLLM_API_KEY has no value" in r.err, r.err
+    assert "HF_TOKEN" not in r.err, r.err
+    r = cli("destroy", inv, "--yes", "--known-hosts", tmp_path / "kh")
+    assert r.code == 1 and "has no value" not in r.err, r.err

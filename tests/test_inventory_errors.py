@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import textwrap
 
 import pytest
 
@@ -243,10 +242,6 @@ def test_good_inventory_validates(cli, tmp_path):
     assert "6 nodes" not in r.out and "4 nodes, 6 GPUs, 1 model" in r.out
 
 
-def test_at_least_twenty_distinct_bad_inventories():
-    assert len({c[1] for c in CASES}) >= 20
-
-
 def test_missing_and_unreadable_files(cli, tmp_path):
     r = cli("validate", tmp_path / "nope.yaml")
     assert r.code == 2 and "no such inventory" in r.err and "nope.yaml" in r.err
@@ -275,12 +270,7 @@ def test_unknown_example(cli):
 
 
 def test_usage_error_exits_2(cli):
+    """A usage mistake is exit 2 and says which argument is missing; nothing runs."""
     r = cli("plan")
     assert r.code == 2
-
-
-def test_error_text_is_dedented_single_line():
-    # Messages are built from parts; make sure none carries a newline into the one line.
-    for c in CASES:
-        assert "\n" not in " ".join(c[3])
-    assert textwrap.dedent(GOOD) == GOOD
+    assert r.out == "" and "Missing argument 'INVENTORY'" in r.err, r.err

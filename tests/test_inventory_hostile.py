@@ -3,6 +3,7 @@ within bounded time and memory, before anything reaches a node."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -380,8 +381,39 @@ def test_safe_values_still_pass(cli, tmp_path):
         "ssh: {user: ubuntu, port: 22}", "ssh: {user: ubuntu, proxy_jump: 'jump@[fd00::1]:2222'}"
     )
     text += "apply: {secrets: [HF_TOKEN], vllm_command: /opt/vllm/bin/vllm}\n"
-    r = cli("validate", write(tmp_path, text))
+    path = write(tmp_path, text)
+    r = cli("validate", path)
     assert r.code == 0, r.err
+    # 2 A100 nodes of 2 GPUs and 2 RTX nodes of 1: 4 nodes, 6 GPUs.
+    assert r.out.strip() == f"ok {path}: 4 nodes, 6 GPUs, 1 model", r.out
+    # Accepted is not enough: each value comes through as written, none trimmed or re-read.
+    r = cli("plan", path, "--json")
+    assert r.code == 0, r.err
+    deployments = json.loads(r.out)["deployments"]
+    hosts = {d["node"]: d["host"] for d in deployments}
+    assert {hosts["rtx-1"], hosts["rtx-2"]} == {"fd00::21", "fd00::22"}  # decimal, as IPv4's
+    assert {d["source"] for d in deployments} == {"/models/llama-3-8b"}
+    user_args = [
+        "--enable-prefix-caching",
+        "--block-size",
+        "32",
+        "--seed",
+        "-1",
+        "--compilation-config.mode",
+        "3",
+        "--no-enable-log-requests",
+    ]
+    for d in deployments:
+        assert d["vllm_args"][-len(user_args) :] == user_args, d["vllm_args"]
+    from fleetctl import names
+    from fleetctl.catalog import load_catalog
+    from fleetctl.inventory import load_inventory
+
+    inv = load_inventory(path, load_catalog())
+    assert dict(inv.models[0].spec.env) == {"VLLM_LOGGING_LEVEL": "DEBUG", "HF_HUB_OFFLINE": "1"}
+    assert names.jump(inv.spec.ssh.proxy_jump) == names.Jump("jump", "fd00::1", 2222)
+    assert inv.spec.apply.vllm_command == "/opt/vllm/bin/vllm"
+    assert tuple(inv.spec.apply.secrets) == ("HF_TOKEN",)
 
 
 def test_oversized_file_is_refused_before_parsing(cli, tmp_path, monkeypatch):

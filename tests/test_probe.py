@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -63,6 +63,28 @@ def hosts():
                     ),
                 )
         yield hs
+
+
+HOST_FILES = ("host_ed25519", "host_ed25519.pub", "bin/nvidia-smi")
+
+
+@pytest.fixture
+def breakable(hosts):
+    """The shared hosts, for a test that breaks some (stops sshd, changes a host key, replaces
+    nvidia-smi): afterwards, whatever happened, each host it touched gets its files back and a
+    fresh sshd (which also ends what a hanging nvidia-smi left running), so no other test
+    depends on running before or after it."""
+    saved = [{f: (h.dir / f).read_bytes() for f in HOST_FILES} for h in hosts]
+    yield hosts
+    for i, h in enumerate(hosts):
+        changed = [f for f, data in saved[i].items() if (h.dir / f).read_bytes() != data]
+        if not changed and h.proc is not None and h.proc.poll() is None:
+            continue
+        hosts.stop(i)
+        for f in changed:
+            (h.dir / f).write_bytes(saved[i][f])
+        hosts._write_config(h)  # host_key back to the one known_hosts holds
+        hosts.start(i)
 
 
 def inventory(
@@ -155,77 +177,59 @@ def test_health_flags_the_skewed_node_and_ecc(cli, hosts, tmp_path):
     ]
 
 
-def test_faults_are_named_per_node_and_the_rest_go_on(cli, hosts, tmp_path):
+def test_faults_are_named_per_node_and_the_rest_go_on(cli, breakable, tmp_path):
+    hosts = breakable  # what this test breaks is mended by the fixture, pass or fail
     inv = inventory(tmp_path, hosts)
-    # Broken on purpose here, and mended after, so no later test depends on running first.
-    rtx7 = hosts[NAMES.index("rtx-7")]
-    keys = {f: (rtx7.dir / f).read_bytes() for f in ("host_ed25519", "host_ed25519.pub")}
-    smi = {
-        i: (hosts[i].dir / "bin" / "nvidia-smi").read_text()
-        for i in (NAMES.index("rtx-5"), NAMES.index("rtx-6"))
-    }
     hosts.stop(NAMES.index("rtx-8"))
     hosts.rekey(NAMES.index("rtx-7"))
     hosts.install(NAMES.index("rtx-6"), "nvidia-smi", "#!/bin/sh\nsleep 60\n")
     hosts.install(NAMES.index("rtx-5"), "nvidia-smi", "#!/bin/sh\necho 'garbage ~~~ not a table'\n")
-    try:
-        r = cli("probe", inv, "--known-hosts", hosts.known_hosts, "--timeout", "8", "--json")
-        assert r.code == 1
-        nodes = json.loads(r.out)["nodes"]
-        assert nodes["rtx-8"]["error"]["kind"] == "unreachable"
-        assert nodes["rtx-7"]["error"]["kind"] == "host-key-changed"
-        assert nodes["rtx-6"]["error"]["kind"] == "timeout"
-        # Each is one line naming the node and its address, what happened and what to do.
-        rtx8, rtx7 = hosts[NAMES.index("rtx-8")], hosts[NAMES.index("rtx-7")]
-        assert nodes["rtx-8"]["error"]["line"] == (
-            f"rtx-8 ({rtx8.address}:22): connection refused: is sshd running there, on port 22?"
-        )
-        changed = nodes["rtx-7"]["error"]["line"]
-        assert changed.startswith(f"rtx-7 ({rtx7.address}:22): host key CHANGED")
-        assert "man-in-the-middle" in changed and f"ssh-keygen -R {rtx7.address}" in changed
-        assert nodes["rtx-5"].get("gpu_error") and not nodes["rtx-5"]["gpus"]
-        assert {n: nodes[n].get("error") for n in NAMES[:8] if "error" in nodes[n]} == {}
-        # A host missing from known_hosts is refused, or recorded with --accept-new-host-keys.
-        empty = tmp_path / "known_hosts"
-        empty.write_text("")
-        one = inventory(tmp_path, hosts, only=0)
-        r = cli("probe", one, "--known-hosts", empty, "--json")
-        unknown = json.loads(r.out)["nodes"]["a100-1"]["error"]
-        assert unknown["kind"] == "host-key-unknown"
-        assert "--accept-new-host-keys" in unknown["line"] and str(empty) in unknown["line"]
-        r = cli("probe", one, "--known-hosts", empty, "--accept-new-host-keys", "--json")
-        assert "error" not in json.loads(r.out)["nodes"]["a100-1"]
-        assert hosts[0].address in empty.read_text()
-        # A wrong key fails authentication.
-        other = tmp_path / "other_key"
-        os.system(f"ssh-keygen -q -t ed25519 -N '' -f {other}")
-        r = cli(
-            "probe", inventory(tmp_path, hosts, other), "--known-hosts", hosts.known_hosts, "--json"
-        )
-        auth = json.loads(r.out)["nodes"]["a100-1"]["error"]
-        assert auth["kind"] == "auth-failed"
-        assert f"as root failed (tried key {other}" in auth["line"]
-        assert "identity_file" in auth["line"]
-        # The table says the same, one line per node, and no paramiko noise reaches it.
-        r = cli("probe", inventory(tmp_path, hosts, other), "--known-hosts", hosts.known_hosts)
-        assert r.code == 1
-        lines = [ln for ln in r.out.splitlines() if ln.startswith("a100-1 (")]
-        assert len(lines) == 1 and "authentication as root failed" in lines[0]
-        assert "Traceback" not in r.out + r.err and "paramiko" not in r.out + r.err
-    finally:
-        hosts.start(NAMES.index("rtx-8"))
-        for i, text in smi.items():
-            hosts.install(i, "nvidia-smi", text)
-        i = NAMES.index("rtx-7")
-        hosts.stop(i)
-        for f, data in keys.items():
-            (rtx7.dir / f).write_bytes(data)
-        hosts._write_config(rtx7)
-        hosts.start(i)
-    # Mended: every node probes as before.
-    r = cli("probe", inventory(tmp_path, hosts), "--known-hosts", hosts.known_hosts, "--json")
-    assert r.code == 0, r.out
-    assert all(len(n["gpus"]) >= 1 for n in json.loads(r.out)["nodes"].values())
+    r = cli("probe", inv, "--known-hosts", hosts.known_hosts, "--timeout", "8", "--json")
+    assert r.code == 1
+    nodes = json.loads(r.out)["nodes"]
+    assert nodes["rtx-8"]["error"]["kind"] == "unreachable"
+    assert nodes["rtx-7"]["error"]["kind"] == "host-key-changed"
+    assert nodes["rtx-6"]["error"]["kind"] == "timeout"
+    # Each is one line naming the node and its address, what happened and what to do.
+    rtx8, rtx7 = hosts[NAMES.index("rtx-8")], hosts[NAMES.index("rtx-7")]
+    assert nodes["rtx-8"]["error"]["line"] == (
+        f"rtx-8 ({rtx8.address}:22): connection refused: is sshd running there, on port 22?"
+    )
+    changed = nodes["rtx-7"]["error"]["line"]
+    assert changed.startswith(f"rtx-7 ({rtx7.address}:22): host key CHANGED")
+    assert "man-in-the-middle" in changed and f"ssh-keygen -R {rtx7.address}" in changed
+    assert nodes["rtx-5"].get("gpu_error") and not nodes["rtx-5"]["gpus"]
+    # The rest go on: the healthy nodes carry no error and their GPUs.
+    for n in NAMES[:8]:
+        assert "error" not in nodes[n] and nodes[n]["gpus"], (n, nodes[n])
+    # A host missing from known_hosts is refused, or recorded with --accept-new-host-keys.
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    one = inventory(tmp_path, hosts, only=0)
+    r = cli("probe", one, "--known-hosts", empty, "--json")
+    unknown = json.loads(r.out)["nodes"]["a100-1"]["error"]
+    assert unknown["kind"] == "host-key-unknown"
+    assert "--accept-new-host-keys" in unknown["line"] and str(empty) in unknown["line"]
+    r = cli("probe", one, "--known-hosts", empty, "--accept-new-host-keys", "--json")
+    assert "error" not in json.loads(r.out)["nodes"]["a100-1"]
+    assert hosts[0].address in empty.read_text()
+    # A wrong key fails authentication.
+    other = tmp_path / "other_key"
+    keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)]
+    subprocess.run(keygen, check=True, capture_output=True)
+    r = cli(
+        "probe", inventory(tmp_path, hosts, other), "--known-hosts", hosts.known_hosts, "--json"
+    )
+    auth = json.loads(r.out)["nodes"]["a100-1"]["error"]
+    assert auth["kind"] == "auth-failed"
+    assert f"as root failed (tried key {other}" in auth["line"]
+    assert "identity_file" in auth["line"]
+    # The table says the same, one line per node, and no paramiko noise reaches it.
+    r = cli("probe", inventory(tmp_path, hosts, other), "--known-hosts", hosts.known_hosts)
+    assert r.code == 1
+    lines = [ln for ln in r.out.splitlines() if ln.startswith("a100-1 (")]
+    assert len(lines) == 1 and "authentication as root failed" in lines[0]
+    assert "Traceback" not in r.out + r.err and "paramiko" not in r.out + r.err
 
 
 def test_proxy_jump(cli, hosts, tmp_path):
