@@ -12,7 +12,6 @@ from dataclasses import fields, replace
 import pytest
 
 from fleetctl.calibration import (
-    IMPLAUSIBLE_RATIO,
     Calibration,
     CalibrationError,
     Entry,
@@ -161,12 +160,61 @@ def test_too_few_samples_are_not_trusted(perf):
     assert figs.step_at_batch is not None and figs.step_at_batch.trusted
 
 
+def decode_windows(perf, tokens: list[int]) -> list[Sample]:
+    """Windows at batches 2, 4, 6, ... whose step is the model's own (plausible), each with
+    `tokens` inter-token intervals, at 512-token contexts."""
+    return [
+        Sample(batch=b, step_s=perf.step_time(b, b * 512), tokens=t, context=512)
+        for b, t in zip(range(2, 2 * len(tokens) + 2, 2), tokens, strict=True)
+    ]
+
+
+def prefill_windows(perf, requests: int, prompt: int = 500) -> list[Sample]:
+    """One window in which `requests` prompts of `prompt` tokens finished at the model's speed."""
+    seconds = requests * perf.prefill_time(prompt)
+    return [Sample(requests=requests, prefill_s=seconds, prefill_tokens=requests * prompt)]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "trusted"),
+    [
+        ([40, 30, 30], True),  # 3 windows, 100 tokens: enough
+        ([40, 30, 29], False),  # 99 tokens
+        ([500, 500], False),  # 2 windows, however many tokens
+        ([500, 500, 500], True),
+    ],
+)
+def test_too_few_is_under_3_windows_or_100_tokens(perf, tokens, trusted):
+    """README "Calibration": a figure from too few samples (under 3 windows or 100 tokens;
+    under 3 requests for prefill) is kept but flagged and never used. The boundaries."""
+    figs = measure(decode_windows(perf, tokens), [], perf)
+    assert figs.step_at_batch is not None
+    assert figs.step_at_batch.trusted is trusted, figs.step_at_batch.why
+    if not trusted:
+        n = len(tokens)
+        assert figs.step_at_batch.why == (
+            f"too few samples ({n} windows, {sum(tokens)} tokens; need 3 and 100)"
+        )
+
+
+def test_too_few_prefill_requests_is_under_3(perf):
+    two = measure(prefill_windows(perf, 2), [], perf).prefill_tok_s
+    assert two is not None and not two.trusted
+    assert two.why == "too few samples (2 requests; need 3)"
+    three = measure(prefill_windows(perf, 3), [], perf).prefill_tok_s
+    assert three is not None and three.trusted, three.why
+    assert three.value == pytest.approx(500 / perf.prefill_time(500))
+
+
 def test_a_figure_ten_times_off_the_model_is_flagged(perf):
     model_step = perf.step_time(4, 4 * 512)
     good = measure(windows(scrapes_of(model_step, 0.0, [4, 4, 4])), [40_000], perf, 47_024)
     assert good.step_at_batch is not None and good.step_at_batch.trusted
     assert good.kv_tokens == Figure(40_000, 47_024, True, "")
-    slow = IMPLAUSIBLE_RATIO * 1.1 * model_step
+    # README: 10x off the model's is flagged; 9x off is still a figure to use.
+    near = measure(windows(scrapes_of(9 * model_step, 0.0, [4, 4, 4])), [], perf)
+    assert near.step_at_batch is not None and near.step_at_batch.trusted, near.step_at_batch
+    slow = 11 * model_step
     bad = measure(windows(scrapes_of(slow, 0.0, [4, 4, 4])), [400], perf, 47_024)
     assert bad.step_at_batch is not None and not bad.step_at_batch.trusted
     assert bad.step_at_batch.why == "the decode step is 11x the model's: implausible"
@@ -176,6 +224,9 @@ def test_a_figure_ten_times_off_the_model_is_flagged(perf):
     jump = measure([], [4_000_000], None, None, previous_kv=40_000)
     assert jump.kv_tokens is not None and not jump.kv_tokens.trusted
     assert jump.kv_tokens.why == "a 10x jump from the last 40,000"
+    for kv, trusted in ((440_000, False), (360_000, True), (3_600, False), (4_400, True)):
+        seen = measure([], [kv], None, None, previous_kv=40_000).kv_tokens
+        assert seen is not None and seen.trusted is trusted, (kv, seen)
 
 
 # --- the store -----------------------------------------------------------------------------------

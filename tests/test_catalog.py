@@ -103,8 +103,15 @@ def test_user_profiles_override_and_extend(tmp_path, monkeypatch):
     base = load_catalog().gpu("RTX-4090").model_dump()
     base["decode_efficiency"] = 0.5
     (d / "rtx.yaml").write_text(json.dumps(base))  # JSON is YAML
+    # Extends: a profile of a new name joins the bundled ones, every one of which stays.
+    oc = {**base, "name": "RTX-4090-OC", "aliases": ["RTX 4090 OC"]}
+    (d / "oc.yaml").write_text(json.dumps(oc))
+    bundled = load_catalog()
     cat = load_catalog([tmp_path / "mine"])
     assert cat.gpu("RTX-4090").decode_efficiency == 0.5
+    assert cat.gpu("RTX 4090 OC").name == "RTX-4090-OC"
+    assert set(cat.gpus) == set(bundled.gpus) | {"RTX-4090-OC"}
+    assert set(cat.models) == set(bundled.models) and set(cat.formats) == set(bundled.formats)
     monkeypatch.setenv("FLEETCTL_PROFILES", str(tmp_path / "mine"))
     assert load_catalog().gpu("rtx-4090").decode_efficiency == 0.5
 

@@ -114,6 +114,14 @@ def test_derive_workload_takes_a_peak_of_five_minute_rates():
     assert d.long_share == pytest.approx(1 / len(items))
     assert d.session_share == pytest.approx(1 / len(items))
     assert derive_workload([], 4096) is None
+    # With 20 windows the 95th percentile is the busiest one; with 40 (1 to 40 requests) it is
+    # the 38th or 39th busiest by the usual definitions: not the busiest (40), nor the 90th
+    # (36 or 37), nor anything of 1-minute windows.
+    items = [WorkItem(0, k * 300.0 + j, 1000, 100, "m") for k in range(40) for j in range(k + 1)]
+    items.append(WorkItem(0, 40 * 300.0 + 1, 1000, 100, "m"))  # ends window 40; 1 s after
+    d = derive_workload(items, long_tokens=4096)
+    assert d is not None
+    assert 38 / 300 <= d.requests_per_s <= 39 / 300, d.requests_per_s * 300
 
 
 def test_derive_workload_counts_a_burst_in_the_last_partial_window():
