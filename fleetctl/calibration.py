@@ -266,6 +266,8 @@ def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
     slope = sxy / sxx
     if slope < 0:
         return StepModel(my, None, lo, hi), "per-sequence cost came out negative: fixed cost only"
+    if my - slope * mx < 0:  # noisy windows over a narrow range of batches
+        return StepModel(my, None, lo, hi), "fixed cost came out negative: fixed cost only"
     return StepModel(my - slope * mx, slope, lo, hi), ""
 
 

@@ -151,6 +151,20 @@ def test_alike_batch_sizes_fit_the_fixed_cost_alone_and_say_so():
     assert fit_step([]) == (None, "no decode tokens in any window")
 
 
+def test_no_cost_of_the_fit_comes_out_negative():
+    """Windows of a real vLLM on a loaded CPU (batches 2 to 3.5) once fitted a fixed cost of
+    -0.05 s, and so a negative step at batch 1: the fit keeps to what it can say instead."""
+    noisy = [
+        Sample(batch=2.0, step_s=0.010, tokens=300),
+        Sample(batch=3.5, step_s=0.055, tokens=300),
+    ]
+    fit, note = fit_step(noisy)
+    assert fit is not None and fit.fixed_s >= 0 and (fit.per_seq_s or 0) >= 0, fit
+    assert fit.at(1) > 0
+    assert note == "fixed cost came out negative: fixed cost only"
+    assert fit.fixed_s == pytest.approx((0.010 + 0.055) / 2)  # the windows' mean step
+
+
 def test_too_few_samples_are_not_trusted(perf):
     two = windows(scrapes_of(0.02, 0.0002, [2, 6]))
     figs = measure(two, [], perf)
