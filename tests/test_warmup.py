@@ -226,19 +226,39 @@ class Loading:
         self.base = f"http://127.0.0.1:{self.port}"
         self.is_ready = False
         self.log: list[tuple[bool, str]] = []  # (ready then, prompt) per completion
+        self.bodies: list[dict] = []  # each completion's body
+        self.most = 0  # the most completions it held at once
+        self.health_reads = 0
+        self.metrics_reads = 0
+        # While `hold` is set, each completion waits for one `let_one_go()` (30 s at most).
+        self.hold = False
+        self._go = threading.Semaphore(0)
+        held = 0
 
         async def health(_: web.Request) -> web.Response:
+            self.health_reads += 1
             return web.Response(status=200 if self.is_ready else 503)
 
         async def models(_: web.Request) -> web.Response:
             return web.json_response({"object": "list", "data": [{"id": NAME, "object": "model"}]})
 
         async def metrics(_: web.Request) -> web.Response:
+            self.metrics_reads += 1
             return web.Response(text="# no series yet\n")
 
         async def complete(request: web.Request) -> web.Response:
+            nonlocal held
             body = await request.json()
             self.log.append((self.is_ready, str(body.get("prompt"))))
+            self.bodies.append(body)
+            held += 1
+            self.most = max(self.most, held)
+            try:
+                if self.hold:
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(None, self._go.acquire, True, 30)
+            finally:
+                held -= 1
             return web.json_response(
                 {
                     "id": "cmpl-1",
@@ -271,6 +291,9 @@ class Loading:
 
     def ready(self) -> None:
         self.is_ready = True
+
+    def let_one_go(self) -> None:
+        self._go.release()
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
@@ -349,10 +372,25 @@ def test_route_serve_sends_a_joining_server_nothing_until_healthy_then_warms_it(
             status, headers, _ = http_request(port, "POST", "/v1/completions", body)
             assert status == 200 and headers["X-Fleet-Backend"] == "rtx-1"
         assert loading.log == []
+        # Ready now: route-serve sends two short completions of its own (prompt `Hello`, 8
+        # tokens, the model's name), one at a time, and /health says how far it is.
+        loading.hold = True
         loading.ready()
+
+        def listed(text: str) -> bool:
+            return _route_serve_health(port)["unhealthy"].get(where, "") == text
+
+        for n in range(2):
+            _until(lambda n=n: len(loading.bodies) == n + 1, proc, log)
+            _until(lambda n=n: listed(f"warming up: {n} of 2 warm-up requests"), proc, log)
+            assert len(loading.bodies) == n + 1  # the next waits for this one's answer
+            loading.let_one_go()
+        loading.hold = False
         _until(lambda: healthy(2), proc, log)
-        # The warm-ups came first, from route-serve itself, once /health said ready.
         assert loading.log == [(True, "Hello"), (True, "Hello")]
+        for warm in loading.bodies:
+            assert (warm["model"], warm["prompt"], warm["max_tokens"]) == (NAME, "Hello", 8)
+        assert loading.most == 1
         sent = [http_request(port, "POST", "/v1/completions", body)[1] for _ in range(4)]
         assert {h["X-Fleet-Backend"] for h in sent} == {"rtx-1", "rtx-2"}
         assert loading.log[2:] == [(True, "client")] * 2
@@ -363,3 +401,48 @@ def test_route_serve_sends_a_joining_server_nothing_until_healthy_then_warms_it(
             stop_process(proc)
         loading.stop()
         emu.stop()
+
+
+def test_route_serve_routes_its_starting_servers_at_once_without_reading_their_health(tmp_path):
+    """README: the servers route-serve starts with are routed at once; route-serve reads no
+    backend's /health otherwise. A server whose /health answers 503 is in the backends file at
+    start: once route-serve has scraped it twice, a client's request is served there, and its
+    /health was never read."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.procs import free_port, http_request, stop_process
+
+    loading = Loading()
+    proc = None
+    try:
+        inv = tmp_path / "inventory.yaml"
+        inv.write_text(
+            "nodes:\n  - name: rtx-1\n    gpus: {type: RTX-4090, count: 1}\n"
+            "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"
+            "    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n"
+            "    max_context: 8192\n"
+            "router: {warmup_requests: 2}\n"
+        )
+        entry = {"node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME, "url": loading.base}
+        backends = tmp_path / "backends.yaml"
+        backends.write_text(json.dumps({"backends": [entry]}))
+        port = free_port()
+        log = tmp_path / "router.log"
+        cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv)]
+        cmd += ["--backends", str(backends), "--listen", f"127.0.0.1:{port}"]
+        cmd += ["--state-dir", str(tmp_path / "state"), "--no-request-log"]
+        with log.open("w") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        _until(lambda: loading.metrics_reads >= 2, proc, log)
+        assert _route_serve_health(port)["healthy"] == 1
+        body = {"model": NAME, "prompt": "client", "max_tokens": 2}
+        status, headers, answer = http_request(port, "POST", "/v1/completions", body)
+        assert status == 200 and headers["X-Fleet-Backend"] == "rtx-1", answer
+        assert loading.log == [(False, "client")]  # no warm-up for a server it started with
+        assert loading.health_reads == 0
+    finally:
+        if proc is not None:
+            stop_process(proc)
+        loading.stop()

@@ -159,6 +159,8 @@ class LiveState:
                 s.warming = f"warming up: warm-up request {s.warmed + 1} failed: {why}"
                 return
             s.warmed += 1
+            if s.warming and s.warmed < self.warmup_requests:  # /health says how far it is
+                s.warming = f"warming up: {s.warmed} of {self.warmup_requests} warm-up requests"
         if s.warming:
             self._admit(b)
 
