@@ -399,18 +399,25 @@ def test_ejection_backoff_doubles():
 # --- the request body's priority and user ---------------------------------------------------------
 
 
-def test_body_priority_orders_the_queue(stubs, router):
-    """README: the body's `priority` (0 is the most urgent): with the one server full
-    (max_num_seqs 1), a request of priority 0 that queued after one of priority 9 is sent
-    first."""
+@pytest.mark.parametrize("how", ["body priority", "X-Priority"])
+def test_priority_orders_the_queue(stubs, router, how):
+    """README: `X-Priority: 2` or the body's `priority` (0 is the most urgent): with the one
+    server full (max_num_seqs 1), a request of priority 0 that queued after one of priority 9
+    is sent first."""
     (one,) = stubs(1)
     one.hold = True
     r = router([entry(one, "rtx-1", max_num_seqs=1)])
     results: dict[str, int] = {}
 
-    def send(tag: str, **body: object) -> threading.Thread:
+    def send(tag: str, priority: int | None = None) -> threading.Thread:
         def go() -> None:
-            results[tag] = r.complete(prompt=f"{tag} " * 10, **body)[0]
+            prompt = f"{tag} " * 10
+            if priority is None:
+                results[tag] = r.complete(prompt=prompt)[0]
+            elif how == "body priority":
+                results[tag] = r.complete(prompt=prompt, priority=priority)[0]
+            else:
+                results[tag] = r.complete({"X-Priority": str(priority)}, prompt=prompt)[0]
 
         t = threading.Thread(target=go)
         t.start()
@@ -418,9 +425,9 @@ def test_body_priority_orders_the_queue(stubs, router):
 
     threads = [send("first")]
     until(lambda: len(one.bodies) == 1, "the first request at the backend")
-    threads.append(send("late", priority=9))
+    threads.append(send("late", 9))
     until(lambda: r.metric("fleetctl_queue_depth") == 1, "one request queued")
-    threads.append(send("urgent", priority=0))
+    threads.append(send("urgent", 0))
     until(lambda: r.metric("fleetctl_queue_depth") == 2, "two requests queued")
     one.hold = False
     one.gate.set()
@@ -567,6 +574,31 @@ def test_sighup_reload_keeps_requests_in_flight(stubs, router):
     assert two.bodies
 
 
+def test_kill_usr1_prints_every_threads_stack_and_serves_on(stubs, router):
+    """README: `kill -USR1` prints every thread's stack to the log, for a daemon that seems
+    stuck. The log gets faulthandler's dump of all threads ("Current thread ...", with
+    route-serve's own frames in it), and the daemon goes on serving (SIGUSR1's default
+    action would end it)."""
+    (one,) = stubs(1)
+    r = router([entry(one, "rtx-1")])
+    assert r.complete()[0] == 200
+    seen = len(r.log.read_text())
+    os.kill(r.proc.pid, signal.SIGUSR1)
+    until(
+        lambda: r.proc.poll() is not None or "most recent call first" in r.log.read_text()[seen:],
+        "the stack dump",
+    )
+    assert r.proc.poll() is None, r.log.read_text()
+    dump = r.log.read_text()[seen:]
+    # all_threads: each thread is "Thread 0x..." or "Current thread 0x..."; one thread alone
+    # would be "Stack (most recent call first)".
+    assert "Current thread 0x" in dump and "Stack (most recent call first)" not in dump, dump
+    assert 'File "' in dump and "fleetctl" in dump, dump
+    status, _, body = r.request("GET", "/health")
+    assert status == 200, body
+    assert r.complete()[0] == 200 and len(one.bodies) == 2
+
+
 # --- binds 127.0.0.1 by default -------------------------------------------------------------------
 
 
@@ -637,6 +669,49 @@ def test_binds_127_0_0_1_by_default(tmp_path, command):
         until(bound, "a listening socket", 60)
         assert proc.poll() is None, (tmp_path / "server.log").read_text()
         assert listening(proc.pid) == [loopback_hex(port)]
+    finally:
+        stop_process(proc)
+
+
+def test_the_inventorys_router_listen_and_priority_classes_reach_route_serve(stubs, tmp_path):
+    """README: route-serve listens where `--listen` or the inventory's `router.listen` says; a
+    priority that is not a whole number from 0 to `router.priority_classes - 1` is a 400 that
+    says what is allowed. With `router: {listen: 127.0.0.1:PORT, priority_classes: 4}` and no
+    --listen, it answers on PORT; priority 3 is served, 4 (served with the default 10 classes)
+    is a 400 naming 0 to 3."""
+    (one,) = stubs(1)
+    port = free_port()
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(
+        INVENTORY.replace(
+            "router: {", f"router: {{listen: '127.0.0.1:{port}', priority_classes: 4, "
+        )
+    )
+    backends = tmp_path / "backends.yaml"
+    backends.write_text(json.dumps({"backends": [entry(one, "rtx-1")]}))
+    log = tmp_path / "router.log"
+    cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv), "--backends", str(backends)]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--no-request-log"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+        )
+    try:
+
+        def answers() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return http_request(port, "GET", "/health", timeout=2)[0] == 200
+            except OSError:
+                return False
+
+        until(answers, "route-serve on router.listen", 60)
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 2}
+        status, _, answer = http_request(port, "POST", "/v1/completions", {**body, "priority": 3})
+        assert status == 200, answer
+        status, _, answer = http_request(port, "POST", "/v1/completions", {**body, "priority": 4})
+        assert status == 400, answer
+        assert "from 0 (most urgent) to 3" in json.loads(answer)["error"]["message"], answer
+        assert len(one.bodies) == 1
     finally:
         stop_process(proc)
 

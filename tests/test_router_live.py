@@ -155,6 +155,69 @@ def test_ejection_and_readmission_are_logged_once_with_their_reason(emus, caplog
     ]
 
 
+class Clock:
+    """The monotonic clock LiveState reads, set by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_v1_models_is_read_again_every_10_s(monkeypatch):
+    """README: each backend's /v1/models is read at start, after a reload and every 10 s.
+    LiveState's scrapes against a real server that logs each /v1/models read, with the clock
+    LiveState reads set by the test: a read at the first scrape, none at 9.9 s, one at 10 s,
+    none at 19.9 s, one at 20 s; a reload (a new Backend for the same server) is read at once.
+    """
+    from aiohttp import web
+
+    import fleetctl.router.live as live_module
+
+    clock = Clock()
+    monkeypatch.setattr(live_module, "time", clock)
+    reads: list[float] = []
+
+    async def main() -> None:
+        async def models(_: web.Request) -> web.Response:
+            reads.append(clock.now)
+            return web.json_response({"object": "list", "data": [{"id": NAME, "object": "model"}]})
+
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="# no series\n")
+
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        b = Backend(f"http://127.0.0.1:{port}", "rtx-1", "RTX-4090", NAME, "bf16", 10_000)
+        live = LiveState([b])
+        client = Client(5.0)
+        start = clock.now
+        try:
+            for t in (0.0, 0.25, 9.9, 10.0, 10.25, 19.9, 20.0):
+                clock.now = start + t
+                await live.scrape(client, b)
+            assert b.healthy
+            assert [r - start for r in reads] == [0.0, 10.0, 20.0]
+            # A reload makes a new Backend: read at once, then 10 s on from there.
+            again = Backend(b.name, "rtx-1", "RTX-4090", NAME, "bf16", 10_000)
+            live.backends = [again]
+            for t in (20.25, 30.0, 30.25):
+                clock.now = start + t
+                await live.scrape(client, again)
+            assert [r - start for r in reads] == [0.0, 10.0, 20.0, 20.25, 30.25]
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_route_serve_leaves_out_a_backend_serving_another_name(emus, tmp_path):
     """End to end: route-serve reads /v1/models at start, logs the fix once, and sends every
     request to the backend that serves the name; a backend that is not there is ejected, and
@@ -181,14 +244,24 @@ def test_route_serve_leaves_out_a_backend_serving_another_name(emus, tmp_path):
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
     try:
-        health: dict = {}
-        end = time.monotonic() + 60  # only stops a hang: the check runs within a scrape
-        while health.get("healthy") != 1:
+        end = time.monotonic() + 60  # only stops a hang
+        while True:
             assert proc.poll() is None and time.monotonic() < end, log.read_text()
             try:
                 health = json.loads(http_request(port, "GET", "/health", timeout=2)[2])
+                break
             except OSError:
                 time.sleep(0.05)
+        listening = time.monotonic()
+        # "Read at start": the first scrape round reads /v1/models, so rtx-3 is out within a
+        # few scrapes (250 ms each), not at the periodic re-read 10 s on (MODELS_EVERY_S). The
+        # 5 s bound is half that, and 20 scrape intervals for a busy machine.
+        while health.get("healthy") != 1 or f"rtx-3:{emus['hf'].port}" not in health.get(
+            "unhealthy", {}
+        ):
+            assert time.monotonic() < listening + 5, (health, log.read_text())
+            time.sleep(0.05)
+            health = json.loads(http_request(port, "GET", "/health", timeout=2)[2])
         body = {"model": NAME, "prompt": "hello", "max_tokens": 2}
         for _ in range(6):  # round-robin would send two thirds of them elsewhere
             status, headers, _ = http_request(port, "POST", "/v1/completions", body)
@@ -241,6 +314,7 @@ def test_route_serve_renames_the_model_for_a_backend_with_a_served_name(emus, tm
         body = {"model": NAME, "prompt": "hello", "max_tokens": 2}
         status, _, answer = http_request(port, "POST", "/v1/completions", body)
         assert status == 200, answer
+        assert json.loads(answer)["model"] == SOURCE  # "its answers carry that name too"
         assert "served-model-name" not in log.read_text()
     finally:
         stop_process(proc)
