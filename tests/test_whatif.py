@@ -106,6 +106,7 @@ def test_a_smaller_fleet_is_predicted_slower_and_the_gate_refuses_it(cli, tmp_pa
     refused = cli("apply", small, "--gate", t, "--yes")
     assert refused.code == 1
     assert "apply refused by --gate: p99 TTFT rises" in refused.err
+    assert "more than apply.gate.max_ttft_p99_rise 10%" in refused.err  # README's default
     assert "pass --force" in refused.err
     assert "What if" in refused.out and "gate: refused" in refused.out  # what it decided on
     after = StateDir.of(load_inventory(small, load_catalog())).load_state()
@@ -151,6 +152,7 @@ def test_an_slo_drop_refuses_too(cli, tmp_path):
     cur, cand = doc["what_if"]["current"], doc["what_if"]["candidate"]
     assert cur["slo_attainment"] > cand["slo_attainment"] + 0.02
     assert "SLO attainment drops" in r.err
+    assert "more than apply.gate.max_slo_drop 2.0 points" in r.err  # README's default
 
 
 def test_progress_hears_the_share_of_requests_simulated(tmp_path):
