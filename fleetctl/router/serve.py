@@ -42,8 +42,8 @@ Reload = Callable[[], "list[Backend]"]
 ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
 # Request heads, as aiohttp parses them (its defaults, stated): longer lines or fields are a
 # 400 "Line is too long" / "Got more than 8190 bytes", more header lines a 400 too.
-MAX_LINE_BYTES = 8190  # the request line
-MAX_FIELD_BYTES = 8190  # one header line
+MAX_LINE_BYTES = 8190  # the request target (aiohttp counts it without method and version)
+MAX_FIELD_BYTES = 8190  # one header's value (without its name)
 MAX_HEADERS = 128  # header lines per request
 
 
