@@ -473,6 +473,9 @@ def test_missing_identity_file_is_named_before_any_connection(cli, tmp_path, com
         ("vllm_args", ["serve", "x", "--host", "h", "--port", "1", "--a\nb"], "control character"),
         ("env", {"X; touch /tmp/x; Y": "1"}, "environment differs"),
         ("port", 70000, "is not 1..65535"),
+        ("source", "someone/else", "with its source is not in the inventory"),
+        ("gpu_indices", [64], "are not GPU indices"),
+        ("gpu_indices", [], "are not GPU indices"),
     ],
 )
 def test_an_edited_plan_file_is_refused_before_any_connection(cli, tmp_path, field, value, words):
