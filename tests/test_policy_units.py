@@ -1,0 +1,581 @@
+"""Routing policies (routing/policy.py) rule by rule, on hand-built backends with a linear GPU.
+
+Fast (no catalog, no simulation): scripts/mutation.py runs it once per mutant. The GPU here is
+`LinearPerf`, a stand-in for fleetctl.perf.EnginePerf whose costs are linear, so every
+estimate below is worked out by hand from HardwareAware.estimate's formula in a comment:
+
+    prefill_marginal(tokens, context) = tokens / 1000 + context / 100_000   (seconds)
+    step_time(tokens, kv_tokens)      = 0.01 + tokens / 1000 + kv_tokens / 100_000
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetctl.routing.policy import (
+    HardwareAware,
+    KvAware,
+    LeastOutstanding,
+    Policy,
+    PowerOfTwo,
+    RoundRobin,
+    RoutingConfig,
+)
+from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain
+from fleetctl.routing.registry import make_policy
+from fleetctl.routing.sessions import Pin, SessionTable
+from fleetctl.routing.types import Backend, Request
+
+
+class LinearPerf:
+    """A GPU whose prefill and step costs are linear (see the module docstring)."""
+
+    def prefill_marginal(self, tokens: int, context: int = 0) -> float:
+        return tokens / 1000 + context / 100_000
+
+    def step_time(self, tokens: int, kv_tokens: float) -> float:
+        return 0.01 + tokens / 1000 + kv_tokens / 100_000
+
+
+PERF = LinearPerf()
+
+
+def be(name, gpu="A", variant="bf16", kv=100_000, perf=PERF, node=None, model="m", **live):
+    """A backend of class `gpu/variant` on node `node` (its own name by default)."""
+    return Backend(name, node or name, gpu, model, variant, kv, perf=perf, **live)  # type: ignore[arg-type]
+
+
+def rq(i=0, prompt=1000, out=100, **kw):
+    return Request(i, "m", prompt, out, **kw)
+
+
+def prompt_blocks(n_tokens, seed=0):
+    """A prompt of `n_tokens` tokens in 16-token blocks (the last one partial)."""
+    n = -(-n_tokens // 16)
+    return PromptBlocks(chain(range(seed, seed + n)), 16, n_tokens)
+
+
+# --- Policy.eligible (every policy) -----------------------------------------------------------
+
+
+def test_eligible_keeps_healthy_backends_of_the_model_whose_length_takes_the_request():
+    # prompt 500 + max_tokens 100: a context of 600 is needed.
+    r = rq(prompt=500, out=100, max_tokens=100)
+    fits, exact, unknown = be("fits", max_model_len=601), be("exact", max_model_len=600), be("u")
+    short = be("short", max_model_len=599)
+    sick = be("sick", healthy=False)
+    other = be("other", model="other-model")
+    pool, why = Policy().eligible(r, [fits, exact, unknown, short, sick, other])
+    assert pool == [fits, exact, unknown] and why == ""  # 0: length unknown, not filtered
+
+
+def test_eligible_without_max_tokens_needs_room_for_one_token():
+    r = rq(prompt=500, out=100)  # no max_tokens: prompt + 1 = 501
+    pool, _ = Policy().eligible(r, [be("a", max_model_len=501), be("b", max_model_len=500)])
+    assert [b.name for b in pool] == ["a"]
+
+
+def test_eligible_says_why_nothing_can_serve():
+    p = Policy()
+    r = rq(prompt=500, out=100, max_tokens=100)
+    assert p.eligible(r, [be("sick", healthy=False), be("x", model="other")]) == (
+        [],
+        "no healthy backend serves m",
+    )
+    # Too short everywhere: the message names the longest (599, not 550).
+    pool, why = p.eligible(r, [be("a", max_model_len=550), be("b", max_model_len=599)])
+    assert pool == []
+    assert why == (
+        "prompt (500 tokens) + max_tokens needs a context of 600; the longest m serves is 599"
+    )
+
+
+# --- the baselines ----------------------------------------------------------------------------
+
+
+def test_policy_flags_say_who_queues_and_who_reads_prefixes():
+    # Only the seed's scheduler queues router-side and reads the prefix view; none keeps an
+    # index of its own (the peers' cache-aware does, in routing/peers.py).
+    ours = ("round-robin", "least-outstanding", "power-of-two", "kv-aware", "hardware-aware")
+    admission = {n: make_policy(n).admission for n in ours}
+    reads = {n: make_policy(n).reads_prefix for n in ours}
+    assert admission == {n: n == "hardware-aware" for n in ours}
+    assert reads == {n: n == "hardware-aware" for n in ours}
+    assert {n: make_policy(n).own_index for n in ours} == dict.fromkeys(ours, False)
+
+
+def test_least_outstanding_takes_the_fewest_in_flight_then_the_first_name():
+    bs = [be("c", outstanding=2), be("b", outstanding=3), be("a", outstanding=2)]
+    d = LeastOutstanding().choose(rq(), bs)
+    assert d.backend.name == "a" and d.reason == "least-outstanding (2)"
+
+
+def test_kv_aware_ranks_by_kv_usage_then_waiting_then_in_flight_then_name():
+    p = KvAware()
+
+    def pick(*bs):
+        return p.choose(rq(), list(bs)).backend.name
+
+    assert pick(be("a", kv_usage=0.5), be("b", kv_usage=0.25)) == "b"
+    assert pick(be("a", kv_usage=0.2, waiting=2), be("b", kv_usage=0.2, waiting=1)) == "b"
+    assert pick(be("a", waiting=1, outstanding=4), be("b", waiting=1, outstanding=3)) == "b"
+    assert pick(be("b", outstanding=1), be("a", outstanding=1)) == "a"
+    assert p.choose(rq(), [be("a", kv_usage=0.25)]).reason == "kv-aware (usage 0.25)"
+
+
+def test_power_of_two_with_one_backend_takes_it_and_says_so():
+    d = PowerOfTwo().choose(rq(), [be("only")])
+    assert d.backend.name == "only" and d.reason == "power-of-two (only one)"
+
+
+def test_power_of_two_seeds_with_0_by_default():
+    bs = [be(f"b{i}", outstanding=i) for i in range(6)]
+    default, zero = PowerOfTwo(), PowerOfTwo(0)
+    assert [default.choose(rq(), bs).backend.name for _ in range(20)] == [
+        zero.choose(rq(), bs).backend.name for _ in range(20)
+    ]
+
+
+def test_round_robin_starts_at_the_first_backend():
+    bs = [be("a"), be("b")]
+    rr = RoundRobin()
+    assert [rr.choose(rq(), bs).reason for _ in range(3)] == ["round-robin"] * 3
+    assert RoundRobin().choose(rq(), bs).backend.name == "a"
+
+
+def test_placed_records_what_the_prefix_view_held_and_tells_it_where_the_prompt_went():
+    p = RoundRobin()
+    p.prefix = PrefixIndex()  # learns from placements
+    blocks = prompt_blocks(100)  # 7 blocks: 6 of 16 tokens and one of 4
+    first = rq(prompt=100, blocks=blocks)
+    p.placed(first, be("a"))
+    assert first.cached_tokens == 0  # nothing there yet
+    again = rq(1, prompt=100, blocks=blocks)
+    p.placed(again, be("a"))
+    assert again.cached_tokens == 100  # the first placement taught the index all 7 blocks
+    # Without hashes nothing is looked up, and nothing breaks.
+    plain = rq(2, prompt=100)
+    p.placed(plain, be("a"))
+    assert plain.cached_tokens == 0
+
+
+def test_a_policy_knows_no_prefix_until_given_a_view():
+    r = rq(prompt=100, blocks=prompt_blocks(100))
+    RoundRobin().placed(r, be("a"))
+    RoundRobin().placed(r, be("a"))
+    assert r.cached_tokens == 0
+
+
+# --- HardwareAware.estimate -------------------------------------------------------------------
+
+
+def test_estimate_is_queued_prefill_then_ours_then_one_decode_step():
+    ha = HardwareAware()
+    b = be("b", outstanding=3, pending_prefill=4096)
+    r = rq(prompt=1000, out=200)
+    # queued: 4096 * f(2048) / 2048 = 4096 * 2.048 / 2048 = 4.096 s; ours: f(1000) = 1.0 s.
+    # batch 3, each at half the request's context (1200 // 2 = 600): step(3, 1800)
+    # = 0.01 + 0.003 + 0.018 = 0.031 s. KV far from full, GPU unsaturated: no more.
+    assert ha.estimate(b, r) == pytest.approx(4.096 + 1.0 + 0.031)
+
+
+def test_estimate_of_a_tiny_request_on_an_idle_backend_counts_one_sequence_of_one_token():
+    ha = HardwareAware()
+    # prompt 1 + output 2: ours f(1) = 0.001; batch max(1, 0) = 1 at max(1, 3 // 2) = 1 token
+    # of context: step(1, 1) = 0.01 + 0.001 + 0.00001.
+    assert ha.estimate(be("b"), rq(prompt=1, out=2)) == pytest.approx(0.001 + 0.01101)
+    # One in flight is a batch of one too.
+    assert ha.estimate(be("b", outstanding=1), rq(prompt=1, out=2)) == pytest.approx(0.01201)
+
+
+def test_estimate_skips_the_prefill_of_what_is_cached_as_far_as_prefix_trust_goes():
+    ha = HardwareAware()
+    b = be("b", prefix_trust=0.75)
+    r = rq(prompt=1000, out=200)
+    # cached 601 * 0.75 = 450.75 -> 450 tokens: ours f(550, 450) = 0.55 + 0.0045;
+    # step(1, 600) = 0.01 + 0.001 + 0.006 = 0.017.
+    assert ha.estimate(b, r, cached=601) == pytest.approx(0.5545 + 0.017)
+    assert ha.estimate(b, r, cached=0) == pytest.approx(1.0 + 0.017)
+
+
+def test_estimate_looks_up_the_cache_but_always_computes_the_last_prompt_token():
+    ha = HardwareAware()
+    blocks = prompt_blocks(1000)
+    ha.prefix = PrefixIndex(learn=False)
+    ha.prefix.insert("warm", blocks.hashes)  # the whole prompt
+    ha.prefix.insert("half", blocks.hashes[:32])  # 32 blocks of 16 = 512 tokens
+    r = rq(prompt=1000, out=200, blocks=blocks)
+    # warm: all 1000 cached, capped at 999: f(1, 999) = 0.001 + 0.00999; step 0.017.
+    assert ha.estimate(be("warm"), r) == pytest.approx(0.01099 + 0.017)
+    assert ha.cached(be("warm"), r) == 999
+    # half: f(488, 512) = 0.488 + 0.00512.
+    assert ha.estimate(be("half"), r) == pytest.approx(0.49312 + 0.017)
+    # Told what is cached, it does not look it up.
+    assert ha.estimate(be("warm"), r, cached=512) == pytest.approx(0.49312 + 0.017)
+    assert ha.cached(be("warm"), rq(prompt=1000)) == 0  # no hashes: nothing known
+
+
+def test_estimate_without_a_perf_model_is_load_over_capacity():
+    ha = HardwareAware()
+    assert ha.estimate(be("b", perf=None, outstanding=6, max_num_seqs=4), rq()) == 1.5
+    assert ha.estimate(be("b", perf=None, outstanding=6, max_num_seqs=0), rq()) == 6.0
+
+
+def test_estimate_adds_a_decode_per_overflowing_request_when_kv_overflows():
+    ha = HardwareAware()
+    r = rq(prompt=400, out=100)
+    # (reserved 1300 + 500) / 1000 = 1.8: 0.8 * max(1, 1) * 100 output tokens * step, with
+    # step(1, 250) = 0.01 + 0.001 + 0.0025 = 0.0135: 1.08 s on top of f(400) + step.
+    b = be("b", kv=1000, reserved_tokens=1300, outstanding=1)
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 1.08 + 0.0135)
+    # Idle (0 in flight): still one request's decode per overflow, as a batch of one.
+    b = be("b", kv=1000, reserved_tokens=1300)
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 1.08 + 0.0135)
+    # Two in flight: two decodes per overflowing request, at step(2, 500) = 0.017:
+    # 0.8 * 2 * 100 * 0.017 = 2.72.
+    b = be("b", kv=1000, reserved_tokens=1300, outstanding=2)
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 2.72 + 0.017)
+    # Exactly full is no overflow: (500 + 500) / 1000 = 1.
+    b = be("b", kv=1000, reserved_tokens=500, outstanding=1)
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 0.0135)
+    # A KV size of 0 (unknown) is taken as 1 token: (0 + 500) / 1 = 500, 499 decodes.
+    b = be("b", kv=0, outstanding=1)
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 499 * 100 * 0.0135 + 0.0135)
+
+
+def test_estimate_adds_latency_for_bandwidth_and_compute_saturation_past_0_85():
+    ha = HardwareAware()
+    r = rq(prompt=400, out=300)
+    # step(1, 350) = 0.01 + 0.001 + 0.0035 = 0.0145; base f(400) + step = 0.4145.
+    # At 0.9: excess (0.9 - 0.85) / (1 - 0.85) = 1/3 of 300 decode steps = 1.45 s, each signal.
+    assert ha.estimate(be("b", outstanding=1, bandwidth_util=0.9), r) == pytest.approx(1.8645)
+    assert ha.estimate(be("b", outstanding=1, compute_util=0.9), r) == pytest.approx(1.8645)
+    both = be("b", outstanding=1, bandwidth_util=0.9, compute_util=0.9)
+    assert ha.estimate(both, r) == pytest.approx(3.3145)
+    # Below the thresholds, nothing.
+    calm = be("b", outstanding=1, bandwidth_util=0.8, compute_util=0.8)
+    assert ha.estimate(calm, r) == pytest.approx(0.4145)
+
+
+# --- HardwareAware.choose ---------------------------------------------------------------------
+
+
+def test_choose_takes_the_soonest_then_the_first_name_and_reports_its_estimate():
+    ha = HardwareAware()
+    r = rq(prompt=1000, out=200)
+    fast, slow = be("z", outstanding=0), be("y", pending_prefill=2048)
+    d = ha.choose(r, [slow, fast])
+    assert d.backend is fast and d.label == "hardware-aware length:short"
+    assert d.ttft_s == pytest.approx(ha.estimate(fast, r))
+    assert ha.choose(r, [be("b"), be("a")]).backend.name == "a"  # equal: by name
+
+
+def test_a_request_is_long_past_long_context_tokens_of_prompt_plus_output():
+    ha = HardwareAware()
+    bs = [be("a"), be("b")]  # one KV size: no small-KV class
+    assert ha.choose(rq(prompt=3996, out=100), bs).label == "hardware-aware length:short"
+    assert ha.choose(rq(prompt=3997, out=100), bs).label == "hardware-aware length:long"
+
+
+def test_small_kv_is_under_half_the_largest():
+    ha = HardwareAware()
+    long = rq(prompt=5000, out=100)
+    half = [be("big", kv=100_000), be("half", kv=50_000)]
+    assert ha.choose(long, half).label == "hardware-aware length:long"
+    under = [be("big", kv=100_000, pending_prefill=2048), be("small", kv=49_999)]
+    d = ha.choose(long, under)
+    assert d.backend.name == "big" and d.label == "hardware-aware length:long->large-kv"
+
+
+def test_a_small_kv_backend_gets_a_long_request_only_4x_sooner():
+    ha = HardwareAware()
+    long = rq(prompt=5000, out=100)
+    # small: idle, f(5000) + step(1, 2550) = 5 + 0.0365 = 5.0365 s, times the penalty 4:
+    # 20.146 s. big: the same plus its queued prefill of q tokens at 1 ms each.
+    small = be("small", kv=10_000)
+
+    def pick(q):
+        return ha.choose(long, [be("big", pending_prefill=q), small])
+
+    # q = 15 s: big 20.0365 < 20.146; q = 15.2 s: 20.2365 > 20.146 (a penalty of 5 would
+    # keep it on big, one of 3 would have sent it to small already).
+    assert pick(15_000).label == "hardware-aware length:long->large-kv"
+    d = pick(15_200)
+    assert d.backend is small and d.label == "hardware-aware length:long->small-kv"
+    assert d.ttft_s == pytest.approx(5.0365)  # the estimate, not the penalized cost
+    # Servers of different lengths are length classes already: no penalty on top.
+    small_long = be("small", kv=10_000, max_model_len=16_384)
+    d = ha.choose(long, [be("big", pending_prefill=1000, max_model_len=8192), small_long])
+    assert d.backend is small_long
+
+
+def test_long_small_kv_penalty_and_long_context_tokens_are_the_documented_defaults():
+    # The values the docs and RESULTS.md were measured with (issue 12).
+    c = RoutingConfig()
+    assert (c.long_context_tokens, c.long_small_kv_penalty, c.large_kv_share) == (4096, 4.0, 0.5)
+    assert (c.bandwidth_saturation, c.compute_saturation) == (0.85, 0.85)
+    assert (c.affinity_slack_s, c.exclusive_window) == (0.25, 1000)
+
+
+def test_a_config_given_by_keyword_replaces_the_defaults():
+    # A short request, were it long, would take the 4x-sooner small-KV backend only by the
+    # penalty; at a threshold of 500 tokens it is long, and with a penalty of 1 it goes by
+    # its estimate: big is 2 s behind (2000 queued tokens).
+    ha = HardwareAware(RoutingConfig(long_context_tokens=500, long_small_kv_penalty=1.0))
+    big, small = be("big", pending_prefill=2000), be("small", kv=10_000)
+    d = ha.choose(rq(prompt=1000, out=100), [big, small])
+    assert d.backend is small and d.label == "hardware-aware length:long->small-kv"
+    d = HardwareAware().choose(rq(prompt=1000, out=100), [big, small])
+    assert d.backend is small and d.label == "hardware-aware length:short"
+
+
+# --- precision and sessions ---------------------------------------------------------------------
+
+
+def test_strict_precision_filters_and_names_the_formats_it_runs():
+    ha = HardwareAware()
+    bf16, fp8, int4 = be("x"), be("y", variant="fp8"), be("z", variant="awq-int4")
+    pool, why = ha.eligible(rq(precision="int4", strict=True), [bf16, fp8, int4])
+    assert pool == [int4] and why == ""
+    assert ha.eligible(rq(precision="int8", strict=True), [int4, bf16, fp8]) == (
+        [],
+        "no backend serves m in int8 (it runs awq-int4, bf16, fp8)",
+    )
+    # Preferred, not strict: every format stays eligible; choose prefers the match.
+    pool, _ = ha.eligible(rq(precision="int4"), [bf16, int4])
+    assert pool == [bf16, int4]
+
+
+def test_choose_prefers_the_hinted_format_and_says_how_it_went():
+    ha = HardwareAware()
+    busy_fp8, idle_bf16 = be("f", variant="fp8", outstanding=5), be("b")
+    d = ha.choose(rq(precision="fp8"), [idle_bf16, busy_fp8])
+    assert d.backend is busy_fp8 and d.notes == ("precision:prefer", "length:short")
+    d = ha.choose(rq(precision="int4"), [idle_bf16, busy_fp8])
+    assert d.backend is idle_bf16 and d.notes == ("precision:unavailable", "length:short")
+    d = ha.choose(rq(precision="fp8", strict=True), [busy_fp8])
+    assert d.notes == ("precision:strict", "length:short")
+
+
+def test_eligible_keeps_a_session_on_its_class_while_the_class_has_a_backend():
+    ha = HardwareAware()
+    a, b = be("a", gpu="A"), be("b", gpu="B")
+    ha.sessions.set("s", Pin(b.node_class, "b"))
+    assert ha.eligible(rq(session="s"), [a, b])[0] == [b]
+    assert ha.eligible(rq(session="t"), [a, b])[0] == [a, b]
+    # Its class gone: anywhere.
+    c = be("c", gpu="C")
+    assert ha.eligible(rq(session="s"), [a, c])[0] == [a, c]
+
+
+def test_choose_keeps_a_session_on_its_class_and_node_within_affinity_slack():
+    ha = HardwareAware()
+    r0 = rq(0, prompt=1000, out=100, session="s")
+    home, other = be("home", gpu="A"), be("other", gpu="A")
+    ha.placed(r0, home)
+    assert ha.sessions.get("s") == Pin("A/bf16", "home")
+    far = be("far", gpu="B")  # another class, idle
+    # home is 0.2 s behind other (200 queued tokens at 1 ms): within the slack of 0.25, it stays.
+    home.pending_prefill = 200
+    d = ha.choose(rq(1, prompt=1000, out=100, session="s"), [far, other, home])
+    assert d.backend is home
+    assert d.notes == ("affinity:class", "length:short", "affinity:node")
+    # 0.3 s behind: the other node of its class.
+    home.pending_prefill = 300
+    d = ha.choose(rq(2, prompt=1000, out=100, session="s"), [far, other, home])
+    assert d.backend is other and d.notes == ("affinity:class", "length:short")
+    # Its class gone from the pool: anywhere, and it says so.
+    d = ha.choose(rq(3, prompt=1000, out=100, session="s"), [far])
+    assert d.backend is far and d.notes == ("affinity:class-gone", "length:short")
+
+
+def test_placed_pins_a_session_and_moves_the_pin_with_its_node():
+    ha = HardwareAware()
+    ha.placed(rq(0, session="s"), be("a1", gpu="A"))
+    ha.placed(rq(1, session="s"), be("a2", gpu="A"))
+    assert ha.sessions.get("s") == Pin("A/bf16", "a2")
+    ha.placed(rq(2, session="s"), be("b1", gpu="B"))
+    assert ha.sessions.get("s") == Pin("B/bf16", "b1")
+    # Another class on the same node: the pin follows the class.
+    ha.placed(rq(3, session="s"), be("c1", gpu="C", node="b1"))
+    assert ha.sessions.get("s") == Pin("C/bf16", "b1")
+    ha.placed(rq(4), be("d1", gpu="D"))  # no session: no pin
+    assert list(ha.sessions.pins) == ["s"]
+
+
+class CountingSessions(SessionTable):
+    """A session table that counts writes (the shared one sends each to Redis, stamped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = 0
+
+    def set(self, session, pin):
+        self.writes += 1
+        super().set(session, pin)
+
+
+def test_a_turn_that_stays_on_its_pinned_node_writes_no_pin():
+    ha = HardwareAware(sessions=CountingSessions())
+    a = be("a1", gpu="A")
+    for i in range(3):
+        ha.placed(rq(i, session="s"), a)
+    assert ha.sessions.writes == 1
+
+
+# --- prefix hits ---------------------------------------------------------------------------------
+
+
+def test_placed_keeps_what_choose_looked_up_and_teaches_the_index():
+    ha = HardwareAware()
+    blocks = prompt_blocks(1000)
+    index = PrefixIndex()  # learns from placements
+    ha.prefix = index
+    index.insert("warm", blocks.hashes[:32])  # 512 tokens
+    warm, cold = be("warm"), be("cold")
+    r = rq(prompt=1000, out=100, blocks=blocks)
+    d = ha.choose(r, [cold, warm])
+    assert d.backend is warm and d.notes == ("length:short", "prefix:hit")
+    # More of it arrives there before the placement: choose's look-up is what counts.
+    index.insert("warm", blocks.hashes)
+    ha.placed(r, warm)
+    assert r.cached_tokens == 512
+    # Placed elsewhere than chosen: looked up there (nothing), and the index learns it.
+    r2 = rq(1, prompt=1000, out=100, blocks=blocks)
+    ha.choose(r2, [cold, warm])
+    ha.placed(r2, cold)
+    assert r2.cached_tokens == 0 and index.match("cold", blocks.hashes) == len(blocks.hashes)
+
+
+def test_a_prefix_hit_elsewhere_is_not_reported_for_a_cold_pick():
+    ha = HardwareAware()
+    blocks = prompt_blocks(1000)
+    ha.prefix = PrefixIndex(learn=False)
+    ha.prefix.insert("warm", blocks.hashes[:32])
+    warm, cold = be("warm", pending_prefill=5000), be("cold")
+    d = ha.choose(rq(prompt=1000, out=100, blocks=blocks), [warm, cold])
+    assert d.backend is cold and d.notes == ("length:short",)
+
+
+# --- work only one class can do -------------------------------------------------------------------
+
+
+def _two_lengths():
+    """Class L serves 32K contexts, class S 8K."""
+    return be("l", gpu="L", max_model_len=32_768), be("s", gpu="S", max_model_len=8192)
+
+
+def test_a_request_only_some_classes_can_take_is_exclusive_work_for_them():
+    ha = HardwareAware()
+    big, small = _two_lengths()
+    long, short = rq(0, prompt=10_000), rq(1, prompt=1000)
+    assert ha.eligible(long, [big, small])[0] == [big] and ha.exclusive(long)
+    assert ha.eligible(short, [big, small])[0] == [big, small] and not ha.exclusive(short)
+    assert not ha.exclusive(long)  # the verdict is on the last request asked about
+    # Backends of other models, or down, are no classes of this one's.
+    other = be("o", gpu="O", model="other", max_model_len=65_536)
+    down = be("d", gpu="D", healthy=False, max_model_len=65_536)
+    ha.eligible(short, [small, other, down])
+    assert not ha.exclusive(short)
+
+
+def test_exclusive_share_is_a_decaying_average_over_placements():
+    ha = HardwareAware()
+    big, small = _two_lengths()
+    fleet = [big, small]
+    assert ha.exclusive_share("L") == 0.0  # no work yet
+    long, short = rq(0, prompt=10_000), rq(1, prompt=1000)
+    ha.eligible(long, fleet)
+    ha.placed(long, big)  # L: (10000, 10000)
+    assert ha.exclusive_share("L/bf16") == 1.0
+    ha.eligible(short, fleet)
+    ha.placed(short, small)  # every class ages by 0.999: L (9990, 9990); S (0, 1000)
+    assert ha.exclusive_share("S/bf16") == 0.0
+    short2 = rq(2, prompt=1000, cached_tokens=400)  # 600 tokens of prefill
+    ha.eligible(short2, fleet)
+    ha.placed(short2, big)  # L: (9990 * 0.999, 9990 * 0.999 + 600)
+    assert ha.exclusive_share("L/bf16") == pytest.approx(9980.01 / 10580.01)
+
+
+def test_a_request_any_class_can_take_pays_for_delaying_exclusive_work():
+    big, small = _two_lengths()
+    fleet = [big, small]
+    ha = HardwareAware()
+    long = rq(0, prompt=10_000)
+    ha.eligible(long, fleet)
+    ha.placed(long, big)  # L's work: all exclusive, share 1
+    short = rq(1, prompt=1000, out=100)
+    ha.eligible(short, fleet)
+    # On L it pays share 1 * f(1000) = 1 s per request waiting there plus itself: with one
+    # waiting, 2 s. S, otherwise alike, is q tokens of queued prefill (q ms) behind.
+    big.waiting = 1
+
+    def pick(q):
+        small.pending_prefill = q
+        return ha.choose(short, fleet).backend.name
+
+    assert pick(1990) == "s" and pick(2010) == "l"
+
+
+def test_exclusive_work_pays_nothing_for_delaying_exclusive_work():
+    ha = HardwareAware()
+    big, small = _two_lengths()
+    big2 = be("l2", gpu="L2", max_model_len=32_768)  # another class of the long length
+    fleet = [big, big2, small]
+    first = rq(0, prompt=10_000, out=100)
+    ha.eligible(first, fleet)
+    ha.placed(first, big)  # L's share: 1; L2's: 0
+    second = rq(1, prompt=10_000, out=100)
+    pool, _ = ha.eligible(second, fleet)
+    assert pool == [big, big2]
+    # L2 is 5 s behind (5000 queued tokens); were `second` charged L's share of its own
+    # prefill (10 s) on L, L2 would win.
+    big2.pending_prefill = 5000
+    assert ha.choose(second, pool).backend is big
+
+
+def test_what_it_has_cached_shrinks_what_a_request_would_delay_there():
+    big, small = _two_lengths()
+    fleet = [big, small]
+    ha = HardwareAware()
+    ha.prefix = PrefixIndex(learn=False)
+    long = rq(0, prompt=10_000)
+    ha.eligible(long, fleet)
+    ha.placed(long, big)  # L's share: 1
+    blocks = prompt_blocks(1000)
+    ha.prefix.insert("l", blocks.hashes[:32])  # L holds 512 of its 1000 tokens
+    short = rq(1, prompt=1000, out=100, blocks=blocks)
+    ha.eligible(short, fleet)
+    big.waiting = 1
+    # On L: f(488, 512) = 0.49312 of prefill, and as much again per request waiting (one):
+    # 0.98624 on top of its estimate f(488, 512) + step. On S: f(1000) + step + q ms.
+    # S wins while 1.0 + q / 1000 < 0.49312 + 0.98624, that is q < 479.36.
+
+    def pick(q):
+        small.pending_prefill = q
+        return ha.choose(short, fleet).backend.name
+
+    assert pick(470) == "s" and pick(490) == "l"
+
+
+def test_one_class_pays_nothing_for_its_own_exclusive_work():
+    # All of L's work was exclusive, but a pool of L alone has no other class to spare it:
+    # l1 (5 waiting, which only the exclusive-work term counts) is 1 s sooner than l2.
+    l1, l2 = be("l1", gpu="L", max_model_len=32_768), be("l2", gpu="L", max_model_len=32_768)
+    s = be("s", gpu="S", max_model_len=8192)
+    ha = HardwareAware()
+    long = rq(0, prompt=10_000)
+    ha.eligible(long, [l1, l2, s])
+    ha.placed(long, l1)
+    short = rq(1, prompt=1000, out=100)
+    ha.eligible(short, [l1, l2, s])
+    l1.waiting, l2.pending_prefill = 5, 1000
+    assert ha.choose(short, [l1, l2]).backend is l1
+
+
+def test_a_backend_without_a_perf_model_is_ranked_by_load_alone():
+    # Two classes, nothing exclusive: the one without a perf model costs its load ratio, 0
+    # when idle, against 0.1 + step(1, 550) for 100 tokens on the other.
+    ha = HardwareAware()
+    known, unknown = be("known", gpu="L"), be("unknown", gpu="X", perf=None)
+    assert ha.choose(rq(prompt=100, out=1000), [known, unknown]).backend is unknown
