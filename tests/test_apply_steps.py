@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from fleetctl.apply.node import Live, env_file, manifest, parse_inspect, server_id
-from fleetctl.apply.steps import node_steps
+from fleetctl.apply.steps import Step, _util, node_steps
 from fleetctl.plan import Deployment, Server
 
 
@@ -102,6 +102,221 @@ def test_one_server_split_in_two_stops_it_first():
     assert [s.kind for s in steps] == ["replace", "replace"]
     assert steps[0].stop == (server_id(old),) and steps[0].stop_first
     assert steps[1].stop == () and steps[1].stop_first
+
+
+# --- node_steps, step by step: each expected Step written out in full --------------------------
+
+GPU_MEMORY_FIRST = "stop then start: the new server needs the old one's GPU memory"
+PORT_FIRST = "stop then start: the new server needs the old one's port"
+BOTH_FIT = "start before stop: both fit in GPU memory"
+NOT_RUNNING = "it was not running"
+
+
+def copy_of(d: Deployment, sid: str, alive: bool) -> Live:
+    """Another folder holding the same server (same manifest, so the same args hash)."""
+    return Live(sid, alive, alive, None, manifest(d, sid, "tok", "now"))
+
+
+def test_a_step_names_only_its_kind_and_node_by_default():
+    """A bare step deploys nothing, stops nothing, after the start, for no stated reason, and
+    replaces nothing; steps are values (frozen), so apply cannot alter one behind the plan."""
+    step = Step("stop", "n1")
+    assert (step.deployment, step.stop, step.stop_first, step.note, step.replaced) == (
+        None,
+        (),
+        False,
+        "",
+        (),
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.note = "x"  # type: ignore[misc]
+
+
+def test_util_reads_the_flag_or_takes_vllms_default():
+    assert _util(["serve", "--gpu-memory-utilization", "0.3", "--port", "1"]) == 0.3
+    assert _util(("serve",)) == 0.9  # vLLM's default when absent
+    assert _util(["serve", "--gpu-memory-utilization"]) == 0.9  # no value after the flag
+    assert _util(["--gpu-memory-utilization", "--port"]) == 0.9  # not a number
+
+
+def test_every_step_in_full_for_keep_adopt_restart_start_and_stop():
+    a, b, c, d, gone, dead = dep((0,)), dep((1,)), dep((2,)), dep((3,)), dep((4,)), dep((5,))
+    steps = node_steps(
+        "n1",
+        [a, b, c, d],
+        [live(a), live(b), live(c, alive=False), live(gone), live(dead, alive=False)],
+        recorded=[a, c],
+    )
+    assert steps == [
+        Step("keep", "n1", a),
+        Step("adopt", "n1", b),
+        Step("restart", "n1", c, (server_id(c),), True, NOT_RUNNING),
+        Step("start", "n1", d, (), True, ""),
+        Step("stop", "n1", None, (server_id(gone),), False, "not in the plan"),
+        Step("stop", "n1", None, (server_id(dead),), False, "not in the plan (was not running)"),
+    ]
+
+
+@pytest.mark.parametrize("live_first", [True, False])
+def test_a_live_copy_is_kept_over_a_dead_one_in_either_order(live_first):
+    a = dep((0,))
+    up, down = copy_of(a, "8000-up", True), copy_of(a, "8000-down", False)
+    found = [up, down] if live_first else [down, up]
+    assert node_steps("n1", [a], found, recorded=[a]) == [
+        Step("keep", "n1", a),
+        Step("stop", "n1", None, ("8000-down",), False, "not in the plan (was not running)"),
+    ]
+
+
+def test_of_two_dead_copies_the_first_is_restarted_the_other_stopped():
+    a = dep((0,))
+    first, second = copy_of(a, "8000-a", False), copy_of(a, "8000-b", False)
+    assert node_steps("n1", [a], [first, second], recorded=[a]) == [
+        Step("restart", "n1", a, ("8000-a",), True, NOT_RUNNING),
+        Step("stop", "n1", None, ("8000-b",), False, "not in the plan (was not running)"),
+    ]
+
+
+def test_a_dead_server_in_the_way_is_restarted_over_not_replaced():
+    """A dead server on the new one's GPU (any port) holds no memory: stop its folder, start."""
+    old, new = dep((0,)), dataclasses.replace(dep((0,), max_len=4096), port=8500)
+    assert node_steps("n1", [new], [live(old, alive=False)], recorded=[old]) == [
+        Step("restart", "n1", new, (server_id(old),), True, NOT_RUNNING)
+    ]
+
+
+def test_a_dead_tp2_server_split_in_two_restarts_once():
+    old = dep((0, 1))
+    a, b = dep((0,)), dep((1,))
+    assert node_steps("n1", [a, b], [live(old, alive=False)], recorded=[old]) == [
+        Step("restart", "n1", a, (server_id(old),), True, NOT_RUNNING),
+        Step("start", "n1", b, (), True, ""),  # the old folder is already the first's to stop
+    ]
+
+
+def test_replacements_that_fit_start_first_on_the_other_port():
+    # 0.45 + 0.45 of the GPU: both fit; the old one holds port 8000, so the new one takes
+    # 8000 + 1000 and the old one's recorded deployment is what a failed start keeps.
+    old, new = dep((0,), util=0.45), dep((0,), util=0.45, max_len=4096)
+    moved = dataclasses.replace(new, port=9000)
+    assert node_steps("n1", [new], [live(old)], recorded=[old]) == [
+        Step(
+            "replace",
+            "n1",
+            moved,
+            (server_id(old),),
+            False,
+            f"{BOTH_FIT}, new server on port 9000",
+            (old,),
+        )
+    ]
+    # Not recorded in state: nothing to keep there if the start fails.
+    assert node_steps("n1", [new], [live(old)])[0].replaced == ()
+    # Another port base: 7000 + GPU 0, and its surge port 8000.
+    base = dataclasses.replace(old, port=7000)
+    newer = dataclasses.replace(new, port=7000)
+    [step] = node_steps("n1", [newer], [live(base)], recorded=[base], port_base=7000)
+    assert (step.deployment.port, step.stop_first) == (8000, False)
+
+
+def test_shares_summing_to_exactly_one_fit():
+    old, new = dep((0,), util=0.55), dep((0,), util=0.45, max_len=4096)
+    [step] = node_steps("n1", [new], [live(old)], recorded=[old])
+    assert (step.kind, step.stop_first, step.deployment.port) == ("replace", False, 9000)
+    over = dep((0,), util=0.56, max_len=4096)
+    [step] = node_steps("n1", [over], [live(old)], recorded=[old])
+    assert step == Step("replace", "n1", over, (server_id(old),), True, GPU_MEMORY_FIRST, (old,))
+
+
+def test_a_replacement_on_another_port_keeps_its_port():
+    """The old server shares the GPU but not the port: both fit, no port to move to."""
+    old = dep((0,), util=0.45)
+    new = dataclasses.replace(dep((0,), util=0.45, max_len=4096), port=9000)
+    assert node_steps("n1", [new], [live(old)], recorded=[old]) == [
+        Step("replace", "n1", new, (server_id(old),), False, BOTH_FIT, (old,))
+    ]
+
+
+def test_a_replacement_moves_only_to_a_free_port():
+    old, new = dep((0,), util=0.45), dep((0,), util=0.45, max_len=4096)
+    # Port 9000 is held by a server on GPU 1 that stays.
+    squatter = dataclasses.replace(dep((1,)), port=9000)
+    steps = node_steps("n1", [squatter, new], [live(squatter), live(old)], recorded=[old])
+    assert steps[1] == Step("replace", "n1", new, (server_id(old),), True, GPU_MEMORY_FIRST, (old,))
+    # ... or by a server about to be stopped (still running while the new one would start).
+    steps = node_steps("n1", [new], [live(squatter), live(old)], recorded=[old])
+    assert steps[0] == Step("replace", "n1", new, (server_id(old),), True, GPU_MEMORY_FIRST, (old,))
+    # ... or by a server an earlier step starts.
+    steps = node_steps("n1", [squatter, new], [live(old)], recorded=[old])
+    assert steps[0] == Step("start", "n1", squatter, (), True, "")
+    assert steps[1] == Step("replace", "n1", new, (server_id(old),), True, GPU_MEMORY_FIRST, (old,))
+
+
+def test_a_server_on_the_new_ones_port_alone_is_stopped_first_when_no_port_is_free():
+    # The new server runs on GPU 1 at port 8000, held by a live server on GPU 0; its other
+    # port, 8001 (base + GPU 1), is held by a server that stays: the old one must go first.
+    holder = dep((0,))
+    new = dataclasses.replace(dep((1,)), port=8000)
+    stays = dataclasses.replace(dep((2,)), port=8001)
+    steps = node_steps("n1", [stays, new], [live(stays), live(holder)], recorded=[holder, stays])
+    assert steps == [
+        Step("keep", "n1", stays),
+        Step("replace", "n1", new, (server_id(holder),), True, PORT_FIRST, (holder,)),
+    ]
+    # With 8001 free the new server starts there first.
+    steps = node_steps("n1", [new], [live(holder)], recorded=[holder])
+    moved = dataclasses.replace(new, port=8001)
+    assert steps == [
+        Step(
+            "replace",
+            "n1",
+            moved,
+            (server_id(holder),),
+            False,
+            f"{BOTH_FIT}, new server on port 8001",
+            (holder,),
+        )
+    ]
+
+
+def test_a_replacement_stops_live_and_dead_servers_in_its_way():
+    # A TP=2 server over GPUs 0 and 1 where a live (recorded) and a dead server ran.
+    live_old, dead_old = dep((0,), util=0.45), dep((1,), util=0.45)
+    new = dep((0, 1), util=0.45)
+    steps = node_steps(
+        "n1", [new], [live(live_old), live(dead_old, alive=False)], recorded=[live_old, dead_old]
+    )
+    moved = dataclasses.replace(new, port=9000)
+    assert steps == [
+        Step(
+            "replace",
+            "n1",
+            moved,
+            (server_id(live_old), server_id(dead_old)),
+            False,
+            f"{BOTH_FIT}, new server on port 9000",
+            (live_old,),  # only a live one is still running if the start fails
+        )
+    ]
+
+
+def test_one_server_split_in_two_every_step_in_full():
+    old = dep((0, 1), util=0.45)
+    a, b = dep((0,), util=0.45), dep((1,), util=0.45)
+    moved = dataclasses.replace(a, port=9000)
+    steps = node_steps("n1", [a, b], [live(old)], recorded=[old])
+    assert steps == [
+        Step(
+            "replace",
+            "n1",
+            moved,
+            (server_id(old),),
+            True,
+            f"{BOTH_FIT}, new server on port 9000",
+            (old,),
+        ),
+        Step("replace", "n1", b, (), True, GPU_MEMORY_FIRST, ()),
+    ]
 
 
 def test_env_file_quotes_values_and_carries_the_token(tmp_path):
