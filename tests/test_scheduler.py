@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fleetctl.perf import EnginePerf, kv_budget
-from fleetctl.routing.policy import HardwareAware, RoundRobin
-from fleetctl.routing.scheduler import Aging, RollingMedian, Scheduler, release
-from fleetctl.routing.types import Backend, Request
+from fleetctl.routing.policy import HardwareAware, Policy, RoundRobin
+from fleetctl.routing.scheduler import (
+    Aging,
+    RollingMedian,
+    Scheduler,
+    account,
+    first_token,
+    release,
+)
+from fleetctl.routing.types import Backend, Decision, Request
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.workload import WorkItem
 
@@ -231,3 +240,228 @@ def test_a_retry_keeps_its_place_avoids_the_failed_backend_and_obeys_caps(catalo
     s.submit(last)
     _, rejected = s.dispatch(8, [a, b])
     assert [d.request.id for d in rejected] == ["last"] and rejected[0].decision.reject
+
+
+# The tests below pin the queue's own rules with a policy that has no cost model: it takes the
+# first backend it is offered, so which request goes where follows from the scheduler alone.
+
+
+class FirstListed(Policy):
+    """Admission on; picks the first eligible backend; records whom it was asked to place."""
+
+    name = "first-listed"
+    admission = True
+
+    def __init__(self) -> None:
+        self.asked: list[int | str] = []
+
+    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
+        self.asked.append(req.id)
+        return Decision(backends[0], self.name)
+
+
+def plain(name, kv_tokens=10_000, max_seqs=100, model="m", **kw) -> Backend:
+    return Backend(name, name, "gpu", model, "bf16", kv_tokens, max_seqs, **kw)
+
+
+def req(rid, prompt, output, **kw) -> Request:
+    return Request(rid, "m", prompt, output, **kw)
+
+
+def sent_to(sent) -> list[tuple[int | str, str]]:
+    return [(d.request.id, d.decision.backend.name) for d in sent]
+
+
+def test_rolling_median_is_the_middle_value_of_odd_and_even_counts():
+    m = RollingMedian(60)
+    for v in (16.0, 1.0, 8.0, 2.0, 4.0):
+        m.add(0, v)
+    # Sorted 1, 2, 4, 8, 16: the middle (third) value.
+    assert m.median(0) == 4.0
+    m.add(0, 6.0)
+    # Sorted 1, 2, 4, 6, 8, 16: the mean of the third and fourth, (4 + 6) / 2.
+    assert m.median(0) == 5.0
+
+
+def test_default_aging_is_twice_the_median_over_the_last_60_s():
+    # README: router aging defaults to {factor: 2.0, window_s: 60}; the simulator relies on
+    # Scheduler's default Aging for the same numbers.
+    s = Scheduler(HardwareAware())
+    for v in (1.0, 2.0, 4.0, 8.0, 16.0):
+        s.observe_ttft(0.0, v)
+    assert s.aging_threshold(0.0) == 8.0  # 2 x median 4.0 (a median of 1 cannot tell * from /)
+    assert s.aging_threshold(59.5) == 8.0  # still inside the 60 s window
+    assert s.aging_threshold(60.5) is None  # every sample is older than 60 s
+
+
+def test_a_request_that_waited_exactly_the_threshold_is_not_boosted():
+    # "waited longer than factor x median": 2 x 1.0 = 2.0 s; both times are exact in binary.
+    s = Scheduler(FirstListed(), Aging(factor=2.0, window_s=60))
+    s.observe_ttft(100.0, 1.0)
+    on_time = req("on-time", 10, 10, priority=1, arrival=98.0)
+    s.submit(on_time)
+    s._age(100.0)
+    assert not on_time.boosted and s.boosts == 0 and [r.id for r in s.classes[1]] == ["on-time"]
+    s._age(100.5)  # 2.5 s > 2.0 s: now it joins the top class
+    assert on_time.boosted and s.boosts == 1 and [r.id for r in s.classes[0]] == ["on-time"]
+
+
+def test_submit_puts_negative_priorities_and_boosted_requests_in_the_top_class():
+    s = Scheduler(FirstListed(), Aging(enabled=False))
+    s.submit(req("top", 10, 10, priority=0, arrival=1.0))
+    s.submit(req("neg", 10, 10, priority=-5, arrival=2.0))  # vLLM-style: below 0 is still top
+    s.submit(req("boosted", 10, 10, priority=7, arrival=0.5, boosted=True))
+    s.submit(req("low", 10, 10, priority=7, arrival=0.0))
+    assert sorted(s.classes) == [0, 7] and len(s) == 4
+    # The top class in arrival order (0.5, 1.0, 2.0), then class 7.
+    assert [r.id for r in s.queue] == ["boosted", "top", "neg", "low"]
+
+
+def test_remove_takes_a_cancelled_request_out_and_drops_its_emptied_class():
+    s = Scheduler(FirstListed(), Aging(enabled=False))
+    a, b, c = (
+        req("a", 10, 10, priority=1),
+        req("b", 10, 10, priority=1),
+        req("c", 10, 10, priority=2),
+    )
+    for r in (a, b, c):
+        s.submit(r)
+    s.remove(b)
+    assert [r.id for r in s.queue] == ["a", "c"] and sorted(s.classes) == [1, 2]
+    s.remove(c)  # the last of class 2: the class goes with it
+    assert [r.id for r in s.queue] == ["a"] and sorted(s.classes) == [1]
+    s.remove(c)  # no longer queued: nothing happens
+    assert [r.id for r in s.queue] == ["a"] and len(s) == 1
+    s.remove(a)
+    assert s.classes == {} and len(s) == 0
+
+
+def test_kv_overcommit_scales_the_cap_and_an_exact_fit_is_admitted():
+    # Cap = kv_tokens x overcommit = 10,000 x 1.5 = 15,000 tokens; 11,000 are reserved.
+    b = plain("b", kv_tokens=10_000)
+    b.outstanding, b.reserved_tokens = 1, 11_000
+    s = Scheduler(FirstListed(), Aging(enabled=False), kv_overcommit=1.5)
+    s.submit(req("exact", 3000, 1000, arrival=0))  # 11,000 + 4,000 = 15,000: fits exactly
+    s.submit(req("one-more", 1, 1, arrival=1))  # then 15,002 > 15,000
+    sent, _ = s.dispatch(0, [b])
+    assert sent_to(sent) == [("exact", "b")] and b.reserved_tokens == 15_000
+    assert [r.id for r in s.queue] == ["one-more"]
+
+
+def test_a_request_waits_for_its_chosen_backend_at_its_sequence_cap():
+    # The policy picks `full` (first listed), which runs max_num_seqs requests already and has
+    # KV to spare: the request waits for it rather than exceed the cap (`spare` has room).
+    full, spare = plain("full", max_seqs=2), plain("spare", max_seqs=2)
+    full.outstanding = 2
+    s = Scheduler(FirstListed(), Aging(enabled=False))
+    s.submit(req("r", 10, 10))
+    assert s.dispatch(0, [full, spare]) == ([], [])
+    assert full.outstanding == 2 and [r.id for r in s.queue] == ["r"]
+
+
+def test_backfill_looks_exactly_32_requests_past_a_blocked_one():
+    # `b` has 5,000 of 10,000 tokens reserved: "big" (6,000) must wait; 40 small ones (20
+    # tokens each) fit. The scan looks BACKFILL_SCAN = 32 further, so 32 go now, 8 wait.
+    # `big` could go to any healthy backend of its model, so it holds no room: the small ones
+    # may use `b`. (`sick` is of the model but unhealthy and `other` serves another model:
+    # neither is a backend `big` could have had, so neither makes it "restricted".)
+    b = plain("b", kv_tokens=10_000, max_seqs=100)
+    b.outstanding, b.reserved_tokens = 1, 5000
+    sick, other = plain("sick", healthy=False), plain("other", model="other")
+    s = Scheduler(FirstListed(), Aging(enabled=False))
+    s.submit(req("big", 5000, 1000, arrival=0))
+    small = [req(f"s{i}", 10, 10, arrival=1 + i) for i in range(40)]
+    for r in small:
+        s.submit(r)
+    sent, rejected = s.dispatch(0, [b, sick, other])
+    assert sent_to(sent) == [(f"s{i}", "b") for i in range(32)] and not rejected
+    assert [r.id for r in s.queue] == ["big", *(f"s{i}" for i in range(32, 40))]
+    assert b.outstanding == 33 and b.reserved_tokens == 5000 + 32 * 20
+
+
+def test_a_held_backend_keeps_later_requests_that_need_it_and_lets_others_pass():
+    # Only `long` (max_model_len 32768) takes prompts over 8191 tokens. It has 15,000 of
+    # 40,000 tokens free, so "long1" (25,000) waits for it and holds it: "long2" (10,000)
+    # would fit there but may go nowhere else, so it waits too; "short" goes to `short`, not
+    # to the first-listed `long`.
+    long = plain("long", kv_tokens=40_000, max_model_len=32768)
+    long.outstanding, long.reserved_tokens = 1, 25_000
+    short = plain("short", kv_tokens=30_000, max_model_len=8192)
+    policy = FirstListed()
+    s = Scheduler(policy, Aging(enabled=False))
+    for r in (
+        req("long1", 24_000, 1000, arrival=0),
+        req("long2", 9_000, 1000, arrival=1),
+        req("short", 500, 100, arrival=2),
+    ):
+        s.submit(r)
+    sent, _ = s.dispatch(0, [long, short])
+    assert sent_to(sent) == [("short", "short")]
+    assert [r.id for r in s.queue] == ["long1", "long2"] and long.reserved_tokens == 25_000
+    # Only long1 and short reached the policy: long2's only backend was held.
+    assert policy.asked == ["long1", "short"]
+
+
+def test_a_rejected_request_does_not_stop_the_ones_behind_it():
+    b = plain("b")
+    s = Scheduler(FirstListed(), Aging(enabled=False))
+    s.submit(Request("unknown", "no-such-model", 10, 10, arrival=0))
+    s.submit(req("ok", 10, 10, arrival=1))
+    sent, rejected = s.dispatch(0, [b])
+    assert [d.request.id for d in rejected] == ["unknown"] and sent_to(sent) == [("ok", "b")]
+    assert len(s) == 0 and s.classes == {}  # a rejected request is not kept
+
+
+def test_no_smaller_requests_like_a_blocked_one_are_not_reexamined():
+    # "big1" (6,000 tokens) finds no room on `b` (5,000 free). "big2" asks for the same and is
+    # no smaller: it waits without the policy being asked. "diff" is as big but strict about
+    # its format, so it is asked about (and waits); "small" still goes.
+    b = plain("b", kv_tokens=10_000)
+    b.outstanding, b.reserved_tokens = 1, 5000
+    policy = FirstListed()
+    s = Scheduler(policy, Aging(enabled=False))
+    for r in (
+        req("big1", 5000, 1000, arrival=0),
+        req("big2", 5000, 1000, arrival=1),
+        req("diff", 5000, 1000, arrival=2, precision="bf16", strict=True),
+        req("small", 100, 100, arrival=3),
+    ):
+        s.submit(r)
+    sent, _ = s.dispatch(0, [b])
+    assert sent_to(sent) == [("small", "b")]
+    assert policy.asked == ["big1", "diff", "small"]
+    assert [r.id for r in s.queue] == ["big1", "big2", "diff"]
+
+
+def test_accounting_of_a_request_from_dispatch_to_release():
+    # prompt 1,000 of which 300 are expected cached, output 200: total 1,200, prefill 700.
+    b = plain("b", kv_tokens=100_000)
+    b.outstanding, b.reserved_tokens, b.pending_prefill, b.cached_sent = 2, 500, 100, 50
+    r = req("r", 1000, 200, cached_tokens=300)
+    account(b, r)
+    assert (b.outstanding, b.reserved_tokens, b.pending_prefill, b.cached_sent) == (
+        3, 1700, 800, 350,
+    )  # fmt: skip
+    first_token(b, r)  # its prefill is done
+    assert b.pending_prefill == 100
+    release(b, r)  # finished after its first token: prefill already taken off
+    assert (b.outstanding, b.reserved_tokens, b.pending_prefill, b.cached_sent) == (
+        2, 500, 100, 350,
+    )  # fmt: skip
+    # One that fails before its first token takes its prefill off when released.
+    account(b, r)
+    release(b, r, first_token_seen=False)
+    assert (b.outstanding, b.reserved_tokens, b.pending_prefill) == (2, 500, 100)
+
+
+def test_a_fleet_with_no_free_sequence_slot_is_not_offered_any_request():
+    # Every backend runs max_num_seqs requests: the queue stops before asking the policy
+    # about any request (none could be placed), in this class and the ones below it.
+    a, b = plain("a", max_seqs=2), plain("b", max_seqs=3)
+    a.outstanding, b.outstanding = 2, 3
+    policy = FirstListed()
+    s = Scheduler(policy, Aging(enabled=False))
+    s.submit(req("hi", 10, 10, priority=0))
+    s.submit(req("lo", 10, 10, priority=1))
+    assert s.dispatch(0, [a, b]) == ([], [])
+    assert policy.asked == [] and [r.id for r in s.queue] == ["hi", "lo"]
