@@ -42,7 +42,7 @@ class GpuProfile(Strict):
     tflops: Tflops
     form_factor: Literal["sxm", "pcie"]
     interconnect: Literal["nvlink", "pcie"]
-    nvlink_gb_s: float | None = None
+    nvlink_gb_s: float | None = Field(None, gt=0)
     pcie_gen: int
     tdp_w: int
     decode_efficiency: float = Field(gt=0, le=1)
@@ -50,6 +50,16 @@ class GpuProfile(Strict):
     # gives no cost_per_hour; its origin is named in `sources`. null: no default.
     cost_per_hour: float | None = Field(None, ge=0, le=1e5)
     sources: tuple[str, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _link(self) -> GpuProfile:
+        # The TP all-reduce cost divides by it (perf._allreduce_per_token).
+        if self.interconnect == "nvlink" and self.nvlink_gb_s is None:
+            raise ValueError(
+                "interconnect nvlink needs nvlink_gb_s | give the NVLink bandwidth in GB/s,"
+                " or set interconnect: pcie"
+            )
+        return self
 
     @property
     def memory_bytes(self) -> int:

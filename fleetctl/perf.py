@@ -299,9 +299,10 @@ class EnginePerf:
         if self.tp == 1:
             return 0.0
         g = self.gpu
+        # The catalog requires nvlink_gb_s with interconnect nvlink (GpuProfile._link).
         link = (
-            (g.nvlink_gb_s or 0) / 2
-            if g.interconnect == "nvlink"
+            g.nvlink_gb_s / 2
+            if g.interconnect == "nvlink" and g.nvlink_gb_s
             else PCIE_GB_S.get(g.pcie_gen, 25)
         )
         ring = 2 * (self.tp - 1) / self.tp  # bytes moved per byte reduced in a ring all-reduce

@@ -135,3 +135,22 @@ def test_alias_clash_is_refused(tmp_path):
     (d / "l4c.yaml").write_text(json.dumps(clash))  # same alias "NVIDIA L4"
     with pytest.raises(UserError, match="names both"):
         load_catalog([tmp_path / "p"])
+
+
+def test_an_nvlink_gpu_without_its_bandwidth_is_refused(tmp_path):
+    """The TP all-reduce cost divides by nvlink_gb_s: a profile saying NVLink must give it.
+    Before, such a profile loaded and a TP>1 plan on it died with ZeroDivisionError (found by
+    a surviving mutant of perf._allreduce_per_token)."""
+    d = tmp_path / "p" / "gpus"
+    d.mkdir(parents=True)
+    gpu = load_catalog().gpu("H100-SXM-80GB").model_dump()
+    assert gpu["interconnect"] == "nvlink"
+    gpu.update(name="H100-no-link", aliases=[], nvlink_gb_s=None)
+    (d / "h.yaml").write_text(json.dumps(gpu))
+    with pytest.raises(UserError) as e:
+        load_catalog([tmp_path / "p"])
+    assert "h.yaml" in str(e.value) and "nvlink_gb_s" in str(e.value)
+    gpu.update(nvlink_gb_s=0)
+    (d / "h.yaml").write_text(json.dumps(gpu))
+    with pytest.raises(UserError, match="nvlink_gb_s"):
+        load_catalog([tmp_path / "p"])
