@@ -8,6 +8,8 @@ what these tests pin is the engine's bookkeeping, not the roofline.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from fleetctl.perf import EnginePerf
@@ -49,6 +51,9 @@ def check(e: Engine) -> None:
     held += sum(s.blocks for s in e.running if s.state == PREFILL)
     assert e.total_blocks - e.free_blocks == held
     assert all(s.state == WAITING for s in e.waiting)
+    # A request admitted with part of its prompt took the rest of the step's budget: at most
+    # one is mid-prefill between steps (scripts/mutation_equivalents/sim.engine.toml uses this).
+    assert len(e.prefilling) <= 1
 
 
 def test_limits_follow_vllm_and_an_empty_cache_reads_full(catalog):
@@ -222,6 +227,8 @@ def test_out_of_blocks_the_newest_request_is_preempted_and_resumes_from_its_own_
     assert (b.state, e.generated(b), e.free_blocks) == (DECODE, 17, 3)
     assert e.first_tokens == [a, b]  # b's first token came before its preemption
     check(e)
+    # b's last 3 decode steps run at once: the finish planned before its preemption is stale.
+    assert e.next_event() == pytest.approx(e.clock + p.decode_span(1, 48 + 1, 3), rel=1e-12)
     e.advance(float("inf"))
     assert b.finished_at == e.clock and e.generated(b) == 20
     st = e.stats
@@ -231,6 +238,14 @@ def test_out_of_blocks_the_newest_request_is_preempted_and_resumes_from_its_own_
     assert st.steps == 24
     assert e.free_blocks == e.total_blocks
     check(e)
+    # One step at a time, the same: at D = 1 b takes the last free block, preempting no one.
+    e = engine(catalog, 6, max_span_s=0.0)
+    a, b = Seq("a", 32, 20), Seq("b", 32, 20)
+    e.add(a, 0.0)
+    e.add(b, 0.0)
+    e.advance(float("inf"))
+    assert (e.stats.preemptions, e.stats.steps, e.stats.prefix_cache_hits) == (1, 24, 32)
+    assert a.finished_at < b.finished_at == e.clock
 
 
 def test_a_waiting_request_that_cannot_join_leaves_decode_steps_to_run_at_once(catalog):
@@ -245,10 +260,13 @@ def test_a_waiting_request_that_cannot_join_leaves_decode_steps_to_run_at_once(c
     e = engine(catalog, 20, max_num_seqs=2, max_num_batched_tokens=2)
     e.add(Seq(0, 2, 10), 0.0)
     step(e)
-    e.add(Seq(1, 16, 10), e.clock)  # one token of budget left beside the decode
+    late = Seq(1, 16, 10)
+    e.add(late, e.clock)  # one token of budget left beside the decode
     assert e.next_event() == e.clock
     step(e)
-    assert e.num_running == 2
+    assert e.num_running == 2 and late.computed == 1
+    step(e)  # its prefill goes on one token a step
+    assert late.computed == 2
     # No free block beside what the decode takes (before vLLM 0.18: the first chunk is enough).
     e = engine(catalog, 2, "0.11.0")
     e.add(Seq(0, 16, 40), 0.0)
@@ -434,11 +452,11 @@ def test_a_prefill_chunk_without_a_free_block_preempts_its_own_request(catalog):
     """Before vLLM 0.18 a request got in on its first chunk. 4 blocks, a 16-token budget:
     a (8 tokens, 3 blocks by its 40th output token) decodes; b (64 tokens, 1 output token) is
     admitted beside it with 15 tokens, then 15 and 15 more (a block each); its fourth chunk
-    needs a fifth block. b, the newest, is preempted: its 45 tokens keep 2 full blocks for it,
-    and no one joins a step that preempted."""
+    needs a fifth block. b, the newest, is preempted: of its 45 tokens, 2 full blocks stay
+    cached (b's prompt is hashed), and no one joins a step that preempted."""
     e = engine(catalog, 4, "0.11.0", max_num_batched_tokens=16)
     p = e.perf
-    a, b = Seq("a", 8, 40), Seq("b", 64, 1)
+    a, b = Seq("a", 8, 40), Seq("b", 64, 1, keyed([1, 2, 3, 4], 64))
     e.add(a, 0.0)
     e.add(b, 0.0)  # a's prefill, begun at 0, is applied
     for computed, free in ((15, 2), (30, 1), (45, 0)):
@@ -451,7 +469,10 @@ def test_a_prefill_chunk_without_a_free_block_preempts_its_own_request(catalog):
     assert (b.state, b.computed, b.preemptions, e.stats.preemptions) == (WAITING, 0, 1, 1)
     assert (a.preemptions, e.free_blocks, e.stats.prompt_tokens) == (0, 3, 8 + 45)
     check(e)
-    # b comes back on its 2 own blocks (32 tokens found) and its next 15 tokens.
+    # Its 2 full blocks were cached as computed: they stay cached, free, and hold all it had
+    # in full (the third, partial, was freed for anyone). It comes back on them (32 tokens
+    # found, 2 of the 3 free blocks) and its next 15 tokens.
+    assert e.cached_tokens(b.keys) == 32
     step(e)
     assert (b.state, b.computed, e.stats.prefix_cache_hits) == (PREFILL, 47, 32)
     e.advance(float("inf"))
@@ -461,12 +482,12 @@ def test_a_prefill_chunk_without_a_free_block_preempts_its_own_request(catalog):
 
 def test_one_prefill_at_a_time_beside_max_num_seqs(catalog):
     e = engine(catalog, 50, max_num_seqs=1, max_num_batched_tokens=16)
-    a, b = Seq("a", 40, 2), Seq("b", 4, 2)
+    a, b = Seq("a", 24, 2), Seq("b", 4, 2)
     e.add(a, 0.0)
-    e.add(b, 0.0)  # a's first chunk applied
+    e.add(b, 0.0)  # a's first chunk (16 tokens) applied
     assert e.next_event() == e.clock  # a mixed step: a still prefills
     step(e)
-    assert (a.computed, b.state) == (32, WAITING)  # 8 tokens of budget left, but no seat
+    assert (a.computed, b.state) == (24, WAITING)  # 8 tokens of budget left, but no seat
 
 
 def test_a_request_counts_the_cached_blocks_it_takes_from_the_free_ones(catalog):
@@ -598,6 +619,17 @@ def test_utilization_counts_one_gpu_of_a_tensor_parallel_group(catalog):
     assert mem == pytest.approx(read / step_s / (g.memory_bandwidth_gb_s * 1e9), rel=1e-9)
     flops = (2 * m.params_active + 4 * m.num_layers * m.num_attention_heads * m.head_dim * kv) / 2
     assert compute == pytest.approx(flops / step_s / g.peak_flops("bf16"), rel=1e-9)
+    # The HBM bytes counted per GPU: runs of decode steps count them as single steps do,
+    # 49 decode steps each reading half the weights and the context (101 .. 149 tokens).
+    e.advance(float("inf"))
+    one_by_one = Engine(p, 51 * BS, max_span_s=0.0)
+    one_by_one.add(Seq(0, 100, 50), 0.0)
+    one_by_one.advance(float("inf"))
+    want = (p.weights / 2 + 100 * p.kv_token_bytes) + sum(
+        p.weights / 2 + c * p.kv_token_bytes for c in range(101, 150)
+    )
+    assert e.stats.read_bytes == pytest.approx(want, rel=1e-12)
+    assert one_by_one.stats.read_bytes == pytest.approx(want, rel=1e-12)
 
 
 def test_utilization_is_at_most_one(catalog):
@@ -649,3 +681,115 @@ def test_chunk_steps_cost_their_tokens_kv_attention_pairs_and_sequences(catalog)
         assert e.clock - t == pytest.approx(p.step_time(tokens, kv, pairs, seqs=seqs), rel=1e-9)
     assert (big.state, small.state, e.n_decode) == (DECODE, DECODE, 3)
     assert e.stats.prompt_tokens == 16 + 4096 + 100
+
+
+def test_requests_finishing_in_one_step_are_returned_in_admission_order(catalog):
+    e = engine(catalog, 20)
+    first = Seq("first", 16, 5)
+    e.add(first, 0.0)
+    late = [Seq(f"s{i}", 20 + i, 4) for i in range(3)]
+    for s in late:
+        e.add(s, 0.0)  # arrived during first's prefill: admitted together, in this order
+    step(e)
+    # first finishes at D = 4 (d0 = 0), the others at D = 1 + 3: the same step
+    assert e.advance(float("inf")) == [first, *late]
+
+
+def test_requests_crossing_a_block_boundary_together_each_take_a_block(catalog):
+    """Three 20-token prompts admitted in one step decode in lockstep: at context 32 (decode
+    step D = 1 + 12) each needs a third block, in the same step."""
+    for cap in (0.0, None):  # one step at a time, then in runs
+        e = engine(catalog, 20, max_span_s=cap)
+        x = Seq("x", 8, 30)
+        e.add(x, 0.0)
+        same = [Seq(f"s{i}", 20, 20) for i in range(3)]
+        for s in same:
+            e.add(s, 0.0)
+        step(e)  # x's decode step D = 0 (context 8: its first block has room), the prefills
+        assert e.free_blocks == 20 - 1 - 3 * 2
+        if cap == 0.0:
+            while e.steps_done < 13:
+                step(e)
+                check(e)
+            assert e.free_blocks == 20 - 2 - 3 * 2  # x took its second block at D = 8
+            step(e)
+            assert e.free_blocks == 20 - 2 - 3 * 3
+        else:
+            # one run to the three's finish at D = 1 + 19: contexts 39 (3 blocks) and x's 28
+            assert step(e) == same
+            assert e.free_blocks == 20 - 2
+        check(e)
+        e.advance(float("inf"))
+        assert e.free_blocks == e.total_blocks and e.stats.finished == 4
+
+
+def test_an_aborted_request_among_those_finishing_together_hides_none_of_them(catalog):
+    """Its planned finish stays in the heap between two live ones due the same step."""
+    e = engine(catalog, 20)
+    first = Seq("first", 16, 5)
+    e.add(first, 0.0)
+    late = [Seq(f"s{i}", 20 + i, 4) for i in range(3)]
+    for s in late:
+        e.add(s, 0.0)
+    step(e)
+    e.abort(late[1])
+    end = e.next_event()  # one run to D = 4, where the other three finish
+    assert e.advance(float("inf")) == [first, late[0], late[2]]
+    assert [e.generated(s) for s in (first, late[0], late[2])] == [5, 4, 4]
+    assert late[2].finished_at == end
+
+
+def crowd(catalog, cap, version=None, seed=7):
+    """40 requests arriving at 20/s on a 30-block cache: many preemptions and resumes."""
+    rnd = random.Random(seed)
+    e = engine(catalog, 30, version, max_span_s=cap)
+    seqs, t = [], 0.0
+    for i in range(40):
+        t += rnd.expovariate(20.0)
+        e.advance(t)
+        check(e)
+        s = Seq(i, rnd.randint(10, 120), rnd.randint(5, 120))
+        seqs.append(s)
+        e.add(s, t)
+        check(e)
+    e.advance(float("inf"))
+    return e, seqs
+
+
+def test_a_crowded_engine_keeps_its_books_and_runs_match_single_steps(catalog):
+    for version in (None, "0.11.0"):
+        (fast, a), (slow, b) = crowd(catalog, None, version), crowd(catalog, 0.0, version)
+        for e, seqs in ((fast, a), (slow, b)):
+            assert e.idle and e.free_blocks == e.total_blocks
+            assert [e.generated(s) for s in seqs] == [s.output for s in seqs]
+            assert all(s.first_token_at <= s.finished_at for s in seqs)
+            assert e.stats.generation_tokens == sum(s.output for s in seqs)
+            assert max(s.preemptions for s in seqs) >= 2  # some were preempted twice
+            assert e.stats.preemptions == sum(s.preemptions for s in seqs)
+        assert [s.finished_at for s in a] == pytest.approx([s.finished_at for s in b], rel=1e-9)
+        assert fast.stats.preemptions == slow.stats.preemptions
+
+
+def test_a_resumed_request_uses_its_own_blocks_only_after_the_prefix_it_held(catalog):
+    """b computed its prompt beside a (same prompt, same step), so its 2 prompt blocks are
+    private copies: its own run after a preemption starts at block 0. When it comes back the
+    cache has a's copies of blocks 0-1: it takes those (32 tokens), and its own run, which
+    starts at block 0, does not continue them: everything after is computed again."""
+    e = engine(catalog, 11)
+    c = Seq("c", 8, 40)
+    e.add(c, 0.0)
+    step(e)
+    a = Seq("a", 40, 30, keyed([5, 6, 7], 40))
+    b = Seq("b", 40, 30, keyed([5, 6, 7], 40))
+    t = e.clock + 0.5 * e.perf.step_time(1, 9)
+    e.add(a, t)  # cuts c's run after its step D = 0
+    e.add(b, t)
+    step(e)
+    assert (len(a.held), len(b.held), e.stats.prefix_cache_hits) == (2, 0, 0)
+    e.advance(float("inf"))
+    assert (a.preemptions, b.preemptions, c.preemptions) == (0, 1, 0)
+    assert e.stats.prefix_cache_hits == 32
+    # b came back with prompt + generated tokens, all but the 32 found computed again
+    assert e.stats.prompt_tokens == 8 + 40 + 40 + (b.target - 32)
+    assert e.generated(b) == 30 and e.free_blocks == e.total_blocks
+    e.pool.check()
