@@ -155,6 +155,10 @@ def test_prefix_kv_queue_is_min_max_of_the_engines_waiting_queue(catalog):
         backend(catalog, "b2", waiting=0, kv_usage=0.6),
     ]
     assert p.scores(req(), bs) == pytest.approx({"b0": 1.0, "b1": 1.5, "b2": 1.4})
+    # Min-max from the shortest queue, not from 0: 2 / 5 / 8 score 1 / 0.5 / 0.
+    for b, waiting in zip(bs, (8, 5, 2), strict=True):
+        b.waiting = waiting
+    assert p.scores(req(), bs) == pytest.approx({"b0": 1.0, "b1": 1.5, "b2": 1.4})
     d = p.choose(req(), bs)
     assert d.backend.name == "b1" and d.label == "prefix-kv prefix:none"
 
@@ -234,6 +238,14 @@ def test_peer_policies_are_registered():
         p = make_policy(name, 3, prefix=view)
         assert p.name == name and p.prefix is view
         assert not p.admission
+    # All three read prompt hashes (the daemon hashes prompts for them); only cache-aware keeps
+    # its own index, as its peer does (the daemon then gives it no shared one).
+    flags = {n: (make_policy(n).reads_prefix, make_policy(n).own_index) for n in PEERS}
+    assert flags == {
+        "cache-aware": (True, True),
+        "prefix-kv": (True, False),
+        "kv-router": (True, False),
+    }
 
 
 def test_placed_forwards_to_the_prefix_view(catalog):
@@ -271,3 +283,211 @@ def test_peer_policies_complete_a_simulated_workload(catalog, name):
     assert all(o.backend is not None and o.finished is not None for o in result.outcomes)
     assert sum(result.reasons.values()) == len(items)
     assert all(label.startswith(name) for label in result.reasons)
+
+
+# --- rule by rule, fast (scripts/mutation.py runs these once per mutant of peers.py) ----------
+
+
+class EngineView:
+    """A KV-event view whose engines cache in their own block size (the simulator's, or a
+    trace whose 512-token blocks are not the engine's 16): any token count, per backend."""
+
+    def __init__(self, **tokens):
+        self.tokens = tokens
+
+    def cached(self, backend, blocks):
+        return self.tokens.get(backend, 0)
+
+    def routed(self, backend, blocks):
+        pass
+
+
+def test_cache_aware_says_why_in_its_reason(catalog):
+    p = make_policy("cache-aware")
+    prompt = blocks(range(10))
+    _warm(p, prompt, "b1", catalog)
+
+    def reason(lo, hi, r):
+        bs = [backend(catalog, "b0", outstanding=lo), backend(catalog, "b1", outstanding=hi)]
+        return p.choose(r, bs).reason
+
+    assert reason(100, 165, req(b=prompt)) == "cache-aware balance (load 100..165)"
+    assert reason(7, 3, req(b=prompt)) == "cache-aware prefix:hit (match 1.00)"
+    # 3 of 10 blocks held: a miss, to the least loaded (3 in flight).
+    miss = req(b=blocks([0, 1, 2, 90, 91, 92, 93, 94, 95, 96]))
+    assert reason(7, 3, miss) == "cache-aware prefix:miss (match 0.30)"
+    assert reason(7, 3, req()) == "cache-aware prefix:none (3)"
+
+
+def test_cache_aware_relative_threshold_is_strict(catalog):
+    # 300 = 1.5 * 200 exactly (gap 100 > 64): not above it, so still balanced.
+    p = make_policy("cache-aware")
+    bs = [backend(catalog, "b0", outstanding=200), backend(catalog, "b1", outstanding=300)]
+    assert not p.imbalanced(bs)
+    bs[1].outstanding = 301
+    assert p.imbalanced(bs)
+    # An idle worker beside one 65 deep: both thresholds passed (65 > 1.5 * 0).
+    assert p.imbalanced([backend(catalog, "b0"), backend(catalog, "b1", outstanding=65)])
+
+
+def test_cache_aware_prompts_without_tokens_or_hashes_go_to_the_least_loaded(catalog):
+    p = make_policy("cache-aware")
+    _warm(p, blocks(range(3)), "b1", catalog)
+    bs = [backend(catalog, "b0", outstanding=1), backend(catalog, "b1", outstanding=2)]
+    no_hashes = PromptBlocks((), BT, 40)
+    d = p.choose(req(b=no_hashes), bs)
+    assert d.backend.name == "b0" and d.label == "cache-aware prefix:none"
+    empty = PromptBlocks(chain(range(3)), BT, 0)  # an empty prompt: rate 0, not 0 / 0
+    d = p.choose(req(b=empty, prompt=0), bs)
+    assert d.backend.name == "b0" and d.label == "cache-aware prefix:none"
+    # One token, held: rate 1.
+    one = PromptBlocks(chain(range(1)), BT, 1)
+    assert p.choose(req(b=one), bs).label == "cache-aware prefix:hit"
+
+
+def test_cache_aware_tie_order_is_per_tree_node(catalog):
+    # Every tenant holds two 8-block prompts that differ only in their last block: the
+    # deepest match ends at different nodes, each with its own arbitrary tenant order, so
+    # over a dozen seeds they do not always agree (one order for both would).
+    a, c = blocks(range(8)), blocks([*range(7), 50])
+    # A third prompt that runs on past a's last node answers as a does, whatever the seed.
+    longer = blocks([*range(8), 60, 61])
+
+    def tenants(seed):
+        p = make_policy("cache-aware", seed)
+        bs = [backend(catalog, f"b{i}") for i in range(4)]
+        for b in bs:
+            _warm(p, a, b.name, catalog)
+            _warm(p, c, b.name, catalog)
+        return [p.choose(req(b=x), bs).backend.name for x in (a, c, longer)]
+
+    picks = [tenants(s) for s in range(12)]
+    assert any(pa != pc for pa, pc, _ in picks)
+    assert all(pa == pl for pa, _, pl in picks)
+
+
+def test_cache_aware_seeds_with_0_by_default(catalog):
+    from fleetctl.routing.peers import CacheAware
+
+    def picks(p):
+        bs = [backend(catalog, f"b{i}") for i in range(4)]
+        prompts = [blocks(range(k, k + 4)) for k in range(0, 48, 4)]  # 12 tree nodes
+        for x in prompts:
+            for b in bs:
+                _warm(p, x, b.name, catalog)
+        return [p.choose(req(b=x), bs).backend.name for x in prompts]
+
+    assert picks(CacheAware()) == picks(CacheAware(0)) != picks(CacheAware(1))
+
+
+def test_cache_aware_sizes_its_tree_once_and_to_at_least_one_block(catalog):
+    from fleetctl.routing.peers import CacheAware
+
+    p = CacheAware(max_tree_size=1000)
+    _warm(p, blocks(range(3)), "b0", catalog)
+    assert p.tree.capacity == 1000 // (4 * BT)  # 15 blocks of 64 characters
+    # A later prompt in 512-token blocks does not resize it.
+    _warm(p, PromptBlocks(chain(range(2)), 512, 1024), "b0", catalog)
+    assert p.tree.capacity == 15
+    tiny = CacheAware(max_tree_size=10)  # under one 64-character block: still one
+    _warm(tiny, blocks(range(3)), "b0", catalog)
+    assert tiny.tree.capacity == 1
+
+
+def test_prefix_kv_counts_whole_blocks_of_the_request_and_clips_to_one(catalog):
+    p = make_policy("prefix-kv")
+    b0 = backend(catalog, "b0")
+    prompt = blocks(range(7), tokens=100)  # 6 whole blocks and 4 tokens
+    # 40 tokens cached (an engine's finer blocks): 2 whole blocks of 16, 2/6.
+    p.prefix = EngineView(b0=40)
+    assert p.prefix_score(req(b=prompt), b0) == pytest.approx(2 / 6)
+    # All 100 tokens: 6 whole blocks of 6, 1; never more.
+    p.prefix = EngineView(b0=100)
+    assert p.prefix_score(req(b=prompt), b0) == 1.0
+    p.prefix = EngineView(b0=160)
+    assert p.prefix_score(req(b=prompt), b0) == 1.0
+    # A prompt of one whole block, held: 1.
+    p.prefix = EngineView(b0=16)
+    assert p.prefix_score(req(b=blocks(range(1))), b0) == 1.0
+    # A prompt shorter than a block has no whole block to match: 0, not 0 / 0.
+    p.prefix = EngineView(b0=10)
+    assert p.prefix_score(req(b=blocks(range(1), tokens=10)), b0) == 0.0
+    assert p.prefix_score(req(), b0) == 0.0
+
+
+def test_prefix_kv_clips_kv_utilization_to_zero_and_one(catalog):
+    p = make_policy("prefix-kv")
+    # One backend: queue 1; prefix 0; kv 1 - usage, clipped.
+    over = backend(catalog, "b0", kv_usage=1.25)
+    assert p.scores(req(), [over]) == {"b0": 1.0}
+    under = backend(catalog, "b0", kv_usage=-0.5)
+    assert p.scores(req(), [under]) == {"b0": 2.0}
+
+
+def test_prefix_kv_weights_are_llm_ds(catalog):
+    # b0: prefix 3/6 = 0.5, kv usage 0.25, waiting 4 (queue 0); b1: cold, waiting 0 (queue 1).
+    p = make_policy("prefix-kv", prefix=EngineView(b0=48))
+    bs = [backend(catalog, "b0", kv_usage=0.25, waiting=4), backend(catalog, "b1", waiting=0)]
+    scores = p.scores(req(b=blocks(range(6))), bs)
+    assert scores == pytest.approx({"b0": 2 * 0.5 + 0.75 + 0, "b1": 0 + 1 + 1})
+
+
+def test_prefix_kv_says_why_in_its_reason(catalog):
+    p = make_policy("prefix-kv", prefix=EngineView(b0=48))
+    bs = [backend(catalog, "b0"), backend(catalog, "b1")]
+    d = p.choose(req(b=blocks(range(6))), bs)  # b0: 2 * 0.5 + 1 + 1
+    assert d.reason == "prefix-kv prefix:hit (score 3.00, prefix 0.50)"
+    d = p.choose(req(b=blocks(range(6))), [bs[1]])  # alone and cold: 0 + 1 + 1
+    assert d.reason == "prefix-kv prefix:miss (score 2.00, prefix 0.00)"
+
+
+def test_kv_router_cost_by_hand(catalog):
+    p = make_policy("kv-router", prefix=EngineView(b1=100, b2=200))
+    prompt = blocks(range(7), tokens=100)  # 6 whole blocks
+    r = req(b=prompt, prompt=100)
+    b0 = backend(catalog, "b0", pending_prefill=60)
+    kv = b0.kv_tokens
+    b0.kv_usage = 320 / kv  # 320 tokens in use: 20 blocks
+    # b0, cold: prefill (100 + 60) / 16 = 10; decode 6 new + 20 active = 26.
+    assert p.cost(r, b0) == (pytest.approx(36.0), 0)
+    # b1 holds all 100 tokens: 6 whole blocks, overlap 6: prefill (100 - 96) / 16 = 0.25,
+    # decode 0 new blocks.
+    assert p.cost(r, backend(catalog, "b1")) == (pytest.approx(0.25), 6)
+    # b2 says 200 (more than the prompt): still 6, never more than its whole blocks.
+    assert p.cost(r, backend(catalog, "b2")) == (pytest.approx(0.25), 6)
+    # Without hashes: vLLM's 16-token blocks, no overlap and no new blocks: 100 / 16.
+    assert p.cost(req(prompt=100), backend(catalog, "b3")) == (pytest.approx(6.25), 0)
+
+
+def test_kv_router_a_fully_cached_prompt_has_no_new_tokens(catalog):
+    # 160 tokens in 10 whole blocks, all cached: prefill max(0, 160 - 160) = 0.
+    p = make_policy("kv-router", prefix=EngineView(b0=160))
+    assert p.cost(req(b=blocks(range(10))), backend(catalog, "b0")) == (0.0, 10)
+    # A prompt the hashes overstate (fewer tokens than its cached blocks): not negative.
+    assert p.cost(req(b=blocks(range(10)), prompt=150), backend(catalog, "b0")) == (0.0, 10)
+
+
+def test_kv_router_says_why_in_its_reason(catalog):
+    p = make_policy("kv-router", prefix=cached_view(b1=range(10)))
+    bs = [backend(catalog, "b0"), backend(catalog, "b1", pending_prefill=8)]
+    # b1: 8 / 16 = 0.5; b0: 10 + 10.
+    assert (
+        p.choose(req(b=blocks(range(10))), bs).reason
+        == "kv-router prefix:hit (cost 0.5, cached 10)"
+    )
+    assert p.choose(req(b=blocks(range(50, 60))), bs).reason == (
+        "kv-router prefix:miss (cost 20.0, cached 0)"
+    )
+    assert p.choose(req(prompt=160), bs).reason == "kv-router prefix:none (cost 10.0, cached 0)"
+
+
+def test_prefix_kv_and_kv_router_seed_with_0_by_default(catalog):
+    from fleetctl.routing.peers import KvRouter, PrefixKv
+
+    bs = [backend(catalog, f"b{i}") for i in range(4)]  # all tied
+
+    def picks(p):
+        return [p.choose(req(), bs).backend.name for _ in range(12)]
+
+    for cls in (PrefixKv, KvRouter):
+        assert picks(cls()) == picks(cls(0)) != picks(cls(1))
