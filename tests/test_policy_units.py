@@ -257,6 +257,15 @@ def test_estimate_adds_latency_for_bandwidth_and_compute_saturation_past_0_85():
     assert ha.estimate(calm, r) == pytest.approx(0.4145)
 
 
+def test_a_saturation_threshold_of_1_turns_the_penalty_off_even_past_full_use():
+    """The inventory allows `bandwidth_saturation: 1`; a measured read rate can come out a
+    little over the GPU's peak. Before, that divided by 1 - 1 = 0."""
+    ha = HardwareAware(RoutingConfig(bandwidth_saturation=1.0, compute_saturation=1.0))
+    r = rq(prompt=400, out=300)
+    over = be("b", outstanding=1, bandwidth_util=1.02, compute_util=1.01)
+    assert ha.estimate(over, r) == pytest.approx(0.4145)  # the idle figure worked out above
+
+
 # --- HardwareAware.choose ---------------------------------------------------------------------
 
 

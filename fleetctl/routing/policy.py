@@ -267,14 +267,11 @@ class HardwareAware(Policy):
         # daemon measures it live as the rate of vllm:estimated_read_bytes_per_gpu_total over
         # the GPU's peak bandwidth (or DCGM_FI_DEV_MEM_COPY_UTIL), falling back to the perf
         # model applied to the scraped running-request count when that counter is missing.
-        if b.bandwidth_util > cfg.bandwidth_saturation:
-            excess = (b.bandwidth_util - cfg.bandwidth_saturation) / (1 - cfg.bandwidth_saturation)
-            wait += excess * req.output_tokens * step
         # Compute saturation (large batches on compute-rich GPUs): same reasoning.
-        if b.compute_util > cfg.compute_saturation:
-            excess = (b.compute_util - cfg.compute_saturation) / (1 - cfg.compute_saturation)
-            wait += excess * req.output_tokens * step
-        return wait + step
+        excess = _past(b.bandwidth_util, cfg.bandwidth_saturation) + _past(
+            b.compute_util, cfg.compute_saturation
+        )
+        return wait + excess * req.output_tokens * step + step
 
     def placed(self, req: Request, backend: Backend) -> None:
         last = self._hit
@@ -297,3 +294,12 @@ class HardwareAware(Policy):
         pin = self.sessions.get(req.session)
         if pin is None or pin.node_class != backend.node_class or pin.node != backend.node:
             self.sessions.set(req.session, Pin(backend.node_class, backend.node))
+
+
+def _past(util: float, threshold: float) -> float:
+    """How far a utilization is past its saturation threshold, as a share of the room above
+    it: 0 at or below the threshold, 1 at full use. A threshold of 1 (the inventory allows it)
+    turns the penalty off, even where a measured rate reads a little over 1."""
+    if threshold >= 1:
+        return 0.0
+    return max(0.0, util - threshold) / (1 - threshold)
