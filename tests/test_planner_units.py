@@ -6,6 +6,7 @@ from the rule its test names."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 
 import pytest
@@ -334,7 +335,7 @@ def test_the_solver_says_what_it_solved_and_prints_nothing(tmp_path, catalog, ca
     )  # fmt: skip
     capfd.readouterr()
     sol = solve(classes, cands, models, 0.8)
-    print("after")  # and stdout is stdout again afterwards
+    os.write(1, b"after\n")  # and file descriptor 1 is stdout again afterwards
     assert capfd.readouterr() == ("after\n", "")
     assert sol.counts == [1] and sol.shapes == {}
     assert sol.info["solver"] == "HiGHS (highspy)"
@@ -467,8 +468,9 @@ def test_cost_needs_a_price_for_every_class(tmp_path, catalog):
         f"models:\n{model('m')}\n"
     )  # fmt: skip
     classes = [dataclasses.replace(classes[0], cost_per_hour=None)]  # RTX-4090s have one
-    with pytest.raises(ValueError, match="objective 'cost' needs a price for every node class"):
+    with pytest.raises(ValueError) as e:
         solve(classes, cands, ms, 0.8, objective="cost")
+    assert str(e.value) == "objective 'cost' needs a price for every node class"
 
 
 def test_cost_leaves_gpus_no_workload_needs_idle_and_says_a_shortfall(tmp_path, catalog):
@@ -583,6 +585,21 @@ def test_a_six_gpu_node_is_cut_into_the_shape_its_servers_need(tmp_path, catalog
     assert sol.shapes == {0: [((4, 2), 1)]}
 
 
+def test_a_second_six_gpu_node_is_cut_too_when_its_servers_add_capacity(tmp_path, catalog):
+    """Two 6-GPU nodes, at most three servers: TP=4 + TP=2 on one node (67 req/s) and a
+    second TP=4 on the other (112: log(112/67) = 0.51 more, four more GPUs in use). Cutting
+    a node costs nothing in itself, so both are cut."""
+    classes, cands, ms = program(
+        tmp_path, catalog, "nodes:\n  - {name: 's-[1:2]', gpus: {type: H100-SXM-80GB, count: 6}}\n"
+        f"models:\n{model('a', ', max_replicas: 3')}\n", tp_ok=True,
+    )  # fmt: skip
+    speed = {1: 10.0, 2: 22.0, 4: 45.0}
+    cands = [dataclasses.replace(k, capacity_rps=speed[k.tp]) for k in cands]
+    sol = solve(classes, cands, ms, 0.8)
+    assert {k.tp: n for k, n in zip(cands, sol.counts, strict=True)} == {1: 0, 2: 1, 4: 2}
+    assert sum(n for _, n in sol.shapes[0]) == 2 and ((4, 2), 1) in sol.shapes[0]
+
+
 def test_cost_prices_a_server_by_its_share_of_the_node(tmp_path, catalog):
     """One server covers the workload. An 8-GPU node at 8/h runs a TP=1 server for 1/h
     (8 x 1/8), cheaper than a 1-GPU node at 1.5/h; at 16/h its GPU costs 2/h and the
@@ -601,14 +618,29 @@ def test_cost_prices_a_server_by_its_share_of_the_node(tmp_path, catalog):
 
 
 def test_cost_covers_a_shortfall_worth_more_than_a_server_of_the_fleets_price(tmp_path, catalog):
-    """Ten 1-GPU nodes at 10/h (the fleet: 100/h), 10 req/s each, 8 at the 80% target. A
-    workload of 8.00012 req/s is 0.0015% more than one server carries: uncovered, that
-    costs 1e4 x 1.5e-5 = 0.15, more than a second server's price in fleet units, 10/100 =
-    0.1, so two run; at 8.000005 req/s (0.0000625% short: 0.00625) one does."""
-    for rate, servers in (("8.00012", 2), ("8.000005", 1)):
+    """Ten 1-GPU nodes at 10/h (the fleet: 100/h; 90 free L4s the model may not use add
+    nothing), 10 req/s each, 8 at the 80% target. A workload of 8.00012 req/s is 0.0015%
+    more than one server carries: uncovered, that costs 1e4 x 1.5e-5 = 0.15, more than a
+    second server's price in fleet units, 10/100 = 0.1, so two run; 8.00006 req/s (0.075)
+    and 8.000005 (0.00625) are not worth a second."""
+    for rate, servers in (("8.00012", 2), ("8.00006", 1), ("8.000005", 1)):
         text = "nodes:\n  - {name: 'n-[1:10]', gpus: {type: RTX-4090, count: 1}, "
-        text += f"cost_per_hour: 10}}\nmodels:\n{model('m', WORKLOAD % rate)}\n"
+        text += "cost_per_hour: 10}\n  - {name: 'f-[1:90]', gpus: {type: L4, count: 1}, "
+        text += "cost_per_hour: 0}\nmodels:\n"
+        text += model("m", WORKLOAD % rate + ", placement: {gpu_types: [RTX-4090]}") + "\n"
         classes, cands, ms = program(tmp_path, catalog, text, capacity_rps=10.0)
+        assert [(c.gpu.name, c.size, c.cost_per_hour) for c in classes] == [
+            ("L4", 90, 0.0),
+            ("RTX-4090", 10, 10.0),
+        ]
+        assert solve(classes, cands, ms, 0.8, objective="cost").counts == [servers], rate
+        # The same with the workload in two equal length buckets (10 req/s each): their
+        # shortfalls, weighed by their shares, add up to the same 0.15, 0.075 and 0.00625.
+        buckets = BUCKETS.replace("requests_per_s: 8", f"requests_per_s: {rate}")
+        text = text.replace(WORKLOAD % rate, buckets).replace(
+            "mean_prompt_tokens: 3000", "mean_prompt_tokens: 500"
+        )
+        classes, cands, ms = program(tmp_path, catalog, text, bucket_capacity=(10.0, 10.0))
         assert solve(classes, cands, ms, 0.8, objective="cost").counts == [servers], rate
 
 
@@ -647,13 +679,14 @@ def test_kv_starved_servers_still_use_gpus_no_one_else_gains_from(tmp_path, cata
 
 def test_a_server_takes_a_larger_tp_only_where_it_does_not_cost_capacity(tmp_path, catalog):
     """One server on a 2-GPU node. TP=2 at 8 req/s against TP=1 at 10: log(10/8) = 0.22 of
-    capacity outweighs one more GPU in use (GPU_USE_BONUS 0.06): TP=1. At equal capacity
-    the GPU would idle for nothing: TP=2."""
+    capacity outweighs one more GPU in use (GPU_USE_BONUS 0.06): TP=1; at 9.2 req/s too
+    (log(10/9.2) = 0.083; 0.094 on the log's tangents). At equal capacity the GPU would
+    idle for nothing: TP=2."""
     text = (
         "nodes:\n  - {name: d-1, gpus: {type: RTX-4090, count: 2}}\n"
         f"models:\n{model('m', ', max_replicas: 1')}\n"
     )
-    for tp2, want in ((8.0, 1), (10.0, 2)):
+    for tp2, want in ((8.0, 1), (9.2, 1), (10.0, 2)):
         classes, cands, ms = program(tmp_path, catalog, text, tp_ok=True)
         speed = {1: 10.0, 2: tp2}
         cands = [dataclasses.replace(k, capacity_rps=speed[k.tp]) for k in cands]
@@ -662,6 +695,18 @@ def test_a_server_takes_a_larger_tp_only_where_it_does_not_cost_capacity(tmp_pat
             1: int(want == 1),
             2: int(want == 2),
         }, tp2
+        assert sol.shapes == {}  # 2 is a power of two: no shapes to cut
+
+
+def test_a_small_shortfall_weighs_20_times_its_share_of_the_workload(tmp_path, catalog):
+    """Four GPUs. `a`'s servers carry 2% of its workload each (8 of 400 req/s), `b` has no
+    workload. a's third server covers 2% more (SHORTFALL_WEIGHT 20 x 0.02 = 0.4) and adds
+    log 1.5 = 0.41 to a's fairness; b's second adds log 2 = 0.69. 0.81 > 0.69: a 3, b 1
+    (at a weight of 10, or fairness counted twice, b would get two)."""
+    text = f"{model('a', WORKLOAD % 400)}\n{model('b')}"
+    classes, cands, ms = two(tmp_path, catalog, text, x=4, capacity_rps=10.0)
+    cands = [k for k in cands if k.cls.index == 0]
+    assert solve(classes[:1], cands, ms, 0.8).counts == [3, 1]
 
 
 def test_models_without_workload_share_gpus_whatever_their_speed(tmp_path, catalog):
@@ -679,13 +724,16 @@ def test_models_without_workload_share_gpus_whatever_their_speed(tmp_path, catal
 def test_capacity_beyond_100_times_the_workload_earns_nothing(tmp_path, catalog):
     """Five GPUs. `a`'s server carries 90 times its workload: a second would add log 2 to
     fairness uncapped, but capped at 100 only log(100/90) = 0.105. `b` (no workload) gains
-    log 2, log 1.5, log 4/3 = 0.29 from its second, third and fourth: a 1, b 4."""
+    log 2, log 1.5, log 4/3 = 0.29 from its second, third and fourth: a 1, b 4. At 40 times,
+    a's second adds log 2 (80 times), its third log(100/80) = 0.22, under b's third: 2 + 3."""
     text = f"{model('a', WORKLOAD % 0.8)}\n{model('b')}"
     classes, cands, ms = two(tmp_path, catalog, text, x=5, sequences_at_max_len=8)
     cands = [k for k in cands if k.cls.index == 0]
-    speed = {"a": 90.0, "b": 10.0}  # a: 90 x 0.8 / 0.8 = 90 times its workload per server
-    cands = [dataclasses.replace(k, capacity_rps=speed[k.model.name]) for k in cands]
-    assert solve(classes[:1], cands, ms, 0.8).counts == [1, 4]
+    for times, split in ((90.0, [1, 4]), (40.0, [2, 3])):
+        # a: capacity x 0.8 / 0.8 req/s = `times` its workload per server
+        speed = {"a": times, "b": 10.0}
+        cands = [dataclasses.replace(k, capacity_rps=speed[k.model.name]) for k in cands]
+        assert solve(classes[:1], cands, ms, 0.8).counts == split, times
 
 
 def test_a_model_far_short_of_its_workload_still_gets_a_server(tmp_path, catalog):
