@@ -309,11 +309,6 @@ def program(
     return classes, [dataclasses.replace(k, **numbers) for k in feasible], list(inv.models)
 
 
-def at(cands: list[Candidate], cls: int, name: str = "m") -> int:
-    (o,) = [o for o, k in enumerate(cands) if k.cls.index == cls and k.model.name == name]
-    return o
-
-
 def two(tmp_path, catalog, models: str, x=1, y=1, price=2.0, gpu="RTX-4090", **numbers):
     """x-1..x-`x` (1/h) and y-1..y-`y` (`price`/h, of `gpu`): one 1-GPU class each."""
     return program(tmp_path, catalog, TWO_CLASSES % (x, y, gpu, price, models), **numbers)
