@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import os
 import shutil
 import signal
@@ -161,6 +162,33 @@ def statuses(work: Path) -> list[tuple[int, int, str]]:
         db.close()
 
 
+def hash_of_tests(tests: Path) -> str:
+    """mutmut 2's hash of the test files (mutmut/cache.py hash_of_tests, for one folder): a
+    mutant tested against another hash was not tried with the tests as they are now."""
+    h = hashlib.sha256()
+    for root, _dirs, files in os.walk(tests):
+        for name in files:
+            if name.endswith(".py") and (
+                name.startswith("test") or name.endswith("_tests.py") or "test" in root
+            ):
+                h.update((Path(root) / name).read_bytes())
+    return h.hexdigest()
+
+
+def not_tried(work: Path, tests_hash: str) -> list[int]:
+    """Mutants neither killed nor tried against the current tests."""
+    db = sqlite3.connect(work / ".mutmut-cache")
+    try:
+        rows = db.execute(
+            "SELECT id FROM Mutant WHERE status = 'untested'"
+            " OR (status != 'ok_killed' AND tested_against_hash != ?) ORDER BY id",
+            (tests_hash,),
+        ).fetchall()
+    finally:
+        db.close()
+    return [r[0] for r in rows]
+
+
 def cache_of(work: Path) -> bool:
     return (work / ".mutmut-cache").exists()
 
@@ -224,14 +252,22 @@ def run_module(
         t0 = time.monotonic()
         log = (work / "mutmut.log").open("w")
         stopped, restarts, rc = False, 0, 0
-        while True:
+
+        def run(argv: list[str]) -> bool:
+            """Run mutmut within what is left of the budget; False once the budget is out."""
+            nonlocal rc
             proc = subprocess.Popen(
-                cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                argv,
+                cwd=work,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
             try:
                 rc = proc.wait(timeout=max(1.0, budget - (time.monotonic() - t0)))
+                return True
             except subprocess.TimeoutExpired:
-                stopped = True
                 os.killpg(proc.pid, signal.SIGTERM)
                 try:
                     proc.wait(timeout=10)
@@ -239,17 +275,20 @@ def run_module(
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
                 restore_module(work, module)
-                break
-            # mutmut 2 sometimes ends its run early with mutants still untested (its worker
-            # process ends without a word under heavy load); the cache lets it go on.
-            left = [r for r in statuses(work) if r[2] == "untested"] if cache_of(work) else []
-            if not left or restarts >= 5 or time.monotonic() - t0 >= budget:
-                break
+                return False
+
+        stopped = not run(cmd)
+        # mutmut 2's whole-module run can end with mutants it never tried: its queue skips
+        # some cached rows (duplicate source lines, boxed/mutmut#280) and its worker sometimes
+        # ends without a word. `mutmut run ID` tries one mutant, so each left is run alone.
+        tests_hash = hash_of_tests(work / "tests")
+        for mid in [] if stopped else not_tried(work, tests_hash):
             restarts += 1
-            log.write(
-                f"\n[mutation.py] mutmut ended with {len(left)} untested: restart {restarts}\n"
-            )
+            log.write(f"\n[mutation.py] mutant {mid} was not tried: running it alone\n")
             log.flush()
+            if not run([*cmd[:2], str(mid), *cmd[2:]]):
+                stopped = True
+                break
         log.close()
         elapsed = time.monotonic() - t0
         rows = statuses(work) if cache_of(work) else []
@@ -336,7 +375,7 @@ def report(results: list[dict], budget: float, argv: list[str]) -> str:
         k, s, t, u, e, pct = score(r["counts"])
         stop = " (budget)" if r["stopped"] else ""
         if r["restarts"]:
-            stop += f" ({r['restarts']} restarts)"
+            stop += f" ({r['restarts']} run alone)"
         out.append(
             f"| {r['module']} | {r['tests']} | {k} | {s} | {t} | {e} | {u} | {pct}"
             f" | {r['elapsed']:.0f} s{stop} |"
