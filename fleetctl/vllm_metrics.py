@@ -152,9 +152,11 @@ def _wanted_blocks(text: str) -> list[tuple[str, list[str]]]:
         name_start = at + 7
         name_end = text.find(" ", name_start)
         block_start = text.find("\n", name_end) + 1
+        if not block_start:  # the page ends on this TYPE line: no samples follow it
+            break  # (searching on from 0 would find this line again, for ever)
         nxt = text.find("# TYPE ", block_start)
         names = _BY_FAMILY.get(text[name_start:name_end])
-        if block_start and names:
+        if names:
             blocks.append((text[block_start : nxt if nxt >= 0 else len(text)], names))
         at = nxt
     return blocks
