@@ -38,8 +38,8 @@ def step(e: Engine) -> list[Seq]:
 
 
 def check(e: Engine) -> None:
-    """The engine's incremental state agrees with the sequences it holds (no shared prefixes:
-    every running sequence's blocks are its own)."""
+    """The engine's incremental state agrees with the sequences it holds (for tests where no
+    two running requests share a prefix: every running sequence's blocks are its own)."""
     e.pool.check()
     dec = [s for s in e.running if s.state == DECODE]
     ctx = [s.base_c + e.steps_done - s.d0 for s in dec]
@@ -62,7 +62,6 @@ def test_limits_follow_vllm_and_an_empty_cache_reads_full(catalog):
     e = engine(catalog, 10, max_num_seqs=256, max_num_batched_tokens=8)
     assert e.max_num_seqs == 8
     assert engine(catalog, 10, max_num_seqs=4).max_num_seqs == 4
-    # Less KV than the null block: nothing usable (not -1 blocks), and usage reads as full.
     # vLLM's defaults on a small GPU; a fresh engine's time starts at 0.
     d = Engine(perf(catalog), 100 * BS)
     assert (d.max_num_seqs, d.max_num_batched_tokens, d.max_model_len) == (256, 2048, 8192)
@@ -72,6 +71,7 @@ def test_limits_follow_vllm_and_an_empty_cache_reads_full(catalog):
     assert Seq(0, 10, 0).output == 1  # a request samples at least one token
     # A partial block at the end of the cache holds no sequence's tokens.
     assert Engine(perf(catalog), 100 * BS + 15).total_blocks == 100 - 1
+    # Less KV than the null block: nothing usable (not -1 blocks), and usage reads as full.
     empty = Engine(perf(catalog), 8)
     assert empty.total_blocks == 0 and empty.kv_usage == 1.0
     assert e.kv_usage == 0.0 and e.idle and e.num_running == e.num_waiting == 0
@@ -115,7 +115,7 @@ def test_one_request_is_chunked_prefilled_then_decoded(catalog):
     assert end == pytest.approx(start + p.step_time(1, 41) + p.step_time(1, 42), rel=1e-12)
     assert step(e) == [s]
     assert s.finished_at == pytest.approx(end, rel=1e-12)
-    assert (s.state, e.generated(s)) == (DONE, 3)
+    assert (s.state, e.generated(s), s.req) == (DONE, 3, "r")  # with the caller's handle
     st = e.stats
     assert (st.steps, st.prompt_tokens, st.generation_tokens, st.finished) == (5, 40, 3, 1)
     assert (st.prefix_cache_queries, st.prefix_cache_hits, st.preemptions) == (40, 0, 0)
