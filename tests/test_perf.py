@@ -420,6 +420,16 @@ def test_pcie_all_reduce_by_generation(gen, gb_s):
     assert e.step_time(1, 1000) == pytest.approx(mem + comm + 1e-3, rel=1e-12)
 
 
+def test_a_pcie_gpu_with_an_nvlink_figure_still_reduces_over_pcie():
+    # interconnect says how the server's GPUs talk; a bridge's nvlink_gb_s on a PCIe profile
+    # (A100 PCIe cards can carry one) is not the path vLLM's all-reduce takes here.
+    g = toy_gpu(interconnect="pcie", nvlink_gb_s=600, pcie_gen=4)
+    e = EnginePerf(g, toy_model(), toy_format(), tp=2)
+    mem = TOY_WEIGHTS / 2 / WBW + 1000 * 1024 / BW
+    comm = 4 * (2 * 25e-6) + 4 * (4000 * 1.0 / 25e9)  # PCIe 4: 25 GB/s, as above
+    assert e.step_time(1, 1000) == pytest.approx(mem + comm + 1e-3, rel=1e-12)
+
+
 def toy_moe() -> ModelProfile:
     # 8 experts of 1e8 parameters, 2 a token: 2e8 shared + 2 x 1e8 = 4e8 active.
     return toy_model(num_experts=8, experts_per_token=2, params_active=4 * 10**8)
