@@ -19,6 +19,20 @@ class Result:
         self.code, self.out, self.err = code, out, err
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--reverse-order",
+        action="store_true",
+        help="run the collected tests last to first: a test that leans on another's leftovers"
+        " (a host it broke, a file it wrote) fails one way or the other",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--reverse-order"):
+        items.reverse()
+
+
 # Loggers that `fleetctl --debug` turns up in-process (fleetctl.cli.common.debug_logging).
 DEBUG_LOGGERS = ("paramiko", "fleetctl.ssh")
 
