@@ -158,6 +158,20 @@ def test_import_hf_config(cli, tmp_path):
     assert r.code == 0, r.err
     data = yaml.safe_load((out / "models" / "my-llama.yaml").read_text())
     assert data["params_total"] == 8030261248  # exactly the published count
+    # Tied embeddings count once: Llama-3.2 1B (meta-llama/Llama-3.2-1B), 1,235,814,400.
+    tied = {
+        **cfg,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "tied.json").write_text(json.dumps(tied))
+    r = cli("profiles", "import-hf-config", tmp_path / "tied.json", "--name", "one-b", "--out", out)
+    assert r.code == 0, r.err
+    one_b = yaml.safe_load((out / "models" / "one-b.yaml").read_text())
+    assert one_b["params_total"] == 1235814400
     r = cli("profiles", "import-hf-config", path, "--name", "my-llama", "--out", out)
     assert r.code == 2 and "pass --force" in r.err
     # The new profile is usable by an inventory through --profiles.

@@ -65,3 +65,29 @@ def test_short_work_shows_nothing(monkeypatch):
     shown = _read_all(master)
     os.close(master)
     assert shown == b""
+
+
+def test_the_bar_goes_to_stderr_by_default_never_stdout(monkeypatch):
+    """Without a `stream`, the bar draws on sys.stderr: stdout stays for the command's output."""
+    monkeypatch.setattr(fleetctl.progress, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    err_master, err_slave = os.openpty()
+    out_master, out_slave = os.openpty()
+    with (
+        os.fdopen(err_slave, "w", encoding="utf-8") as err,
+        os.fdopen(out_slave, "w", encoding="utf-8") as out,
+    ):
+        monkeypatch.setattr("sys.stderr", err)
+        monkeypatch.setattr("sys.stdout", out)
+        with progress("reading trace.csv", 100) as bar:
+            bar.update(40)
+        err.flush()
+        out.flush()
+        monkeypatch.undo()
+    on_err = _read_all(err_master).decode("utf-8", "replace")
+    on_out = _read_all(out_master)
+    os.close(err_master)
+    os.close(out_master)
+    assert "reading trace.csv" in on_err
+    assert on_out == b""

@@ -59,6 +59,10 @@ def test_text_prompts_sharing_n_characters_share_n_over_chunk_leading_hashes():
 
 
 def test_only_full_blocks_are_hashed():
+    # The README's figure, written out: text is cut into 64-character chunks.
+    assert text_blocks("a" * 63, 16).hashes == ()
+    assert len(text_blocks("a" * 191, 48).hashes) == 2
+    assert text_blocks("a" * 128, 32).block_tokens == 16
     assert text_blocks("a" * (C - 1), 10).hashes == ()
     assert len(text_blocks("a" * (3 * C + 5), 50).hashes) == 3
     ids = list(range(16 * 5 + 7))
