@@ -77,6 +77,38 @@ def test_live_state_prefers_fresh_dcgm_and_falls_back_when_stale():
     assert one.bandwidth_util == 0.1  # stale: not used
 
 
+def test_the_scrape_loop_applies_a_fresh_dcgm_reading():
+    """`LiveState.run`, not only `apply_dcgm` called by hand: after one round of scrapes the
+    DCGM figure is the backend's bandwidth utilization."""
+    _Page.body = TWO.encode()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    # The page answers every path: the backend's /metrics reads as a page with no vLLM figures.
+    b = Backend(base, "a", "RTX-4090", "m", "bf16", 1000, gpus=(1,), dcgm_url=f"{base}/metrics")
+    b.bandwidth_util = 0.2
+    live = LiveState([b])
+
+    async def one_round() -> None:
+        done = asyncio.Event()
+        expire_all = live.expire_all
+
+        def after_a_round(now: float) -> None:  # the loop calls it after applying DCGM
+            expire_all(now)
+            done.set()
+
+        live.expire_all = after_a_round  # type: ignore[method-assign]
+        task = asyncio.create_task(live.run())
+        await asyncio.wait_for(done.wait(), 30)
+        task.cancel()
+
+    try:
+        asyncio.run(one_round())
+    finally:
+        server.shutdown()
+    assert b.bandwidth_util == 0.95
+
+
 def test_backends_from_state_know_their_gpus_and_dcgm_page(tmp_path, catalog):
     from fleetctl.inventory import load_inventory
     from fleetctl.planner import plan_fleet

@@ -257,6 +257,13 @@ def test_hardware_aware_keeps_optional_work_off_a_class_busy_with_work_only_it_c
     assert policy.exclusive_share(a100.node_class) == pytest.approx(1.0)
     a100.waiting = 3  # three of them wait there for their first token
     assert pick(Request(101, "m", 8_000, 100)) is rtx
+    # The delay counts once per request waiting there: with 8,000 prompt tokens queued on the
+    # RTX, one prefill's delay (none waiting) leaves the A100 first; four (three waiting) do not.
+    rtx.pending_prefill = 8_000
+    a100.waiting = 0
+    assert pick(Request(102, "m", 8_000, 100)) is a100
+    a100.waiting = 3
+    assert pick(Request(103, "m", 8_000, 100)) is rtx
 
 
 def test_a_blocked_request_that_could_go_anywhere_holds_nothing(catalog):
