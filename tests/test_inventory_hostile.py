@@ -495,3 +495,41 @@ def test_an_edited_plan_file_is_refused_before_any_connection(cli, tmp_path, fie
     r = cli("apply", plan, "--yes")
     assert r.code == 2, (r.out, r.err)
     assert words in r.err and "deployments[0]" in r.err and "refused" not in r.out + r.err
+
+
+# The README's list of flags the plan pins, written out (not read from fleetctl.vllm_flags),
+# with the other spellings it names: each is refused, naming the field to use instead.
+README_PINNED = (
+    "--port",
+    "--host",
+    "--uds",
+    "--model",
+    "--served-model-name",
+    "--revision",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
+    "--data-parallel-size",
+    "--max-model-len",
+    "--gpu-memory-utilization",
+    "--quantization",
+    "--dtype",
+    "--kv-cache-dtype",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--enforce-eager",
+    "--api-key",
+    "--config",
+    "--headless",
+    "-tp",
+    "--max_model_len",
+    "--port=9000",
+)
+
+
+@pytest.mark.parametrize("flag", README_PINNED)
+def test_every_flag_the_readme_says_is_pinned_is_refused(catalog, flag):
+    from fleetctl.vllm_flags import check_args
+
+    with pytest.raises(ValueError, match=r"is set by the plan \| \S") as e:
+        check_args([flag, "1"], catalog.serve_flags(None))
+    assert flag.split("=")[0] in str(e.value)
