@@ -429,6 +429,19 @@ def test_oversized_file_is_refused_before_parsing(cli, tmp_path, monkeypatch):
     )
 
 
+def test_the_default_bound_is_one_mib(cli, tmp_path, monkeypatch):
+    """The README's 1 MiB, unpatched: 1,048,576 bytes load, one byte more is refused."""
+    monkeypatch.delenv("FLEETCTL_MAX_INVENTORY_BYTES", raising=False)
+    pad = 2**20 - len(GOOD.encode()) - 1
+    at_bound = write(tmp_path, GOOD + "#" * pad + "\n")
+    assert at_bound.stat().st_size == 2**20
+    r = cli("validate", at_bound)
+    assert r.code == 0, r.err
+    at_bound.write_text(GOOD + "#" * (pad + 1) + "\n")
+    r = cli("validate", at_bound)
+    assert r.code == 2 and "larger than 1048576 bytes" in r.err, r.err
+
+
 def test_alias_bomb_is_refused_in_bounded_memory(tmp_path):
     """Run in a child whose address space is capped at 1 GiB: were expansion unbounded it
     would end in MemoryError (exit 1), not in this refusal. (RUSAGE_CHILDREN's peak would
