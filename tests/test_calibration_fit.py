@@ -48,6 +48,24 @@ def test_a_window_timed_by_the_clock_counts_steps_not_inter_token_gaps():
     assert window(replace(before, at=None), after).wall_step_s == 0.0  # type: ignore[union-attr]
 
 
+def test_prefix_cache_hits_are_not_prefill_tokens():
+    """Two requests finished with 3,000 prompt tokens, 1,200 of them prefix-cache hits: the
+    prefill seconds were spent on the 1,800 computed, and the sample says so."""
+    before = Scrape(prefill_sum=1.0, prefill_count=4, prompt_sum=5000, prompt_count=4)
+    after = replace(
+        before,
+        prefill_sum=1.5,
+        prefill_count=6,
+        prompt_sum=8000,
+        prompt_count=6,
+    )
+    s = window(replace(before, prefill_kv_tokens=4000), replace(after, prefill_kv_tokens=5800))
+    assert s is not None and (s.prefill_tokens, s.requests) == (1800, 2)
+    # A server without the computed-tokens histogram: its prompt tokens, all of them.
+    s = window(before, after)
+    assert s is not None and s.prefill_tokens == 3000
+
+
 def timed(truth: EnginePerf, batches=(1, 2, 3, 4, 6), prompt_per_step=(0, 20, 60)) -> list[Sample]:
     """Windows of a server whose steps take `truth`'s time, with prompt tokens beside."""
     out = []
