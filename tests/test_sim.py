@@ -146,6 +146,34 @@ def test_workload_specs():
         parse_spec("rate=fast", "m")
 
 
+def test_workload_keys_shape_what_is_generated():
+    """Each key's effect, from the items it generates (seeded: the same every run)."""
+    # rate x duration requests; fixed lengths are the means exactly.
+    items = parse_spec("rate=5,duration=600,lengths=fixed,prompt=800,output=100", "m").generate(1)
+    assert 0.9 * 3000 <= len(items) <= 1.1 * 3000
+    assert {(i.prompt, i.output) for i in items} == {(800, 100)}
+    assert all(0 <= i.arrival < 600 for i in items)
+    # Bursty: a quarter of the time at 4x the quiet rate, the mean rate kept. The first 15 s
+    # of each minute then hold 4 x 15 / (4 x 15 + 45) = 4/7 of the requests.
+    items = parse_spec("rate=10,duration=600,arrivals=bursty", "m").generate(1)
+    assert 0.9 * 6000 <= len(items) <= 1.1 * 6000
+    in_bursts = sum(i.arrival % 60 < 15 for i in items) / len(items)
+    assert in_bursts == pytest.approx(4 / 7, abs=0.03)
+    # Sessions: each turn resends the conversation so far (prompts, then outputs, added up).
+    spec = "rate=1,duration=60,sessions=1,turns=3,lengths=fixed,prompt=100,output=10"
+    items = parse_spec(spec, "m").generate(1)
+    turns: dict[str, list[int]] = {}
+    for i in items:
+        assert i.session is not None
+        turns.setdefault(i.session, []).append(i.prompt)
+    assert turns and all(sorted(p) == [100, 210, 320] for p in turns.values())
+    # Precision hints: the share asked for, strict when ";strict" is added.
+    items = parse_spec("rate=10,duration=300,precision=int4:0.5;strict", "m").generate(1)
+    hinted = [i for i in items if i.precision == "int4"]
+    assert len(hinted) / len(items) == pytest.approx(0.5, abs=0.05)
+    assert all(i.strict for i in hinted) and not any(i.precision for i in items if not i.strict)
+
+
 def test_simulate_command_json_and_table(cli, tmp_path):
     r = cli(
         "simulate",
