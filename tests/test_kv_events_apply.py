@@ -102,6 +102,14 @@ def test_each_server_publishes_on_its_own_ports(tmp_path, catalog):
     assert _config(surge)["endpoint"] == f"tcp://*:{d.port + 3000}"
 
 
+def test_the_replay_socket_follows_its_offset(tmp_path, catalog):
+    text = INVENTORY + "router:\n  prefix_cache: {kv_events: true, replay_port_offset: 5000}\n"
+    for d in _plan(tmp_path, catalog, text).deployments:
+        c = _config(d)
+        assert c is not None and c["replay_endpoint"] == f"tcp://*:{d.port + 5000}"
+        assert kv_endpoint(d.vllm_args, d.host).replay == f"tcp://{d.host}:{d.port + 5000}"
+
+
 def test_no_replay_socket_and_another_topic(tmp_path, catalog):
     text = INVENTORY + (
         "router:\n  prefix_cache: {kv_events: true, replay_port_offset: null, "
