@@ -229,10 +229,10 @@ def run_module(
         copy_tree(work)
         if cached.exists() and not fresh:
             shutil.copy2(cached, work / ".mutmut-cache")
-        # mutmut 2 splits the runner on spaces (no shell): PYTHONPATH travels in env below.
-        # Through run_tests() below: mutmut 2 counts only pytest's exit 1 as a kill, so a mutant
-        # that breaks an import (exit 2 or 4) would count as a survivor. The hypothesis and
-        # anyio plugins cost more than the core tests themselves; @given tests run without them.
+        # mutmut 2 splits the runner on spaces (no shell), so PYTHONPATH travels in env. The
+        # tests run through run_tests(): mutmut 2 counts only pytest's exit 1 as a kill, so a
+        # mutant that breaks an import (exit 2 or 4) would count as a survivor. The hypothesis
+        # and anyio plugins cost more than the core tests; @given tests run without them.
         runner = (
             f"{python} {work / 'scripts' / 'mutation.py'} --run-tests -x -q -p no:cacheprovider"
             f" -p no:hypothesispytest -p no:anyio {tests}"
@@ -252,11 +252,10 @@ def run_module(
         ]
         t0 = time.monotonic()
         log = (work / "mutmut.log").open("w")
-        stopped, restarts, rc = False, 0, 0
+        alone = 0
 
         def run(argv: list[str]) -> bool:
             """Run mutmut within what is left of the budget; False once the budget is out."""
-            nonlocal rc
             proc = subprocess.Popen(
                 argv,
                 cwd=work,
@@ -266,7 +265,7 @@ def run_module(
                 start_new_session=True,
             )
             try:
-                rc = proc.wait(timeout=max(1.0, budget - (time.monotonic() - t0)))
+                proc.wait(timeout=max(1.0, budget - (time.monotonic() - t0)))
                 return True
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -284,7 +283,7 @@ def run_module(
         # ends without a word. `mutmut run ID` tries one mutant, so each left is run alone.
         tests_hash = hash_of_tests(work / "tests")
         for mid in [] if stopped else not_tried(work, tests_hash):
-            restarts += 1
+            alone += 1
             log.write(f"\n[mutation.py] mutant {mid} was not tried: running it alone\n")
             log.flush()
             if not run([*cmd[:2], str(mid), *cmd[2:]]):
@@ -330,8 +329,7 @@ def run_module(
             "tests": tests,
             "elapsed": elapsed,
             "stopped": stopped,
-            "rc": rc,
-            "restarts": restarts,
+            "alone": alone,
             "counts": counts,
             "survivors": survivors,
             "log_tail": (work / "mutmut.log").read_text(errors="replace")[-2000:],
@@ -375,8 +373,8 @@ def report(results: list[dict], budget: float, argv: list[str]) -> str:
     for r in results:
         k, s, t, u, e, pct = score(r["counts"])
         stop = " (budget)" if r["stopped"] else ""
-        if r["restarts"]:
-            stop += f" ({r['restarts']} run alone)"
+        if r["alone"]:
+            stop += f" ({r['alone']} run alone)"
         out.append(
             f"| {r['module']} | {r['tests']} | {k} | {s} | {t} | {e} | {u} | {pct}"
             f" | {r['elapsed']:.0f} s{stop} |"
