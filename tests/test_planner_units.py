@@ -508,10 +508,41 @@ def test_cost_keeps_a_replica_where_its_stay_outweighs_the_price(tmp_path, catal
     assert solve(classes, cands, ms, 0.8, current, objective="cost", stay=stay).counts == [0, 1]
 
 
+@pytest.mark.parametrize("running", [0, 1])
+def test_cost_keeps_a_running_replica_on_a_price_tie_with_no_stay_value(tmp_path, catalog, running):
+    """Equal prices and numbers, no stay value given: only the stay tie-breaker (STAY_BONUS,
+    in the second solve) tells the two classes apart, and the replica stays where it runs.
+    Folded into one objective at 1e-5 of its weight, that bonus sat under HiGHS's gap
+    tolerance, and the solver put it on y whichever class ran it (shown failing on ca902c0)."""
+    same = {"capacity_rps": 10.0, "sequences_at_max_len": 8}
+    classes, cands, ms = two(tmp_path, catalog, model("m", WORKLOAD % 5), price=1.0, gpu="L40S")
+    cands = [dataclasses.replace(k, **same) for k in cands]
+    current = [0, 0]
+    current[running] = 1
+    assert solve(classes, cands, ms, 0.8, current, objective="cost").counts == current
+
+
+@pytest.mark.parametrize("kv", [(8, 24, 0), (6, 24, 1), (9.6, 24, 0)])
+def test_cost_ties_weigh_a_kv_shortfall_against_the_stay_bonus(tmp_path, catalog, kv):
+    """A replica runs on x; y is as cheap. KV sequences at max_context on x, on y, and where
+    the replica should end: at x's 8 (no shortfall, warn_sequences_below 8) it stays; at 6 its
+    KV penalty 0.05 x 2/8 = 0.0125 outweighs the stay bonus 0.005 and it moves to y (24: no
+    shortfall); at 9.6 (1.2x the warning level: no shortfall, not a negative one) it stays.
+    The first and last failed on ca902c0, whose tie-breakers sat under the solver's gap."""
+    on_x, on_y, where = kv
+    classes, cands, ms = two(tmp_path, catalog, model("m", WORKLOAD % 5), price=1.0, gpu="L40S")
+    cands = [dataclasses.replace(k, capacity_rps=10.0) for k in cands]
+    cands[0] = dataclasses.replace(cands[0], sequences_at_max_len=on_x)
+    cands[1] = dataclasses.replace(cands[1], sequences_at_max_len=on_y)
+    want = [0, 0]
+    want[where] = 1
+    assert solve(classes, cands, ms, 0.8, [1, 0], objective="cost").counts == want
+
+
 @pytest.mark.parametrize("starved", [0, 1])
 def test_cost_breaks_a_price_tie_by_the_kv_penalty(tmp_path, catalog, starved):
     """Equal prices and capacity; one cache holds 2 sequences of max_context, under
-    warn_sequences_below 8 (penalty COST_TIE_WEIGHT x 0.05 x 6/8), the other 8: the server
+    warn_sequences_below 8 (penalty 0.05 x 6/8 in the second solve), the other 8: the server
     goes to the other."""
     same = {"capacity_rps": 10.0, "sequences_at_max_len": 8}
     classes, cands, ms = two(tmp_path, catalog, model("m", WORKLOAD % 5), price=1.0, gpu="L40S")

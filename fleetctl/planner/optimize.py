@@ -37,8 +37,11 @@ TP size, quantization and KV budget chosen in the same program), the terms becom
     short requests may then go to small cheap GPUs and long ones to large ones;
   - the price per hour of the GPUs deployments use, divided by the whole fleet's price so
     that it weighs less than any shortfall worth a whole GPU;
-  - the KV penalty, scaled below a cent's difference, and the stay bonus: a replica kept
-    saves its replacement's GPU-hours of disruption at its price, over planner.payback_hours;
+  - the stay value: a replica kept saves its replacement's GPU-hours of disruption at its
+    price, over planner.payback_hours;
+  then, in a second solve among the plans no worse on those terms, the KV penalty and
+  STAY_BONUS per replica kept, as tie-breakers (folded into one objective at a weight below a
+  cent they sat under HiGHS's gap tolerance, and it could stop on a plan that ignored them);
   no fairness term and no GPU-use bonus: GPUs no model needs stay idle (and unpaid for).
 """
 
@@ -65,7 +68,9 @@ GPU_USE_BONUS = 1.2 * KV_STARVED_PENALTY  # per GPU a deployment uses
 LOG_BREAKPOINTS = np.geomspace(1e-3, RATIO_CAP, 30)
 COST_UNMET_WEIGHT = 1e6  # objective "cost": per missing minimum replica
 COST_SHORTFALL_WEIGHT = 1e4  # per unit of workload not covered; the fleet's price weighs 1
-COST_TIE_WEIGHT = 1e-5  # the KV penalty and stay bonus, in cost mode, per their throughput unit
+# What the second solve may give up of the first objective: above HiGHS's feasibility tolerance
+# (1e-7), so that the first plan stays feasible, and below a GPU's price over its fleet's.
+LEX_SLACK = 1e-6
 SOLVER_TIME_LIMIT_S = 20.0
 MIP_REL_GAP = 1e-4
 
@@ -160,19 +165,24 @@ def demand(model: Model) -> float | None:
 
 
 class _Program:
-    """Column and row bookkeeping for a sparse MILP in HiGHS's row-wise form."""
+    """Column and row bookkeeping for a sparse MILP in HiGHS's row-wise form, with an optional
+    second objective (`tie`) that only chooses among solutions equal on the first."""
 
     def __init__(self) -> None:
         self.lb: list[float] = []
         self.ub: list[float] = []
         self.cost: list[float] = []
+        self.tie: list[float] = []
         self.integer: list[bool] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
 
-    def col(self, lo: float, hi: float, cost: float = 0.0, integer: bool = False) -> int:
+    def col(
+        self, lo: float, hi: float, cost: float = 0.0, integer: bool = False, tie: float = 0.0
+    ) -> int:
         self.lb.append(lo)
         self.ub.append(hi)
         self.cost.append(cost)
+        self.tie.append(tie)
         self.integer.append(integer)
         return len(self.lb) - 1
 
@@ -180,29 +190,47 @@ class _Program:
         self.rows.append((coefs, lo, hi))
 
     def solve(self) -> tuple[Solved, dict[str, Any]]:
+        """Minimize `cost`; then, where any column has a `tie` cost, minimize that among the
+        solutions no worse on `cost` than the first found (a lexicographic second solve: tie
+        costs folded into the first objective at a weight small enough not to trade against it
+        would sit below the solver's gap tolerance, and it may stop without them)."""
+        first, info = self._run(self.cost, self.rows)
+        if first.x is None or not first.optimal or not any(self.tie):
+            return first, info  # (out of time: the limit is spent, the plan stands as found)
+        bound = sum(c * v for c, v in zip(self.cost, first.x, strict=True))
+        keep = ({j: c for j, c in enumerate(self.cost) if c}, -math.inf, bound + LEX_SLACK)
+        second, _ = self._run(self.tie, [*self.rows, keep], start=first.x)
+        return (first if second.x is None else second), info
+
+    def _run(
+        self,
+        cost: list[float],
+        rows: list[tuple[dict[int, float], float, float]],
+        start: list[float] | None = None,
+    ) -> tuple[Solved, dict[str, Any]]:
         import highspy
 
         inf = highspy.kHighsInf
         index: list[int] = []
         value: list[float] = []
-        start = [0]
-        for coefs, _, _ in self.rows:
+        start_at = [0]
+        for coefs, _, _ in rows:
             for c, v in sorted(coefs.items()):
                 index.append(c)
                 value.append(v)
-            start.append(len(index))
+            start_at.append(len(index))
         lp = highspy.HighsLp()
         lp.num_col_ = len(self.lb)
-        lp.num_row_ = len(self.rows)
-        lp.col_cost_ = np.array(self.cost)
+        lp.num_row_ = len(rows)
+        lp.col_cost_ = np.array(cost)
         lp.col_lower_ = np.array(self.lb)
         lp.col_upper_ = np.array(self.ub)
-        lp.row_lower_ = np.array([max(r[1], -inf) for r in self.rows])
-        lp.row_upper_ = np.array([min(r[2], inf) for r in self.rows])
+        lp.row_lower_ = np.array([max(r[1], -inf) for r in rows])
+        lp.row_upper_ = np.array([min(r[2], inf) for r in rows])
         lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
         lp.a_matrix_.num_col_ = lp.num_col_
         lp.a_matrix_.num_row_ = lp.num_row_
-        lp.a_matrix_.start_ = np.array(start, dtype=np.int32)
+        lp.a_matrix_.start_ = np.array(start_at, dtype=np.int32)
         lp.a_matrix_.index_ = np.array(index, dtype=np.int32)
         lp.a_matrix_.value_ = np.array(value)
         kinds = highspy.HighsVarType
@@ -213,6 +241,11 @@ class _Program:
         h.setOptionValue("mip_rel_gap", MIP_REL_GAP)
         h.setOptionValue("threads", 1)  # deterministic, and the problems are small
         h.passModel(lp)
+        if start is not None:  # the first solve's plan: feasible here, the search starts at it
+            given = highspy.HighsSolution()
+            given.col_value = start
+            given.value_valid = True
+            h.setSolution(given)
         h.run()
         status = h.getModelStatus()
         solution = h.getSolution()
@@ -380,11 +413,10 @@ def _solve_cost(
         hi = _most_replicas(k)
         short = max(0.0, 1.0 - k.sequences_at_max_len / warn_sequences_below)
         price = (k.cls.cost_per_hour or 0.0) * k.tp / k.cls.gpu_count
-        cost = price / fleet + COST_TIE_WEIGHT * KV_STARVED_PENALTY * short
-        y.append(prog.col(0, hi, cost, integer=True))
+        y.append(prog.col(0, hi, price / fleet, integer=True, tie=KV_STARVED_PENALTY * short))
         if current[o]:
-            bonus = max(COST_TIE_WEIGHT * STAY_BONUS, (stay[o] if stay else 0.0) / fleet)
-            kept = prog.col(0, current[o], -bonus)
+            saved = (stay[o] if stay else 0.0) / fleet
+            kept = prog.col(0, current[o], -saved, tie=-STAY_BONUS)
             prog.row({kept: 1.0, y[o]: -1.0}, -math.inf, 0.0)
     shapes = _pack(prog, classes, cands, y)
     shares: dict[int, dict[int, int]] = {}  # candidate -> bucket -> its share column
