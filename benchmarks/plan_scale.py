@@ -1,6 +1,6 @@
 """How `fleetctl plan` time grows with nodes (fixed classes) and with classes (fixed nodes).
 
-Run: python benchmarks/plan_scale.py [--quick]
+Run: python benchmarks/plan_scale.py [--quick] [--objective cost]
 Writes generated inventories to benchmarks/out/ and prints a markdown table. Each figure is
 the best of several runs; the whole-command figures are wall time of a fresh `fleetctl`
 process (interpreter start and imports included), next to `python -c pass` for scale.
@@ -56,8 +56,11 @@ MODELS = """models:
 """
 
 
-def inventory(nodes: int, classes: list[tuple[str, str, int, float]]) -> str:
-    lines = ["nodes:"]
+def inventory(
+    nodes: int, classes: list[tuple[str, str, int, float]], objective: str = "throughput"
+) -> str:
+    # Objective cost prices each node at its GPU profile's default price.
+    lines = [f"planner: {{objective: {objective}}}", "nodes:"]
     total = 0
     for i, (prefix, gpu, count, share) in enumerate(classes):
         n = nodes - total if i == len(classes) - 1 else max(1, round(nodes * share))
@@ -130,14 +133,17 @@ def measure(name: str, text: str, repeat: int) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    ap.add_argument("--objective", choices=("throughput", "cost"), default="throughput")
     args = ap.parse_args()
+    obj = args.objective
     repeat = 1 if args.quick else 3
     rows = []
     sizes = [100, 1000, 10000] if args.quick else [100, 1000, 3000, 10000]
     for n in sizes:
-        rows.append(measure(f"nodes-{n}-classes-6", inventory(n, CLASSES), repeat))
+        rows.append(measure(f"nodes-{n}-classes-6", inventory(n, CLASSES, obj), repeat))
     for k in [1, 2, 6, 12] if args.quick else [1, 2, 4, 6, 12, 24]:
-        rows.append(measure(f"classes-{k}-nodes-10000", inventory(10000, class_set(k)), repeat))
+        text = inventory(10000, class_set(k), obj)
+        rows.append(measure(f"classes-{k}-nodes-10000", text, repeat))
     base = best(lambda: subprocess.run([sys.executable, "-c", "pass"], check=True), repeat)
     exe = Path(sys.executable).parent / "fleetctl"
     helps = best(

@@ -75,7 +75,11 @@ TESTS: dict[str, list[str]] = {
     ],
     "fleetctl/routing/request.py": ["tests/test_routing_parse.py"],
     # The units file first: it kills most mutants within its ~2 s.
-    "fleetctl/planner/optimize.py": ["tests/test_planner_units.py", "tests/test_planner.py"],
+    "fleetctl/planner/optimize.py": [
+        "tests/test_planner_units.py",
+        "tests/test_planner.py",
+        "tests/test_cost.py",
+    ],
     "fleetctl/planner/expand.py": ["tests/test_planner_units.py", "tests/test_planner.py"],
     "fleetctl/perf.py": ["tests/test_perf.py"],
     # tests/test_sim.py takes 14-35 s: too slow per mutant; these two take ~1.6 s together.

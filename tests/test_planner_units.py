@@ -574,6 +574,57 @@ def test_cost_with_length_buckets_sends_short_requests_to_cheap_gpus(tmp_path, c
         assert sol.bucket_shares[1] == pytest.approx((0.0, 1.0))
 
 
+def test_cost_routes_each_bucket_where_its_requests_cost_least(tmp_path, catalog):
+    """min_replicas 2: the cheapest pair is one x (1/h: 80 short req/s, no long one) and one
+    y (3/h: 20 of either). y could carry both buckets (4/20 + 4/20 = 40% busy) or x the short
+    one: the plan's price is the same, so the solver's vertex would decide. The last LP sends
+    the short bucket where its requests cost least: on x 4/80 x 1 = 0.05/h, on y 4/20 x 3 =
+    0.6/h. (Weighed by capacity times price, 320 against 240, it would go to y.)"""
+    text = model("m", BUCKETS + ", min_replicas: 2")
+    classes, cands, ms = two(tmp_path, catalog, text, x=2, y=2, price=3.0)
+    cands[0] = dataclasses.replace(cands[0], bucket_capacity=(80.0, 0.0))
+    cands[1] = dataclasses.replace(cands[1], bucket_capacity=(20.0, 20.0))
+    sol = solve(classes, cands, ms, 0.8, objective="cost")
+    assert sol.counts == [1, 1]
+    assert sol.bucket_shares[0] == pytest.approx((1.0, 0.0))
+    assert sol.bucket_shares[1] == pytest.approx((0.0, 1.0))
+
+
+STARVED = {"capacity_rps": 10.0, "sequences_at_max_len": 2}  # a KV penalty on every server
+
+
+@pytest.mark.parametrize(
+    ("extra", "counts"),
+    [
+        (", min_replicas: 2", [2, 0]),  # no workload: the minimum alone asks for two
+        (WORKLOAD % 15, [2, 0]),  # 15 req/s at 80% of 10 each: two
+        (", min_context: 1024, max_replicas: 2" + WORKLOAD % 10, [1, 1]),  # one at 4096
+    ],
+)
+def test_cost_tie_breakers_never_give_up_a_replica_the_first_solve_needed(
+    tmp_path, catalog, extra, counts
+):
+    """Every server carries a KV penalty, so the second solve would rather run none; a plan
+    with fewer costs less, too. It may not: the missing replicas, the shortfall and the
+    missing long server are held at the first plan's. y costs 2/h against x's 1/h; with
+    min_context, y costs 0.5/h and its servers run 2048 tokens at twice x's capacity: one y
+    covers the workload, and the rule adds one x at max_context."""
+    price = 0.5 if "min_context" in extra else 2.0
+    classes, cands, ms = two(tmp_path, catalog, model("m", extra), 2, 2, price, **STARVED)
+    if "min_context" in extra:  # (classes come cheapest first: y is the first)
+        cands[0] = dataclasses.replace(cands[0], capacity_rps=20.0, max_model_len=2048)
+    assert solve(classes, cands, ms, 0.8, objective="cost").counts == counts
+
+
+def test_cost_tie_breakers_never_give_up_a_bucket_the_first_solve_covered(tmp_path, catalog):
+    """The length-bucket plan above (one x for the short, one y for the long requests), every
+    server with a KV penalty: the second solve keeps both, each bucket's shortfall held."""
+    classes, cands, ms = two(tmp_path, catalog, model("m", BUCKETS), x=2, y=2, price=3.0)
+    cands[0] = dataclasses.replace(cands[0], bucket_capacity=(10.0, 0.0), sequences_at_max_len=2)
+    cands[1] = dataclasses.replace(cands[1], bucket_capacity=(5.0, 5.0), sequences_at_max_len=2)
+    assert solve(classes, cands, ms, 0.8, objective="cost").counts == [1, 1]
+
+
 def test_a_program_without_solution_is_an_operation_error(tmp_path, catalog):
     """Nothing an inventory says makes the program infeasible (every minimum has its slack
     column), so a current count of -1 stands in for a bug: HiGHS's status is named."""

@@ -253,7 +253,7 @@ def _stay(k: Candidate, inv: Inventory, calibration: Calibration | None, objecti
     )
     minutes = replacement_minutes(warmup, k.gpu_memory_utilization)
     if objective == "cost":
-        price = _gpus_price(k.cls, k.tp) or 0.0
+        price = k.cls.price_of(k.tp) or 0.0
         return price * minutes / 60 / spec.payback_hours
     return stay_bonus(warmup, k.gpu_memory_utilization, spec.change_threshold)
 
@@ -282,12 +282,6 @@ def _check_prices(inv: Inventory, classes: list[NodeClass]) -> None:
                 "set cost_per_hour on its nodes entry, or a cost_per_hour default in the "
                 f"{c.gpu.name} GPU profile (--profiles)",
             )
-
-
-def _gpus_price(cls: NodeClass, gpus: int) -> float | None:
-    if cls.cost_per_hour is None:
-        return None
-    return cls.cost_per_hour * gpus / cls.gpu_count
 
 
 def _current_counts(feasible: list[Candidate], classes: list[NodeClass], state: State) -> list[int]:
@@ -365,7 +359,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         max_model_len_reason=k.context_reason,
         kv_events=kv,
         # Every node of a class has the same price, so all of a candidate's servers do.
-        cost_per_hour=_gpus_price(k.cls, k.tp),
+        cost_per_hour=k.cls.price_of(k.tp),
     )
 
 

@@ -52,6 +52,12 @@ class NodeClass:
     def label(self) -> str:
         return f"{self.gpu_count}x {self.gpu.name}"
 
+    def price_of(self, gpus: int) -> float | None:
+        """Per hour, `gpus` of a node's GPUs: their share of its price; None: unknown."""
+        if self.cost_per_hour is None:
+            return None
+        return self.cost_per_hour * gpus / self.gpu_count
+
 
 @dataclass(frozen=True)
 class Candidate:

@@ -39,9 +39,12 @@ TP size, quantization and KV budget chosen in the same program), the terms becom
     that it weighs less than any shortfall worth a whole GPU;
   - the stay value: a replica kept saves its replacement's GPU-hours of disruption at its
     price, over planner.payback_hours;
-  then, in a second solve among the plans no worse on those terms, the KV penalty and
+  then, in a second solve among the plans as good on those terms, the KV penalty and
   STAY_BONUS per replica kept, as tie-breakers (folded into one objective at a weight below a
   cent they sat under HiGHS's gap tolerance, and it could stop on a plan that ignored them);
+  then, with length buckets and the deployments fixed, an LP that routes each bucket's share
+  where its requests cost least (the GPU-hours it takes, at their price): no objective above
+  prices the shares, so the solver's vertex would otherwise decide who carries what;
   no fairness term and no GPU-use bonus: GPUs no model needs stay idle (and unpaid for).
 """
 
@@ -68,8 +71,9 @@ GPU_USE_BONUS = 1.2 * KV_STARVED_PENALTY  # per GPU a deployment uses
 LOG_BREAKPOINTS = np.geomspace(1e-3, RATIO_CAP, 30)
 COST_UNMET_WEIGHT = 1e6  # objective "cost": per missing minimum replica
 COST_SHORTFALL_WEIGHT = 1e4  # per unit of workload not covered; the fleet's price weighs 1
-# What the second solve may give up of the first objective: above HiGHS's feasibility tolerance
-# (1e-7), so that the first plan stays feasible, and below a GPU's price over its fleet's.
+# What the second solve may give up of the first objective's prices, over the dearest column's:
+# above HiGHS's feasibility tolerance (1e-7), so that the first plan stays feasible, and far
+# below the cheapest column's share of the dearest.
 LEX_SLACK = 1e-6
 SOLVER_TIME_LIMIT_S = 20.0
 MIP_REL_GAP = 1e-4
@@ -135,14 +139,14 @@ def _replica_rows(
     unmet_weight: float,
 ) -> None:
     """min_replicas, max_replicas, and with min_context one server at max_context."""
-    unmet = prog.col(0, m.spec.min_replicas, unmet_weight)
+    unmet = prog.col(0, m.spec.min_replicas, unmet_weight, held=True)
     prog.row({**{y[o]: 1.0 for o in mine}, unmet: 1.0}, m.spec.min_replicas, math.inf)
     if m.spec.max_replicas is not None:
         prog.row({y[o]: 1.0 for o in mine}, -math.inf, m.spec.max_replicas)
     below = [o for o in mine if cands[o].max_model_len < m.spec.max_context]
     if below:  # sum(below) <= big * (sum(at max_context) + missing): none without a long one
         big = float(sum(prog.ub[y[o]] for o in below))
-        missing = prog.col(0, 1, unmet_weight, integer=True)
+        missing = prog.col(0, 1, unmet_weight, integer=True, held=True)
         coefs = {y[o]: 1.0 for o in below}
         coefs.update({y[o]: -big for o in mine if o not in below})
         coefs[missing] = -big
@@ -166,23 +170,38 @@ def demand(model: Model) -> float | None:
 
 class _Program:
     """Column and row bookkeeping for a sparse MILP in HiGHS's row-wise form, with an optional
-    second objective (`tie`) that only chooses among solutions equal on the first."""
+    second objective (`tie`) that only chooses among solutions as good on the first."""
 
     def __init__(self) -> None:
         self.lb: list[float] = []
         self.ub: list[float] = []
         self.cost: list[float] = []
         self.tie: list[float] = []
+        self.held: list[bool] = []
+        self.route: list[float] = []
         self.integer: list[bool] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
 
     def col(
-        self, lo: float, hi: float, cost: float = 0.0, integer: bool = False, tie: float = 0.0
+        self,
+        lo: float,
+        hi: float,
+        cost: float = 0.0,
+        integer: bool = False,
+        tie: float = 0.0,
+        held: bool = False,
+        route: float = 0.0,
     ) -> int:
+        """A column; `held`: a penalty (a missing replica, a shortfall) that the second solve
+        may not raise above the first plan's; `route`: its cost in a last LP that settles the
+        continuous columns no objective prices (who carries which share of a bucket) once the
+        integer ones are fixed."""
         self.lb.append(lo)
         self.ub.append(hi)
         self.cost.append(cost)
         self.tie.append(tie)
+        self.held.append(held)
+        self.route.append(route)
         self.integer.append(integer)
         return len(self.lb) - 1
 
@@ -191,21 +210,48 @@ class _Program:
 
     def solve(self) -> tuple[Solved, dict[str, Any]]:
         """Minimize `cost`; then, where any column has a `tie` cost, minimize that among the
-        solutions no worse on `cost` than the first found (a lexicographic second solve: tie
+        solutions as good on `cost` as the first found (a lexicographic second solve: tie
         costs folded into the first objective at a weight small enough not to trade against it
         would sit below the solver's gap tolerance, and it may stop without them)."""
-        first, info = self._run(self.cost, self.rows)
-        if first.x is None or not first.optimal or not any(self.tie):
+        first, info = self._run(self.cost, self.rows, self.lb, self.ub)
+        x = first.x
+        if x is None or not first.optimal:
             return first, info  # (out of time: the limit is spent, the plan stands as found)
-        bound = sum(c * v for c, v in zip(self.cost, first.x, strict=True))
-        keep = ({j: c for j, c in enumerate(self.cost) if c}, -math.inf, bound + LEX_SLACK)
-        second, _ = self._run(self.tie, [*self.rows, keep], start=first.x)
-        return (first if second.x is None else second), info
+        # As good on the first objective: no held penalty above its value in the first plan,
+        # and the other terms (prices) at most its sum, in a row of their own scale. One row
+        # of the whole objective would mix weights of 1e6 with prices of 1e-4, and HiGHS then
+        # returned plans that broke it by 0.1.
+        ub = [
+            (round(x[j]) if self.integer[j] else x[j]) if held else u
+            for j, (u, held) in enumerate(zip(self.ub, self.held, strict=True))
+        ]
+        best = first
+        if any(self.tie):
+            rows = self.rows
+            light = {j: c for j, c in enumerate(self.cost) if c and not self.held[j]}
+            if light:
+                scale = max(abs(c) for c in light.values())
+                bound = sum(c * x[j] for j, c in light.items()) / scale
+                keep = ({j: c / scale for j, c in light.items()}, -math.inf, bound + LEX_SLACK)
+                rows = [*rows, keep]
+            second, _ = self._run(self.tie, rows, self.lb, ub, start=x)
+            best = first if second.x is None else second
+        if any(self.route) and best.x is not None:
+            # The deployments fixed, an LP: which replicas carry what no objective priced.
+            fixed = [round(v) if i else None for v, i in zip(best.x, self.integer, strict=True)]
+            lb = [lo if f is None else f for lo, f in zip(self.lb, fixed, strict=True)]
+            hi = [u if f is None else f for u, f in zip(ub, fixed, strict=True)]
+            third, _ = self._run(self.route, self.rows, lb, hi, start=best.x)
+            if third.x is not None:
+                best = Solved(best.optimal, best.message, third.x, best.mip_gap)
+        return best, info
 
     def _run(
         self,
         cost: list[float],
         rows: list[tuple[dict[int, float], float, float]],
+        lb: list[float],
+        ub: list[float],
         start: list[float] | None = None,
     ) -> tuple[Solved, dict[str, Any]]:
         import highspy
@@ -223,8 +269,8 @@ class _Program:
         lp.num_col_ = len(self.lb)
         lp.num_row_ = len(rows)
         lp.col_cost_ = np.array(cost)
-        lp.col_lower_ = np.array(self.lb)
-        lp.col_upper_ = np.array(self.ub)
+        lp.col_lower_ = np.array(lb)
+        lp.col_upper_ = np.array(ub)
         lp.row_lower_ = np.array([max(r[1], -inf) for r in rows])
         lp.row_upper_ = np.array([min(r[2], inf) for r in rows])
         lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
@@ -339,7 +385,7 @@ def solve(
         ratio = {y[o]: cands[o].capacity_rps * target_utilization / norm for o in mine}
         _replica_rows(prog, m, mine, cands, y, UNMET_WEIGHT)
         if d and mine:  # shortfall >= 1 - ratio
-            short = prog.col(0, 1, SHORTFALL_WEIGHT)
+            short = prog.col(0, 1, SHORTFALL_WEIGHT, held=True)
             prog.row({short: 1.0, **ratio}, 1.0, math.inf)
         if mine:  # s <= log(ratio), by tangents at the breakpoints
             s = prog.col(math.log(LOG_BREAKPOINTS[0]) - 2.0, math.log(RATIO_CAP), -1.0)
@@ -412,7 +458,7 @@ def _solve_cost(
     for o, k in enumerate(cands):
         hi = _most_replicas(k)
         short = max(0.0, 1.0 - k.sequences_at_max_len / warn_sequences_below)
-        price = (k.cls.cost_per_hour or 0.0) * k.tp / k.cls.gpu_count
+        price = k.cls.price_of(k.tp) or 0.0
         y.append(prog.col(0, hi, price / fleet, integer=True, tie=KV_STARVED_PENALTY * short))
         if current[o]:
             saved = (stay[o] if stay else 0.0) / fleet
@@ -430,7 +476,7 @@ def _solve_cost(
         if d and mine and buckets:
             _bucket_rows(prog, buckets, d, mine, cands, y, target_utilization, shares)
         elif d and mine:  # shortfall >= 1 - capacity x target / workload
-            short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT)
+            short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT, held=True)
             ratio = {y[o]: cands[o].capacity_rps * target_utilization / d for o in mine}
             prog.row({short_col: 1.0, **ratio}, 1.0, math.inf)
     x: list[float] = []
@@ -461,13 +507,15 @@ def _bucket_rows(
     busy: dict[int, dict[int, float]] = {o: {y[o]: -target_utilization} for o in mine}
     for b, bucket in enumerate(buckets):
         rate = bucket.share * d
-        short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT * bucket.share)
+        short_col = prog.col(0, 1, COST_SHORTFALL_WEIGHT * bucket.share, held=True)
         cover = {short_col: 1.0}
         for o in mine:
             caps = cands[o].bucket_capacity
             if b >= len(caps) or caps[b] <= 0:
                 continue
-            f = prog.col(0, 1)
+            # Routed where its requests cost least: the GPU-hours its share takes, at their price.
+            price = cands[o].cls.price_of(cands[o].tp) or 0.0
+            f = prog.col(0, 1, route=rate / caps[b] * price)
             shares.setdefault(o, {})[b] = f
             cover[f] = 1.0
             busy[o][f] = rate / caps[b]
