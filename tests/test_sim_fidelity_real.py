@@ -56,8 +56,8 @@ def test_the_calibrated_simulator_follows_a_real_vllm(tmp_path):
     # Below the knee the simulator follows the server's request latency.
     assert within(low["calibrated"]["e2e_p50"], low["real"]["e2e_p50"], 3.0), report
     # Near it, 12 blocks of 128 tokens hold 3-4 of these requests: both preempt, the simulator
-    # more often: over 27 runs (2026-12-01/02, this benchmark) 0.95-2.13x the server's, median
-    # about 1.3x, and latency there moves 2x from run to run of the same server.
+    # more often: 0.95-2.36x the server's over the runs in benchmarks/RESULTS.md (issue 15
+    # follow-up), median about 1.3x; latency there moves 2x from run to run of the same server.
     real, sim = high["real"], high["calibrated"]
     assert real["preemptions"] > 0 and sim["preemptions"] > 0, report
     # Where the calibration no longer describes the machine the replay ran on, the simulator
