@@ -212,7 +212,8 @@ class _Program:
         """Minimize `cost`; then, where any column has a `tie` cost, minimize that among the
         solutions as good on `cost` as the first found (a lexicographic second solve: tie
         costs folded into the first objective at a weight small enough not to trade against it
-        would sit below the solver's gap tolerance, and it may stop without them)."""
+        would sit below the solver's gap tolerance, and it may stop without them); then, where
+        any column has a `route` cost, minimize that with the integer columns fixed (an LP)."""
         first, info = self._run(self.cost, self.rows, self.lb, self.ub)
         x = first.x
         if x is None or not first.optimal:
@@ -220,7 +221,7 @@ class _Program:
         # As good on the first objective: no held penalty above its value in the first plan,
         # and the other terms (prices) at most its sum, in a row of their own scale. One row
         # of the whole objective would mix weights of 1e6 with prices of 1e-4, and HiGHS then
-        # returned plans that broke it by 0.1.
+        # returned plans that broke it by 0.14.
         ub = [
             (round(x[j]) if self.integer[j] else x[j]) if held else u
             for j, (u, held) in enumerate(zip(self.ub, self.held, strict=True))
