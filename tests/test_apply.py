@@ -307,6 +307,31 @@ def test_replace_start_before_stop_when_both_fit(cli, fleet, util):
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
 
 
+@pytest.mark.parametrize("util", [0.45, 0.92])
+def test_the_old_server_serves_while_its_replacement_loads_only_when_both_fit(cli, fleet, util):
+    """While the new server loads (held at the gate), the old one still runs where both fit
+    in GPU memory (start before stop: 0.45 + 0.45), and is already stopped where they do not
+    (0.92 + 0.92: stop first). The test above sees only each outcome's words: it passed with
+    every old server stopped first."""
+    fleet.inventory(util=util)
+    assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
+    old_pid = fleet.pid("a100-1", 8000)
+    fleet.hosts.install(NAMES.index("a100-1"), "vllm", shim(GPU["a100"][0], gate=fleet.gate))
+    fleet.inventory(util=util, max_context=4096)
+    p = _apply_process(fleet)
+    try:
+        lines = _read_until(p, "a100-1: replace: ")
+        assert "a100-1: replace: " in lines[-1], "".join(lines)
+        assert _alive(old_pid) == (util == 0.45), "".join(lines)
+        fleet.open_gate()
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, "".join(lines) + out
+    finally:
+        _stop(p)
+    assert not _alive(old_pid)
+    assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
 def test_failed_replacement_keeps_the_old_server_when_it_started_first(cli, fleet):
     fleet.inventory(util=0.45)
     assert cli("apply", *fleet.args(fleet.inv, "--yes")).code == 0
