@@ -169,8 +169,9 @@ def demand(model: Model) -> float | None:
 
 
 class _Program:
-    """Column and row bookkeeping for a sparse MILP in HiGHS's row-wise form, with an optional
-    second objective (`tie`) that only chooses among solutions as good on the first."""
+    """Column and row bookkeeping for a sparse MILP in HiGHS's row-wise form, with optional
+    later objectives: `tie`, which only chooses among solutions as good on the first, and
+    `route`, which settles the continuous columns once the integer ones are fixed."""
 
     def __init__(self) -> None:
         self.lb: list[float] = []
