@@ -248,9 +248,11 @@ class PlannerSpec(Strict):
 
 class GateSpec(Strict):
     """`apply --gate TRACE` refuses a plan the what-if predicts worse than what runs by more
-    than these: p99 TTFT's relative rise (0.10: 10%), SLO attainment's drop (0.02: 2 points)."""
+    than these: p99 TTFT's and p99 TPOT's relative rise (0.10: 10%), SLO attainment's drop
+    (0.02: 2 points)."""
 
     max_ttft_p99_rise: float = Field(0.10, ge=0, le=100)
+    max_tpot_p99_rise: float = Field(0.10, ge=0, le=100)
     max_slo_drop: float = Field(0.02, ge=0, le=1)
 
 

@@ -10,6 +10,7 @@ from fleetctl.calibration import Calibration
 from fleetctl.cost import gpus_cost_per_hour, per_million_tokens, total
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Deployment
+from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.fleet import Outcome, percentile, servers_from_plan, simulate
@@ -98,7 +99,7 @@ def what_if(
             f"server(s) of {', '.join(left)}"
         )
     spec = inv.spec.router
-    config = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
+    config = RoutingConfig.of(inv)
     aging = Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled)
     outcomes: list[Outcome] = []
     met = 0
@@ -130,14 +131,12 @@ def what_if(
             output_estimate=estimate,
             progress=hook,
         )
-        slo = inv.model(model).spec.slo if model in formats else None
-        for o in result.outcomes:
-            if _meets(o, slo):
-                met += 1
+        slo = Slo.of(inv.model(model).spec.slo) if model in formats else None
+        met += sum(1 for o in result.outcomes if o.met(slo))
         outcomes += result.outcomes
-    done = [o for o in outcomes if _finished(o)]
-    ttft = sorted(o.first_token - o.item.arrival for o in done)  # type: ignore[operator]
-    tpot = sorted(_tpot_s(o) * 1000 for o in done if o.item.output > 1)
+    done = [o for o in outcomes if o.done]
+    ttft = sorted(o.ttft_s for o in done)
+    tpot = sorted(t * 1000 for o in done if (t := o.tpot_s) is not None)
     e2e = sorted(o.finished - o.item.arrival for o in done)  # type: ignore[operator]
     gpus = sum(len(d.gpu_indices) for d in deployments)
     cost = total(_price(inv, d) for d in deployments)
@@ -179,29 +178,6 @@ def _share_of(
     return lambda share: progress((before + share * n) / everything)
 
 
-def _finished(o: Outcome) -> bool:
-    return o.rejected is None and o.finished is not None and o.first_token is not None
-
-
-def _tpot_s(o: Outcome) -> float:
-    """Seconds per output token after the first: (last - first token) / (output - 1)."""
-    assert o.finished is not None and o.first_token is not None
-    return (o.finished - o.first_token) / (o.item.output - 1)
-
-
-def _meets(o: Outcome, slo: Any) -> bool:
-    if not _finished(o):
-        return False
-    if slo is None:
-        return True
-    assert o.first_token is not None
-    if slo.ttft_p99_s is not None and o.first_token - o.item.arrival > slo.ttft_p99_s:
-        return False
-    return not (
-        slo.tpot_p99_ms is not None and o.item.output > 1 and _tpot_s(o) * 1000 > slo.tpot_p99_ms
-    )
-
-
 def _price(inv: Inventory, d: Deployment) -> float | None:
     """A deployment's share of its node's price; a node gone from the inventory is priced by
     its GPU type's profile, when another node still has that type."""
@@ -235,10 +211,15 @@ class Verdict:
 
 
 def judge(
-    current: Figures, candidate: Figures, max_ttft_p99_rise: float, max_slo_drop: float
+    current: Figures,
+    candidate: Figures,
+    max_ttft_p99_rise: float,
+    max_slo_drop: float,
+    max_tpot_p99_rise: float = 0.10,
 ) -> Verdict:
-    """Refuse a candidate whose p99 TTFT rises over the current's by more than
-    `max_ttft_p99_rise` (relative), or whose SLO attainment drops by more than
+    """Refuse a candidate whose p99 TTFT or p99 TPOT rises over the current's by more than
+    `max_ttft_p99_rise` or `max_tpot_p99_rise` (relative: a plan that wins the first token
+    and loses the decode has not won), or whose SLO attainment drops by more than
     `max_slo_drop` (absolute); a fleet that runs nothing yet cannot regress."""
     if current.runs_nothing:
         return Verdict((), ("nothing runs yet: there is nothing to regress from",))
@@ -252,6 +233,12 @@ def judge(
                 f"p99 TTFT rises {now:.3g} s -> {then:.3g} s ({then / now - 1:+.0%}), "
                 f"more than apply.gate.max_ttft_p99_rise {max_ttft_p99_rise:.0%}"
             )
+    now, then = current.tpot_p99_ms, candidate.tpot_p99_ms
+    if now is not None and then is not None and then > now * (1 + max_tpot_p99_rise):
+        reasons.append(
+            f"p99 TPOT rises {now:.3g} ms -> {then:.3g} ms ({then / now - 1:+.0%}), "
+            f"more than apply.gate.max_tpot_p99_rise {max_tpot_p99_rise:.0%}"
+        )
     a, b = current.slo_attainment, candidate.slo_attainment
     if a is not None and b is not None and a - b > max_slo_drop:
         reasons.append(

@@ -379,3 +379,29 @@ def test_bad_command_line_is_one_line_exit_2():
     )
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO)
     assert "HEAVY []" in r.stdout, r.stdout
+
+
+def test_the_read_byte_counter_is_per_emulated_second_at_any_time_scale(catalog: Catalog):
+    """A scraper turns vllm:estimated_read_bytes_per_gpu into bandwidth on its own clock. An
+    emulator running 4x fast must not read as 4x the GPU's bandwidth (route-serve's
+    saturation term fired on every server of a time-scaled replay): the counter is the
+    engine's bytes over the time scale, so its rate on the wall clock is the modelled GPU's."""
+    from fleetctl.emulator.metrics import CacheInfo, Recorder, render
+    from fleetctl.sim.engine import Engine, Seq
+
+    gpu, model, fmt = catalog.gpu("RTX-4090"), catalog.model(NAME), catalog.format("bf16")
+    engine = Engine(EnginePerf(gpu, model, fmt), 16_000)
+    engine.add(Seq(0, 500, 20), 0.0)
+    while engine.next_event() is not None:
+        engine.advance(engine.next_event())
+    read = engine.stats.read_bytes
+    assert read > 0
+    cache = CacheInfo("auto", 0.9, 16_000 * 131_072, 16_000, 8192)
+
+    def counter(scale: float) -> float:
+        text = render(NAME, engine, Recorder(8192), cache, scale)
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        return families["vllm:estimated_read_bytes_per_gpu"].samples[0].value
+
+    assert counter(1.0) == pytest.approx(read)
+    assert counter(4.0) == pytest.approx(read / 4)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleetctl.routing.goodput import Slo, cost, terms
 from fleetctl.routing.policy import (
     HardwareAware,
     KvAware,
@@ -166,26 +167,33 @@ def test_a_policy_knows_no_prefix_until_given_a_view():
     assert r.cached_tokens == 0
 
 
-# --- HardwareAware.estimate -------------------------------------------------------------------
+# --- HardwareAware.estimate: the first token ---------------------------------------------------
+#
+# estimate = queued prefill at f(2048) / 2048 = 1 ms a token + its own f(prompt - cached,
+# cached) + one decode step of the batch it joins: step(in flight + 1, KV in flight (at most
+# the cache) + its prompt + half its output); plus, when KV overflows, one decode of its output
+# per overflowing share of each request in flight.
 
 
 def test_estimate_is_queued_prefill_then_ours_then_one_decode_step():
     ha = HardwareAware()
-    b = be("b", outstanding=3, pending_prefill=4096)
+    b = be("b", outstanding=3, pending_prefill=4096, reserved_tokens=3000)
     r = rq(prompt=1000, out=200)
     # queued: 4096 * f(2048) / 2048 = 4096 * 2.048 / 2048 = 4.096 s; ours: f(1000) = 1.0 s.
-    # batch 3, each at half the request's context (1200 // 2 = 600): step(3, 1800)
-    # = 0.01 + 0.003 + 0.018 = 0.031 s. KV far from full, GPU unsaturated: no more.
-    assert ha.estimate(b, r) == pytest.approx(4.096 + 1.0 + 0.031)
+    # It joins 3 in flight: step(4, 3000 + 1000 + 100) = 0.01 + 0.004 + 0.041 = 0.055 s.
+    assert ha.estimate(b, r) == pytest.approx(4.096 + 1.0 + 0.055)
+    # The scraped running count stands for in-flight requests other routers sent there.
+    b = be("b", outstanding=1, running=3, pending_prefill=4096, reserved_tokens=3000)
+    assert ha.estimate(b, r) == pytest.approx(4.096 + 1.0 + 0.055)
 
 
 def test_estimate_of_a_tiny_request_on_an_idle_backend_counts_one_sequence_of_one_token():
     ha = HardwareAware()
-    # prompt 1 + output 2: ours f(1) = 0.001; batch max(1, 0) = 1 at max(1, 3 // 2) = 1 token
-    # of context: step(1, 1) = 0.01 + 0.001 + 0.00001.
-    assert ha.estimate(be("b"), rq(prompt=1, out=2)) == pytest.approx(0.001 + 0.01101)
-    # One in flight is a batch of one too.
-    assert ha.estimate(be("b", outstanding=1), rq(prompt=1, out=2)) == pytest.approx(0.01201)
+    # prompt 1 + output 2: ours f(1) = 0.001; a batch of 1 with 1 + 2 // 2 = 2 tokens of
+    # context: step(1, 2) = 0.01 + 0.001 + 0.00002.
+    assert ha.estimate(be("b"), rq(prompt=1, out=2)) == pytest.approx(0.001 + 0.01102)
+    # One in flight (no tokens reserved) makes a batch of two.
+    assert ha.estimate(be("b", outstanding=1), rq(prompt=1, out=2)) == pytest.approx(0.01302)
 
 
 def test_estimate_skips_the_prefill_of_what_is_cached_as_far_as_prefix_trust_goes():
@@ -193,9 +201,9 @@ def test_estimate_skips_the_prefill_of_what_is_cached_as_far_as_prefix_trust_goe
     b = be("b", prefix_trust=0.75)
     r = rq(prompt=1000, out=200)
     # cached 601 * 0.75 = 450.75 -> 450 tokens: ours f(550, 450) = 0.55 + 0.0045;
-    # step(1, 600) = 0.01 + 0.001 + 0.006 = 0.017.
-    assert ha.estimate(b, r, cached=601) == pytest.approx(0.5545 + 0.017)
-    assert ha.estimate(b, r, cached=0) == pytest.approx(1.0 + 0.017)
+    # step(1, 1100) = 0.01 + 0.001 + 0.011 = 0.022.
+    assert ha.estimate(b, r, cached=601) == pytest.approx(0.5545 + 0.022)
+    assert ha.estimate(b, r, cached=0) == pytest.approx(1.0 + 0.022)
 
 
 def test_estimate_looks_up_the_cache_but_always_computes_the_last_prompt_token():
@@ -205,13 +213,13 @@ def test_estimate_looks_up_the_cache_but_always_computes_the_last_prompt_token()
     ha.prefix.insert("warm", blocks.hashes)  # the whole prompt
     ha.prefix.insert("half", blocks.hashes[:32])  # 32 blocks of 16 = 512 tokens
     r = rq(prompt=1000, out=200, blocks=blocks)
-    # warm: all 1000 cached, capped at 999: f(1, 999) = 0.001 + 0.00999; step 0.017.
-    assert ha.estimate(be("warm"), r) == pytest.approx(0.01099 + 0.017)
+    # warm: all 1000 cached, capped at 999: f(1, 999) = 0.001 + 0.00999; step 0.022.
+    assert ha.estimate(be("warm"), r) == pytest.approx(0.01099 + 0.022)
     assert ha.cached(be("warm"), r) == 999
     # half: f(488, 512) = 0.488 + 0.00512.
-    assert ha.estimate(be("half"), r) == pytest.approx(0.49312 + 0.017)
+    assert ha.estimate(be("half"), r) == pytest.approx(0.49312 + 0.022)
     # Told what is cached, it does not look it up.
-    assert ha.estimate(be("warm"), r, cached=512) == pytest.approx(0.49312 + 0.017)
+    assert ha.estimate(be("warm"), r, cached=512) == pytest.approx(0.49312 + 0.022)
     assert ha.cached(be("warm"), rq(prompt=1000)) == 0  # no hashes: nothing known
 
 
@@ -219,42 +227,60 @@ def test_estimate_without_a_perf_model_is_load_over_capacity():
     ha = HardwareAware()
     assert ha.estimate(be("b", perf=None, outstanding=6, max_num_seqs=4), rq()) == 1.5
     assert ha.estimate(be("b", perf=None, outstanding=6, max_num_seqs=0), rq()) == 6.0
+    # ... and nothing about decode: no model of the GPU to say it.
+    e = ha.predict(be("b", perf=None, outstanding=6, max_num_seqs=4), rq())
+    assert (e.tpot_s, e.others, e.added_s()) == (0.0, 0.0, 0.0)
 
 
 def test_estimate_adds_a_decode_per_overflowing_request_when_kv_overflows():
     ha = HardwareAware()
     r = rq(prompt=400, out=100)
     # (reserved 1300 + 500) / 1000 = 1.8: 0.8 * max(1, 1) * 100 output tokens * step, with
-    # step(1, 250) = 0.01 + 0.001 + 0.0025 = 0.0135: 1.08 s on top of f(400) + step.
+    # step(2, 1000 (the cache holds no more) + 400 + 50) = 0.01 + 0.002 + 0.0145 = 0.0265:
+    # 2.12 s on top of f(400) + step.
     b = be("b", kv=1000, reserved_tokens=1300, outstanding=1)
-    assert ha.estimate(b, r) == pytest.approx(0.4 + 1.08 + 0.0135)
-    # Idle (0 in flight): still one request's decode per overflow, as a batch of one.
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 2.12 + 0.0265)
+    # Idle (0 in flight): still one request's decode per overflow, as a batch of one:
+    # step(1, 1450) = 0.0255: 0.8 * 100 * 0.0255 = 2.04.
     b = be("b", kv=1000, reserved_tokens=1300)
-    assert ha.estimate(b, r) == pytest.approx(0.4 + 1.08 + 0.0135)
-    # Two in flight: two decodes per overflowing request, at step(2, 500) = 0.017:
-    # 0.8 * 2 * 100 * 0.017 = 2.72.
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 2.04 + 0.0255)
+    # Two in flight: two decodes per overflowing request, at step(3, 1450) = 0.0275:
+    # 0.8 * 2 * 100 * 0.0275 = 4.4.
     b = be("b", kv=1000, reserved_tokens=1300, outstanding=2)
-    assert ha.estimate(b, r) == pytest.approx(0.4 + 2.72 + 0.017)
-    # Exactly full is no overflow: (500 + 500) / 1000 = 1.
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 4.4 + 0.0275)
+    # Exactly full is no overflow: (500 + 500) / 1000 = 1; step(2, 950) = 0.0215.
     b = be("b", kv=1000, reserved_tokens=500, outstanding=1)
-    assert ha.estimate(b, r) == pytest.approx(0.4 + 0.0135)
-    # A KV size of 0 (unknown) is taken as 1 token: (0 + 500) / 1 = 500, 499 decodes.
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 0.0215)
+    # A KV size of 0 (unknown) is taken as 1 token: (0 + 500) / 1 = 500, 499 decodes, at
+    # step(2, 0 + 450) = 0.0165.
     b = be("b", kv=0, outstanding=1)
-    assert ha.estimate(b, r) == pytest.approx(0.4 + 499 * 100 * 0.0135 + 0.0135)
+    assert ha.estimate(b, r) == pytest.approx(0.4 + 499 * 100 * 0.0165 + 0.0165)
 
 
-def test_estimate_adds_latency_for_bandwidth_and_compute_saturation_past_0_85():
+def test_saturation_slows_the_decode_steps_not_the_first_token_past_0_85():
     ha = HardwareAware()
     r = rq(prompt=400, out=300)
-    # step(1, 350) = 0.01 + 0.001 + 0.0035 = 0.0145; base f(400) + step = 0.4145.
-    # At 0.9: excess (0.9 - 0.85) / (1 - 0.85) = 1/3 of 300 decode steps = 1.45 s, each signal.
-    assert ha.estimate(be("b", outstanding=1, bandwidth_util=0.9), r) == pytest.approx(1.8645)
-    assert ha.estimate(be("b", outstanding=1, compute_util=0.9), r) == pytest.approx(1.8645)
-    both = be("b", outstanding=1, bandwidth_util=0.9, compute_util=0.9)
-    assert ha.estimate(both, r) == pytest.approx(3.3145)
+    # step(2, 400 + 150) = 0.01 + 0.002 + 0.0055 = 0.0175; TTFT f(400) + step = 0.4175.
+    # At 0.9: (0.9 - 0.85) / (1 - 0.85) = 1/3 of the room past the threshold in use: every
+    # decode step 1 / (1 - 1/3) = 1.5 times as long.
+    calm = ha.predict(be("b", outstanding=1), r)
+    assert (calm.ttft_s, calm.tpot_s) == pytest.approx((0.4175, 0.0175))
+    for hot in (
+        be("b", outstanding=1, bandwidth_util=0.9),
+        be("b", outstanding=1, compute_util=0.9),
+    ):
+        e = ha.predict(hot, r)
+        assert (e.ttft_s, e.tpot_s) == pytest.approx((0.4175, 0.0175 * 1.5))
+    # Both: 2/3 of it, three times as long; and the requests there slow as much.
+    both = ha.predict(be("b", outstanding=1, bandwidth_util=0.9, compute_util=0.9), r)
+    assert both.tpot_s == pytest.approx(0.0175 * 3)
+    assert both.others_tpot_s == pytest.approx(calm.others_tpot_s * 3)
+    # At or past full use: 10 times, not without bound.
+    full = ha.predict(be("b", outstanding=1, bandwidth_util=1.0, compute_util=0.95), r)
+    assert full.tpot_s == pytest.approx(0.0175 * 10)
     # Below the thresholds, nothing.
-    calm = be("b", outstanding=1, bandwidth_util=0.8, compute_util=0.8)
-    assert ha.estimate(calm, r) == pytest.approx(0.4145)
+    below = be("b", outstanding=1, bandwidth_util=0.8, compute_util=0.8)
+    assert ha.predict(below, r).tpot_s == pytest.approx(0.0175)
 
 
 def test_a_saturation_threshold_of_1_turns_the_penalty_off_even_past_full_use():
@@ -263,7 +289,82 @@ def test_a_saturation_threshold_of_1_turns_the_penalty_off_even_past_full_use():
     ha = HardwareAware(RoutingConfig(bandwidth_saturation=1.0, compute_saturation=1.0))
     r = rq(prompt=400, out=300)
     over = be("b", outstanding=1, bandwidth_util=1.02, compute_util=1.01)
-    assert ha.estimate(over, r) == pytest.approx(0.4145)  # the idle figure worked out above
+    assert ha.predict(over, r).tpot_s == pytest.approx(0.0175)  # the calm figure above
+
+
+# --- HardwareAware.predict: decoding there, and what it does to the others ------------------------
+#
+# With one in flight and nothing reserved: the others' step alone is step(1, 0) = 0.011, ours
+# with them step(2, prompt + out / 2). Prompts sent there at R tokens/s take rho = R x 1 ms of
+# the GPU: a decode token takes step / (1 - rho), at most step + a full chunk of
+# (2048 - batch) tokens at 1 ms each.
+
+
+def test_a_request_alone_decodes_at_the_step_of_its_batch():
+    e = HardwareAware().predict(be("b"), rq(prompt=1000, out=200))
+    # step(1, 1000 + 100) = 0.022 s a token; nobody there to slow.
+    assert (e.tpot_s, e.others, e.others_added_s, e.added_s()) == (
+        pytest.approx(0.022), 0.0, 0.0, 0.0,
+    )  # fmt: skip
+
+
+def test_its_prefill_and_its_share_of_each_step_are_what_it_adds_to_the_others():
+    e = HardwareAware().predict(be("b", outstanding=1), rq(prompt=1000, out=200))
+    # Others alone: step(1, 0) = 0.011; with it step(2, 1100) = 0.023: 0.012 s more a step for
+    # its 200 tokens (2.4 s), and its prefill f(1000) = 1 s stalls them: 3.4 s each.
+    assert (e.tpot_s, e.others_tpot_s, e.others) == pytest.approx((0.023, 0.011, 1.0))
+    assert e.others_added_s == pytest.approx(1.0 + 0.012 * 200)
+    # What is cached there it does not compute: f(500, 500) = 0.505 s of prefill.
+    e = HardwareAware().predict(be("b", outstanding=1), rq(prompt=1000, out=200), cached=500)
+    assert e.others_added_s == pytest.approx(0.505 + 0.012 * 200)
+
+
+def test_requests_past_the_kv_cache_and_max_num_seqs_do_not_decode_beside_it():
+    r = rq(prompt=1000, out=200)
+    # 4 in flight reserving 8,000 tokens of a 2,000-token cache: a quarter run at once.
+    e = HardwareAware().predict(be("b", outstanding=4, reserved_tokens=8000, kv=2000), r)
+    assert e.others == pytest.approx(1.0)
+    # max_num_seqs 2 of 6 in flight.
+    e = HardwareAware().predict(be("b", outstanding=6, max_num_seqs=2), r)
+    assert e.others == pytest.approx(2.0)
+
+
+def test_prompts_sent_there_lately_stretch_every_decode_token():
+    r = rq(prompt=1000, out=200)
+    # 500 tokens/s of prompts: rho = 0.5, each decode token twice its step (0.022 s).
+    e = HardwareAware().predict(be("b", prefill_rate=500.0), r)
+    assert e.tpot_s == pytest.approx(0.044)
+    # ... at most a step with a full chunk: 0.022 + (2048 - 0 - 1) * 0.001.
+    e = HardwareAware().predict(be("b", prefill_rate=999.0), r)
+    assert e.tpot_s == pytest.approx(0.022 + 2.047)
+    e = HardwareAware().predict(be("b", prefill_rate=5000.0), r)  # a backlog: rho >= 1
+    assert e.tpot_s == pytest.approx(0.022 + 2.047)
+    # A smaller --max-num-batched-tokens carries a smaller chunk: 0.022 + (512 - 1) * 0.001.
+    e = HardwareAware().predict(be("b", prefill_rate=5000.0, max_num_batched_tokens=512), r)
+    assert e.tpot_s == pytest.approx(0.022 + 0.511)
+
+
+def test_cost_without_an_slo_is_the_seconds_the_fleets_requests_gain():
+    r = rq(prompt=1000, out=200)
+    e = HardwareAware().predict(be("b", outstanding=1), r)
+    # TTFT f(1000) + step(2, 1100) = 1.023; its 199 decode tokens at 0.023; 3.4 s to the one
+    # other request.
+    assert cost(e, r, None) == pytest.approx(1.023 + 199 * 0.023 + 3.4)
+    parts = terms(e, r, None)
+    assert parts == pytest.approx({"ttft": 1.023, "tpot": 199 * 0.023, "others": 3.4})
+
+
+def test_cost_with_an_slo_weighs_each_phase_against_its_objective():
+    r = rq(prompt=1000, out=200)
+    e = HardwareAware().predict(be("b", outstanding=1), r)
+    # TTFT 1.023 s against 2 s; decode seconds against 199 x 50 ms = 9.95 s.
+    slo = Slo(ttft_s=2.0, tpot_s=0.05)
+    assert terms(e, r, slo) == pytest.approx(
+        {"ttft": 1.023 / 2, "tpot": 199 * 0.023 / 9.95, "others": 3.4 / 9.95}
+    )
+    # One objective alone cannot set the rate between them: plain seconds.
+    for half in (Slo(ttft_s=2.0), Slo(tpot_s=0.05)):
+        assert cost(e, r, half) == pytest.approx(cost(e, r, None))
 
 
 # --- HardwareAware.choose ---------------------------------------------------------------------
@@ -274,44 +375,47 @@ def test_choose_takes_the_soonest_then_the_first_name_and_reports_its_estimate()
     r = rq(prompt=1000, out=200)
     fast, slow = be("z", outstanding=0), be("y", pending_prefill=2048)
     d = ha.choose(r, [slow, fast])
-    assert d.backend is fast and d.label == "hardware-aware length:short"
+    assert d.backend is fast and d.label == "hardware-aware length:short by:ttft"
     assert d.ttft_s == pytest.approx(ha.estimate(fast, r))
-    assert ha.choose(r, [be("b"), be("a")]).backend.name == "a"  # equal: by name
+    assert d.tpot_s == pytest.approx(ha.predict(fast, r).tpot_s)
+    d = ha.choose(r, [be("b"), be("a")])
+    assert d.backend.name == "a" and d.label == "hardware-aware length:short by:tie"
 
 
 def test_a_request_is_long_past_long_context_tokens_of_prompt_plus_output():
     ha = HardwareAware()
     bs = [be("a"), be("b")]  # one KV size: no small-KV class
-    assert ha.choose(rq(prompt=3996, out=100), bs).label == "hardware-aware length:short"
-    assert ha.choose(rq(prompt=3997, out=100), bs).label == "hardware-aware length:long"
+    assert ha.choose(rq(prompt=3996, out=100), bs).label == "hardware-aware length:short by:tie"
+    assert ha.choose(rq(prompt=3997, out=100), bs).label == "hardware-aware length:long by:tie"
 
 
 def test_small_kv_is_under_half_the_largest():
     ha = HardwareAware()
     long = rq(prompt=5000, out=100)
     half = [be("big", kv=100_000), be("half", kv=50_000)]
-    assert ha.choose(long, half).label == "hardware-aware length:long"
+    assert ha.choose(long, half).label == "hardware-aware length:long by:tie"
     under = [be("big", kv=100_000, pending_prefill=2048), be("small", kv=49_999)]
     d = ha.choose(long, under)
-    assert d.backend.name == "big" and d.label == "hardware-aware length:long->large-kv"
+    assert d.backend.name == "big" and d.label == "hardware-aware length:long->large-kv by:ttft"
 
 
 def test_a_small_kv_backend_gets_a_long_request_only_4x_sooner():
     ha = HardwareAware()
     long = rq(prompt=5000, out=100)
-    # small: idle, f(5000) + step(1, 2550) = 5 + 0.0365 = 5.0365 s, times the penalty 4:
-    # 20.146 s. big: the same plus its queued prefill of q tokens at 1 ms each.
+    # small: idle, f(5000) + step(1, 5050) = 5 + 0.0615 = 5.0615 s, times the penalty 4:
+    # 20.246 s. big: the same plus its queued prefill of q tokens at 1 ms each. Both idle
+    # and alike, they decode alike: the first token decides.
     small = be("small", kv=10_000)
 
     def pick(q):
         return ha.choose(long, [be("big", pending_prefill=q), small])
 
-    # q = 15 s: big 20.0365 < 20.146; q = 15.2 s: 20.2365 > 20.146 (a penalty of 5 would
+    # q = 15 s: big 20.0615 < 20.246; q = 15.2 s: 20.2615 > 20.246 (a penalty of 5 would
     # keep it on big, one of 3 would have sent it to small already).
-    assert pick(15_000).label == "hardware-aware length:long->large-kv"
+    assert pick(15_000).label == "hardware-aware length:long->large-kv by:ttft"
     d = pick(15_200)
-    assert d.backend is small and d.label == "hardware-aware length:long->small-kv"
-    assert d.ttft_s == pytest.approx(5.0365)  # the estimate, not the penalized cost
+    assert d.backend is small and d.label == "hardware-aware length:long->small-kv by:ttft"
+    assert d.ttft_s == pytest.approx(5.0615)  # the estimate, not the penalized cost
     # Servers of different lengths are length classes already: no penalty on top.
     small_long = be("small", kv=10_000, max_model_len=16_384)
     d = ha.choose(long, [be("big", pending_prefill=1000, max_model_len=8192), small_long])
@@ -333,9 +437,9 @@ def test_a_config_given_by_keyword_replaces_the_defaults():
     ha = HardwareAware(RoutingConfig(long_context_tokens=500, long_small_kv_penalty=1.0))
     big, small = be("big", pending_prefill=2000), be("small", kv=10_000)
     d = ha.choose(rq(prompt=1000, out=100), [big, small])
-    assert d.backend is small and d.label == "hardware-aware length:long->small-kv"
+    assert d.backend is small and d.label == "hardware-aware length:long->small-kv by:ttft"
     d = HardwareAware().choose(rq(prompt=1000, out=100), [big, small])
-    assert d.backend is small and d.label == "hardware-aware length:short"
+    assert d.backend is small and d.label == "hardware-aware length:short by:ttft"
 
 
 # --- precision and sessions ---------------------------------------------------------------------
@@ -361,7 +465,9 @@ def test_choose_prefers_the_hinted_format_and_says_how_it_went():
     d = ha.choose(rq(precision="fp8"), [idle_bf16, busy_fp8])
     assert d.backend is busy_fp8 and d.notes == ("precision:prefer", "length:short")
     d = ha.choose(rq(precision="int4"), [idle_bf16, busy_fp8])
-    assert d.backend is idle_bf16 and d.notes == ("precision:unavailable", "length:short")
+    # Sent to the busy one, its prefill would stall five requests decoding there.
+    notes = ("precision:unavailable", "length:short", "by:others")
+    assert d.backend is idle_bf16 and d.notes == notes
     d = ha.choose(rq(precision="fp8", strict=True), [busy_fp8])
     assert d.notes == ("precision:strict", "length:short")
 
@@ -388,11 +494,11 @@ def test_choose_keeps_a_session_on_its_class_and_node_within_affinity_slack():
     home.pending_prefill = 200
     d = ha.choose(rq(1, prompt=1000, out=100, session="s"), [far, other, home])
     assert d.backend is home
-    assert d.notes == ("affinity:class", "length:short", "affinity:node")
+    assert d.notes == ("affinity:class", "length:short", "by:ttft", "affinity:node")
     # 0.3 s behind: the other node of its class.
     home.pending_prefill = 300
     d = ha.choose(rq(2, prompt=1000, out=100, session="s"), [far, other, home])
-    assert d.backend is other and d.notes == ("affinity:class", "length:short")
+    assert d.backend is other and d.notes == ("affinity:class", "length:short", "by:ttft")
     # Its class gone from the pool: anywhere, and it says so.
     d = ha.choose(rq(3, prompt=1000, out=100, session="s"), [far])
     assert d.backend is far and d.notes == ("affinity:class-gone", "length:short")
@@ -444,7 +550,7 @@ def test_placed_keeps_what_choose_looked_up_and_teaches_the_index():
     warm, cold = be("warm"), be("cold")
     r = rq(prompt=1000, out=100, blocks=blocks)
     d = ha.choose(r, [cold, warm])
-    assert d.backend is warm and d.notes == ("length:short", "prefix:hit")
+    assert d.backend is warm and d.notes == ("length:short", "by:ttft", "prefix:hit")
     # More of it arrives there before the placement: choose's look-up is what counts.
     index.insert("warm", blocks.hashes)
     ha.placed(r, warm)
@@ -463,7 +569,7 @@ def test_a_prefix_hit_elsewhere_is_not_reported_for_a_cold_pick():
     ha.prefix.insert("warm", blocks.hashes[:32])
     warm, cold = be("warm", pending_prefill=5000), be("cold")
     d = ha.choose(rq(prompt=1000, out=100, blocks=blocks), [warm, cold])
-    assert d.backend is cold and d.notes == ("length:short",)
+    assert d.backend is cold and d.notes == ("length:short", "by:ttft")
 
 
 # --- work only one class can do -------------------------------------------------------------------

@@ -243,7 +243,9 @@ def test_hardware_aware_keeps_optional_work_off_a_class_busy_with_work_only_it_c
         "r", "r", r.name, "m", "bf16", 40_000, perf=EnginePerf(r, m, f), max_model_len=32768
     )
     policy = HardwareAware()
-    optional = Request(100, "m", 8_000, 100)
+    # Two output tokens: the first token decides (with a long answer the A100's faster
+    # decode would weigh in too).
+    optional = Request(100, "m", 8_000, 2)
 
     def pick(req):
         pool, _ = policy.eligible(req, [a100, rtx])
@@ -256,14 +258,14 @@ def test_hardware_aware_keeps_optional_work_off_a_class_busy_with_work_only_it_c
         policy.placed(req, a100)
     assert policy.exclusive_share(a100.node_class) == pytest.approx(1.0)
     a100.waiting = 3  # three of them wait there for their first token
-    assert pick(Request(101, "m", 8_000, 100)) is rtx
+    assert pick(Request(101, "m", 8_000, 2)) is rtx
     # The delay counts once per request waiting there: with 8,000 prompt tokens queued on the
     # RTX, one prefill's delay (none waiting) leaves the A100 first; four (three waiting) do not.
     rtx.pending_prefill = 8_000
     a100.waiting = 0
-    assert pick(Request(102, "m", 8_000, 100)) is a100
+    assert pick(Request(102, "m", 8_000, 2)) is a100
     a100.waiting = 3
-    assert pick(Request(103, "m", 8_000, 100)) is rtx
+    assert pick(Request(103, "m", 8_000, 2)) is rtx
 
 
 def test_a_blocked_request_that_could_go_anywhere_holds_nothing(catalog):

@@ -376,4 +376,4 @@ def test_a_policy_never_picks_an_ineligible_backend(policy, backends, items, fli
         if req.strict and req.precision and isinstance(p, HardwareAware):
             assert precision_matches(req.precision, d.backend.variant), (req, d.backend)
         p.placed(req, d.backend)
-        account(d.backend, req)
+        account(d.backend, req, 0.0)

@@ -230,14 +230,7 @@ def test_the_inventory_turns_the_log_off_and_bounds_it(tmp_path, echo):
         "router: {aging: {factor: 1.0, window_s: 30}, request_log: {enabled: false}}",
     )
     assert text != INVENTORY
-    import tests.test_route_serve as trs
-
-    old = trs.INVENTORY
-    trs.INVENTORY = text
-    try:
-        router = Router(tmp_path, backends(echo), name="off")
-    finally:
-        trs.INVENTORY = old
+    router = Router(tmp_path, backends(echo), name="off", inventory=text)
     try:
         assert router.complete(prompt=words(30))[0] == 200
         time.sleep(1.5)

@@ -45,10 +45,17 @@ router: {aging: {factor: 1.0, window_s: 30}}
 class Router:
     """One `python -m fleetctl route-serve` subprocess."""
 
-    def __init__(self, tmp: Path, backends: list[dict], *extra: str, name: str = "router"):
+    def __init__(
+        self,
+        tmp: Path,
+        backends: list[dict],
+        *extra: str,
+        name: str = "router",
+        inventory: str = INVENTORY,
+    ):
         self.port = free_port()
         inv = tmp / f"{name}-inventory.yaml"
-        inv.write_text(INVENTORY)
+        inv.write_text(inventory)
         path = tmp / f"{name}-backends.yaml"
         path.write_text(json.dumps({"backends": backends}))
         self.log = tmp / f"{name}.log"
@@ -333,6 +340,22 @@ def test_bad_requests_get_openai_errors(fleet):
     assert got == 413
 
 
+def test_a_request_too_long_for_every_server_is_the_routers_400_without_lengths_given(fleet):
+    """The main router's backends file gives no max_model_len: route-serve reads each
+    server's from its /v1/models (vLLM lists it), so a request no server can take is
+    refused by the router itself, naming the longest length served, and never reaches a
+    backend (before, it went through and the 400 was vLLM's)."""
+    r = fleet["main"]
+    body = {"model": NAME, "prompt": "hi", "max_tokens": 9000}
+
+    def refused_by_router() -> bool:
+        status, _, answer = r.request("POST", "/v1/completions", body, AUTH)
+        assert status == 400, answer
+        return "the longest llama-3-8b serves is 8192" in json.loads(answer)["error"]["message"]
+
+    _wait_for(refused_by_router, "route-serve to read the servers' max_model_len")
+
+
 def test_retries_and_ejection(fleet):
     r = fleet["faulty"]
     for _ in range(10):
@@ -502,6 +525,58 @@ def test_aging_lets_low_priority_through(fleet):
     later = [f"hi{i}" for i in range(1, 12)]
     assert all(done_at["low"] < done_at[h] for h in later), done_at
     assert _router_state(r)[2] >= boosts_before + 1
+
+
+def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """One metric's samples from a /metrics page, by their labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out[tuple(sorted(sample.labels.items()))] = sample.value
+    return out
+
+
+@pytest.mark.parametrize("tpot_ms, met", [(10_000, "true"), (0.001, "false")])
+def test_metrics_show_tpot_and_slo_attainment_per_node_class(fleet, tmp_path, tpot_ms, met):
+    """README: route-serve's /metrics has each class's TPOT and SLO attainment. Every streamed
+    answer is counted under the class its X-Fleet-Class header names, as met when its TPOT
+    is within an objective no answer misses (10 s), as missed under one none meets (1 us);
+    a whole (non-streamed) answer has no TPOT to time and is not counted."""
+    emus = fleet["emus"]
+    slo = f"    slo: {{ttft_p99_s: 60, tpot_p99_ms: {tpot_ms}}}\n"
+    inventory = INVENTORY.replace("    max_context: 8192\n", "    max_context: 8192\n" + slo)
+    backends = [
+        entry(emus["a100"], "a100-1", "NVIDIA A100-SXM4-80GB"),
+        entry(emus["rtx1"], "rtx-1", "RTX-4090"),
+    ]
+    r = Router(tmp_path, backends, "--policy", "round-robin", name="slo", inventory=inventory)
+    try:
+        classes: dict[str, int] = {}
+        for _ in range(4):
+            status, headers, body = r.complete(max_tokens=6, stream=True)
+            assert status == 200 and body.rstrip().endswith(b"data: [DONE]"), body
+            cls = headers["X-Fleet-Class"]
+            classes[cls] = classes.get(cls, 0) + 1
+        assert r.complete(max_tokens=6)[0] == 200  # whole: not counted
+        assert set(classes) == {"A100-SXM4-80GB/bf16", "RTX-4090/bf16"}
+        text = r.metrics()
+        counted = _samples(text, "fleetctl_slo_requests_total")
+        timed = _samples(text, "fleetctl_tpot_seconds_count")
+        share = _samples(text, "fleetctl_slo_attainment")
+        for cls, n in classes.items():
+            key = (("met", met), ("model", NAME), ("node_class", cls))
+            assert counted[key] == n
+            other = "false" if met == "true" else "true"
+            assert counted[(("met", other), ("model", NAME), ("node_class", cls))] == 0
+            assert timed[(("model", NAME), ("node_class", cls))] == n
+            assert share[(("model", NAME), ("node_class", cls))] == (1.0 if met == "true" else 0.0)
+        tpot_sum = sum(_samples(text, "fleetctl_tpot_seconds_sum").values())
+        assert 0 < tpot_sum < 4 * 10.0
+    finally:
+        r.stop()
 
 
 def test_secrets_never_reach_logs_or_metrics(fleet):

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import pytest
 
 from fleetctl.perf import EnginePerf, kv_budget
 from fleetctl.routing.policy import HardwareAware, Policy, RoundRobin
 from fleetctl.routing.scheduler import (
+    PREFILL_WINDOW_S,
     Aging,
     RollingMedian,
     Scheduler,
     account,
+    decay,
     first_token,
     release,
 )
@@ -438,7 +443,7 @@ def test_accounting_of_a_request_from_dispatch_to_release():
     b = plain("b", kv_tokens=100_000)
     b.outstanding, b.reserved_tokens, b.pending_prefill, b.cached_sent = 2, 500, 100, 50
     r = req("r", 1000, 200, cached_tokens=300)
-    account(b, r)
+    account(b, r, 0.0)
     assert (b.outstanding, b.reserved_tokens, b.pending_prefill, b.cached_sent) == (
         3, 1700, 800, 350,
     )  # fmt: skip
@@ -449,9 +454,45 @@ def test_accounting_of_a_request_from_dispatch_to_release():
         2, 500, 100, 350,
     )  # fmt: skip
     # One that fails before its first token takes its prefill off when released.
-    account(b, r)
+    account(b, r, 0.0)
     release(b, r, first_token_seen=False)
     assert (b.outstanding, b.reserved_tokens, b.pending_prefill) == (2, 500, 100)
+
+
+def test_the_prefill_rate_spreads_each_prompt_over_the_window_and_fades():
+    # PREFILL_WINDOW_S is 5 s: 700 tokens to compute (1,000 less 300 cached) add 700 / 5 =
+    # 140 tokens/s at once; 5 s later e^-1 of it is left, and a second prompt then adds its own.
+    assert PREFILL_WINDOW_S == 5.0
+    b = plain("b", kv_tokens=100_000)
+    account(b, req("r", 1000, 200, cached_tokens=300), 10.0)
+    assert b.prefill_rate == pytest.approx(140.0) and b.rate_at == 10.0
+    decay(b, 15.0)
+    assert b.prefill_rate == pytest.approx(140.0 / math.e)
+    second = req("s", 500, 10)
+    account(b, second, 15.0)
+    assert b.prefill_rate == pytest.approx(140.0 / math.e + 100.0)
+    # Time never runs back: a dispatch stamped earlier neither grows nor rewinds it.
+    decay(b, 12.0)
+    assert b.prefill_rate == pytest.approx(140.0 / math.e + 100.0) and b.rate_at == 15.0
+    # Releasing a request leaves the rate alone: it is what was sent, not what runs.
+    release(b, second)
+    assert b.prefill_rate == pytest.approx(140.0 / math.e + 100.0)
+
+
+def test_dispatch_ages_every_backends_prefill_rate_to_now_before_choosing():
+    seen: list[float] = []
+
+    class Watching(FirstListed):
+        def choose(self, r, backends):
+            seen.append(backends[1].prefill_rate)
+            return super().choose(r, backends)
+
+    a, b = plain("a"), plain("b")
+    b.prefill_rate, b.rate_at = 100.0, 0.0
+    s = Scheduler(Watching(), Aging(enabled=False))
+    s.submit(req("r", 10, 10))
+    s.dispatch(5.0, [a, b])
+    assert seen == [pytest.approx(100.0 / math.e)]
 
 
 def test_a_fleet_with_no_free_sequence_slot_is_not_offered_any_request():

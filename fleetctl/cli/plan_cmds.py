@@ -185,6 +185,20 @@ def simulate(
         metavar="SHARE",
         help="Scale arrivals to this share of the fleet's capacity (e.g. 0.8).",
     ),
+    rate: float | None = typer.Option(
+        None,
+        "--rate",
+        metavar="R",
+        help="Scale arrivals to R requests per second (the same traffic for every plan).",
+    ),
+    slo: str | None = typer.Option(
+        None,
+        "--slo",
+        metavar="TTFT_S,TPOT_MS",
+        help="The model's objectives for this run (p99 TTFT in s, TPOT in ms; - for none), "
+        "in place of the inventory's slo: hardware-aware routes by them and each policy's "
+        "SLO attainment counts them.",
+    ),
     model: str | None = typer.Option(
         None, "--model", metavar="NAME", help="Which model the workload targets."
     ),
@@ -203,7 +217,7 @@ def simulate(
     ),
     no_calibration: bool = NoCalibrationOpt,
 ) -> None:
-    """Replay a workload over the planned fleet with each policy; compare TTFT and more."""
+    """Replay a workload over the planned fleet with each policy; compare goodput, TTFT, TPOT."""
     from fleetctl.sim.command import require_matplotlib, run_simulate
 
     if plot is not None:  # before loading anything: a missing matplotlib wastes no simulation
@@ -223,6 +237,8 @@ def simulate(
         not as_json,
         not no_calibration,
         window,
+        rate=rate,
+        slo=slo,
     )
     if as_json:
         print_json(data)

@@ -142,4 +142,4 @@ def render(w: WhatIf, verdict: Verdict | None = None) -> RenderableType:
 
 def gate_verdict(inv: Inventory, w: WhatIf) -> Verdict:
     g = inv.spec.apply.gate
-    return judge(w.current, w.candidate, g.max_ttft_p99_rise, g.max_slo_drop)
+    return judge(w.current, w.candidate, g.max_ttft_p99_rise, g.max_slo_drop, g.max_tpot_p99_rise)

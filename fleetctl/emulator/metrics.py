@@ -258,11 +258,16 @@ class Writer:
         self.lines.append(f"vllm:{name}{_labels(labels)} 1.0")
 
 
-def render(model_name: str, engine: Engine, rec: Recorder, cache: CacheInfo) -> str:
+def render(
+    model_name: str, engine: Engine, rec: Recorder, cache: CacheInfo, time_scale: float = 1.0
+) -> str:
     """The /metrics text of one emulated server."""
     w = Writer({"engine": "0", "model_name": model_name}, rec.created)
     st = engine.stats
-    w.counter("estimated_read_bytes_per_gpu", st.read_bytes)
+    # A scraper turns this counter into bandwidth on its own (wall) clock. Divided by the time
+    # scale, that rate is the modelled GPU's bytes per emulated second, as the latencies here
+    # are emulated seconds; else an emulator running 4x fast reads as 4x the GPU's bandwidth.
+    w.counter("estimated_read_bytes_per_gpu", st.read_bytes / time_scale)
     w.gauge("num_requests_running", engine.num_running)
     w.gauge("num_requests_waiting", engine.num_waiting)
     waiting = {"capacity": float(engine.num_waiting), "deferred": 0.0}

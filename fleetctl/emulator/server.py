@@ -237,7 +237,13 @@ def _model_card(name: str, c: EmulatorConfig, created: int) -> dict[str, Any]:
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    text = render(state.config.name, state.run().engine, state.recorder, state.cache)
+    text = render(
+        state.config.name,
+        state.run().engine,
+        state.recorder,
+        state.cache,
+        state.config.time_scale,
+    )
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )

@@ -35,6 +35,8 @@ class BackendEntry(Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     kv_budget_tokens: int | None = Field(None, gt=0)
     max_num_seqs: int | None = Field(None, gt=0)
+    # Its --max-num-batched-tokens (prefill tokens a step carries); unset: vLLM's default.
+    max_num_batched_tokens: int | None = Field(None, gt=0, le=MAX_TOKENS)
     gpu_memory_utilization: float = Field(0.92, gt=0, le=1)
     # Its --max-model-len: requests longer than it go elsewhere. Unset: not filtered by length.
     max_model_len: int | None = Field(None, gt=0, le=MAX_TOKENS)
@@ -106,7 +108,10 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         profile_name = e.profile or _inventory_profile(inv, e.model) or e.model
         model = catalog.model(profile_name, where)
         fmt = catalog.format(e.variant, where)
-        seqs = e.max_num_seqs or vllm_batch_defaults(gpu)[1]
+        default_tokens, default_seqs = vllm_batch_defaults(
+            gpu, max_model_len=e.max_model_len or 8192
+        )
+        seqs = e.max_num_seqs or default_seqs
         kv = (
             e.kv_budget_tokens
             or kv_budget(
@@ -123,6 +128,7 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         b = Backend(url, node, gpu.name, e.model, fmt.name, kv, seqs, perf, e.max_model_len or 0)
         b.served_name = e.served_name if e.served_name and e.served_name != e.model else ""
         b.gpus, b.dcgm_url = e.gpus, e.dcgm_url or ""
+        b.max_num_batched_tokens = e.max_num_batched_tokens or default_tokens
         out.append(b)
     return out
 
@@ -165,6 +171,7 @@ def backends_from_state(inv: Inventory, state_dir: StateDir) -> list[Backend]:
                 max_model_len=s.max_model_len,
                 gpus=d.gpu_indices,
                 dcgm_url=dcgm_url(inv, d.host),
+                max_num_batched_tokens=s.max_num_batched_tokens,
             )
         )
     return out

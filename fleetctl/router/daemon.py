@@ -28,6 +28,7 @@ from fleetctl.router.shared import RedisShared, SharedSessions
 from fleetctl.router.telemetry import Counter, Gauge, RouterMetrics
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.transport import make_transport
+from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import Policy
 from fleetctl.routing.prefix import PrefixIndex
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
@@ -105,6 +106,8 @@ class Router:
     request_log: RequestLog | None = None
     # Which of route-serve's --workers this process is (None: the only one).
     worker: int | None = None
+    # Each model's objectives (the inventory's slo): /metrics counts the answers that met them.
+    slo: dict[str, Slo] = field(default_factory=dict)
     prefix: PrefixIndex | None = field(init=False, default=None)
     prefix_share: PrefixShare | None = field(init=False, default=None)
     _kv: Any = None  # the KvEventSubscriber, while it runs
@@ -201,7 +204,13 @@ class Router:
         # For the proxied requests: "fast" is cheaper than aiohttp's client.
         upstream = make_transport(c.transport, c.connect_timeout_s, c.upstream_timeout_s)
         hooks = Hooks(
-            self.admission, self.metrics, self.estimator, self.tokens, self.live, self._ttft
+            self.admission,
+            self.metrics,
+            self.estimator,
+            self.tokens,
+            self.live,
+            self._ttft,
+            self.slo,
         )
         self._proxy = Proxy(upstream, hooks, c.max_retries, c.api_key, c.backend_api_key)
         self._tasks.append(asyncio.create_task(self.admission.run()))

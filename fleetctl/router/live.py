@@ -22,6 +22,7 @@ from fleetctl.calibration import (
     window,
 )
 from fleetctl.http import Client, HttpError
+from fleetctl.limits import MAX_TOKENS
 from fleetctl.router.backends import model_problem, served_name
 from fleetctl.router.dcgm import parse_dcgm_mem_copy
 from fleetctl.routing.types import Backend
@@ -254,6 +255,7 @@ class LiveState:
             if r.status == 200:
                 data = r.json()["data"]
                 listed = [m["id"] for m in data if isinstance(m["id"], str)]
+                served_length(b, data, want)
         except (HttpError, ValueError, KeyError, TypeError):
             pass
         now = time.monotonic()
@@ -428,6 +430,25 @@ class LiveState:
     def expire_all(self, now: float) -> None:
         for b in self.backends:
             self.expire(b, now)
+
+
+def served_length(b: Backend, data: list[dict[str, object]], name: str) -> None:
+    """The max_model_len vLLM lists for the model `b` serves as `name` wins over what the
+    state or backends file said (a backends file may leave it out): the router filters
+    requests by it, and servers of different lengths are length classes."""
+    for m in data:
+        length = m.get("max_model_len")
+        if m.get("id") == name and type(length) is int and 0 < length <= MAX_TOKENS:
+            if b.max_model_len and length != b.max_model_len:  # learning an unknown one is quiet
+                log.warning(
+                    "%s: serves max_model_len %d, not the %d it was listed with; routing by %d",
+                    where(b),
+                    length,
+                    b.max_model_len,
+                    length,
+                )
+            b.max_model_len = length
+            return
 
 
 def modelled_bandwidth(b: Backend) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
 from aiohttp import web
@@ -25,6 +25,7 @@ from fleetctl.router.telemetry import RouterMetrics
 from fleetctl.router.tokens import TokenCounter
 from fleetctl.router.transport import Answer, Transport
 from fleetctl.router.upstream import UpstreamError
+from fleetctl.routing.goodput import Slo
 from fleetctl.routing.request import ClientError, Parsed
 from fleetctl.routing.scheduler import first_token, release
 from fleetctl.routing.types import Backend, Decision, OutputEstimator, Request
@@ -52,6 +53,7 @@ class Hooks:
     live: LiveState | None
     # Records a backend TTFT sample (scheduler's aging window, and the shared store).
     observe_ttft: Callable[[float, float], None]
+    slo: dict[str, Slo] = field(default_factory=dict)  # each model's objectives, if it has
 
 
 class Lease:
@@ -92,7 +94,8 @@ class Lease:
             return
         self.ended = "done"
         h, req = self.hooks, self.req
-        h.metrics.e2e.observe(time.monotonic() - self.started, req.model)
+        e2e = time.monotonic() - self.started
+        h.metrics.e2e.observe(e2e, req.model)
         if streamed is not None:
             h.estimator.observe(req.model, streamed)
             self.output = streamed
@@ -104,6 +107,12 @@ class Lease:
                 self.output = out
             if _count(prompt):
                 h.tokens.observe(req.model, req.prompt_chars, prompt)
+        # A streamed answer times its tokens; a whole one arrives at once (no TPOT to time).
+        if streamed is not None and self.ttft is not None and self.output and self.output > 1:
+            tpot = (e2e - self.ttft) / (self.output - 1)
+            slo = h.slo.get(req.model)
+            met = None if slo is None else slo.met(self.ttft, tpot)
+            h.metrics.served(req.model, self.b.node_class, tpot, met)
 
     def failed(self, reason: str) -> None:
         """The backend failed: counted against it (ejection after several, logged with why)."""

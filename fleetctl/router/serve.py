@@ -158,7 +158,7 @@ def build_router(
         kv_events = kv_sources(inv, backends_file, state_dir, use_kv_events, backends)
     if kv_events:
         _need_prefix_extra()
-    routing = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
+    routing = RoutingConfig.of(inv)
     sched = Scheduler(
         make_policy(policy, config=routing),
         Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled),
@@ -198,6 +198,7 @@ def build_router(
         shared=shared,
         tokens=TokenCounter(local),
         known_formats=frozenset(catalog.formats),
+        slo=routing.slo,
         prefix_capacity=prefix_capacity,
         kv_events=kv_events,
         request_log=open_request_log(inv, state_dir, request_log),

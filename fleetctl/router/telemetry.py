@@ -7,6 +7,8 @@ from collections import defaultdict
 from typing import Any
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Time per output token: 10 ms is an H100's decode step, 250 ms a step with a prefill chunk.
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
 
 
 def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
@@ -103,6 +105,25 @@ class RouterMetrics:
         self.e2e = Histogram(
             "fleetctl_e2e_seconds", "Request latency end to end, as clients see it.", ("model",)
         )
+        self.tpot = Histogram(
+            "fleetctl_tpot_seconds",
+            "Time per output token of a streamed answer after its first, as clients see it, "
+            "by the node class that served it.",
+            ("model", "node_class"),
+            TPOT_BUCKETS,
+        )
+        self.slo = Counter(
+            "fleetctl_slo_requests_total",
+            "Streamed answers by whether they met both of their model's objectives (p99 TTFT "
+            "and TPOT, the inventory's slo), by node class.",
+            ("model", "node_class", "met"),
+        )
+        self.attainment = Gauge(
+            "fleetctl_slo_attainment",
+            "Share of the streamed answers a node class served within both objectives, since "
+            "the start (rate() of fleetctl_slo_requests_total gives it over a window).",
+            ("model", "node_class"),
+        )
         self.up = Gauge(
             "fleetctl_backend_up",
             "1 when a backend takes traffic, 0 while ejected.",
@@ -190,6 +211,17 @@ class RouterMetrics:
             "fleetctl_session_store_local_pins", "Session pins this replica holds in memory."
         )
 
+    def served(self, model: str, node_class: str, tpot_s: float, met: bool | None) -> None:
+        """A streamed answer ended: its TPOT, and whether it met its SLO (None: no SLO)."""
+        self.tpot.observe(tpot_s, model, node_class)
+        if met is None:
+            return
+        self.slo.inc(model, node_class, "true" if met else "false")
+        # Both series exist from a class's first answer (0 where none yet), as rate() wants.
+        good = self.slo.values[(model, node_class, "true")]
+        bad = self.slo.values[(model, node_class, "false")]
+        self.attainment.set(model, node_class, value=good / (good + bad))
+
     def session_store(self, shared: Any) -> None:
         """Copy the session store's state (a RedisShared) into the metrics above."""
         import time
@@ -212,6 +244,9 @@ class RouterMetrics:
             self.boosts,
             self.ttft,
             self.e2e,
+            self.tpot,
+            self.slo,
+            self.attainment,
             self.up,
             self.ejections,
             self.retries,

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+from fleetctl.inventory import Inventory
+from fleetctl.routing.goodput import (
+    Effect,
+    Slo,
+    cost,
+    deciding_term,
+    effect,
+    prefill_s_per_token,
+)
 from fleetctl.routing.prefix import NoPrefix, PrefixView
 from fleetctl.routing.sessions import Pin, SessionTable
 from fleetctl.routing.types import Backend, Decision, Request, precision_matches
@@ -34,6 +43,16 @@ class RoutingConfig:
     affinity_slack_s: float = 0.25
     # Placements the share of each class's work that only it can do is averaged over.
     exclusive_window: int = 1000
+    # Each model's objectives (its inventory `slo`): hardware-aware then minimises the
+    # requests expected to miss them (routing/goodput.py).
+    slo: dict[str, Slo] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, inv: Inventory) -> RoutingConfig:
+        """The inventory's router settings and its models' SLOs."""
+        spec = inv.spec.router
+        slos = {m.name: slo for m in inv.models if (slo := Slo.of(m.spec.slo)) is not None}
+        return cls(spec.long_context_tokens, spec.bandwidth_saturation, slo=slos)
 
 
 class Policy:
@@ -118,7 +137,10 @@ class KvAware(Policy):
 
 class HardwareAware(Policy):
     """The seed's scheduler: precision, session affinity to a node class, length class, and
-    an estimate of time to first token that knows each GPU's speed, KV budget and saturation."""
+    the predicted effect of each placement on time to first token and time per output token,
+    the request's own and that of the requests already decoding there (routing/goodput.py):
+    with the model's SLO it minimises the requests expected to miss it, without one the
+    seconds of latency the fleet's requests gain."""
 
     name = "hardware-aware"
     admission = True
@@ -177,6 +199,7 @@ class HardwareAware(Policy):
         top = max(b.kv_tokens for b in pool)
         small = {b.name for b in pool if b.kv_tokens < cfg.large_kv_share * top}
         one_length = len({b.max_model_len for b in pool}) == 1
+        slo = cfg.slo.get(req.model)
 
         # What each backend has cached of the prompt, looked up once per decision.
         hits = {b.name: self.cached(b, req) for b in pool}
@@ -187,7 +210,9 @@ class HardwareAware(Policy):
         # recent work that was exclusive. Without per-class lengths no work is exclusive.
         spread = len({b.node_class for b in pool}) > 1 and not self.exclusive(req)
 
-        def cost(b: Backend) -> float:
+        def weighed(b: Backend) -> Effect:
+            """The effect scored: its first token as the length rules weigh it."""
+            e = self.predict(b, req, hits[b.name])
             # Among servers of one length, long requests prefer the large-KV class: a small-KV
             # backend must promise a first token `long_small_kv_penalty` times sooner.
             slow = cfg.long_small_kv_penalty if long and one_length and b.name in small else 1.0
@@ -196,28 +221,36 @@ class HardwareAware(Policy):
                 share = self.exclusive_share(b.node_class)
                 own = b.perf.prefill_marginal(req.prompt_tokens - hits[b.name], hits[b.name])
                 extra = share * own * (1 + b.waiting)
-            return self.estimate(b, req, hits[b.name]) * slow + extra
+            return replace(e, ttft_s=e.ttft_s * slow + extra)
 
-        best = min(pool, key=lambda b: (cost(b), b.name))
-        best_s = cost(best)
+        effects = {b.name: weighed(b) for b in pool}
+        costs = {b.name: cost(effects[b.name], req, slo) for b in pool}
+        ranked = sorted(pool, key=lambda b: (costs[b.name], b.name))
+        best = ranked[0]
         if not long:
             notes.append("length:short")
         elif not small:
             notes.append("length:long")
         else:
             notes.append("length:long->small-kv" if best.name in small else "length:long->large-kv")
+        if len(ranked) > 1:
+            term = deciding_term(effects[best.name], effects[ranked[1].name], req, slo)
+            notes.append(f"by:{term}")
         if pin is not None:
+            # Stay on the session's node (its warm prefix cache) while it costs no more than
+            # the best would with its first token `affinity_slack_s` later.
             home = next((b for b in pool if b.node == pin.node), None)
-            near = home is not None and cost(home) <= best_s + cfg.affinity_slack_s
-            if home is not None and home is not best and near:
-                best = home
-                notes.append("affinity:node")
+            if home is not None and home is not best:
+                e = effects[best.name]
+                slack = cost(replace(e, ttft_s=e.ttft_s + cfg.affinity_slack_s), req, slo)
+                if costs[home.name] <= slack:
+                    best = home
+                    notes.append("affinity:node")
         if hits[best.name]:
             notes.append("prefix:hit")
         self._hit = (req, best.name, hits[best.name])
-        return Decision(
-            best, self.name, tuple(notes), ttft_s=self.estimate(best, req, hits[best.name])
-        )
+        e = self.predict(best, req, hits[best.name])
+        return Decision(best, self.name, tuple(notes), ttft_s=e.ttft_s, tpot_s=e.tpot_s)
 
     def exclusive(self, req: Request) -> bool:
         """Whether `eligible` found that only some of its model's classes can take `req`."""
@@ -238,25 +271,31 @@ class HardwareAware(Policy):
         return min(self.prefix.cached(b.name, req.blocks), req.prompt_tokens - 1)
 
     def estimate(self, b: Backend, req: Request, cached: int | None = None) -> float:
-        """Seconds until `req` would see its first token on `b`, with saturation penalties;
-        `cached`: prompt tokens `b` holds of it (looked up when not given)."""
+        """Seconds until `req` would see its first token on `b`; `cached`: prompt tokens `b`
+        holds of it (looked up when not given)."""
+        return self.predict(b, req, cached).ttft_s
+
+    def predict(self, b: Backend, req: Request, cached: int | None = None) -> Effect:
+        """What placing `req` on `b` does to its latency and to the requests there."""
         cfg = self.config
         perf = b.perf
         if perf is None:  # no model of this GPU: fall back to capacity-normalized load
-            return b.outstanding / max(1, b.max_num_seqs)
+            return Effect(b.outstanding / max(1, b.max_num_seqs), 0.0, 0.0, 0.0, 0.0)
         # Prompt tokens ahead of ours (each its own sequence: linear, at a typical context) and
         # ours, at the GPU's prefill speed. What this server has cached of our prompt is
         # prefill it skips: we compute only the rest, attending to the cached part.
-        wait = b.pending_prefill * perf.prefill_marginal(2048) / 2048
+        wait = b.pending_prefill * prefill_s_per_token(b)
         if cached is None:
             cached = self.cached(b, req)
         # As much of it as this server really finds of what the router expects it to hold
         # (1 when KV events say exactly; less where an index of placements overstates it).
         cached = int(cached * b.prefix_trust)
         wait += perf.prefill_marginal(req.prompt_tokens - cached, cached)
-        # The decode batch this request joins; its per-step time slows our prefill steps too.
-        batch = max(1, b.outstanding)
-        step = perf.step_time(batch, batch * max(1, req.total_tokens // 2))
+        # The decode batch this request joins: what is in flight (its KV, as far as the cache
+        # holds it) and this request at half its output. Its steps slow our prefill too.
+        batch = max(b.outstanding, b.running) + 1
+        kv = min(b.reserved_tokens, max(1, b.kv_tokens)) + req.prompt_tokens
+        step = perf.step_time(batch, kv + req.output_tokens // 2)
         # KV: if what is in flight plus this request overflows the cache, it waits for room
         # (or forces preemptions): about one request's decode per overflowing request.
         over = (b.reserved_tokens + req.total_tokens) / max(1, b.kv_tokens)
@@ -267,11 +306,15 @@ class HardwareAware(Policy):
         # daemon measures it live as the rate of vllm:estimated_read_bytes_per_gpu_total over
         # the GPU's peak bandwidth (or DCGM_FI_DEV_MEM_COPY_UTIL), falling back to the perf
         # model applied to the scraped running-request count when that counter is missing.
-        # Compute saturation (large batches on compute-rich GPUs): same reasoning.
+        # Compute saturation (large batches on compute-rich GPUs): same reasoning. Past its
+        # threshold, the share of the room above it in use is taken from this request's steps
+        # (and those of the requests there): each decode step stretches by 1 / (1 - that
+        # share), as a queue does near full use, at most SATURATED_SLOWDOWN times.
         excess = _past(b.bandwidth_util, cfg.bandwidth_saturation) + _past(
             b.compute_util, cfg.compute_saturation
         )
-        return wait + excess * req.output_tokens * step + step
+        slow = 1.0 / max(1.0 / SATURATED_SLOWDOWN, 1.0 - excess)
+        return effect(b, req, cached, wait + step, step, slow)
 
     def placed(self, req: Request, backend: Backend) -> None:
         last = self._hit
@@ -294,6 +337,11 @@ class HardwareAware(Policy):
         pin = self.sessions.get(req.session)
         if pin is None or pin.node_class != backend.node_class or pin.node != backend.node:
             self.sessions.set(req.session, Pin(backend.node_class, backend.node))
+
+
+# How much slower than modelled a saturated GPU's steps may be taken to run (a measured
+# utilization at or past full use).
+SATURATED_SLOWDOWN = 10.0
 
 
 def _past(util: float, threshold: float) -> float:

@@ -17,6 +17,7 @@ backends that failed it in `Request.exclude`, so it keeps its place and obeys th
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,11 @@ from fleetctl.routing.policy import Policy
 from fleetctl.routing.types import Backend, Decision, Request
 
 TOP = 0
+# Seconds over which the prompt tokens sent to each backend are averaged into its prefill
+# rate: about one request's decode, the span whose prompts will share its steps. Azure's
+# bursts outrun a longer window (20 s: the estimated TPOT of the A100s fell to a fifth of
+# what they did in a burst of 4K-token prompts; benchmarks/RESULTS.md, "Goodput").
+PREFILL_WINDOW_S = 5.0
 # After the first request of a class that must wait, look this many further for smaller ones
 # that fit elsewhere (backfill); deeper requests wait for the next dispatch. Bounds the work
 # per dispatch when thousands queue.
@@ -149,6 +155,8 @@ class Scheduler:
         rejected: list[Dispatch] = []
         if not self.classes:
             return sent, rejected
+        for b in backends:
+            decay(b, now)
         self._age(now)
         for prio in sorted(self.classes):
             q = self.classes[prio]
@@ -204,7 +212,7 @@ class Scheduler:
                     keep.append(req)
                     continue
                 self.policy.placed(req, decision.backend)
-                account(decision.backend, req)
+                account(decision.backend, req, now)
                 sent.append(Dispatch(req, decision))
             keep.extend(q)
             if keep:
@@ -216,11 +224,21 @@ class Scheduler:
         return sent, rejected
 
 
-def account(b: Backend, req: Request) -> None:
+def account(b: Backend, req: Request, now: float) -> None:
     b.outstanding += 1
     b.reserved_tokens += req.total_tokens
     b.pending_prefill += req.prefill_tokens
     b.cached_sent += req.cached_tokens
+    decay(b, now)
+    b.prefill_rate += req.prefill_tokens / PREFILL_WINDOW_S
+
+
+def decay(b: Backend, now: float) -> None:
+    """Age `b`'s prefill rate to `now`: an exponentially weighted average over
+    PREFILL_WINDOW_S, so each prompt counts once, spread over the window after it was sent."""
+    if now > b.rate_at:
+        b.prefill_rate *= math.exp((b.rate_at - now) / PREFILL_WINDOW_S)
+    b.rate_at = max(b.rate_at, now)
 
 
 def first_token(b: Backend, req: Request) -> None:

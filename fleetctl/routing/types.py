@@ -98,6 +98,12 @@ class Backend:
     cached_sent: int = 0
     prefix_trust: float = 1.0
     pending_prefill: int = 0  # prompt tokens in flight that have not produced a token yet
+    # Prompt tokens to compute sent here per second lately (scheduler.PREFILL_WINDOW_S), as
+    # of `rate_at`: how much of its time the GPU will spend on prefill chunks.
+    prefill_rate: float = 0.0
+    rate_at: float = 0.0
+    # Its --max-num-batched-tokens (the prefill tokens a step can carry); 0: unknown.
+    max_num_batched_tokens: int = 0
     # Set for a node whose driver, CUDA or vLLM differs from its class (`fleetctl health`):
     # it then forms a class of its own, so sessions never mix it with the others.
     class_tag: str = ""
@@ -126,6 +132,7 @@ class Decision:
     notes: tuple[str, ...] = ()  # bounded words, e.g. "affinity:class", "length:short"
     detail: str = ""  # a measured value, for people only, e.g. "(3)" outstanding requests
     ttft_s: float | None = None  # the policy's estimate of seconds to the first token
+    tpot_s: float | None = None  # ... and of seconds per output token after it
     reject: bool = False  # the request can never be served as asked (a client error)
     message: str = ""  # a rejection's explanation, for the client
 
@@ -146,6 +153,8 @@ class Decision:
             parts.append(self.detail)
         if self.ttft_s is not None:
             parts.append(f"ttft~{self.ttft_s:.3f}s")
+        if self.tpot_s is not None:
+            parts.append(f"tpot~{self.tpot_s * 1000:.1f}ms")
         return " ".join(parts)
 
 

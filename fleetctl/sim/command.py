@@ -13,6 +13,7 @@ from rich.text import Text
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
 from fleetctl.progress import progress
+from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.fleet import Server
@@ -36,9 +37,14 @@ def run_simulate(
     show_progress: bool,
     calibrated: bool = True,
     window: str | None = None,
+    *,
+    rate: float | None = None,
+    slo: str | None = None,
 ) -> tuple[dict[str, Any], RenderableType]:
     """Simulate `inv`'s plan under each policy; with `calibrated`, the state folder's
-    calibration gives the servers of its classes their measured KV and speed, and says so."""
+    calibration gives the servers of its classes their measured KV and speed, and says so.
+    `rate` (requests/s) or `load` (share of capacity) rescales the arrivals; `slo`
+    (`TTFT_S,TPOT_MS`) replaces the model's objectives for the run."""
     from fleetctl.planner import plan_fleet
     from fleetctl.statedir import StateDir
 
@@ -52,6 +58,12 @@ def run_simulate(
         )
     if (workload is None) == (trace is None):
         raise UserError("give exactly one of --workload and --trace", None, "see --help")
+    if load is not None and rate is not None:
+        raise UserError("give at most one of --load and --rate", None, "drop one of them")
+    for flag, value in (("--load", load), ("--rate", rate)):
+        if value is not None and not (0 < value < math.inf):
+            raise UserError(f"{flag} must be a positive number, got {value:g}", None, "see --help")
+    objectives = parse_slo(slo) if slo is not None else None
     target = _target_model(inv, model)
     if window is not None and trace is None:
         raise UserError("--window cuts a trace", None, "give --trace, or leave --window out")
@@ -78,10 +90,12 @@ def run_simulate(
             items,
             names,
             load=load,
+            rate=rate,
             seed=seed,
             aging=aging,
             progress=bar.update,
             calibration=calibration,
+            slo=objectives,
         )
     data = result.to_json()
     parts: list[RenderableType] = [render(result)]
@@ -173,6 +187,28 @@ def _items(
     return spec.generate(seed)
 
 
+def parse_slo(text: str) -> Slo:
+    """`TTFT_S,TPOT_MS` (either may be `-`: no objective on it) -> Slo in seconds."""
+    parts = [p.strip() for p in text.split(",")]
+    values: list[float | None] = []
+    for p in parts if len(parts) == 2 else []:
+        try:
+            v = None if p == "-" else float(p)
+        except ValueError:
+            break
+        if v is not None and not (0 < v < math.inf):
+            break
+        values.append(v)
+    if len(values) != 2 or values == [None, None]:
+        raise UserError(
+            f"bad --slo {text!r}",
+            None,
+            "write TTFT_S,TPOT_MS, e.g. 2,50 (TTFT 2 s, TPOT 50 ms); - leaves one out",
+        )
+    ttft, tpot_ms = values
+    return Slo(ttft, None if tpot_ms is None else tpot_ms / 1000)
+
+
 def parse_window(text: str) -> tuple[float, float]:
     """`START:END` seconds (END may be empty: to the end) -> (start, end)."""
     start, sep, end = text.partition(":")
@@ -206,9 +242,11 @@ COLUMNS = [
     ("TTFT\np50", "ttft_p50_s", True),
     ("TTFT\np90", "ttft_p90_s", True),
     ("TTFT\np99", "ttft_p99_s", True),
-    ("TPOT\nmean", "tpot_mean_s", True),
+    ("TPOT\np50", "tpot_p50_s", True),
+    ("TPOT\np90", "tpot_p90_s", True),
     ("TPOT\np99", "tpot_p99_s", True),
     ("e2e\np99", "e2e_p99_s", True),
+    ("SLO\nmet %", "slo_attainment", False),
     ("req/s", "throughput_rps", False),
     ("preempt", "preemptions", False),
     ("prefix\nhit %", "prefix_hit_rate", False),
@@ -222,13 +260,18 @@ _OUTCOMES = [i + 1 for i, (_, _, ms) in enumerate(COLUMNS) if not ms]
 
 
 def render(result: Comparison) -> RenderableType:
+    """The policies side by side; the goodput winner (or, with no SLO, the lowest p99 TTFT)
+    in bold, then who won on goodput and what each trade costs."""
     summaries = {name: r.summary() for name, r in result.results.items()}
-    best_p99 = min((s["ttft_p99_s"] for s in summaries.values()), default=math.nan)
+    winner = result.goodput_winner()
+    if winner is None:
+        best_p99 = min((s["ttft_p99_s"] for s in summaries.values()), default=math.nan)
+        winner = next((n for n, s in summaries.items() if s["ttft_p99_s"] == best_p99), None)
     rows: list[list[Cell]] = []
     styles: list[str | None] = []
     for name, s in summaries.items():
         rows.append([name, *(_cell(s[key], ms, key) for _, key, ms in COLUMNS)])
-        styles.append("bold green" if s["ttft_p99_s"] == best_p99 else None)
+        styles.append("bold green" if name == winner else None)
     load = result.offered_rps / result.capacity_rps if result.capacity_rps else math.nan
     table = Records(
         f"Simulated {result.model}: {plural(len(result.items), 'request')} over "
@@ -237,10 +280,32 @@ def render(result: Comparison) -> RenderableType:
         [Col("policy", head=True), *(Col(h, numeric=True) for h, _, _ in COLUMNS)],
         rows,
         styles=styles,
-        caption="times in ms; TPOT = time per output token; e2e = arrival to last token",
+        caption="times in ms; TPOT = time per output token; e2e = arrival to last token; "
+        "SLO met = served within both objectives",
         parts=[_LATENCY, _OUTCOMES],
     )
-    return Group(table, *(Text(line) for line in tradeoffs(summaries)))
+    lines = [goodput_line(result, summaries), *tradeoffs(summaries)]
+    return Group(table, *(Text(line) for line in lines))
+
+
+def goodput_line(result: Comparison, summaries: dict[str, dict[str, float | int]]) -> str:
+    """Who served the most requests within both objectives, and the runner-up."""
+    slo = result.slo
+    winner = result.goodput_winner()
+    if slo is None or winner is None:
+        return (
+            "No SLO to judge goodput by: set the model's slo in the inventory, or give "
+            "--slo TTFT_S,TPOT_MS."
+        )
+    share = float(summaries[winner]["slo_attainment"])
+    others = sorted(
+        ((float(s["slo_attainment"]), n) for n, s in summaries.items() if n != winner),
+        reverse=True,
+    )
+    line = f"Goodput: {winner} served {share:.1%} of requests within {slo.text()}"
+    if others:
+        line += f" (next: {others[0][1]} {others[0][0]:.1%})"
+    return line + "."
 
 
 def _cell(v: float | int, ms: bool, key: str = "") -> str:
@@ -248,7 +313,7 @@ def _cell(v: float | int, ms: bool, key: str = "") -> str:
         return "-"
     if ms:
         return f"{v * 1e3:,.0f}"
-    if key == "prefix_hit_rate":
+    if key in ("prefix_hit_rate", "slo_attainment"):
         return f"{v:.1%}"
     return f"{v:.2f}" if isinstance(v, float) else f"{v:,}"
 
@@ -257,7 +322,7 @@ def _cell(v: float | int, ms: bool, key: str = "") -> str:
 # lose TPOT (it sends more requests to a fast-prefilling but slower-decoding server).
 TRADEOFF_METRICS = {
     "TTFT": [("p50 TTFT", "ttft_p50_s"), ("p90 TTFT", "ttft_p90_s"), ("p99 TTFT", "ttft_p99_s")],
-    "TPOT": [("mean TPOT", "tpot_mean_s"), ("p99 TPOT", "tpot_p99_s")],
+    "TPOT": [("p50 TPOT", "tpot_p50_s"), ("p90 TPOT", "tpot_p90_s"), ("p99 TPOT", "tpot_p99_s")],
     "e2e": [("p99 e2e latency", "e2e_p99_s")],
 }
 SAME_WITHIN = 0.05  # changes smaller than this are noise, not a win or a loss

@@ -16,6 +16,7 @@ from fleetctl.calibration import Calibration, measured
 from fleetctl.inventory import Inventory
 from fleetctl.perf import BLOCK_SIZE, EnginePerf
 from fleetctl.plan import Deployment
+from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.routing.registry import make_policy
@@ -109,6 +110,29 @@ class Outcome:
     rejected: str | None = None
     boosted: bool = False
 
+    @property
+    def done(self) -> bool:
+        """Served to its last token."""
+        return self.rejected is None and self.finished is not None and self.first_token is not None
+
+    @property
+    def ttft_s(self) -> float:
+        assert self.first_token is not None
+        return self.first_token - self.item.arrival
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Seconds per output token after the first: (last - first token) / (output - 1);
+        None for a single output token."""
+        assert self.finished is not None and self.first_token is not None
+        if self.item.output <= 1:
+            return None
+        return (self.finished - self.first_token) / (self.item.output - 1)
+
+    def met(self, slo: Slo | None) -> bool:
+        """Served within both objectives (with no SLO: served)."""
+        return self.done and (slo is None or slo.met(self.ttft_s, self.tpot_s))
+
 
 @dataclass
 class SimResult:
@@ -120,32 +144,40 @@ class SimResult:
     reasons: dict[str, int] = field(default_factory=dict)
     prefix_queries: int = 0  # prompt tokens the engines looked up in their prefix caches
     prefix_hits: int = 0  # of those, tokens found cached: prefill saved
+    slo: Slo | None = None  # the model's objectives: slo_attainment counts who met both
 
     def summary(self) -> dict[str, float | int]:
-        done = [o for o in self.outcomes if o.finished is not None]
-        ttft = sorted(o.first_token - o.item.arrival for o in done if o.first_token is not None)
+        """Latency percentiles over the requests served; `slo_attainment` is the share of
+        all requests served within both objectives (NaN without an SLO), `goodput_rps` their
+        rate."""
+        done = [o for o in self.outcomes if o.done]
+        ttft = sorted(o.ttft_s for o in done)
         e2e = sorted(o.finished - o.item.arrival for o in done if o.finished is not None)
-        tpot = sorted(
-            (o.finished - o.first_token) / (o.item.output - 1)
-            for o in done
-            if o.first_token is not None and o.finished is not None and o.item.output > 1
-        )
+        tpot = sorted(t for o in done if (t := o.tpot_s) is not None)
         span = max((o.finished for o in done if o.finished), default=0.0) - min(
             (o.item.arrival for o in self.outcomes), default=0.0
         )
         tokens = sum(o.item.output for o in done)
+        met = sum(1 for o in done if o.met(self.slo)) if self.slo is not None else 0
         return {
             "requests": len(self.outcomes),
             "completed": len(done),
             "starved": sum(1 for o in self.outcomes if o.finished is None and o.rejected is None),
             "rejected": sum(1 for o in self.outcomes if o.rejected is not None),
-            "ttft_mean_s": sum(ttft) / len(ttft) if ttft else math.nan,
+            "ttft_mean_s": _mean(ttft),
             "ttft_p50_s": percentile(ttft, 50),
             "ttft_p90_s": percentile(ttft, 90),
             "ttft_p99_s": percentile(ttft, 99),
-            "tpot_mean_s": sum(tpot) / len(tpot) if tpot else math.nan,
+            "tpot_mean_s": _mean(tpot),
+            "tpot_p50_s": percentile(tpot, 50),
+            "tpot_p90_s": percentile(tpot, 90),
             "tpot_p99_s": percentile(tpot, 99),
+            "e2e_mean_s": _mean(e2e),
             "e2e_p99_s": percentile(e2e, 99),
+            "slo_attainment": met / len(self.outcomes)
+            if self.slo is not None and self.outcomes
+            else math.nan,
+            "goodput_rps": met / span if self.slo is not None and span > 0 else math.nan,
             "throughput_rps": len(done) / span if span > 0 else 0.0,
             "output_tok_s": tokens / span if span > 0 else 0.0,
             "preemptions": self.preemptions,
@@ -155,6 +187,10 @@ class SimResult:
             else 0.0,
             "prefill_saved_tokens": self.prefix_hits,
         }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -179,8 +215,10 @@ def simulate(
     drain_s: float | None = None,
     admission: bool | None = None,
     progress: Callable[[float], None] | None = None,
+    slo: Slo | None = None,
 ) -> SimResult:
-    """Run `items` through the scheduler and `policy_name` over engines built from `servers`.
+    """Run `items` through the scheduler and `policy_name` over engines built from `servers`;
+    `slo`: the objectives the result's attainment counts (the policy's are in `config`).
 
     `progress`, if given, hears the share of the arrivals' span simulated so far, now and then.
     """
@@ -212,6 +250,7 @@ def simulate(
             s.max_num_seqs,
             s.perf,
             max_model_len=s.max_model_len,
+            max_num_batched_tokens=s.max_num_batched_tokens,
         )
         for s in servers
     ]
@@ -333,6 +372,7 @@ def simulate(
         reasons,
         sum(e.stats.prefix_cache_queries for e in engines),
         sum(e.stats.prefix_cache_hits for e in engines),
+        slo,
     )
 
 

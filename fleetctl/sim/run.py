@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from fleetctl.calibration import Calibration
 from fleetctl.inventory import Inventory
 from fleetctl.plan import Plan
+from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.fleet import Server, SimResult, servers_from_plan, simulate
@@ -32,6 +33,17 @@ class Comparison:
     offered_rps: float
     results: dict[str, SimResult]
 
+    @property
+    def slo(self) -> Slo | None:
+        return next((r.slo for r in self.results.values()), None)
+
+    def goodput_winner(self) -> str | None:
+        """The policy that served the most requests within both objectives (the first named
+        on a tie); None without an SLO."""
+        if self.slo is None or not self.results:
+            return None
+        return max(self.results, key=lambda n: self.results[n].summary()["slo_attainment"])
+
     def to_json(self) -> dict[str, object]:
         return {
             "model": self.model,
@@ -41,11 +53,19 @@ class Comparison:
             "capacity_rps": round(self.capacity_rps, 3),
             "offered_rps": round(self.offered_rps, 3),
             "load": round(self.offered_rps / self.capacity_rps, 3) if self.capacity_rps else None,
+            "slo": None
+            if self.slo is None
+            else {"ttft_p99_s": self.slo.ttft_s, "tpot_p99_ms": _ms(self.slo.tpot_s)},
+            "goodput_winner": self.goodput_winner(),
             "policies": {
                 name: {k: _clean(v) for k, v in r.summary().items()}
                 for name, r in self.results.items()
             },
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 6)
 
 
 def _clean(v: float | int) -> float | int | None:
@@ -70,10 +90,14 @@ def fleet_capacity(servers: Sequence[Server], prompt: int, output: int) -> float
 
 def at_load(items: list[WorkItem], load: float, capacity: float) -> list[WorkItem]:
     """Time-scale arrivals so the offered rate is `load` x `capacity`."""
+    return at_rate(items, load * capacity)
+
+
+def at_rate(items: list[WorkItem], rate: float) -> list[WorkItem]:
+    """Time-scale arrivals so the offered rate is `rate` requests per second."""
     if len(items) < 2 or items[-1].arrival <= 0:
         return items
-    rate = len(items) / items[-1].arrival
-    return scale_time(items, load * capacity / rate)
+    return scale_time(items, rate / (len(items) / items[-1].arrival))
 
 
 def compare(
@@ -84,13 +108,18 @@ def compare(
     policies: Sequence[str] = DEFAULT_POLICIES,
     *,
     load: float | None = None,
+    rate: float | None = None,
     seed: int = 0,
     aging: Aging | None = None,
     progress: Callable[[float, str], None] | None = None,
     calibration: Calibration | None = None,
+    slo: Slo | None = None,
 ) -> Comparison:
     """Run every policy over the same servers and the same requests.
 
+    `load` scales the arrivals to that share of the fleet's capacity, `rate` to that many
+    requests per second. `slo`: the model's objectives for this run, in place of the
+    inventory's (hardware-aware routes by them; every result counts who met them).
     `progress(done, what)` hears how many policies are done, fractions included (of
     `len(policies)`), and which one runs. `calibration`: measured KV and speed for the servers
     of the classes it has.
@@ -101,10 +130,15 @@ def compare(
     capacity = fleet_capacity(servers, prompt, output)
     if load is not None:
         items = at_load(items, load, capacity)
+    elif rate is not None:
+        items = at_rate(items, rate)
     items = [replace(w, model=model) if w.model != model else w for w in items]
     offered = len(items) / items[-1].arrival if len(items) > 1 and items[-1].arrival > 0 else 0.0
     spec = inv.spec.router
-    config = RoutingConfig(spec.long_context_tokens, spec.bandwidth_saturation)
+    config = RoutingConfig.of(inv)
+    if slo is not None:
+        config.slo[model] = slo
+    slo = config.slo.get(model)
     if aging is None:
         aging = Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled)
     workload = inv.model(model).spec.workload
@@ -124,6 +158,7 @@ def compare(
             aging=aging,
             output_estimate=estimate,
             progress=hook,
+            slo=slo,
         )
     if progress is not None:
         progress(len(policies), "simulated")

@@ -1,0 +1,171 @@
+"""What placing a request on a backend does to latency, and how hardware-aware weighs it.
+
+Pure: a backend snapshot and a request in, an `Effect` out. The effect has two sides, as a
+user of a chat service feels both:
+- the request's own time to first token (TTFT) and time per output token (TPOT);
+- the seconds it adds to each request already decoding there: its prefill runs inside their
+  steps (vLLM's chunked prefill stalls every decode while a chunk computes), and it joins
+  their batch, so each of their steps reads more KV.
+
+The decode step comes from the performance model at the batch and context in flight. A step
+also carries the prefill chunks of the prompts sent there after this one: at a prefill rate
+of R tokens/s that costs t seconds a token, the GPU spends rho = R x t of its time on them, so
+a decode token takes step / (1 - rho), and at most a step with a full chunk (a backlog).
+
+`cost` turns an effect into the number hardware-aware minimises: the seconds of latency the
+placement gives the fleet's requests, each phase weighed against its objective. Waiting for
+the first token counts against the model's TTFT objective; decoding (the request's own, and
+the seconds it adds to the others) against its output x the TPOT objective. Without both
+objectives the two weigh the same: the plain sum of seconds.
+
+Why seconds and not a count of expected SLO misses: a count was tried (benchmarks/RESULTS.md,
+"Goodput"). The TPOT estimate cannot see the prompts that arrive in the next seconds (its
+real/estimated ratio has a p90 of 1.4-2.9 under Azure's bursts), so thresholds on it misfire,
+and a count makes an overloaded server a sink: its requests miss already, so more of them
+cost nothing. Seconds grow without bound there, and the sum is linear, so the policy is free
+to let a few requests pay for many (long prompts where they stall few decodes), which is
+what serves the most requests within both objectives at high load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetctl.inventory import SloSpec
+from fleetctl.routing.types import Backend, Request
+
+# Queued prefill is costed at the speed of a chunk of this many tokens (vLLM's usual budget).
+PREFILL_PROBE = 2048
+# A step's token budget where the backend's max_num_batched_tokens is unknown (vLLM's default
+# on most GPUs).
+DEFAULT_BUDGET = 2048
+TERMS = ("ttft", "tpot", "others")
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A model's objectives, in seconds; None: none on that figure."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    @classmethod
+    def of(cls, spec: SloSpec | None) -> Slo | None:
+        """The inventory's `slo` of a model (p99 TTFT in s, TPOT in ms); None: none."""
+        if spec is None or (spec.ttft_p99_s is None and spec.tpot_p99_ms is None):
+            return None
+        tpot = None if spec.tpot_p99_ms is None else spec.tpot_p99_ms / 1000
+        return cls(spec.ttft_p99_s, tpot)
+
+    def met(self, ttft_s: float, tpot_s: float | None) -> bool:
+        """Whether a request with this TTFT and TPOT (None: one output token, no TPOT) met
+        both objectives; an objective left out is met."""
+        if self.ttft_s is not None and ttft_s > self.ttft_s:
+            return False
+        return self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
+
+    def text(self) -> str:
+        """`TTFT <= 2 s and TPOT <= 50 ms`."""
+        parts = []
+        if self.ttft_s is not None:
+            parts.append(f"TTFT <= {self.ttft_s:g} s")
+        if self.tpot_s is not None:
+            parts.append(f"TPOT <= {self.tpot_s * 1000:g} ms")
+        return " and ".join(parts) or "no objective"
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """The predicted latency of placing one request on one backend."""
+
+    ttft_s: float  # its time to first token (queued prefill, its own, one step; KV waits)
+    tpot_s: float  # its time per output token while it decodes there
+    others: float  # requests decoding there while it prefills and decodes
+    others_tpot_s: float  # their time per output token without it
+    others_added_s: float  # seconds it adds to each of them: its prefill and its share of steps
+
+    def added_s(self) -> float:
+        """Seconds it adds to the requests already there, summed."""
+        return self.others * self.others_added_s
+
+
+def prefill_s_per_token(b: Backend) -> float:
+    """Seconds `b` takes to compute one prompt token inside a chunk (0 without a model)."""
+    if b.perf is None:
+        return 0.0
+    return b.perf.prefill_marginal(PREFILL_PROBE) / PREFILL_PROBE
+
+
+def effect(
+    b: Backend, req: Request, cached: int, ttft_s: float, step_s: float, slow: float = 1.0
+) -> Effect:
+    """The effect of placing `req` on `b`, which holds `cached` of its prompt tokens; `ttft_s`
+    is the first token the caller worked out, `step_s` the modelled decode step it joins
+    (it in the batch), `slow` how much slower than modelled the GPU's steps run (measured
+    saturation). Needs `b.perf`."""
+    perf = b.perf
+    assert perf is not None
+    per_token = prefill_s_per_token(b)
+    n = _decoding(b)
+    # The GPU's share of time on prompts sent after this one, at the rate prompts come here.
+    rho = b.prefill_rate * per_token
+    budget = max(1, (b.max_num_batched_tokens or DEFAULT_BUDGET) - round(n) - 1)
+    full = budget * per_token  # a step's prefill chunk, when prompts queue
+    tpot = stretched(step_s * slow, rho, full)
+    if not n:
+        return Effect(ttft_s, tpot, 0.0, 0.0, 0.0)
+    kv = min(b.reserved_tokens, max(1, b.kv_tokens))
+    before = stretched(perf.step_time(max(1, round(n)), kv) * slow, rho, full)
+    per_step = max(0.0, tpot - before)  # it joins their batch for as long as it decodes
+    own_prefill = perf.prefill_marginal(req.prompt_tokens - cached, cached)
+    return Effect(ttft_s, tpot, n, before, own_prefill + per_step * req.output_tokens)
+
+
+def stretched(step_s: float, rho: float, full_chunk_s: float) -> float:
+    """A decode token's time when the GPU spends `rho` of its time on prefill chunks: the
+    step over the time left, and at most a step with a full chunk (the prompts queue)."""
+    if rho <= 0:
+        return step_s
+    cap = step_s + full_chunk_s
+    return cap if rho >= 1 else min(cap, step_s / (1 - rho))
+
+
+def _decoding(b: Backend) -> float:
+    """Requests decoding on `b` while a new one would prefill and decode: what is in flight,
+    as far as its KV cache and max_num_seqs hold them at once."""
+    n = float(max(b.outstanding, b.running))
+    if not n:
+        return 0.0
+    if b.reserved_tokens > b.kv_tokens > 0:
+        n = n * b.kv_tokens / b.reserved_tokens
+    return float(min(n, b.max_num_seqs or n))
+
+
+def terms(e: Effect, req: Request, slo: Slo | None) -> dict[str, float]:
+    """The cost's parts: the request's first token, its own decode, and the seconds it adds
+    to the others, each over what its objective allows (module docstring)."""
+    decode = max(1, req.output_tokens - 1)
+    ttft_s = slo.ttft_s if slo else None
+    tpot_s = slo.tpot_s if slo else None
+    ttft_scale, decode_scale = 1.0, 1.0  # plain seconds
+    if ttft_s is not None and tpot_s is not None:
+        ttft_scale, decode_scale = ttft_s, decode * tpot_s
+    return {
+        "ttft": e.ttft_s / ttft_scale,
+        "tpot": decode * e.tpot_s / decode_scale,
+        "others": e.added_s() / decode_scale,
+    }
+
+
+def cost(e: Effect, req: Request, slo: Slo | None) -> float:
+    """What hardware-aware minimises (module docstring)."""
+    return sum(terms(e, req, slo).values())
+
+
+def deciding_term(best: Effect, runner_up: Effect, req: Request, slo: Slo | None) -> str:
+    """Which part of the cost separated the pick from the next best: `ttft` (its first
+    token), `tpot` (its own decode) or `others` (what it adds to the requests there); `tie`
+    when none did (the name decided)."""
+    a, b = terms(best, req, slo), terms(runner_up, req, slo)
+    term = max(TERMS, key=lambda k: b[k] - a[k])
+    return term if b[term] > a[term] else "tie"
