@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from fleetctl.calibration import Calibration, calibrated
 from fleetctl.catalog import FormatProfile, GpuProfile, ModelProfile
 from fleetctl.perf import (
-    BLOCK_SIZE,
-    CUDA_INVISIBLE_BYTES,
     EnginePerf,
     GiB,
     KvBudget,
     kv_budget,
-    kv_bytes_per_token,
-    kv_dtype_bytes,
     vllm_batch_defaults,
 )
 from fleetctl.vllm_release import release
-
-if TYPE_CHECKING:
-    from fleetctl.calibration import Entry
 
 
 @dataclass(frozen=True)
@@ -47,15 +41,20 @@ class Workload:
     prompt: int = 1024
 
 
+MODELLED = {"kv_cache_tokens": "modelled", "decode": "modelled", "prefill": "modelled"}
+
+
 @dataclass(frozen=True)
 class Source:
-    """Where the figures come from: the profiles through the model, or measured servers."""
+    """Where the figures come from: the profiles through the model, or measured servers; per
+    figure, measured, scaled from a measurement (by how much), or modelled."""
 
     kind: str = "model"  # "model" or "calibrated"
     detail: str = "profiles through fleetctl's performance model"
+    figures: dict[str, str] = field(default_factory=lambda: dict(MODELLED))
 
-    def to_json(self) -> dict[str, str]:
-        return {"kind": self.kind, "detail": self.detail}
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "detail": self.detail, "figures": self.figures}
 
 
 @dataclass(frozen=True)
@@ -138,8 +137,11 @@ def estimate(
     fmt: FormatProfile,
     settings: Settings = Settings(),
     workload: Workload = Workload(),
+    calibration: Calibration | None = None,
 ) -> Estimate:
-    """Memory and speed of `model` in `fmt` on `tensor_parallel_size` GPUs of type `gpu`."""
+    """Memory and speed of `model` in `fmt` on `tensor_parallel_size` GPUs of type `gpu`;
+    with `calibration`, as its servers of that class measured them (the one calibrated model
+    every command uses: fleetctl.calibration.calibrated)."""
     tp = settings.tensor_parallel_size
     rel = release(settings.vllm_version)
     max_len = settings.max_model_len or model.max_context
@@ -166,57 +168,22 @@ def estimate(
     perf = EnginePerf(
         gpu, model, fmt, tp, settings.kv_cache_dtype, settings.vllm_version, settings.enforce_eager
     )
-    batch = workload.batch
-    step = perf.step_time(batch, batch * workload.context)
-    prefill = perf.prefill_time(workload.prompt)
-    return Estimate(
-        gpu, model, fmt, settings, workload, max_len, tokens, seqs, budget, step, prefill
+    engine = calibrated(
+        calibration,
+        perf,
+        budget.kv_tokens,
+        max_model_len=max_len,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
     )
-
-
-def apply_calibration(e: Estimate, entry: Entry) -> Estimate:
-    """`e` with the figures live servers measured in place of the model's: KV tokens, the
-    decode step at the batch, prefill speed; only the trusted ones. Unchanged when none is."""
-    used: list[str] = []
-    budget, step, prefill = e.budget, e.decode_step_s, e.prefill_s
-    kv, note = entry.kv_tokens, ""
-    if kv is not None and kv.trusted:
-        dtype = kv_dtype_bytes(e.settings.kv_cache_dtype, e.fmt)
-        per_token = kv_bytes_per_token(e.model, dtype, e.settings.tensor_parallel_size)
-        per_gpu = int(kv.value) * per_token
-        was, now = entry.gpu_memory_utilization, e.settings.gpu_memory_utilization
-        if was is not None and now is not None and abs(was - now) > 1e-9:
-            # Everything else vLLM reserves stays put: the KV cache gains or loses exactly the
-            # memory the utilization moves.
-            per_gpu += int((now - was) * (e.gpu.memory_bytes - CUDA_INVISIBLE_BYTES))
-            note = f"; KV moved from gpu_memory_utilization {was:g} to {now:g}"
-        tokens = max(0, per_gpu) // per_token // BLOCK_SIZE * BLOCK_SIZE
+    source = Source()
+    if engine.provenance:
         # The GiB per GPU follow the measured tokens, so the two figures never disagree.
-        budget = replace(budget, kv_tokens=tokens, kv_per_gpu=tokens * per_token)
-        used.append("KV cache")
-    fit, batch = entry.step, e.workload.batch
-    # A fixed cost alone (batch sizes too alike to fit the slope) holds only near the batch
-    # sizes it was measured at.
-    if (
-        fit is not None
-        and entry.step_trusted
-        and (fit.per_seq_s is not None or fit.batch_lo - 1 <= batch <= fit.batch_hi + 1)
-    ):
-        step = fit.at(batch)
-        used.append("decode step")
-    rate = entry.prefill_tok_s
-    if rate is not None and rate.trusted and rate.value > 0:
-        prefill = e.workload.prompt / rate.value
-        used.append("prefill")
-    if not used:
-        return e
-    detail = f"{entry.describe()} ({', '.join(used)}; the rest from the model){note}"
-    if len(used) == 3:
-        detail = entry.describe() + note
-    return replace(
-        e,
-        budget=budget,
-        decode_step_s=step,
-        prefill_s=prefill,
-        source=Source("calibrated", detail),
+        per_gpu = engine.kv_tokens * perf.kv_token_bytes
+        budget = replace(budget, kv_tokens=engine.kv_tokens, kv_per_gpu=per_gpu)
+        source = Source("calibrated", engine.provenance, engine.sources())
+    batch = workload.batch
+    step = engine.perf.step_time(batch, batch * workload.context)
+    prefill = engine.perf.prefill_time(workload.prompt)
+    return Estimate(
+        gpu, model, fmt, settings, workload, max_len, tokens, seqs, budget, step, prefill, source
     )

@@ -405,6 +405,38 @@ class EnginePerf:
                 hi = mid - 1
         return lo
 
+    def min_step_s(self, batch: int, kv_tokens: float) -> float:
+        """The shortest a decode step of `batch` sequences reading `kv_tokens` of KV can be:
+        its weights and KV read once at the GPU's peak bandwidth. No measurement or fit may
+        beat it (the efficiencies and speeds below are never allowed past peak)."""
+        peak = self.gpu.memory_bandwidth_gb_s * GB
+        read = self.weight_read_bytes(batch) / self.tp + kv_tokens * self.kv_token_bytes
+        return read / peak
+
+    def max_prefill_tok_s(self, tokens: int, context: int = 0) -> float:
+        """The fastest `tokens` prompt tokens on top of `context` cached ones can be computed:
+        their FLOPs at the GPU's peak compute in the format's dtype."""
+        pairs = tokens * (context + tokens / 2)
+        work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
+        dtype = self.fmt.compute.get(self.gpu.architecture, "fp16")
+        return tokens / (work / self.tp / self.gpu.peak_flops(dtype))
+
+    @property
+    def max_speed(self) -> float:
+        """The largest `speed` at which the modelled bandwidth (the weights' kernels and the
+        KV reads alike) and, where no separate compute speed is set, the modelled FLOP/s stay
+        within the GPU's peaks."""
+        kernel = self.fmt.kernel_efficiency.get(self.gpu.architecture, 1.0)
+        bandwidth = 1.0 / (self.gpu.decode_efficiency * max(1.0, kernel))
+        return (
+            bandwidth if self.compute_speed is not None else min(bandwidth, self.max_compute_speed)
+        )
+
+    @property
+    def max_compute_speed(self) -> float:
+        """The largest compute speed at which the modelled FLOP/s stay within peak."""
+        return 1.0 / COMPUTE_EFFICIENCY
+
     def decode_tok_s(self, batch: int = 1, context: int = 512) -> float:
         """Aggregate decode tokens/s at a batch of `batch` sequences of `context` tokens each."""
         return batch / self.step_time(batch, batch * context)

@@ -83,6 +83,10 @@ class Server:
     # Its GPUs' share of its node's price per hour (fleetctl/cost.py); None: no price known.
     # Not a flag either; state written before fleetctl knew prices has none.
     cost_per_hour: float | None = None
+    # What the one calibrated model says of it at the reference shapes (KV tokens, decode
+    # tokens/s at batch 1, 8 and 32, prefill tokens/s, the source of each), as estimate,
+    # simulate and status print them: fleetctl.calibration.Calibrated.figures.
+    perf: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +172,7 @@ class Deployment:
             "predicted_decode_tok_s": round(s.predicted_decode_tok_s, 1),
             "capacity_rps": round(s.capacity_rps, 3),
             "cost_per_hour": _money(s.cost_per_hour),
+            "perf": s.perf,
             "reasons": list(s.reasons),
             "args_hash": self.args_hash,
         }
@@ -207,6 +212,7 @@ class Deployment:
             env=env,
             max_model_len_reason=str(d.get("max_model_len_reason", "")),
             cost_per_hour=None if d.get("cost_per_hour") is None else float(d["cost_per_hour"]),
+            perf=d["perf"] if isinstance(d.get("perf"), dict) else None,
         )
         return cls(d["node"], d["host"], tuple(d["gpu_indices"]), int(d["port"]), server)
 

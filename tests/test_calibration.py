@@ -18,7 +18,7 @@ from fleetctl.calibration import (
     Figure,
     Key,
     Sample,
-    StepModel,
+    calibrated,
     entry_for,
     fit_step,
     measure,
@@ -26,7 +26,7 @@ from fleetctl.calibration import (
     windows,
 )
 from fleetctl.errors import UserError
-from fleetctl.estimate import Settings, Workload, apply_calibration, estimate
+from fleetctl.estimate import Settings, Workload, estimate
 from fleetctl.perf import CUDA_INVISIBLE_BYTES, EnginePerf
 from fleetctl.statedir import StateDir
 from fleetctl.vllm_metrics import Scrape, parse_metrics
@@ -328,33 +328,42 @@ def test_a_broken_file_is_one_clear_line(tmp_path, cli):
 
 
 def test_estimate_uses_trusted_figures_and_says_so(catalog, perf):
+    """estimate is the one calibrated engine (fleetctl.calibration.calibrated) at the asked
+    batch and prompt, as plan, simulate and status use it: KV measured, decode and prefill
+    from the model's shape at the measured terms; `source` says which figure is which."""
     e = an_entry(perf)
-    base = estimate(
-        catalog.gpu("RTX-4090"),
-        catalog.model("llama-3-8b"),
-        catalog.format("bf16"),
-        settings=Settings(gpu_memory_utilization=0.9),  # the utilization the servers ran at
-        workload=Workload(batch=8, prompt=500),
+    gpu, model, fmt = catalog.gpu("RTX-4090"), catalog.model("llama-3-8b"), catalog.format("bf16")
+    settings = Settings(gpu_memory_utilization=0.9)  # the utilization the servers ran at
+    work = Workload(batch=8, prompt=500)
+    base = estimate(gpu, model, fmt, settings, work)
+    cal = estimate(gpu, model, fmt, settings, work, Calibration((e,)))
+    engine = calibrated(
+        Calibration((e,)),
+        perf,
+        base.budget.kv_tokens,
+        max_model_len=base.max_model_len,
+        gpu_memory_utilization=0.9,
     )
-    cal = apply_calibration(base, e)
     j = cal.to_json()
-    assert j["source"] == {
-        "kind": "calibrated",
-        "detail": "calibrated from 3 servers, 2026-12-01 10:20",
-    }
+    assert j["source"]["kind"] == "calibrated"
+    assert j["source"]["detail"] == engine.provenance
+    assert j["source"]["detail"].startswith("calibrated from 3 servers, 2026-12-01 10:20 (")
+    assert j["source"]["figures"] == engine.sources()
+    assert j["source"]["figures"]["kv_cache_tokens"] == "measured"
     assert j["kv_cache_tokens"] == 40_000
-    assert e.step is not None
-    assert j["step_time_ms"] == pytest.approx(e.step.at(8) * 1e3, abs=1e-3)
-    assert j["prefill_tok_s"] == 5000
+    assert cal.decode_step_s == engine.perf.step_time(8, 8 * 1024)
+    assert cal.prefill_s == engine.perf.prefill_time(500)
+    assert engine.perf != perf  # measured terms in use
     # Only trusted figures are used; with none, the model's estimate stands.
     flagged = Figure(1.0, 2.0, False, "implausible")
     partly = replace(e, kv_tokens=flagged, prefill_tok_s=flagged)
-    p = apply_calibration(base, partly).to_json()
+    p = estimate(gpu, model, fmt, settings, work, Calibration((partly,))).to_json()
     assert p["kv_cache_tokens"] == base.budget.kv_tokens
-    assert p["source"]["detail"].endswith("(decode step; the rest from the model)")
+    assert p["source"]["figures"]["kv_cache_tokens"] == "modelled"
     # KV measured at another gpu_memory_utilization moves by exactly the memory it moves.
-    gpu = catalog.gpu("RTX-4090")
-    at92 = apply_calibration(base, replace(e, gpu_memory_utilization=0.92))
+    at92 = estimate(
+        gpu, model, fmt, settings, work, Calibration((replace(e, gpu_memory_utilization=0.92),))
+    )
     per_token = cal.budget.kv_per_gpu // 40_000
     # vLLM multiplies what CUDA reports of the card, not the card's nominal size.
     cuda_total = gpu.memory_bytes - CUDA_INVISIBLE_BYTES
@@ -362,12 +371,61 @@ def test_estimate_uses_trusted_figures_and_says_so(catalog, perf):
     assert at92.budget.kv_tokens == want
     assert at92.source.detail.endswith("; KV moved from gpu_memory_utilization 0.92 to 0.9")
     none = replace(partly, step_at_batch=flagged)
-    assert apply_calibration(base, none) is base
-    # A fixed cost alone is used only near the batch sizes it was measured at.
-    fixed = replace(e, step=StepModel(0.05, None, 7, 9))
-    assert apply_calibration(base, fixed).decode_step_s == 0.05
-    far = replace(base, workload=Workload(batch=64))
-    assert apply_calibration(far, fixed).decode_step_s == far.decode_step_s
+    unused = estimate(gpu, model, fmt, settings, work, Calibration((none,)))
+    assert unused.to_json() == base.to_json()
+
+
+def test_a_measured_slowdown_travels_to_every_batch_size(catalog, perf):
+    """The issue's skewed node: windows at batch sizes too alike to fit a slope still measure
+    the node 1.42x slower than its model; that ratio holds at batch 1 and 32 too, through the
+    model's own shape (before, estimate threw it away outside batches 5-7)."""
+    slow = replace(perf, speed=1 / 1.42)
+    samples = [
+        Sample(
+            batch=b, step_s=slow.step_time(round(b), b * 512), tokens=400, requests=4, context=512
+        )
+        for b in (5.8, 6.0, 6.2, 6.1)
+    ]
+    e = entry_for(KEY, ["http://a:8000"], samples, [], "2026-12-01T10:20:31+00:00", perf=perf)
+    assert e.step is not None and e.step.per_seq_s is None  # fixed cost only
+    gpu, model, fmt = catalog.gpu("RTX-4090"), catalog.model("llama-3-8b"), catalog.format("bf16")
+    for batch in (1, 8, 32):
+        work = Workload(batch=batch, context=512)
+        got = estimate(gpu, model, fmt, Settings(), work, Calibration((e,)))
+        truth = slow.step_time(batch, batch * 512)
+        assert got.decode_step_s == pytest.approx(truth, rel=0.02), batch
+        assert "scaled from a measurement: speed 0.70x" in got.source.figures["decode"]
+
+
+def test_no_figure_runs_faster_than_the_gpus_peaks(catalog, perf):
+    """Physics bounds every figure. Steps shorter than reading the weights and KV at peak
+    bandwidth, and a prefill faster than its FLOPs at peak compute, are flagged with why (in
+    the file) and never used; a term just past a peak (noise) is capped at it."""
+    fast = replace(perf, speed=3.0)  # no 4090 does this
+    samples = [
+        Sample(batch=b, step_s=fast.step_time(b, b * 512), tokens=400, requests=4, context=512)
+        for b in (2, 4, 8, 12)
+    ]
+    # A prefill 8.6x the model's, as shared-prefix traffic counted as computed would read.
+    samples.append(Sample(requests=4, prefill_s=0.1, prefill_tokens=4 * 12_000))
+    e = entry_for(KEY, ["http://a:8000"], samples, [], "2026-12-01T10:20:31+00:00", perf=perf)
+    assert e.step_at_batch is not None and not e.step_at_batch.trusted
+    assert "shorter than reading the weights and KV at the GPU's peak" in e.step_at_batch.why
+    assert e.prefill_tok_s is not None and not e.prefill_tok_s.trusted
+    assert "faster than the GPU's peak compute allows" in e.prefill_tok_s.why
+    engine = calibrated(Calibration((e,)), perf, 40_000)
+    assert engine.perf == perf  # nothing measured is used
+    # The model's own figures respect the same bounds, at every batch.
+    for b in (1, 8, 64):
+        assert perf.step_time(b, b * 1024) >= perf.min_step_s(b, b * 1024)
+    assert 1024 / perf.prefill_time(1024) <= perf.max_prefill_tok_s(1024)
+    # A fitted speed 5% past the GPU's peak is noise: capped at the peak, and said.
+    from fleetctl.calibration.apply import EngineFit, within_physics
+
+    capped = within_physics(EngineFit(speed=perf.max_speed * 1.05), perf)
+    assert capped.speed == perf.max_speed and "capped at the GPU's peak" in capped.text()
+    refused = within_physics(EngineFit(speed=perf.max_speed * 1.5), perf)
+    assert refused.speed is None and "not used: past the GPU's peak" in refused.text()
 
 
 # --- end to end: emulated servers under load -----------------------------------------------------

@@ -22,7 +22,7 @@ from fleetctl.calibration import (
     measured,
     speed_factor,
 )
-from fleetctl.cli.apply_cmds import calibrated_servers
+from fleetctl.cli.apply_cmds import server_engines
 from fleetctl.inventory import load_inventory
 from fleetctl.perf import EnginePerf, max_sequences
 from fleetctl.planner import plan_fleet
@@ -232,9 +232,16 @@ def test_status_shows_the_models_figures_beside_the_measured_ones(tmp_path, cata
     inv = load_inventory(inv_path, catalog)
     state = State(1, plan_fleet(inv).deployments)
     e = entry_of(perf, servers_at(perf, 0.7), kv=(40_000,), util=0.9)
-    found = calibrated_servers(inv, state, Calibration((e,)))
-    assert set(found) == {("rtx-1", (0,)), ("rtx-2", (0,)), ("rtx-3", (0,))}
-    assert calibrated_servers(inv, state, Calibration()) == {}
+    found = server_engines(inv, state, Calibration((e,)))
+    rtx = {("rtx-1", (0,)), ("rtx-2", (0,)), ("rtx-3", (0,))}
+    assert {k for k, engine in found.items() if engine.entry is e} == rtx
+    # Every server has its engine; the others' (and all of them with no calibration) are the
+    # model's own.
+    assert all(engine.entry is None for k, engine in found.items() if k not in rtx)
+    assert all(
+        engine.entry is None and not engine.provenance
+        for engine in server_engines(inv, state, Calibration()).values()
+    )
     j = beside_model(e)
     assert j["source"] == "calibrated from 3 servers, 2026-12-01 10:20"
     assert j["kv_tokens"] == {"model": 47_024, "measured": 40_000, "trusted": True, "why": ""}
@@ -248,7 +255,7 @@ def test_status_shows_the_models_figures_beside_the_measured_ones(tmp_path, cata
         ServerStatus("rtx-1", "chat", (0,), 8000, "running", ""),
         ServerStatus("rtx-2", "chat", (0,), 8000, "dead", "exited"),
     ]
-    texts = {k: beside_model_text(v) for k, v in found.items()}
+    texts = {k: beside_model_text(v.entry) for k, v in found.items() if v.entry is not None}
     out = Console(width=400, record=True)
     out.print(status_table(rows, texts))
     shown = out.export_text()

@@ -77,6 +77,30 @@ def test_token_id_prompts_sharing_a_prefix_hit_the_shared_blocks(emu):
     assert h2 - h1 == 4096  # exactly the shared 256 blocks
 
 
+def _computed(emu: Emulator) -> tuple[float, float]:
+    """(prompt tokens computed, requests) from vllm:request_prefill_kv_computed_tokens."""
+    m = emu.metrics()["vllm:request_prefill_kv_computed_tokens"].samples
+    total = next(s.value for s in m if s.name.endswith("_sum"))
+    count = next(s.value for s in m if s.name.endswith("_count"))
+    return total, count
+
+
+def test_prefill_counts_computed_tokens_not_cached_ones(emu):
+    """As vLLM's histogram does ("new KV tokens computed during prefill (excluding cached
+    tokens)"): a prompt sent again computes only what its cached whole blocks leave. Before,
+    the emulator counted every prompt token, and calibrate read a 4090 prefilling 8.6x its
+    model's speed on shared-prefix traffic. (tests/test_vllm_real.py checks the real server
+    by the same rule.)"""
+    prompt = list(range(5000, 5000 + 300))
+    t0, n0 = _computed(emu)
+    _post(emu, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    _post(emu, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+    t1, n1 = _computed(emu)
+    assert n1 - n0 == 2
+    # 300 tokens, then what 18 whole blocks of 16 leave: 300 - 288.
+    assert t1 - t0 == 300 + (300 - 300 // BS * BS)
+
+
 def test_text_and_chat_prompts_sharing_a_prefix_hit_about_the_shared_part(emu):
     system = "".join(f"rule {i}: be brief and precise. " for i in range(700))  # ~22K chars
     h0 = _hits(emu)[1]

@@ -304,3 +304,33 @@ def test_route_serve_proxies_real_vllm(server: VllmProcess, vllm_env: Path, tmp_
     finally:
         router.terminate()
         router.wait(10)
+
+
+def test_prefill_counts_computed_tokens_not_cached_ones(server: VllmProcess) -> None:
+    """What calibrate divides prefill time by: vllm:request_prefill_kv_computed_tokens counts
+    the tokens a prompt computed, not the prefix-cache hits. A prompt sent again computes only
+    what its cached whole blocks leave (the server's block size, 128 on the CPU backend);
+    the emulator follows the same rule (test_emulator_prefix.py)."""
+    samples = _metrics(server)
+    info, _ = _ours(samples, "vllm:cache_config_info")
+    block = int(info["block_size"])
+    prompt = list(range(1000, 1300))  # token ids of the tiny model's 2048-token vocabulary
+
+    def computed() -> tuple[float, float]:
+        m = _metrics(server)
+        return (
+            _ours(m, "vllm:request_prefill_kv_computed_tokens_sum")[1],
+            _ours(m, "vllm:request_prefill_kv_computed_tokens_count")[1],
+        )
+
+    total0, count0 = computed()
+    for _ in range(2):
+        _post(server.url + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2})
+    deadline = time.monotonic() + 60  # vLLM updates its histograms after the answer
+    while True:
+        total1, count1 = computed()
+        if count1 >= count0 + 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert count1 == count0 + 2, log_tail(server, 20)
+    assert total1 - total0 == 300 + (300 - 300 // block * block), (block, total1 - total0)

@@ -21,10 +21,14 @@ figures are deltas of `_sum`/`_count` between two scrapes, never the totals sinc
 from __future__ import annotations
 
 from fleetctl.calibration.apply import (
+    REFERENCE_BATCHES,
+    Calibrated,
     EngineFit,
     Measured,
     beside_model,
     beside_model_text,
+    calibrated,
+    deployment_engine,
     engine_fit,
     measured,
     speed_factor,
@@ -58,6 +62,8 @@ __all__ = [
     "MIN_DECODE_WINDOWS",
     "MIN_PREFILL_REQUESTS",
     "MIN_TIMED_WINDOWS",
+    "REFERENCE_BATCHES",
+    "Calibrated",
     "Calibration",
     "CalibrationError",
     "EngineFit",
@@ -72,6 +78,8 @@ __all__ = [
     "StepModel",
     "beside_model",
     "beside_model_text",
+    "calibrated",
+    "deployment_engine",
     "engine_fit",
     "entry_for",
     "find_startup",

@@ -11,8 +11,14 @@ from typing import Any
 from fleetctl.calibration.figures import Figure, mean_context
 from fleetctl.calibration.fit import StepModel
 from fleetctl.calibration.rules import IMPLAUSIBLE_RATIO
-from fleetctl.calibration.store import Entry
+from fleetctl.calibration.store import Calibration, Entry
+from fleetctl.inventory import Inventory
 from fleetctl.perf import BLOCK_SIZE, CUDA_INVISIBLE_BYTES, EnginePerf
+from fleetctl.plan import Deployment
+
+# How far past a GPU's peak a measured term may be and still be a noisy reading of a GPU near
+# its peak (then capped at the peak), rather than a broken measurement (refused).
+PEAK_NOISE = 0.10
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,8 @@ class EngineFit:
     compute_speed: float | None = None
     overhead_s: float | None = None
     per_seq_s: float | None = None
+    # Terms measured but not used because they would run the GPU past its peak, and why.
+    refused: tuple[str, ...] = ()
 
     def apply(self, perf: EnginePerf) -> EnginePerf:
         """`perf` with every measured term; the others as they were."""
@@ -51,6 +59,7 @@ class EngineFit:
             )
         if self.compute_speed is not None:
             parts.append(f"prefill compute {self.compute_speed:.2f}x the model's")
+        parts += self.refused
         return ", ".join(parts)
 
 
@@ -157,7 +166,30 @@ def engine_fit(entry: Entry, perf: EnginePerf) -> EngineFit | None:
         compute = _compute_per_request(entry, fit.apply(perf) if fit else perf)
     if compute is not None:
         fit = replace(fit or EngineFit(), compute_speed=compute)
-    return fit
+    return None if fit is None else within_physics(fit, perf)
+
+
+def within_physics(fit: EngineFit, perf: EnginePerf) -> EngineFit:
+    """`fit` with no term past the GPU's peaks (memory read faster than its peak bandwidth,
+    or compute faster than its peak FLOP/s). A term up to PEAK_NOISE past is a noisy
+    measurement of a GPU near its peak: capped at it. One further past is broken (cached
+    tokens counted as computed, another model behind the URL): refused, with why."""
+    notes = list(fit.refused)
+
+    def bounded(value: float | None, bound: float, what: str) -> float | None:
+        if value is None or value <= bound:
+            return value
+        if value <= bound * (1 + PEAK_NOISE):
+            notes.append(f"{what} {value:.2f}x the model's capped at the GPU's peak ({bound:.2f}x)")
+            return bound
+        notes.append(
+            f"{what} {value:.2f}x the model's not used: past the GPU's peak (at most {bound:.2f}x)"
+        )
+        return None
+
+    speed = bounded(fit.speed, perf.max_speed, "speed")
+    compute = bounded(fit.compute_speed, perf.max_compute_speed, "prefill compute")
+    return replace(fit, speed=speed, compute_speed=compute, refused=tuple(notes))
 
 
 def _mean_batch(entry: Entry) -> float:
@@ -283,3 +315,122 @@ def beside_model_text(entry: Entry) -> str:
         text += f"{step.value * 1e3:.1f} ms measured"
         parts.append(text + ("" if step.trusted else " (not trusted)"))
     return "; ".join([*parts, entry.describe()])
+
+
+# --- the one lookup: a calibrated engine -------------------------------------------------------
+
+# What every command quotes an engine's speed at, so that their figures can be laid side by
+# side: decode at these batch sizes of sequences this long, and one prompt this long alone
+# (estimate's defaults).
+REFERENCE_BATCHES = (1, 8, 32)
+REFERENCE_CONTEXT = 1024
+REFERENCE_PROMPT = 1024
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """One engine as every command uses it: the performance model's, with what live servers of
+    its class measured in place of the model's figures (see `calibrated`)."""
+
+    perf: EnginePerf
+    kv_tokens: int
+    measured: Measured | None = None  # None: the model's figures alone
+    entry: Entry | None = None  # the calibration entry of its class, trusted figures or not
+
+    @property
+    def provenance(self) -> str:
+        """`calibrated from 3 servers, 2026-12-01 10:20 (KV 20,576 tokens, speed 0.70x ...)`,
+        or "" for the model's own figures."""
+        return "" if self.measured is None else self.measured.provenance
+
+    def sources(self) -> dict[str, str]:
+        """Per figure, where it comes from: measured, scaled from a measurement (by how
+        much), or modelled."""
+        m = self.measured
+        fit = m.fit if m is not None else None
+        kv = "measured" if m is not None and m.kv_tokens is not None else "modelled"
+        decode = prefill = "modelled"
+        if fit is not None and fit.speed is not None:
+            decode = f"scaled from a measurement: speed {fit.speed:.2f}x the model's"
+            prefill = f"scaled from the measured decode speed ({fit.speed:.2f}x)"
+        elif fit is not None and fit.overhead_s is not None:
+            decode = (
+                f"measured: steps {fit.overhead_s * 1e3:.2f} ms + "
+                f"{(fit.per_seq_s or 0.0) * 1e3:.2f} ms a sequence on the model's GPU work"
+            )
+        if fit is not None and fit.compute_speed is not None:
+            prefill = f"scaled from a measurement: compute {fit.compute_speed:.2f}x the model's"
+        return {"kv_cache_tokens": kv, "decode": decode, "prefill": prefill}
+
+    def figures(self) -> dict[str, Any]:
+        """The engine's figures at the reference shapes, as plan, estimate, simulate and
+        status print them (`perf` in their JSON): KV tokens, decode tokens/s per sequence at
+        batch 1, 8 and 32 of REFERENCE_CONTEXT tokens, one REFERENCE_PROMPT's prefill
+        tokens/s, and where each comes from."""
+        p = self.perf
+        decode = {
+            str(b): round(1.0 / p.step_time(b, b * REFERENCE_CONTEXT), 2) for b in REFERENCE_BATCHES
+        }
+        return {
+            "kv_cache_tokens": self.kv_tokens,
+            "decode_tok_s_per_seq_at_batch": decode,
+            "prefill_tok_s": round(REFERENCE_PROMPT / p.prefill_time(REFERENCE_PROMPT), 1),
+            "source": {"calibrated": self.provenance or None, **self.sources()},
+        }
+
+
+def calibrated(
+    calibration: Calibration | None,
+    perf: EnginePerf,
+    kv_tokens: int,
+    *,
+    vllm_version: str | None = None,
+    max_model_len: int | None = None,
+    gpu_memory_utilization: float | None = None,
+) -> Calibrated:
+    """The engine `perf` with `kv_tokens` of KV, as measured where `calibration` has an entry
+    for its class (GPU, model, format, TP; then the same vLLM release and max_model_len): the
+    one place any command looks a calibration up and applies it. A measured ratio travels to
+    every batch size through the model's own shape (an `EngineFit` is in the model's terms),
+    and no term past the GPU's peaks is used (`within_physics`)."""
+    if calibration is None:
+        return Calibrated(perf, kv_tokens)
+    entry = calibration.find(
+        perf.gpu.name,
+        perf.model.name,
+        perf.fmt.name,
+        perf.tp,
+        vllm_version if vllm_version is not None else perf.vllm_version,
+        max_model_len,
+    )
+    found = measured(entry, perf, gpu_memory_utilization) if entry is not None else None
+    if found is None:
+        return Calibrated(perf, kv_tokens, entry=entry)
+    kv = found.kv_tokens if found.kv_tokens is not None else kv_tokens
+    return Calibrated(found.perf(perf), kv, found, entry)
+
+
+def deployment_engine(
+    d: Deployment, inv: Inventory, calibration: Calibration | None
+) -> Calibrated | None:
+    """The calibrated engine of one planned or recorded server; None where the inventory no
+    longer describes it (its model, format or GPU type is gone)."""
+    model = next((m for m in inv.models if m.name == d.model), None)
+    gpu = next((n.gpu for n in inv.nodes if n.gpu.name == d.gpu_type), None)
+    fmt = (
+        next((v.format for v in model.variants if v.format.name == d.variant), None)
+        if model
+        else None
+    )
+    if model is None or gpu is None or fmt is None:
+        return None
+    s = d.server
+    perf = EnginePerf(gpu, model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype)
+    return calibrated(
+        calibration,
+        perf,
+        s.kv_budget_tokens,
+        vllm_version=inv.spec.apply.vllm_version,
+        max_model_len=s.max_model_len,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+    )

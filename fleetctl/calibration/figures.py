@@ -57,6 +57,11 @@ def _checked(value: float, model: float | None, what: str, note: str = "") -> Fi
     return Figure(value, model, True, note)
 
 
+def _beyond(f: Figure, broken: bool, why: str) -> Figure:
+    """`f`, untrusted with `why` when it breaks physics (no GPU runs faster than its peak)."""
+    return Figure(f.value, f.model, False, why) if broken else f
+
+
 @dataclass(frozen=True)
 class Figures:
     kv_tokens: Figure | None = None
@@ -98,6 +103,20 @@ def measure(
             )
         else:
             at_batch = _checked(step.at(batch), model_step, "the decode step", note)
+            if perf is not None:
+                # The windows' own steps, not the fit's split of them into terms: a step can
+                # be no shorter than reading its weights and KV at the GPU's peak bandwidth.
+                seen = sum(s.tokens * (s.wall_step_s or s.step_s) for s in decoding) / tokens
+                floor = sum(
+                    s.tokens * perf.min_step_s(max(1, round(s.batch)), s.batch * ctx)
+                    for s in decoding
+                ) / tokens
+                at_batch = _beyond(
+                    at_batch,
+                    seen < floor,
+                    f"the decode steps ({seen * 1e3:.2f} ms) are shorter than reading the "
+                    f"weights and KV at the GPU's peak bandwidth ({floor * 1e3:.2f} ms)",
+                )
     prefill = None
     requests = sum(s.requests for s in samples)
     seconds = sum(s.prefill_s for s in samples)
@@ -114,6 +133,14 @@ def measure(
             )
         else:
             prefill = _checked(tokens_in / seconds, model_tok_s, "prefill speed")
+            if perf is not None:
+                ceiling = perf.max_prefill_tok_s(max(1, round(mean_prompt)))
+                prefill = _beyond(
+                    prefill,
+                    tokens_in / seconds > ceiling,
+                    f"prefill is faster than the GPU's peak compute allows ({ceiling:,.0f} "
+                    "tok/s): were cached prompt tokens counted as computed?",
+                )
     ttft = None
     first = sum(s.first_tokens for s in samples)
     if first:

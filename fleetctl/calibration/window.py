@@ -125,6 +125,10 @@ def window(before: Scrape, after: Scrape) -> Sample | None:
     # out prefix-cache hits, which took no prefill time.
     computed = deltas["prefill_kv_tokens"]
     prompt = deltas["prompt_sum"]
+    if computed is None and prompt is not None and cached:
+        # A release without that histogram: its prompts less the prefix-cache hits counted
+        # over the window (at prefill, not at finish: close over a window of many requests).
+        computed = max(0.0, prompt - cached)
     prefill_tokens = int(computed if computed is not None else (prompt or 0))
     finished = deltas["prompt_count"] or 0
     context = 0.0

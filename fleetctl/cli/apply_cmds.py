@@ -26,7 +26,7 @@ from fleetctl.cli.options import (
 from fleetctl.jsonout import print_json
 
 if TYPE_CHECKING:
-    from fleetctl.calibration import Calibration, Entry
+    from fleetctl.calibration import Calibrated, Calibration, Entry
     from fleetctl.inventory import Inventory
     from fleetctl.state import State
 
@@ -158,7 +158,7 @@ def status(
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
     sdir = common.state_dir(inv, state_dir)
     state = sdir.load_state()
-    entries = calibrated_servers(inv, state, sdir.load_calibration())
+    engines = server_engines(inv, state, sdir.load_calibration())
     # The servers' /v1/models takes the API key when they have one; no other secret is used.
     opts = options(inv, c, secrets_file, needs=("VLLM_API_KEY",))
     rows, summary = status_fleet(inv, state, opts)
@@ -166,10 +166,16 @@ def status(
     # Every server running, and every node asked: nothing unchecked passes for fine.
     good = all(r.condition == "running" for r in rows) and not unreachable
     if as_json:
-        servers = [
-            {**r.to_json(), "calibration": _beside(entries.get((r.node, tuple(r.gpus))))}
-            for r in rows
-        ]
+        servers = []
+        for r in rows:
+            engine = engines.get((r.node, tuple(r.gpus)))
+            servers.append(
+                {
+                    **r.to_json(),
+                    "calibration": _beside(engine.entry if engine else None),
+                    "perf": engine.figures() if engine else None,
+                }
+            )
         print_json({"ok": good, **summary, "servers": servers})
     else:
         from fleetctl.render import status_table
@@ -179,7 +185,7 @@ def status(
         if rows:
             from fleetctl.calibration import beside_model_text
 
-            texts = {k: beside_model_text(e) for k, e in entries.items()}
+            texts = {k: beside_model_text(e.entry) for k, e in engines.items() if e.entry}
             console.print(status_table(rows, texts))
         common.unchecked(console, [u["line"] for u in unreachable], summary["nodes"])
         console.print(f"{plural(len(rows), 'server')}, state serial {summary['serial']}.")
@@ -187,26 +193,17 @@ def status(
         raise typer.Exit(1)
 
 
-def calibrated_servers(
+def server_engines(
     inv: Inventory, state: State, calibration: Calibration
-) -> dict[tuple[str, tuple[int, ...]], Entry]:
-    """Per recorded server (node, GPUs): the calibration entry of its class, where there is one."""
+) -> dict[tuple[str, tuple[int, ...]], Calibrated]:
+    """Per recorded server (node, GPUs): its engine as the one calibrated model has it."""
+    from fleetctl.calibration import deployment_engine
+
     out = {}
     for d in state.deployments:
-        model = next((m for m in inv.models if m.name == d.model), None)
-        if model is None:
-            continue
-        s = d.server
-        entry = calibration.find(
-            d.gpu_type,
-            model.profile.name,
-            d.variant,
-            s.tensor_parallel_size,
-            inv.spec.apply.vllm_version,
-            s.max_model_len,
-        )
-        if entry is not None:
-            out[(d.node, tuple(d.gpu_indices))] = entry
+        engine = deployment_engine(d, inv, calibration)
+        if engine is not None:
+            out[(d.node, tuple(d.gpu_indices))] = engine
     return out
 
 

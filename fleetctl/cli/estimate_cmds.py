@@ -112,24 +112,19 @@ def estimate(
         enforce_eager,
         vllm_version or cat.target_vllm_version,
     )
-    result = run(
-        found, cat.model(model), cat.format(fmt), settings, Workload(batch, context, prompt)
-    )
+    calibration = None
     if not no_calibration:
-        from fleetctl.estimate import apply_calibration
         from fleetctl.statedir import STATE_DIR_NAME, StateDir
 
-        sdir = StateDir(state_dir or Path.cwd() / STATE_DIR_NAME)
-        entry = sdir.load_calibration().find(
-            found.name,
-            result.model.name,
-            result.fmt.name,
-            tp,
-            settings.vllm_version,
-            result.max_model_len,
-        )
-        if entry is not None:
-            result = apply_calibration(result, entry)
+        calibration = StateDir(state_dir or Path.cwd() / STATE_DIR_NAME).load_calibration()
+    result = run(
+        found,
+        cat.model(model),
+        cat.format(fmt),
+        settings,
+        Workload(batch, context, prompt),
+        calibration,
+    )
     if as_json:
         print_json(result.to_json())
         return

@@ -217,4 +217,6 @@ class Driver:
         rec.observe("request_prompt_tokens", seq.prompt)
         rec.observe("request_generation_tokens", seq.output)
         rec.observe("request_num_preemptions", seq.preemptions)
-        rec.observe("request_prefill_kv_computed_tokens", seq.prompt)
+        # vLLM: "new KV tokens computed during prefill (excluding cached tokens)". Counting
+        # the prefix-cache hits here made calibrate read 8.6x the GPU's prefill speed.
+        rec.observe("request_prefill_kv_computed_tokens", seq.prompt - seq.cached)

@@ -360,6 +360,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         kv_events=kv,
         # Every node of a class has the same price, so all of a candidate's servers do.
         cost_per_hour=k.cls.price_of(k.tp),
+        perf=k.engine.figures() if k.engine is not None else None,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fleetctl.calibration import Calibration, measured
+from fleetctl.calibration import Calibrated, Calibration, calibrated
 from fleetctl.catalog import GpuProfile
 from fleetctl.cost import node_cost_per_hour
 from fleetctl.inventory import Inventory, Model, Node, Variant
@@ -85,6 +85,9 @@ class Candidate:
     # requests/s for that bucket's mean request, SLO-capped as capacity_rps is; 0 where the
     # bucket's longest request exceeds max_model_len. Empty without buckets.
     bucket_capacity: tuple[float, ...] = ()
+    # The engine as measured where the calibration has its class (the figures plan --json
+    # shows per deployment); None only for candidates built by hand.
+    engine: Calibrated | None = None
 
     @property
     def option(self) -> tuple[str, str, int]:
@@ -186,21 +189,18 @@ def evaluate(
         version,
         planner.enforce_eager,
     )
-    calibrated = None
-    entry = (
-        calibration.find(
-            cls.gpu.name, model.profile.name, variant.format.name, tp, version, max_len
-        )
-        if calibration
-        else None
+    engine = calibrated(
+        calibration,
+        perf,
+        budget.kv_tokens,
+        vllm_version=version,
+        max_model_len=max_len,
+        gpu_memory_utilization=util,
     )
-    found = measured(entry, perf, util) if entry else None
-    if found is not None:
-        calibrated = found.provenance
-        if found.kv_tokens is not None:
-            per_gpu = found.kv_tokens * perf.kv_token_bytes
-            budget = replace(budget, kv_tokens=found.kv_tokens, kv_per_gpu=per_gpu)
-        perf = found.perf(perf)
+    if engine.kv_tokens != budget.kv_tokens:
+        per_gpu = engine.kv_tokens * perf.kv_token_bytes
+        budget = replace(budget, kv_tokens=engine.kv_tokens, kv_per_gpu=per_gpu)
+    perf = engine.perf
     seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
     capacity = shape_capacity(perf, model, prompt, output, budget.kv_tokens, seqs, seq_at_max)
@@ -232,10 +232,11 @@ def evaluate(
         seq_at_max,
         capacity,
         perf.decode_tok_s(1, 512),
-        calibrated,
+        engine.provenance or None,
         max_len,
         f"{max_len} = max_context",
         per_bucket,
+        engine,
     )
 
 

@@ -11,7 +11,7 @@ from typing import Annotated
 from pydantic import AfterValidator, Field
 
 from fleetctl import names
-from fleetctl.calibration import Calibration, measured
+from fleetctl.calibration import Calibration, calibrated
 from fleetctl.catalog import Catalog
 from fleetctl.errors import Location, UserError
 from fleetctl.inventory import Inventory
@@ -272,17 +272,18 @@ def apply_calibration(
         if b.perf is None:
             continue
         p = b.perf
-        entry = calibration.find(
-            b.gpu_type, p.model.name, b.variant, p.tp, vllm_version, b.max_model_len or None
+        engine = calibrated(
+            calibration,
+            p,
+            b.kv_tokens,
+            vllm_version=vllm_version,
+            max_model_len=b.max_model_len or None,
         )
-        found = measured(entry, p) if entry else None
-        if found is None:
+        if not engine.provenance:
             continue
-        if found.kv_tokens is not None:
-            b.kv_tokens = found.kv_tokens
-        b.perf = found.perf(p)
+        b.kv_tokens, b.perf = engine.kv_tokens, engine.perf
         tp = f"/tp{p.tp}" if p.tp > 1 else ""
-        lines.setdefault(f"{b.gpu_type}/{p.model.name}/{b.variant}{tp}", found.provenance)
+        lines.setdefault(f"{b.gpu_type}/{p.model.name}/{b.variant}{tp}", engine.provenance)
     return [f"{cls}: {text}" for cls, text in sorted(lines.items())]
 
 

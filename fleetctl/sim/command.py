@@ -102,6 +102,7 @@ def run_simulate(
     # Which servers ran at measured figures, not the model's, and from what.
     said = calibration_lines(result.servers)
     data["calibration"] = said
+    data["perf"] = class_figures(result.servers)
     parts += [Text(line) for line in said]
     if plot is not None:
         source = trace.name if trace is not None else f"synthetic {workload}"
@@ -109,6 +110,17 @@ def run_simulate(
         data["plot"] = str(plot)
         parts.append(Text(f"Wrote the latency plot to {plot}"))
     return data, Group(*parts)
+
+
+def class_figures(servers: Sequence[Server]) -> dict[str, Any]:
+    """Per class of servers (`RTX-4090/bf16`, `/tp2` past TP 1), what the one calibrated
+    model says of it, as plan --json and estimate --json say it."""
+    out: dict[str, Any] = {}
+    for s in servers:
+        tp = f"/tp{s.perf.tp}" if s.perf.tp > 1 else ""
+        if s.engine is not None:
+            out.setdefault(f"{s.gpu_type}/{s.variant}{tp}", s.engine.figures())
+    return out
 
 
 def calibration_lines(servers: Sequence[Server]) -> list[str]:

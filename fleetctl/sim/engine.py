@@ -42,6 +42,7 @@ class Seq:
         "base_c",
         "base_g",
         "blocks",
+        "cached",
         "computed",
         "d0",
         "epoch",
@@ -69,6 +70,7 @@ class Seq:
         self.prompt_blocks = blocks  # the prompt's chained hashes, if known
         self.output = max(1, output)
         self.state = WAITING
+        self.cached = 0  # prompt tokens found in the prefix cache when first admitted
         self.computed = 0  # while prefilling: tokens whose KV is in the cache
         self.generated = 0  # while prefilling or waiting: tokens generated so far
         self.target = prompt  # tokens to prefill: prompt (+ generated, after a preemption)
@@ -394,6 +396,8 @@ class Engine:
             s.own = None
             s.reg = min(len(s.keys), hit_blocks)
             s.computed = hit
+            if not s.preemptions:
+                s.cached = hit
             self.stats.prefix_cache_queries += s.target
             self.stats.prefix_cache_hits += hit
             self._admissions += 1

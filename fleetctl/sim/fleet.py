@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fleetctl.calibration import Calibration, measured
+from fleetctl.calibration import Calibrated, Calibration, deployment_engine
 from fleetctl.inventory import Inventory
 from fleetctl.perf import BLOCK_SIZE, EnginePerf
 from fleetctl.plan import Deployment
@@ -43,6 +43,7 @@ class Server:
     max_model_len: int
     calibrated: str = ""  # where its KV and speed were measured, when they were
     block_size: int = BLOCK_SIZE  # KV block tokens (vLLM's CPU backend: 128)
+    engine: Calibrated | None = None  # the calibrated engine it was built from, when it was
 
 
 # Events between progress reports: often enough for a smooth bar, rare enough to cost nothing.
@@ -55,30 +56,10 @@ def servers_from_plan(
     """The simulator's servers for a plan's deployments; with `calibration`, a deployment whose
     class has an entry runs at its servers' measured speed with their measured KV."""
     out = []
-    gpus = {n.gpu.name: n.gpu for n in inv.nodes}
     for d in deployments:
-        model = inv.model(d.model)
-        fmt = next(v.format for v in model.variants if v.format.name == d.variant)
+        engine = deployment_engine(d, inv, calibration)
+        assert engine is not None, f"the inventory does not describe {d.node}'s server"
         s = d.server
-        perf = EnginePerf(
-            gpus[d.gpu_type], model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype
-        )
-        kv, calibrated = s.kv_budget_tokens, ""
-        entry = None
-        if calibration is not None:
-            entry = calibration.find(
-                d.gpu_type,
-                model.profile.name,
-                d.variant,
-                s.tensor_parallel_size,
-                inv.spec.apply.vllm_version,
-                s.max_model_len,
-            )
-        found = measured(entry, perf, s.gpu_memory_utilization) if entry else None
-        if found is not None:
-            calibrated = found.provenance
-            kv = found.kv_tokens if found.kv_tokens is not None else kv
-            perf = found.perf(perf)
         out.append(
             Server(
                 f"{d.node}:{d.port}",
@@ -86,12 +67,13 @@ def servers_from_plan(
                 d.gpu_type,
                 d.model,
                 d.variant,
-                perf,
-                kv,
+                engine.perf,
+                engine.kv_tokens,
                 s.max_num_seqs,
                 s.max_num_batched_tokens,
                 s.max_model_len,
-                calibrated,
+                engine.provenance,
+                engine=engine,
             )
         )
     return out
