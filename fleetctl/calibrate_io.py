@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from fleetctl.calibration import Key, ServerReading, entry_for, measure, windows
+from fleetctl.calibration import window as window_of
 from fleetctl.http import Client, HttpError
 from fleetctl.text import plural
 from fleetctl.vllm_metrics import parse_metrics
@@ -61,11 +63,22 @@ class Refreshed:
 
 
 def refresh(
-    sdir: StateDir, targets: list[Backend], window_s: float, interval_s: float
+    sdir: StateDir,
+    targets: list[Backend],
+    window_s: float,
+    interval_s: float,
+    *,
+    need_traffic: bool = False,
+    on_progress: Callable[[float, int], None] | None = None,
 ) -> Refreshed:
     """Scrape `targets` every `interval_s` over `window_s`, merge what they measure into the
-    state folder's calibration and save it; a server that cannot be read is an error line."""
-    readings = asyncio.run(_read_all(targets, window_s, interval_s))
+    state folder's calibration and save it; a server that cannot be read is an error line.
+    With `need_traffic` (`fleetctl calibrate`), so is one that ran no request during the
+    window: its KV capacity alone is no calibration of its speed, and its entry is kept as
+    it was. `on_progress(seconds_left, samples)` hears how the window goes."""
+    readings = asyncio.run(_read_all(targets, window_s, interval_s, on_progress))
+    if need_traffic:
+        readings = [_idle(r, window_s) for r in readings]
     before = sdir.load_calibration()
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     groups: dict[Key, list[tuple[Backend, ServerReading]]] = {}
@@ -104,16 +117,60 @@ def refresh_running(inv: Inventory, catalog: Catalog, sdir: StateDir) -> Refresh
     return refresh(sdir, targets, QUICK_WINDOW_S, QUICK_INTERVAL_S)
 
 
-async def _read_all(found: list[Backend], window: float, interval: float) -> list[ServerReading]:
+def _idle(r: ServerReading, window_s: float) -> ServerReading:
+    """`r`, or an error saying its server ran no request over the window."""
+    if r.error is not None or r.key is None or r.samples:
+        return r
+    return replace(
+        r,
+        key=None,
+        error=f"no request ran on {r.node} during the {window_s:g} s window: send traffic, "
+        "or use a longer --window",
+    )
+
+
+async def _read_all(
+    found: list[Backend],
+    window: float,
+    interval: float,
+    on_progress: Callable[[float, int], None] | None = None,
+) -> list[ServerReading]:
     client = Client(SCRAPE_TIMEOUT_S)
+    counted = [0] * len(found)
+    watch = asyncio.create_task(_watch(window, counted, on_progress)) if on_progress else None
     try:
-        return list(await asyncio.gather(*(_read_one(client, b, window, interval) for b in found)))
+        return list(
+            await asyncio.gather(
+                *(_read_one(client, b, window, interval, counted, i) for i, b in enumerate(found))
+            )
+        )
     finally:
+        if watch is not None:
+            watch.cancel()
         await client.close()
 
 
-async def _read_one(client: Client, b: Backend, window: float, interval: float) -> ServerReading:
-    """Scrape one server every `interval` over `window`; a fault ends this server alone."""
+async def _watch(
+    window: float, counted: list[int], on_progress: Callable[[float, int], None]
+) -> None:
+    """Tell `on_progress` the seconds left and the samples so far, twice a second."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + window
+    while True:
+        on_progress(max(0.0, end - loop.time()), sum(counted))
+        await asyncio.sleep(0.5)
+
+
+async def _read_one(
+    client: Client,
+    b: Backend,
+    window: float,
+    interval: float,
+    counted: list[int] | None = None,
+    slot: int = 0,
+) -> ServerReading:
+    """Scrape one server every `interval` over `window`; a fault ends this server alone.
+    `counted[slot]` follows the windows that saw work so far."""
     where = f"{b.node} ({b.name})"
     scrapes: list[Scrape] = []
     # Every `interval` over `window`; an interval as long as the window or longer: two scrapes,
@@ -136,6 +193,8 @@ async def _read_one(client: Client, b: Backend, window: float, interval: float) 
             if not scrape.is_vllm:
                 raise HttpError("its /metrics page has no vLLM series (is it a vLLM server?)")
             scrapes.append(scrape)
+            if counted is not None and len(scrapes) > 1 and window_of(scrapes[-2], scrape):
+                counted[slot] += 1
     except HttpError as e:
         return ServerReading(
             b.name, b.node, error=f"{where}: cannot read /metrics: {e}: check that it runs"

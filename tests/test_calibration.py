@@ -28,6 +28,7 @@ from fleetctl.calibration import (
 from fleetctl.errors import UserError
 from fleetctl.estimate import Settings, Workload, estimate
 from fleetctl.perf import CUDA_INVISIBLE_BYTES, EnginePerf
+from fleetctl.routing.types import Backend
 from fleetctl.statedir import StateDir
 from fleetctl.vllm_metrics import Scrape, parse_metrics
 from tests.conftest import REPO
@@ -533,11 +534,28 @@ def test_calibrate_measures_emulated_servers_and_estimate_uses_it(emulator, tmp_
     model = json.loads(cli(*est, "--state-dir", state, "--no-calibration", *at90).out)
     assert model["source"]["kind"] == "model"
     assert abs(used["kv_cache_tokens"] - model["kv_cache_tokens"]) <= 16
-    # The table: the model's figure beside the measured one, per server.
+    # How every command will use it, figure by figure.
+    (doc_entry,) = doc["entries"]
+    assert doc_entry["used_as"]["kv_cache_tokens"] == "measured"
+    assert doc_entry["used_as"]["decode"].startswith("scaled from a measurement: speed ")
+    # An idle window measures no speed: one line says so, the file stays as it was, exit 1.
+    before = (state / "calibration.json").read_bytes()
     r = cli("calibrate", inv, "--backends", bfile, "--state-dir", state, "--window", "0.5")
     assert r.code == 1
-    assert "Calibration" in r.out and "rtx-1" in r.out and "connection refused" in r.out
-    assert "Saved 1 entry to" in r.out
+    assert "Calibration" in r.out and "connection refused" in r.out
+    assert (
+        "no request ran on rtx-1 during the 0.5 s window: send traffic, or use a longer "
+        "--window" in r.out
+    )
+    assert "Saved" not in r.out
+    assert (state / "calibration.json").read_bytes() == before
+    # The table, with traffic: each figure beside the model's, and how it will be used.
+    with Load(emulator.port, 4):
+        r = cli("calibrate", inv, "--backends", bfile, "--state-dir", state, "--window", "2")
+    assert "rtx-1" in r.out and "Saved 1 entry to" in r.out
+    assert (
+        "llama-3-8b bf16 on 1x RTX-4090, vLLM 0.32.0, max_model_len 8,192: kv_cache_tokens" in r.out
+    )
 
 
 @pytest.mark.vllm_real
@@ -594,3 +612,20 @@ def test_calibrate_reads_a_real_vllm_server(tmp_path, cli):
         assert e.ttft_s is not None and e.ttft_s.value > 0
     finally:
         stop(proc)
+
+
+def test_the_window_reports_seconds_left_and_samples_so_far(emulator, tmp_path, catalog):
+    """What calibrate's progress line shows on a terminal: the seconds left of the window
+    and the samples taken so far, as they go."""
+    from fleetctl.calibrate_io import refresh
+
+    g, m, f = catalog.gpu("RTX-4090"), catalog.model(NAME), catalog.format("bf16")
+    b = Backend(emulator.base, "rtx-1", g.name, NAME, "bf16", 40_000, perf=EnginePerf(g, m, f))
+    heard: list[tuple[float, int]] = []
+    with Load(emulator.port, 4):
+        done = refresh(StateDir(tmp_path), [b], 2.0, 0.25, on_progress=lambda *a: heard.append(a))
+    assert len(heard) >= 3
+    lefts, samples = [x[0] for x in heard], [x[1] for x in heard]
+    assert lefts == sorted(lefts, reverse=True) and lefts[0] > 1.0
+    assert samples == sorted(samples) and samples[-1] >= 1
+    assert done.readings[0].error is None

@@ -107,10 +107,13 @@ def measure(
                 # The windows' own steps, not the fit's split of them into terms: a step can
                 # be no shorter than reading its weights and KV at the GPU's peak bandwidth.
                 seen = sum(s.tokens * (s.wall_step_s or s.step_s) for s in decoding) / tokens
-                floor = sum(
-                    s.tokens * perf.min_step_s(max(1, round(s.batch)), s.batch * ctx)
-                    for s in decoding
-                ) / tokens
+                floor = (
+                    sum(
+                        s.tokens * perf.min_step_s(max(1, round(s.batch)), s.batch * ctx)
+                        for s in decoding
+                    )
+                    / tokens
+                )
                 at_batch = _beyond(
                     at_batch,
                     seen < floor,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -10,6 +11,10 @@ from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import InventoryArg, JsonOpt, ProfilesOpt, StateDirOpt
 from fleetctl.jsonout import print_json
+
+if TYPE_CHECKING:
+    from fleetctl.calibration import Entry
+    from fleetctl.routing.types import Backend
 
 
 @app.command()
@@ -42,19 +47,28 @@ def calibrate(
 ) -> None:
     """Measure KV capacity, decode step and prefill speed on the running servers."""
     from fleetctl.calibrate_io import refresh
+    from fleetctl.progress import progress
     from fleetctl.router.backends import load_backends
 
     inv, catalog = common.load(inventory, profiles)
     sdir = common.state_dir(inv, state_dir)
     found = load_backends(inv, catalog, backends, sdir)
-    done = refresh(sdir, found, window, interval)
+    label = f"watching {len(found)} server(s)"
+    with progress(label, window, enabled=not as_json) as bar:
+
+        def tell(left: float, samples: int) -> None:
+            bar.update(window - left, f"{label}: {left:.0f} s left, {samples} samples")
+
+        done = refresh(sdir, found, window, interval, need_traffic=True, on_progress=tell)
     readings, fresh = done.readings, done.fresh
     failed = [r for r in readings if r.error is not None]
+    uses = {e.key: used_as(e, found) for e in fresh}
     if as_json:
         entries = []
         for e in fresh:
             j = e.to_json()
             j.pop("samples")
+            j["used_as"] = uses[e.key]
             entries.append(j)
         print_json(
             {
@@ -71,9 +85,39 @@ def calibrate(
         console.print(calibration_table(readings))
         for r in failed:
             console.print(r.error, markup=False, highlight=False, soft_wrap=True)
+        for e in fresh:
+            if uses[e.key]:
+                said = "; ".join(f"{k} {v}" for k, v in uses[e.key].items())
+                console.print(f"{e.key.text}: {said}", markup=False, highlight=False)
         if fresh:
             console.print(
                 f"Saved {plural(len(fresh), 'entry', 'entries')} to {sdir.calibration_path}."
             )
     if failed:
         raise typer.Exit(1)
+
+
+def used_as(entry: Entry, backends: list[Backend]) -> dict[str, str]:
+    """How every command will use `entry`: per figure, measured, scaled from a measurement,
+    or still the model's (the batch sizes seen too alike, a figure not trusted); empty when no
+    server of its class has a model to scale."""
+    from fleetctl.calibration import Calibration, calibrated
+
+    k = entry.key
+    for b in backends:
+        p = b.perf
+        if p is not None and (b.gpu_type, p.model.name, b.variant, p.tp) == (
+            k.gpu,
+            k.model,
+            k.format,
+            k.tp,
+        ):
+            engine = calibrated(
+                Calibration((entry,)),
+                p,
+                b.kv_tokens,
+                vllm_version=k.vllm_version,
+                max_model_len=k.max_model_len,
+            )
+            return engine.sources()
+    return {}
