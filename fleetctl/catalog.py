@@ -114,6 +114,10 @@ class ModelProfile(Strict):
 class VllmFlags(Strict):
     quantization: str | None = None
     quantization_by_architecture: dict[Architecture, str] = Field(default_factory=dict)
+    # The first vLLM release that runs quantization_by_architecture's kernels (AWQ checkpoints
+    # became Marlin in 0.5.3, vllm#6612; GPTQ in 0.4.2, vllm#3922). Before it, `quantization`'s
+    # own kernel runs on every architecture. None: every release does.
+    by_architecture_from: str | None = Field(None, pattern=r"^\d+\.\d+(\.\d+)?$")
     dtype: Literal["bfloat16", "float16", "auto"]
 
 
@@ -125,9 +129,12 @@ class FormatProfile(Strict):
     compute: dict[Architecture, ComputeDtype]
     vllm: VllmFlags
     kernel_efficiency: dict[Architecture, float]
+    # The efficiency of `vllm.quantization`'s own kernel where a release runs it in place of
+    # quantization_by_architecture's (before vllm.by_architecture_from); unset: as above.
+    plain_kernel_efficiency: dict[Architecture, float] = Field(default_factory=dict)
     sources: tuple[str, ...] = Field(min_length=1)
 
-    @field_validator("kernel_efficiency")
+    @field_validator("kernel_efficiency", "plain_kernel_efficiency")
     @classmethod
     def _efficiency_range(cls, v: dict[str, float]) -> dict[str, float]:
         for arch, eff in v.items():
@@ -153,8 +160,35 @@ class FormatProfile(Strict):
     def runs_on(self, gpu: GpuProfile) -> bool:
         return gpu.architecture in self.compute
 
-    def quantization_flag(self, gpu: GpuProfile) -> str | None:
-        return self.vllm.quantization_by_architecture.get(gpu.architecture, self.vllm.quantization)
+    def _by_architecture(self, vllm_version: str | None) -> bool:
+        """Whether `vllm_version` (None: fleetctl's target) runs the by-architecture kernels."""
+        first = self.vllm.by_architecture_from
+        if first is None or vllm_version is None:
+            return True
+        from fleetctl.vllm_release import parse_version
+
+        return parse_version(vllm_version) >= parse_version(first)
+
+    def quantization_flag(self, gpu: GpuProfile, vllm_version: str | None = None) -> str | None:
+        """The --quantization a release runs this format with on `gpu`."""
+        if self._by_architecture(vllm_version):
+            return self.vllm.quantization_by_architecture.get(
+                gpu.architecture, self.vllm.quantization
+            )
+        return self.vllm.quantization
+
+    def kernel_efficiency_on(
+        self, architecture: Architecture, vllm_version: str | None = None
+    ) -> float:
+        """The weights' kernel efficiency on an architecture under a release: the plain
+        kernel's where the release predates the by-architecture one (and the architecture has
+        one), else `kernel_efficiency`'s."""
+        plain = architecture in self.vllm.quantization_by_architecture and not (
+            self._by_architecture(vllm_version)
+        )
+        if plain and architecture in self.plain_kernel_efficiency:
+            return self.plain_kernel_efficiency[architecture]
+        return self.kernel_efficiency.get(architecture, 1.0)
 
     @property
     def activation_bytes(self) -> int:

@@ -252,7 +252,9 @@ class EnginePerf:
     @cached_property
     def weight_bandwidth(self) -> float:
         """Effective bytes/s reading weights: the format's GEMM kernels on this architecture."""
-        return self.bandwidth * self.fmt.kernel_efficiency.get(self.gpu.architecture, 1.0)
+        return self.bandwidth * self.fmt.kernel_efficiency_on(
+            self.gpu.architecture, self.vllm_version
+        )
 
     @cached_property
     def flops(self) -> float:
@@ -426,7 +428,7 @@ class EnginePerf:
         """The largest `speed` at which the modelled bandwidth (the weights' kernels and the
         KV reads alike) and, where no separate compute speed is set, the modelled FLOP/s stay
         within the GPU's peaks."""
-        kernel = self.fmt.kernel_efficiency.get(self.gpu.architecture, 1.0)
+        kernel = self.fmt.kernel_efficiency_on(self.gpu.architecture, self.vllm_version)
         bandwidth = 1.0 / (self.gpu.decode_efficiency * max(1.0, kernel))
         return (
             bandwidth if self.compute_speed is not None else min(bandwidth, self.max_compute_speed)

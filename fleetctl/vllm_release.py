@@ -112,6 +112,29 @@ class Release:
         return self.version <= (0, 6, 3)
 
 
+# The releases whose rules were read (benchmarks/accuracy/PROFILING.md: 0.4.3 to 0.33.0).
+# 0.4.0-0.4.2 profile as 0.4.3 does; before 0.4 the V0 worker sized its cache by other rules,
+# and a release past the newest read may have changed them again.
+OLDEST_MODELLED = (0, 4, 0)
+NEWEST_READ = (0, 33, 0)
+
+
+def unmodelled(text: str) -> str | None:
+    """Why release `text` cannot be modelled (one line), or None when it can."""
+    v = parse_version(text)
+    if v < OLDEST_MODELLED:
+        return (
+            f"vLLM {text} is not modelled: its memory profiling predates the rules fleetctl "
+            f"read (0.4.3 to {'.'.join(map(str, NEWEST_READ))})"
+        )
+    if v[:2] > NEWEST_READ[:2]:
+        return (
+            f"vLLM {text} is newer than the newest release whose rules fleetctl read "
+            f"({'.'.join(map(str, NEWEST_READ))})"
+        )
+    return None
+
+
 @lru_cache(maxsize=64)
 def release(text: str | None = None) -> Release:
     """The rules of release `text` (None: the release fleetctl targets)."""

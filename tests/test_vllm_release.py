@@ -95,3 +95,46 @@ def test_a_measured_speed_scales_the_gpu_work_not_the_fixed_cost():
     for tokens, kv in ((1, 1000), (2048, 0)):
         work = base.step_time(tokens, kv) - base.step_overhead
         assert slow.step_time(tokens, kv) - slow.step_overhead == pytest.approx(2 * work)
+
+
+def test_releases_outside_what_was_read_are_refused_with_why(cli):
+    """estimate --vllm-version takes only releases whose rules were read (0.4 to 0.33.x):
+    an older V0 sized its cache by other rules, a newer one may have changed them."""
+    from fleetctl.vllm_release import unmodelled
+
+    assert unmodelled("0.4.0") is None and unmodelled("0.33.9") is None
+    assert unmodelled("0.6.3.post1") is None
+    assert "predates the rules fleetctl read (0.4.3 to 0.33.0)" in (unmodelled("0.3.3") or "")
+    assert "newer than the newest release" in (unmodelled("0.34.0") or "")
+    args = ["estimate", "--gpu", "A100-SXM4-80GB", "--model", "llama-3-8b", "--format", "bf16"]
+    r = cli(*args, "--vllm-version", "0.2.5", "--no-calibration")
+    assert r.code == 2 and "vLLM 0.2.5 is not modelled" in r.err
+    assert "give a release from 0.4.0 to 0.33.x" in r.err
+    assert cli(*args, "--vllm-version", "0.5.5", "--no-calibration").code == 0
+
+
+def test_awq_ran_its_own_kernel_before_marlin_took_it_over(catalog):
+    """vLLM converts AWQ checkpoints to Marlin from 0.5.3 (vllm#6612); before, the AWQ GEMM
+    kernel ran, slower (the format's plain_kernel_efficiency), and the flag was plain awq."""
+    from fleetctl.perf import EnginePerf
+
+    gpu, model, awq = (
+        catalog.gpu("A100-SXM4-80GB"),
+        catalog.model("llama-3-8b"),
+        catalog.format("awq-int4"),
+    )
+    old, new = (
+        EnginePerf(gpu, model, awq, vllm_version="0.5.2"),
+        EnginePerf(gpu, model, awq, vllm_version="0.5.3"),
+    )
+    assert awq.quantization_flag(gpu, "0.5.2") == "awq"
+    assert awq.quantization_flag(gpu, "0.5.3") == "awq_marlin"
+    assert awq.quantization_flag(gpu) == "awq_marlin"  # fleetctl's target
+    assert awq.kernel_efficiency_on("ampere", "0.5.2") == 0.6
+    assert awq.kernel_efficiency_on("ampere", "0.5.3") == 0.9
+    assert old.decode_tok_s(1) < 0.85 * new.decode_tok_s(1)  # the weights read 1.5x slower
+    # Turing never had Marlin: the same kernel either side of 0.5.3.
+    assert awq.kernel_efficiency_on("turing", "0.5.2") == awq.kernel_efficiency_on("turing")
+    gptq = catalog.format("gptq-int4")
+    assert gptq.quantization_flag(gpu, "0.4.1") == "gptq"
+    assert gptq.quantization_flag(gpu, "0.4.2") == "gptq_marlin"

@@ -30,6 +30,7 @@ from fleetctl.catalog import Catalog, ModelProfile, load_catalog
 from fleetctl.estimate import Settings, Workload, estimate
 from fleetctl.hfconfig import profile_from_config
 from fleetctl.perf import EnginePerf
+from fleetctl.vllm_release import unmodelled
 
 HERE = Path(__file__).resolve().parent
 
@@ -114,6 +115,10 @@ def resolve(row: dict[str, Any], cat: Catalog, models: dict[str, ModelProfile]) 
     """(gpu, model, format) profiles for a row, or the reason it is skipped."""
     if (row.get("pipeline_parallel_size") or 1) > 1:
         return "pipeline parallelism (fleetctl plans tensor parallelism only)"
+    version = _version(row)
+    why = unmodelled(version) if version is not None else None
+    if why is not None:
+        return why.split(":")[0]  # estimate refuses it: "vLLM 0.2.3 is not modelled"
     # The name as the source wrote it, then without a parenthesised remark ("(8x, AWS ...)").
     said = str(row["gpu"])
     bare = said.split("(")[0].strip()

@@ -100,6 +100,15 @@ def estimate(
         raise UserError(
             f"--vllm-version {shown(vllm_version)} is not a release number", None, "e.g. 0.6.3"
         )
+    if vllm_version is not None:
+        from fleetctl.vllm_release import NEWEST_READ, OLDEST_MODELLED, unmodelled
+
+        why = unmodelled(vllm_version)
+        if why is not None:
+            span = (
+                f"{'.'.join(map(str, OLDEST_MODELLED))} to {'.'.join(map(str, NEWEST_READ[:2]))}.x"
+            )
+            raise UserError(why, None, f"give a release from {span}")
     if kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
         raise UserError(f"unknown --kv-cache-dtype '{kv_cache_dtype}'", None, "use auto or fp8")
     settings = Settings(

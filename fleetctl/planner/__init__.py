@@ -327,7 +327,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         tail.append("--no-enable-prefix-caching")
     elif pc.kv_events:
         tail.append("--enable-prefix-caching")
-    quant = fmt.quantization_flag(k.cls.gpu)
+    quant = fmt.quantization_flag(k.cls.gpu, inv.spec.apply.vllm_version)
     if quant:
         tail += ["--quantization", quant]
     if variant.revision:
@@ -420,7 +420,8 @@ def _reasons(
         others = [v.format.name for v in m.variants if v.format.name != fmt.name]
         out.append(
             f"{fmt.name} over {', '.join(others)}: {_gb(k.perf.weights)} of weights, "
-            f"kernel efficiency {fmt.kernel_efficiency.get(gpu.architecture, 1):.2f} "
+            f"kernel efficiency "
+            f"{fmt.kernel_efficiency_on(gpu.architecture, k.perf.vllm_version):.2f} "
             f"on {gpu.architecture}"
         )
     if m.spec.slo is not None:
