@@ -553,12 +553,13 @@ def test_placed_keeps_what_choose_looked_up_and_teaches_the_index():
     assert d.backend is warm and d.notes == ("length:short", "by:ttft", "prefix:hit")
     # More of it arrives there before the placement: choose's look-up is what counts.
     index.insert("warm", blocks.hashes)
-    ha.placed(r, warm)
+    assert (d.cached_tokens, d.looked_up) == (512, True)
+    ha.placed(r, warm, d)
     assert r.cached_tokens == 512
     # Placed elsewhere than chosen: looked up there (nothing), and the index learns it.
     r2 = rq(1, prompt=1000, out=100, blocks=blocks)
-    ha.choose(r2, [cold, warm])
-    ha.placed(r2, cold)
+    d2 = ha.choose(r2, [cold, warm])
+    ha.placed(r2, cold, d2)
     assert r2.cached_tokens == 0 and index.match("cold", blocks.hashes) == len(blocks.hashes)
 
 
@@ -584,14 +585,25 @@ def test_a_request_only_some_classes_can_take_is_exclusive_work_for_them():
     ha = HardwareAware()
     big, small = _two_lengths()
     long, short = rq(0, prompt=10_000), rq(1, prompt=1000)
-    assert ha.eligible(long, [big, small])[0] == [big] and ha.exclusive(long)
-    assert ha.eligible(short, [big, small])[0] == [big, small] and not ha.exclusive(short)
-    assert not ha.exclusive(long)  # the verdict is on the last request asked about
+    pool, _ = ha.eligible(long, [big, small])
+    assert pool == [big] and pool.exclusive
+    pool, _ = ha.eligible(short, [big, small])
+    assert pool == [big, small] and not pool.exclusive
+    # The verdict travels with the pool and the decision, never with the policy.
+    d = ha.choose(long, ha.eligible(long, [big, small])[0])
+    assert d.exclusive and not ha.choose(short, [big, small]).exclusive
     # Backends of other models, or down, are no classes of this one's.
     other = be("o", gpu="O", model="other", max_model_len=65_536)
     down = be("d", gpu="D", healthy=False, max_model_len=65_536)
-    ha.eligible(short, [small, other, down])
-    assert not ha.exclusive(short)
+    assert not ha.eligible(short, [small, other, down])[0].exclusive
+
+
+def place(ha: HardwareAware, req, fleet, backend=None):
+    """Through eligible and choose to placed, as the scheduler does; on `backend` if given."""
+    pool, _ = ha.eligible(req, fleet)
+    d = ha.choose(req, pool)
+    ha.placed(req, backend or d.backend, d)
+    return d
 
 
 def test_exclusive_share_is_a_decaying_average_over_placements():
@@ -600,15 +612,12 @@ def test_exclusive_share_is_a_decaying_average_over_placements():
     fleet = [big, small]
     assert ha.exclusive_share("L") == 0.0  # no work yet
     long, short = rq(0, prompt=10_000), rq(1, prompt=1000)
-    ha.eligible(long, fleet)
-    ha.placed(long, big)  # L: (10000, 10000)
+    place(ha, long, fleet)  # L: (10000, 10000)
     assert ha.exclusive_share("L/bf16") == 1.0
-    ha.eligible(short, fleet)
-    ha.placed(short, small)  # every class ages by 0.999: L (9990, 9990); S (0, 1000)
+    place(ha, short, fleet, small)  # every class ages by 0.999: L (9990, 9990); S (0, 1000)
     assert ha.exclusive_share("S/bf16") == 0.0
     short2 = rq(2, prompt=1000, cached_tokens=400)  # 600 tokens of prefill
-    ha.eligible(short2, fleet)
-    ha.placed(short2, big)  # L: (9990 * 0.999, 9990 * 0.999 + 600)
+    place(ha, short2, fleet, big)  # L: (9990 * 0.999, 9990 * 0.999 + 600)
     assert ha.exclusive_share("L/bf16") == pytest.approx(9980.01 / 10580.01)
 
 
@@ -617,10 +626,8 @@ def test_a_request_any_class_can_take_pays_for_delaying_exclusive_work():
     fleet = [big, small]
     ha = HardwareAware()
     long = rq(0, prompt=10_000)
-    ha.eligible(long, fleet)
-    ha.placed(long, big)  # L's work: all exclusive, share 1
+    place(ha, long, fleet)  # L's work: all exclusive, share 1
     short = rq(1, prompt=1000, out=100)
-    ha.eligible(short, fleet)
     # On L it pays share 1 * f(1000) = 1 s per request waiting there plus itself: with one
     # waiting, 2 s. S, otherwise alike, is q tokens of queued prefill (q ms) behind.
     big.waiting = 1
@@ -638,8 +645,7 @@ def test_exclusive_work_pays_nothing_for_delaying_exclusive_work():
     big2 = be("l2", gpu="L2", max_model_len=32_768)  # another class of the long length
     fleet = [big, big2, small]
     first = rq(0, prompt=10_000, out=100)
-    ha.eligible(first, fleet)
-    ha.placed(first, big)  # L's share: 1; L2's: 0
+    place(ha, first, fleet, big)  # L's share: 1; L2's: 0
     second = rq(1, prompt=10_000, out=100)
     pool, _ = ha.eligible(second, fleet)
     assert pool == [big, big2]
@@ -655,12 +661,10 @@ def test_what_it_has_cached_shrinks_what_a_request_would_delay_there():
     ha = HardwareAware()
     ha.prefix = PrefixIndex(learn=False)
     long = rq(0, prompt=10_000)
-    ha.eligible(long, fleet)
-    ha.placed(long, big)  # L's share: 1
+    place(ha, long, fleet)  # L's share: 1
     blocks = prompt_blocks(1000)
     ha.prefix.insert("l", blocks.hashes[:32])  # L holds 512 of its 1000 tokens
     short = rq(1, prompt=1000, out=100, blocks=blocks)
-    ha.eligible(short, fleet)
     big.waiting = 1
     # On L: f(488, 512) = 0.49312 of prefill, and as much again per request waiting (one):
     # 0.98624 on top of its estimate f(488, 512) + step. On S: f(1000) + step + q ms.
@@ -680,10 +684,8 @@ def test_one_class_pays_nothing_for_its_own_exclusive_work():
     s = be("s", gpu="S", max_model_len=8192)
     ha = HardwareAware()
     long = rq(0, prompt=10_000)
-    ha.eligible(long, [l1, l2, s])
-    ha.placed(long, l1)
+    place(ha, long, [l1, l2, s], l1)
     short = rq(1, prompt=1000, out=100)
-    ha.eligible(short, [l1, l2, s])
     l1.waiting, l2.pending_prefill = 5, 1000
     assert ha.choose(short, [l1, l2]).backend is l1
 

@@ -247,15 +247,19 @@ def test_hardware_aware_keeps_optional_work_off_a_class_busy_with_work_only_it_c
     # decode would weigh in too).
     optional = Request(100, "m", 8_000, 2)
 
-    def pick(req):
+    def decide(req):
         pool, _ = policy.eligible(req, [a100, rtx])
-        return policy.choose(req, pool).backend
+        return policy.choose(req, pool)
+
+    def pick(req):
+        return decide(req).backend
 
     assert pick(optional) is a100  # faster, and nothing else is known yet
     for i in range(5):  # only the A100 class can take these
         req = Request(i, "m", 50_000, 100)
-        assert pick(req) is a100
-        policy.placed(req, a100)
+        d = decide(req)
+        assert d.backend is a100
+        policy.placed(req, a100, d)
     assert policy.exclusive_share(a100.node_class) == pytest.approx(1.0)
     a100.waiting = 3  # three of them wait there for their first token
     assert pick(Request(101, "m", 8_000, 2)) is rtx

@@ -23,7 +23,7 @@ from fleetctl.routing.policy import RoundRobin
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
-from fleetctl.routing.types import Backend, Request
+from fleetctl.routing.types import Backend, Decision, Request
 from tests.conftest import REPO
 from tests.procs import NAME, RouterThread, free_port, http_request
 from tests.test_route_serve import redis_url  # noqa: F401 - the real redis-server fixture
@@ -122,9 +122,9 @@ class Recording(RoundRobin):
         super().__init__()
         self.seen: list[tuple[Request, str]] = []
 
-    def placed(self, req: Request, backend: Backend) -> None:
+    def placed(self, req: Request, backend: Backend, decision: Decision | None = None) -> None:
         self.seen.append((req, backend.name))
-        super().placed(req, backend)
+        super().placed(req, backend, decision)
 
 
 class Serving(RouterThread):

@@ -16,11 +16,11 @@ import zlib
 from collections.abc import Callable, Sequence
 
 from fleetctl.routing.policy import Policy, RoutingConfig
-from fleetctl.routing.prefix import PrefixIndex, PromptBlocks
+from fleetctl.routing.prefix import PrefixIndex, PrefixView, PromptBlocks
 from fleetctl.routing.types import Backend, Decision, Request
 
-# name -> factory(seed, config); filled in by the peers' policies below.
-PEER_POLICIES: dict[str, Callable[[int, RoutingConfig | None], Policy]] = {}
+# name -> factory(seed, config, prefix view); filled in by the peers' policies below.
+PEER_POLICIES: dict[str, Callable[[int, RoutingConfig | None, PrefixView | None], Policy]] = {}
 
 # The engine's KV block size when a request carries no hashes to take it from (vLLM's default).
 VLLM_BLOCK_TOKENS = 16
@@ -85,7 +85,9 @@ class CacheAware(Policy):
         balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
         balance_rel_threshold: float = BALANCE_REL_THRESHOLD,
         max_tree_size: int = MAX_TREE_SIZE,
+        prefix: PrefixView | None = None,
     ) -> None:
+        super().__init__(prefix)
         self.seed = seed
         self.cache_threshold = cache_threshold
         self.balance_abs_threshold = balance_abs_threshold
@@ -121,8 +123,8 @@ class CacheAware(Policy):
         """The tenants' arbitrary but fixed order at one tree node (a seeded hash)."""
         return zlib.crc32(f"{self.seed}:{node}:{name}".encode())
 
-    def placed(self, req: Request, backend: Backend) -> None:
-        super().placed(req, backend)
+    def placed(self, req: Request, backend: Backend, decision: Decision | None = None) -> None:
+        super().placed(req, backend, decision)
         if req.blocks is None:
             return
         if not self._sized:
@@ -168,7 +170,9 @@ class PrefixKv(Policy):
         prefix_weight: float = PREFIX_WEIGHT,
         kv_utilization_weight: float = KV_UTILIZATION_WEIGHT,
         queue_weight: float = QUEUE_WEIGHT,
+        prefix: PrefixView | None = None,
     ) -> None:
+        super().__init__(prefix)
         self.rng = random.Random(seed)
         self.prefix_weight = prefix_weight
         self.kv_utilization_weight = kv_utilization_weight
@@ -246,7 +250,13 @@ class KvRouter(Policy):
     reads_prefix = True
     OVERLAP_SCORE_WEIGHT = 1.0
 
-    def __init__(self, seed: int = 0, overlap_score_weight: float = OVERLAP_SCORE_WEIGHT) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        overlap_score_weight: float = OVERLAP_SCORE_WEIGHT,
+        prefix: PrefixView | None = None,
+    ) -> None:
+        super().__init__(prefix)
         self.rng = random.Random(seed)
         self.overlap_score_weight = overlap_score_weight
 
@@ -281,8 +291,8 @@ class KvRouter(Policy):
 
 PEER_POLICIES.update(
     {
-        CacheAware.name: lambda seed, config: CacheAware(seed),
-        PrefixKv.name: lambda seed, config: PrefixKv(seed),
-        KvRouter.name: lambda seed, config: KvRouter(seed),
+        CacheAware.name: lambda seed, config, prefix: CacheAware(seed, prefix=prefix),
+        PrefixKv.name: lambda seed, config, prefix: PrefixKv(seed, prefix=prefix),
+        KvRouter.name: lambda seed, config, prefix: KvRouter(seed, prefix=prefix),
     }
 )

@@ -9,7 +9,7 @@ KV-usage scoring of production-stack and llm-d); `hardware-aware` is the seed's 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from fleetctl.inventory import Inventory
@@ -55,6 +55,21 @@ class RoutingConfig:
         return cls(spec.long_context_tokens, spec.bandwidth_saturation, slo=slos)
 
 
+class Pool(list[Backend]):
+    """The backends a request may go to, in order, and whether only some of its model's
+    classes could take it at all (the others' max_model_len is too short): the work it brings
+    is then work only they can do. `eligible` gives one; the scheduler narrows it and passes
+    it to `choose`, so a policy never carries one request's state over to the next call."""
+
+    def __init__(self, backends: Iterable[Backend] = (), exclusive: bool = False) -> None:
+        super().__init__(backends)
+        self.exclusive = exclusive
+
+    def narrowed(self, backends: Iterable[Backend]) -> Pool:
+        """Fewer backends, the same verdict."""
+        return Pool(backends, self.exclusive)
+
+
 class Policy:
     """Base: which backends may serve a request at all, and which one to pick."""
 
@@ -66,37 +81,48 @@ class Policy:
     reads_prefix = False  # whether it reads `prefix` (the daemon then hashes prompts)
     own_index = False  # whether it keeps an index of its own instead, as its peer does
 
-    def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
+    def __init__(self, prefix: PrefixView | None = None) -> None:
+        if prefix is not None:
+            self.prefix = prefix
+
+    def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[Pool, str]:
         """Backends that could ever serve `req`: healthy, of its model, and with a
-        max_model_len that takes prompt + max_tokens; an empty list comes with the reason."""
+        max_model_len that takes prompt + max_tokens; an empty pool comes with the reason.
+        The pool says whether that length left out some of the model's classes."""
         found = [b for b in backends if b.model == req.model and b.healthy]
         if not found:
-            return [], f"no healthy backend serves {req.model}"
+            return Pool(), f"no healthy backend serves {req.model}"
         need = req.context_needed
         fits = [b for b in found if not b.max_model_len or b.max_model_len >= need]
         if not fits:
             longest = max(b.max_model_len for b in found)
-            return [], (
+            return Pool(), (
                 f"prompt ({req.prompt_tokens} tokens) + max_tokens needs a context of {need}; "
                 f"the longest {req.model} serves is {longest}"
             )
-        return fits, ""
+        classes = {b.node_class for b in found}
+        return Pool(fits, len({b.node_class for b in fits}) < len(classes)), ""
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         raise NotImplementedError
 
-    def placed(self, req: Request, backend: Backend) -> None:
-        """Told where a request went (for sessions and the prefix index): it expects the
-        prefix it finds cached there, which its pending prefill leaves out."""
+    def placed(self, req: Request, backend: Backend, decision: Decision | None = None) -> None:
+        """Told where a request went (for sessions and the prefix index), with the decision
+        that sent it there: it expects the prefix it finds cached there, which its pending
+        prefill leaves out (the decision's look-up when it was for this backend)."""
         if req.blocks is not None:
-            req.cached_tokens = self.prefix.cached(backend.name, req.blocks)
+            if decision is not None and decision.backend is backend and decision.looked_up:
+                req.cached_tokens = decision.cached_tokens
+            else:
+                req.cached_tokens = self.prefix.cached(backend.name, req.blocks)
             self.prefix.routed(backend.name, req.blocks)
 
 
 class RoundRobin(Policy):
     name = "round-robin"
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: PrefixView | None = None) -> None:
+        super().__init__(prefix)
         self.turn = 0
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
@@ -116,7 +142,8 @@ class LeastOutstanding(Policy):
 class PowerOfTwo(Policy):
     name = "power-of-two"
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, prefix: PrefixView | None = None) -> None:
+        super().__init__(prefix)
         self.rng = random.Random(seed)
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
@@ -135,127 +162,163 @@ class KvAware(Policy):
         return Decision(b, self.name, detail=f"(usage {b.kv_usage:.2f})")
 
 
+@dataclass(slots=True)
+class Placement:
+    """One request's way through hardware-aware, as one value: the backends the filters
+    kept and the notes they made, then each backend's cached prompt tokens, predicted effect
+    and cost, then the pick."""
+
+    request: Request
+    pool: list[Backend]
+    exclusive: bool  # only some of the model's classes could take it
+    pin: Pin | None
+    slo: Slo | None
+    notes: list[str] = field(default_factory=list)
+    long: bool = False  # prompt + output past long_context_tokens
+    small: set[str] = field(default_factory=set)  # the small-KV backends of the pool
+    hits: dict[str, int] = field(default_factory=dict)
+    effects: dict[str, Effect] = field(default_factory=dict)
+    costs: dict[str, float] = field(default_factory=dict)
+
+
 class HardwareAware(Policy):
     """The seed's scheduler: precision, session affinity to a node class, length class, and
     the predicted effect of each placement on time to first token and time per output token,
     the request's own and that of the requests already decoding there (routing/goodput.py):
-    with the model's SLO it minimises the requests expected to miss it, without one the
-    seconds of latency the fleet's requests gain."""
+    the seconds of latency the fleet's requests gain, each phase weighed against the model's
+    SLO where it has one. `choose` filters, scores and picks, one `Placement` passing through."""
 
     name = "hardware-aware"
     admission = True
     reads_prefix = True
 
-    def __init__(self, config: RoutingConfig | None = None, sessions: SessionTable | None = None):
+    def __init__(
+        self,
+        config: RoutingConfig | None = None,
+        sessions: SessionTable | None = None,
+        prefix: PrefixView | None = None,
+    ):
+        super().__init__(prefix)
         self.config = config or RoutingConfig()
         self.sessions = sessions if sessions is not None else SessionTable()
-        self._hit: tuple[Request, str, int] | None = None  # choose's pick and its cached tokens
-        self._exclusive: tuple[Request, bool] | None = None  # eligible's verdict on a request
         self._work: dict[str, tuple[float, float]] = {}  # class -> (exclusive, all) prefill
 
-    def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[list[Backend], str]:
+    def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[Pool, str]:
         """Healthy backends of the model; only the hinted format when strict; only the
         session's class while any of it is healthy (so a later turn waits for room there
         rather than switching model variants mid-conversation)."""
         found, why = super().eligible(req, backends)
         if not found:
             return found, why
-        # Whether only some of the model's classes can take it (the others' max_model_len is
-        # too short): the work it brings is then work only they can do.
-        classes = {b.node_class for b in backends if b.model == req.model and b.healthy}
-        self._exclusive = (req, len({b.node_class for b in found}) < len(classes))
         if req.precision:
             match = [b for b in found if precision_matches(req.precision, b.variant)]
             if req.strict and not match:
                 formats = ", ".join(sorted({b.variant for b in found}))
-                return [], f"no backend serves {req.model} in {req.precision} (it runs {formats})"
+                return (
+                    Pool(),
+                    f"no backend serves {req.model} in {req.precision} (it runs {formats})",
+                )
             if req.strict:
-                found = match
+                found = found.narrowed(match)
         pin = self.sessions.get(req.session) if req.session else None
         if pin is not None:
             same = [b for b in found if b.node_class == pin.node_class]
-            found = same or found
+            found = found.narrowed(same or found)
         return found, ""
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
-        cfg = self.config
-        notes: list[str] = []
-        pool = list(backends)
-        if req.precision and not req.strict:
-            match = [b for b in pool if precision_matches(req.precision, b.variant)]
-            notes.append("precision:prefer" if match else "precision:unavailable")
-            pool = match or pool
-        elif req.precision:
-            notes.append("precision:strict")
-        pin = self.sessions.get(req.session) if req.session else None
-        if pin is not None:
-            same = [b for b in pool if b.node_class == pin.node_class]
-            if same:
-                pool = same
-                notes.append("affinity:class")
-            else:
-                notes.append("affinity:class-gone")
-        long = req.total_tokens > cfg.long_context_tokens
-        top = max(b.kv_tokens for b in pool)
-        small = {b.name for b in pool if b.kv_tokens < cfg.large_kv_share * top}
-        one_length = len({b.max_model_len for b in pool}) == 1
-        slo = cfg.slo.get(req.model)
+        p = self._filter(req, backends)
+        self._score(p)
+        return self._pick(p)
 
+    def _filter(self, req: Request, backends: Sequence[Backend]) -> Placement:
+        """The backends this request prefers among those it may go to: the hinted format
+        (not strict: when one runs it), the session's class (while one of it is left)."""
+        exclusive = isinstance(backends, Pool) and backends.exclusive
+        pin = self.sessions.get(req.session) if req.session else None
+        p = Placement(req, list(backends), exclusive, pin, self.config.slo.get(req.model))
+        if req.precision and not req.strict:
+            match = [b for b in p.pool if precision_matches(req.precision, b.variant)]
+            p.notes.append("precision:prefer" if match else "precision:unavailable")
+            p.pool = match or p.pool
+        elif req.precision:
+            p.notes.append("precision:strict")
+        if pin is not None:
+            same = [b for b in p.pool if b.node_class == pin.node_class]
+            if same:
+                p.pool = same
+                p.notes.append("affinity:class")
+            else:
+                p.notes.append("affinity:class-gone")
+        return p
+
+    def _score(self, p: Placement) -> None:
+        """Each backend's cached prompt tokens, the effect of placing the request there as
+        the length rules weigh it, and its cost."""
+        cfg, req = self.config, p.request
+        long = req.total_tokens > cfg.long_context_tokens
+        top = max(b.kv_tokens for b in p.pool)
+        small = {b.name for b in p.pool if b.kv_tokens < cfg.large_kv_share * top}
+        one_length = len({b.max_model_len for b in p.pool}) == 1
         # What each backend has cached of the prompt, looked up once per decision.
-        hits = {b.name: self.cached(b, req) for b in pool}
+        p.hits = {b.name: self.cached(b, req) for b in p.pool}
         # A request other classes could take too pays, on a class, for the delay it would
         # cause there to work only that class can do (the longest prompts, on the class with
         # the longest max_model_len), which has nowhere else to go: its prefill, once for
         # each request waiting there and the next to come, times the share of the class's
         # recent work that was exclusive. Without per-class lengths no work is exclusive.
-        spread = len({b.node_class for b in pool}) > 1 and not self.exclusive(req)
-
-        def weighed(b: Backend) -> Effect:
-            """The effect scored: its first token as the length rules weigh it."""
-            e = self.predict(b, req, hits[b.name])
+        spread = len({b.node_class for b in p.pool}) > 1 and not p.exclusive
+        for b in p.pool:
+            e = self.predict(b, req, p.hits[b.name])
             # Among servers of one length, long requests prefer the large-KV class: a small-KV
             # backend must promise a first token `long_small_kv_penalty` times sooner.
             slow = cfg.long_small_kv_penalty if long and one_length and b.name in small else 1.0
             extra = 0.0
             if spread and b.perf is not None:
                 share = self.exclusive_share(b.node_class)
-                own = b.perf.prefill_marginal(req.prompt_tokens - hits[b.name], hits[b.name])
+                own = b.perf.prefill_marginal(req.prompt_tokens - p.hits[b.name], p.hits[b.name])
                 extra = share * own * (1 + b.waiting)
-            return replace(e, ttft_s=e.ttft_s * slow + extra)
+            p.effects[b.name] = replace(e, ttft_s=e.ttft_s * slow + extra)
+            p.costs[b.name] = cost(p.effects[b.name], req, p.slo)
+        p.long, p.small = long, small
 
-        effects = {b.name: weighed(b) for b in pool}
-        costs = {b.name: cost(effects[b.name], req, slo) for b in pool}
-        ranked = sorted(pool, key=lambda b: (costs[b.name], b.name))
+    def _pick(self, p: Placement) -> Decision:
+        """The cheapest backend, named by the term that set it apart from the next; the
+        session's own node instead while it costs no more than the best would with its first
+        token `affinity_slack_s` later (its warm prefix cache)."""
+        req = p.request
+        ranked = sorted(p.pool, key=lambda b: (p.costs[b.name], b.name))
         best = ranked[0]
-        if not long:
-            notes.append("length:short")
-        elif not small:
-            notes.append("length:long")
+        if not p.long:
+            p.notes.append("length:short")
+        elif not p.small:
+            p.notes.append("length:long")
         else:
-            notes.append("length:long->small-kv" if best.name in small else "length:long->large-kv")
+            p.notes.append(f"length:long->{'small' if best.name in p.small else 'large'}-kv")
         if len(ranked) > 1:
-            term = deciding_term(effects[best.name], effects[ranked[1].name], req, slo)
-            notes.append(f"by:{term}")
-        if pin is not None:
-            # Stay on the session's node (its warm prefix cache) while it costs no more than
-            # the best would with its first token `affinity_slack_s` later.
-            home = next((b for b in pool if b.node == pin.node), None)
+            term = deciding_term(p.effects[best.name], p.effects[ranked[1].name], req, p.slo)
+            p.notes.append(f"by:{term}")
+        if p.pin is not None:
+            home = next((b for b in p.pool if b.node == p.pin.node), None)
             if home is not None and home is not best:
-                e = effects[best.name]
-                slack = cost(replace(e, ttft_s=e.ttft_s + cfg.affinity_slack_s), req, slo)
-                if costs[home.name] <= slack:
+                e = p.effects[best.name]
+                later = replace(e, ttft_s=e.ttft_s + self.config.affinity_slack_s)
+                if p.costs[home.name] <= cost(later, req, p.slo):
                     best = home
-                    notes.append("affinity:node")
-        if hits[best.name]:
-            notes.append("prefix:hit")
-        self._hit = (req, best.name, hits[best.name])
-        e = self.predict(best, req, hits[best.name])
-        return Decision(best, self.name, tuple(notes), ttft_s=e.ttft_s, tpot_s=e.tpot_s)
-
-    def exclusive(self, req: Request) -> bool:
-        """Whether `eligible` found that only some of its model's classes can take `req`."""
-        last = self._exclusive
-        return last is not None and last[0] is req and last[1]
+                    p.notes.append("affinity:node")
+        if p.hits[best.name]:
+            p.notes.append("prefix:hit")
+        e = self.predict(best, req, p.hits[best.name])
+        return Decision(
+            best,
+            self.name,
+            tuple(p.notes),
+            ttft_s=e.ttft_s,
+            tpot_s=e.tpot_s,
+            cached_tokens=p.hits[best.name],
+            looked_up=True,
+            exclusive=p.exclusive,
+        )
 
     def exclusive_share(self, node_class: str) -> float:
         """Of the prefill work recently placed on a class, the share no other class could
@@ -316,14 +379,8 @@ class HardwareAware(Policy):
         slow = 1.0 / max(1.0 / SATURATED_SLOWDOWN, 1.0 - excess)
         return effect(b, req, cached, wait + step, step, slow)
 
-    def placed(self, req: Request, backend: Backend) -> None:
-        last = self._hit
-        if last is not None and last[0] is req and last[1] == backend.name and req.blocks:
-            req.cached_tokens = last[2]  # choose just looked it up
-            self.prefix.routed(backend.name, req.blocks)
-        else:
-            super().placed(req, backend)
-        self._hit = None
+    def placed(self, req: Request, backend: Backend, decision: Decision | None = None) -> None:
+        super().placed(req, backend, decision)
         # The class's work, averaged over the last `exclusive_window` placements (all
         # classes age together, so a class that stops getting work keeps its share).
         decay = 1.0 - 1.0 / self.config.exclusive_window
@@ -331,7 +388,8 @@ class HardwareAware(Policy):
             self._work[k] = (e * decay, t * decay)
         e, t = self._work.get(backend.node_class, (0.0, 0.0))
         work = float(req.prefill_tokens)
-        self._work[backend.node_class] = (e + (work if self.exclusive(req) else 0.0), t + work)
+        exclusive = decision is not None and decision.exclusive
+        self._work[backend.node_class] = (e + (work if exclusive else 0.0), t + work)
         if req.session is None:
             return
         pin = self.sessions.get(req.session)

@@ -15,6 +15,7 @@ from fleetctl.routing.policy import (
     RoutingConfig,
 )
 from fleetctl.routing.prefix import PrefixView
+from fleetctl.routing.sessions import SessionTable
 
 POLICIES: dict[str, Callable[..., Policy]] = {
     "round-robin": RoundRobin,
@@ -35,19 +36,16 @@ def make_policy(
     seed: int = 0,
     config: RoutingConfig | None = None,
     prefix: PrefixView | None = None,
+    sessions: SessionTable | None = None,
 ) -> Policy:
-    """A fresh policy by name; `prefix` is what it may know of each backend's prefix cache."""
-    policy: Policy
+    """A fresh policy by name, built with what it may know of each backend's prefix cache
+    (`prefix`) and, for hardware-aware, the session pins it shares (`sessions`)."""
     if name == "power-of-two":
-        policy = PowerOfTwo(seed)
-    elif name == "hardware-aware":
-        policy = HardwareAware(config)
-    elif name in POLICIES:
-        policy = POLICIES[name]()
-    elif name in PEER_POLICIES:
-        policy = PEER_POLICIES[name](seed, config)
-    else:
-        raise KeyError(name)
-    if prefix is not None:
-        policy.prefix = prefix
-    return policy
+        return PowerOfTwo(seed, prefix)
+    if name == "hardware-aware":
+        return HardwareAware(config, sessions, prefix)
+    if name in POLICIES:
+        return POLICIES[name](prefix)
+    if name in PEER_POLICIES:
+        return PEER_POLICIES[name](seed, config, prefix)
+    raise KeyError(name)

@@ -83,9 +83,12 @@ class Scheduler:
     aging: Aging = field(default_factory=Aging)
     kv_overcommit: float = 1.0
     boosts: int = 0
+    # The backends' recent TTFTs the aging threshold is the median of: this scheduler's own
+    # window unless given one (route-serve's replicas share theirs through Redis).
+    ttft_window: RollingMedian | None = None
 
     def __post_init__(self) -> None:
-        self.ttft = RollingMedian(self.aging.window_s)
+        self.ttft = self.ttft_window or RollingMedian(self.aging.window_s)
         # One FIFO per priority class; the top class is kept sorted by arrival because
         # boosted requests join it from below.
         self.classes: dict[int, deque[Request]] = {}
@@ -196,7 +199,7 @@ class Scheduler:
                 serving = sum(1 for b in ok if b.model == req.model and b.healthy)
                 restricted = len(pool) < serving
                 if held:
-                    pool = [b for b in pool if b.name not in held]
+                    pool = pool.narrowed(b for b in pool if b.name not in held)
                     if not pool:
                         keep.append(req)
                         continue
@@ -211,7 +214,7 @@ class Scheduler:
                         held.add(decision.backend.name)
                     keep.append(req)
                     continue
-                self.policy.placed(req, decision.backend)
+                self.policy.placed(req, decision.backend, decision)
                 account(decision.backend, req, now)
                 sent.append(Dispatch(req, decision))
             keep.extend(q)

@@ -135,6 +135,12 @@ class Decision:
     tpot_s: float | None = None  # ... and of seconds per output token after it
     reject: bool = False  # the request can never be served as asked (a client error)
     message: str = ""  # a rejection's explanation, for the client
+    # What the policy learned of the request on the way, for `Policy.placed`: the prompt
+    # tokens `backend` holds of it (when `looked_up`), and whether only some of its model's
+    # classes could take it (the work it brings is exclusive to them).
+    cached_tokens: int = 0
+    looked_up: bool = False
+    exclusive: bool = False
 
     @classmethod
     def rejected(cls, message: str) -> Decision:
