@@ -37,6 +37,9 @@ class GpuProfile(Strict):
     architecture: Architecture
     compute_capability: str
     memory_mib: int = Field(gt=0)
+    # What CUDA reports as the card's total (cudaMemGetInfo: vLLM's total_gpu_memory), which
+    # gpu_memory_utilization multiplies; unset: memory_mib less perf.CUDA_INVISIBLE_BYTES.
+    cuda_total_mib: int | None = Field(None, gt=0)
     memory_type: str
     memory_bandwidth_gb_s: float = Field(gt=0)
     tflops: Tflops
@@ -64,6 +67,11 @@ class GpuProfile(Strict):
     @property
     def memory_bytes(self) -> int:
         return self.memory_mib * 2**20
+
+    @property
+    def cuda_total_bytes(self) -> int | None:
+        """The total CUDA reports, where the profile gives it."""
+        return None if self.cuda_total_mib is None else self.cuda_total_mib * 2**20
 
     def peak_flops(self, dtype: ComputeDtype) -> float:
         """Peak dense FLOP/s for a compute dtype, falling back to fp16 where it is missing."""

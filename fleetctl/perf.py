@@ -111,6 +111,12 @@ def weights_bytes(model: ModelProfile, fmt: FormatProfile) -> int:
     return int(body * fmt.weight_bytes_per_param + model.embedding_params * fmt.activation_bytes)
 
 
+def cuda_total(gpu: GpuProfile) -> int:
+    """What CUDA reports as the card's total memory: gpu_memory_utilization's base."""
+    total = gpu.cuda_total_bytes
+    return total if total is not None else gpu.memory_bytes - CUDA_INVISIBLE_BYTES
+
+
 def kv_heads_per_gpu(model: ModelProfile, tp: int) -> int:
     # With fewer KV heads than GPUs, vLLM replicates each head so every GPU holds one.
     return max(1, model.num_kv_heads // tp)
@@ -142,10 +148,15 @@ def activation_peak_bytes(
     TP), in 16 bits.
     """
     rel = rel or release()
-    per_token = (4 * model.hidden_size + 3 * model.intermediate_size // tp) * 2
+    # V0's forward held one fewer hidden-sized tensor at its peak: 0.6.4's logged peaks are
+    # 110.9 KB a profiled token for Llama-3.1 8B, (3h + 3i)·2 = 110.6 KB.
+    hidden = 4 if rel.v1 else 3
+    per_token = (hidden * model.hidden_size + 3 * model.intermediate_size // tp) * 2
     scale = RESERVED_ACTIVATION_SCALE if rel.reserved_peak else ACTIVATION_SCALE
     forward = scale * profile_tokens * per_token
-    per_element = SAMPLER_BYTES["flashinfer" if rel.flashinfer_sampler else "torch"]
+    per_element = rel.v0_sampler_bytes or SAMPLER_BYTES[
+        "flashinfer" if rel.flashinfer_sampler else "torch"
+    ]
     sampler = model.hidden_size * profile_tokens * 2 + per_element * sampler_rows * (
         model.vocab_size
     )
@@ -178,7 +189,7 @@ def kv_budget(
         default_tokens = rel.chunked_prefill_budget
     tokens = max_num_batched_tokens or default_tokens
     seqs = max_num_seqs or default_seqs
-    usable = int((gpu.memory_bytes - CUDA_INVISIBLE_BYTES) * gpu_memory_utilization)
+    usable = int(cuda_total(gpu) * gpu_memory_utilization)
     weights = math.ceil(weights_bytes(model, fmt) / tp)
     profiled = rel.profile_tokens(tokens, max_len, chunked)
     activation = activation_peak_bytes(model, tp, profiled, rel.sampler_rows(seqs, profiled), rel)

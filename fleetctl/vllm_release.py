@@ -91,6 +91,16 @@ class Release:
         return self.version >= (0, 21, 0)
 
     @property
+    def v0_sampler_bytes(self) -> int | None:
+        """Bytes per (row x vocabulary) element of V0's top-k/top-p pass in its profiling run
+        (`_apply_top_k_top_p`): logits, their sorted copy and int64 index, masks, softmax,
+        cumsum, the inverse index and the gathered result: 28 in the model's dtype, 40 once
+        0.5.5 cast the logits to fp32 first (sampler.py:136). None: V1 (SAMPLER_BYTES)."""
+        if self.v1:
+            return None
+        return 40 if self.version >= (0, 5, 5) else 28
+
+    @property
     def counts_cuda_context(self) -> bool:
         """0.6.4 and 0.8.0-0.9.0 counted the whole GPU's non-torch memory (CUDA context)."""
         return self.version[:3] == (0, 6, 4) or (0, 8, 0) <= self.version <= (0, 9, 0)

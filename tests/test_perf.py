@@ -131,9 +131,15 @@ def test_activation_peak_forward_or_sampler_by_release():
     assert activation_peak_bytes(m, 1, 2048, 256) == 53_260_288  # default: the target release
     # TP=2: (4 x 1000 + (3 x 3001) // 2) x 2 = (4000 + 4501) x 2 = 17002 a token.
     assert activation_peak_bytes(m, 2, 2048, 256, target) == 2048 * 17002
-    # Up to 0.6.3 the reserved peak: 1.3 x the forward pass.
-    assert activation_peak_bytes(m, 1, 2048, 256, release("0.6.3")) == int(1.3 * 2048 * 26006)
-    assert activation_peak_bytes(m, 1, 2048, 256, release("0.6.4")) == 53_260_288
+    # V0 (before 0.8) held one hidden-sized tensor fewer: (3 x 1000 + 3 x 3001) x 2 = 24006
+    # a token; up to 0.6.3 its reserved peak, 1.3 x the forward pass.
+    assert activation_peak_bytes(m, 1, 2048, 256, release("0.6.3")) == int(1.3 * 2048 * 24006)
+    # From 0.6.4 the allocated peak, and V0's sampler from 0.5.5 (fp32 logits: 40 bytes a row x
+    # vocabulary element) outweighs the forward's 2048 x 24006 = 49,164,288: 1000 x 2048 x 2 +
+    # 40 x 256 x 5000 = 55,296,000. Before 0.5.5, 28 bytes: 4,096,000 + 35,840,000 under
+    # the forward at 0.5.4's reserved peak.
+    assert activation_peak_bytes(m, 1, 2048, 256, release("0.6.4")) == 55_296_000
+    assert activation_peak_bytes(m, 1, 256, 256, release("0.5.4")) == 512_000 + 28 * 256 * 5000
     # The sampler dominates at 256 tokens (forward 256 x 26006 = 6,657,536): hidden states
     # 1000 x 256 x 2 = 512,000 plus bytes x rows x vocabulary, 12 with FlashInfer (from 0.21),
     # 16 with PyTorch's sampler before.
@@ -220,28 +226,28 @@ def test_kv_budget_v0_profiles_a_whole_prompt_unless_chunked():
     # 0.6.0 (V0): without chunked prefill the profiling pass is one max-length prompt,
     # max(4096 tokens of context, 2048); its peak is the allocator's reserved one (x 1.3).
     b = kv_budget(g, m, f, vllm_version="0.6.0")
-    assert b.activation == int(1.3 * 4096 * 26006)
+    assert b.activation == int(1.3 * 4096 * 24006)  # V0's 24006 bytes a token (see above)
     assert b.cuda_graphs == 0 and b.non_torch == int(0.2 * GIB)
     # max_model_len 2000 < 2048: still 2048 tokens.
     assert kv_budget(g, m, f, max_model_len=2000, vllm_version="0.6.0").activation == int(
-        1.3 * 2048 * 26006
+        1.3 * 2048 * 24006
     )
     # Chunked prefill on (asked for, or by itself above 32K of context in 0.5+): the pass is the
-    # chunk budget, 512 tokens before 0.6.5; then PyTorch's sampler over 256 rows dominates:
-    # 1000 x 512 x 2 + 16 x 256 x 5000 (the forward is 1.3 x 512 x 26006 = 17.3e6).
-    sampled = 1_024_000 + 16 * 256 * 5000
+    # chunk budget, 512 tokens before 0.6.5; then V0's sampler over 256 rows dominates:
+    # 1000 x 512 x 2 + 40 x 256 x 5000 (the forward is 1.3 x 512 x 24006 = 16.0e6).
+    sampled = 1_024_000 + 40 * 256 * 5000
     assert kv_budget(g, m, f, vllm_version="0.6.0", chunked_prefill=True).activation == sampled
     long = kv_budget(g, m, f, max_model_len=40000, vllm_version="0.6.0")
     assert long.activation == sampled
     # From 0.6.5 the chunk is 2048 tokens, and the peak is no longer the reserved one.
     assert kv_budget(g, m, f, vllm_version="0.6.5", chunked_prefill=True).activation == (
-        2048 * 26006
+        2048 * 2000 + 40 * 256 * 5000  # the sampler over the forward's 2048 x 24006
     )
     # A given token budget wins over the chunk default.
     given = kv_budget(
         g, m, f, vllm_version="0.6.0", chunked_prefill=True, max_num_batched_tokens=8192
     )
-    assert given.activation == int(1.3 * 8192 * 26006)
+    assert given.activation == int(1.3 * 8192 * 24006)
     # 0.6.4 counted the CUDA context.
     assert kv_budget(g, m, f, vllm_version="0.6.4").non_torch == int(0.2 * GIB) + int(0.45 * GIB)
 
@@ -733,3 +739,17 @@ def test_capacity_is_kv_limited_on_small_gpus(catalog, llama8):
     # Long prompts: the 4090 holds few sequences, so it falls further behind than bandwidth alone.
     bw_ratio = 2039 * 0.83 / (1008 * 0.75)
     assert out["A100-SXM4-80GB"] / out["RTX-4090"] > bw_ratio
+
+
+def test_utilization_multiplies_what_cuda_reports_as_the_cards_total(catalog):
+    """vLLM multiplies cudaMemGetInfo's total (its total_gpu_memory), not the card's nominal
+    size: 79.15 GiB on an A100 80GB (its logs and OOM messages), where 81,920 MiB less the
+    0.44 GiB CUDA hides on an H100 gave 0.4 GiB too much. A profile without the figure keeps
+    that rule."""
+    from fleetctl.perf import CUDA_INVISIBLE_BYTES, cuda_total
+
+    a100, h100 = catalog.gpu("A100-SXM4-80GB"), catalog.gpu("H100-SXM-80GB")
+    assert cuda_total(a100) == 81050 * 2**20
+    assert cuda_total(h100) == h100.memory_bytes - CUDA_INVISIBLE_BYTES
+    m, f = catalog.model("llama-3-8b"), catalog.format("bf16")
+    assert kv_budget(a100, m, f, gpu_memory_utilization=0.9).usable == int(81050 * 2**20 * 0.9)

@@ -13,7 +13,7 @@ from fleetctl.calibration.fit import StepModel
 from fleetctl.calibration.rules import IMPLAUSIBLE_RATIO
 from fleetctl.calibration.store import Calibration, Entry
 from fleetctl.inventory import Inventory
-from fleetctl.perf import BLOCK_SIZE, CUDA_INVISIBLE_BYTES, EnginePerf
+from fleetctl.perf import BLOCK_SIZE, EnginePerf, cuda_total
 from fleetctl.plan import Deployment
 
 # How far past a GPU's peak a measured term may be and still be a noisy reading of a GPU near
@@ -270,7 +270,7 @@ def measured(
         if was is not None and now is not None and abs(was - now) > 1e-9:
             per_token = perf.kv_token_bytes
             per_gpu = kv_tokens * per_token
-            per_gpu += int((now - was) * (perf.gpu.memory_bytes - CUDA_INVISIBLE_BYTES))
+            per_gpu += int((now - was) * cuda_total(perf.gpu))
             kv_tokens = max(0, per_gpu) // per_token // BLOCK_SIZE * BLOCK_SIZE
             note = f"; KV moved from gpu_memory_utilization {was:g} to {now:g}"
         used.append(f"KV {kv_tokens:,} tokens")
