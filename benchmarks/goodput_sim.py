@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ def items_of(case: str, model: str, n: int) -> list[WorkItem]:
     if case != "goodput-mixed":
         return load_trace(trace, model, n)
     rows = [w for w in load_trace(trace, model) if w.prompt <= REPLAY_MAX_PROMPT]
-    return rows[:REPLAY_REQUESTS]
+    return [replace(w, id=i) for i, w in enumerate(rows[:REPLAY_REQUESTS])]
 
 
 def run_case(case: str, load: float | None, n: int, policies: list[str]) -> dict[str, Any]:

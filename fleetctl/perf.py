@@ -154,9 +154,9 @@ def activation_peak_bytes(
     per_token = (hidden * model.hidden_size + 3 * model.intermediate_size // tp) * 2
     scale = RESERVED_ACTIVATION_SCALE if rel.reserved_peak else ACTIVATION_SCALE
     forward = scale * profile_tokens * per_token
-    per_element = rel.v0_sampler_bytes or SAMPLER_BYTES[
-        "flashinfer" if rel.flashinfer_sampler else "torch"
-    ]
+    per_element = (
+        rel.v0_sampler_bytes or SAMPLER_BYTES["flashinfer" if rel.flashinfer_sampler else "torch"]
+    )
     sampler = model.hidden_size * profile_tokens * 2 + per_element * sampler_rows * (
         model.vocab_size
     )
