@@ -34,14 +34,14 @@ from harness.procs import Proc, free_port
 from harness.ready import http_request, wait_status
 from harness.results import header, machine, out_dir
 
-from fleetctl.catalog import load_catalog
 from fleetctl.cli.apply_cmds import server_engines
 from fleetctl.emulator.truth import slower
-from fleetctl.inventory import load_inventory
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.catalog import load_catalog
+from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.planner import plan_fleet
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
 
 NAME, SOURCE, SCALE = "llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "20"
 BATCHES = ("1", "8", "32")

@@ -24,8 +24,8 @@ list prices circa 2025, sources there):
 Each fleet is planned with the cost objective; the mixed one with the throughput objective
 too. A cost plan is planned as `plan --objective cost --workload-from` plans it: checked by
 the simulator on the trace against the SLO and re-solved with more headroom where it misses
-(fleetctl/slo_plan.py plan_within_slos). Every plan then runs the sped-up trace in fleetctl's
-simulator once more for the figures below (fleetctl/whatif.py what_if:
+(fleetctl/whatif/slo_check.py plan_within_slos). Every plan then runs the sped-up trace in fleetctl's
+simulator once more for the figures below (fleetctl/whatif/predict.py what_if:
 sim/fleet.py servers_from_plan and simulate, route-serve's hardware-aware policy, the
 trace's own arrivals), which gives TTFT p99, TPOT p99 and the share of requests that met
 both SLOs. A plan "meets the SLOs" when its simulated TTFT p99 and TPOT p99 are within them,
@@ -47,9 +47,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fleetctl.catalog import load_catalog  # noqa: E402
 from fleetctl.cli.traffic import BUCKETS  # noqa: E402
-from fleetctl.inventory import Inventory, load_inventory  # noqa: E402
+from fleetctl.fleet.inventory import Inventory, load_inventory  # noqa: E402
+from fleetctl.model.catalog import load_catalog  # noqa: E402
 from fleetctl.planner import plan_fleet  # noqa: E402
 from fleetctl.sim.workload import (  # noqa: E402
     Bucket,
@@ -58,8 +58,8 @@ from fleetctl.sim.workload import (  # noqa: E402
     load_trace,
     scale_time,
 )
-from fleetctl.slo_plan import plan_within_slos  # noqa: E402
-from fleetctl.whatif import what_if  # noqa: E402
+from fleetctl.whatif.predict import what_if  # noqa: E402
+from fleetctl.whatif.slo_check import plan_within_slos  # noqa: E402
 
 TRACES = REPO.parent / "shared" / "traces"
 NAMED = {

@@ -66,11 +66,11 @@ from harness.ready import wait_ready
 from harness.results import header, out_dir, peer_version, write_json
 from harness.results import pct_linear as pct
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.base.resources import examples
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.resources import examples
-from fleetctl.sim.run import compare
+from fleetctl.sim.compare import compare
 from fleetctl.sim.workload import WorkItem, load_trace
 
 TRACES = REPO.parent / "shared" / "traces"
@@ -163,7 +163,7 @@ def write_truth(fleet: Fleet, skews: dict[str, Skew], folder: Path) -> Truth:
     """Skewed GPU profiles for the emulators (and the perfect prior), from the bundled ones,
     each GPU's KV share taken on its first planned server's flags."""
     from fleetctl.emulator.truth import describe, less_kv, slower, write_gpu
-    from fleetctl.perf import kv_budget
+    from fleetctl.model.perf import kv_budget
 
     catalog = load_catalog()
     truth: dict[str, Any] = {}
@@ -321,7 +321,7 @@ def router_cmd(
             for u, d in zip(urls, fleet.servers, strict=True)
         ]
         # wrong and calibrated: the bundled profiles; only calibrated corrects them online
-        # from each server's /metrics (fleetctl/router/live.py), started cold. The perfect
+        # from each server's /metrics (fleetctl/daemon/live.py), started cold. The perfect
         # prior has nothing to learn.
         cmd = route_serve_cmd(fleet.inventory, entries, port, t.policy, work)
         if truth is not None and perfect:

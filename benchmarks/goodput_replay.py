@@ -54,8 +54,8 @@ from harness.ready import http_request, wait_status
 from harness.results import header, out_dir, peer_version, write_json
 from harness.results import pct_linear as pct
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -37,13 +37,13 @@ from typing import Any
 from harness.procs import REPO
 from harness.results import header, out_dir, write_json
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.base.resources import examples
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.resources import examples
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
-from fleetctl.sim.run import compare
+from fleetctl.sim.compare import compare
 from fleetctl.sim.workload import WorkItem, load_trace
 
 TRACES = REPO.parent / "shared" / "traces"

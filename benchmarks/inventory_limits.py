@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fleetctl.limits import MAX_FILE_BYTES, MAX_NODES
+from fleetctl.base.limits import MAX_FILE_BYTES, MAX_NODES
 
 MODEL = (
     "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"

@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
-from fleetctl.jsonout import dump_json
+from fleetctl.base.jsonout import dump_json
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 
 OUT = Path(__file__).resolve().parent / "out"

@@ -14,9 +14,9 @@ Run (from the repository root, in the dev venv):
 (b) CPU per request, for a Mooncake-sized prompt (~12K tokens: 48K characters, 750 16-token
     blocks) and a 1K-token one: hashing its text (fleetctl/routing/blocks.py text_blocks; the
     blake2b alternative beside it) or its token ids (token_blocks, or as vLLM names its
-    blocks for the KV-event-fed index, fleetctl/vllm_hash.py), matching it against each
+    blocks for the KV-event-fed index, fleetctl/vllm/hashing.py), matching it against each
     backend (PrefixIndex.match), learning its placement (PrefixIndex.routed), and sharing it
-    (an update's encode and a peer's decode and insert, fleetctl/router/prefix_share.py).
+    (an update's encode and a peer's decode and insert, fleetctl/daemon/prefix_share.py).
     Each is set beside the same run's json.loads of the request body (which intake already
     pays per request) and beside route-serve's measured CPU per proxied non-streamed request
     (0.43 ms, benchmarks/RESULTS.md, issue 10 follow-up), as a ratio.
@@ -43,8 +43,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from fleetctl.router.prefix_share import STORED, PrefixShare, SharedIndex, decode, encode  # noqa: E402
-from fleetctl.router.tokens import prompt_text  # noqa: E402
+from fleetctl.daemon.prefix_share import STORED, PrefixShare, SharedIndex, decode, encode  # noqa: E402
+from fleetctl.daemon.tokens import prompt_text  # noqa: E402
 from fleetctl.routing.blocks import text_blocks, token_blocks  # noqa: E402
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain  # noqa: E402
 
@@ -199,10 +199,10 @@ def walk_match(held: Any, hashes: Any) -> int:
 
 
 def vllm_rows(ids: list[int], n: int) -> list[tuple[str, Callable[[], Any], int]]:
-    """Naming the blocks as vLLM does (sha256 of the pickled chain, fleetctl/vllm_hash.py),
+    """Naming the blocks as vLLM does (sha256 of the pickled chain, fleetctl/vllm/hashing.py),
     for the index KV events feed; none where that module is not here."""
     try:
-        from fleetctl.vllm_hash import block_hashes
+        from fleetctl.vllm.hashing import block_hashes
     except ImportError:
         return []
     return [("vLLM's block hashes of the ids (sha256)", lambda: block_hashes(ids, 16), n)]

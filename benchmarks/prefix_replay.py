@@ -65,12 +65,12 @@ from harness.ready import http_request, wait_status
 from harness.results import header, out_dir, write_json
 from harness.results import pct_linear as pct
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.base.resources import examples
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.resources import examples
 from fleetctl.routing.prefix import PromptBlocks
-from fleetctl.sim.run import compare
+from fleetctl.sim.compare import compare
 from fleetctl.sim.workload import MOONCAKE_BLOCK_TOKENS, WorkItem, load_trace
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

@@ -15,11 +15,11 @@ import argparse
 import time
 from pathlib import Path
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.base.resources import examples
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.resources import examples
-from fleetctl.sim.run import compare
+from fleetctl.sim.compare import compare
 from fleetctl.sim.workload import load_trace
 
 TRACE = (

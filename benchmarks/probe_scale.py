@@ -13,10 +13,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
-from fleetctl.probe import probe_fleet
-from fleetctl.ssh import SshOptions
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.probe import probe_fleet
+from fleetctl.fleet.ssh import SshOptions
+from fleetctl.model.catalog import load_catalog
 from tests.sshhosts import TestHosts
 from tests.test_probe import RTX_QUERY, fake_smi
 

@@ -1,4 +1,4 @@
-"""The CPU route-serve spends logging one finished request (fleetctl/router/request_log.py).
+"""The CPU route-serve spends logging one finished request (fleetctl/daemon/request_log.py).
 
 Run (from the repository root, in the dev venv):
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fleetctl.router.request_log import ENCODE, RequestLog
+from fleetctl.daemon.request_log import ENCODE, RequestLog
 from fleetctl.routing.blocks import text_blocks
 from fleetctl.routing.types import Backend, Request
 

@@ -77,7 +77,7 @@ from harness.vllm_server import (
     wait_healthy,
 )
 
-from fleetctl.calibration import (
+from fleetctl.model.calibration import (
     Key,
     Sample,
     StepModel,
@@ -86,11 +86,11 @@ from fleetctl.calibration import (
     window,
     windows,
 )
-from fleetctl.catalog import load_catalog
-from fleetctl.perf import EnginePerf
+from fleetctl.model.catalog import load_catalog
+from fleetctl.model.perf import EnginePerf
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.workload import WorkItem
-from fleetctl.vllm_metrics import Scrape, parse_metrics
+from fleetctl.vllm.metrics import Scrape, parse_metrics
 
 PROFILES = REPO / "tests" / "data" / "profiles"
 TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.harness.procs import free_port
 from benchmarks.harness.vllm_server import ensure_env, start_vllm, stop, wait_healthy
-from fleetctl.calibration import parse_startup_log
+from fleetctl.model.calibration import parse_startup_log
 
 PROMPT = " ".join(["word"] * 200)
 

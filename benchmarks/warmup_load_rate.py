@@ -20,8 +20,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fleetctl.calibration import parse_startup_log
-from fleetctl.warmup import DISK_READ_BYTES_S
+from fleetctl.apply.warmup import DISK_READ_BYTES_S
+from fleetctl.model.calibration import parse_startup_log
 
 POINTS = Path(__file__).resolve().parent / "accuracy" / "kv_points.yaml"
 GIB = 2**30

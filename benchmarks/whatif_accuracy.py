@@ -46,11 +46,11 @@ from harness.ready import wait_ready
 from harness.results import header, out_dir, write_json
 from harness.results import pct_linear as pct
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.sim.workload import WorkItem, load_trace
-from fleetctl.whatif import what_if
+from fleetctl.whatif.predict import what_if
 
 MODEL = "llama-3-8b"
 PROFILE = "llama-3-8b"

@@ -54,9 +54,9 @@ from benchmarks.harness.commands import emulate_cmd, route_serve_cmd  # noqa: E4
 from benchmarks.harness.load import completion_body, open_loop, random_text  # noqa: E402
 from benchmarks.harness.procs import Proc, free_ports  # noqa: E402
 from benchmarks.harness.ready import NotReady, http_request, wait_ready  # noqa: E402
-from fleetctl.catalog import load_catalog  # noqa: E402
 from fleetctl.cli.traffic import workloads_from  # noqa: E402
-from fleetctl.inventory import Inventory, load_inventory  # noqa: E402
+from fleetctl.fleet.inventory import Inventory, load_inventory  # noqa: E402
+from fleetctl.model.catalog import load_catalog  # noqa: E402
 from fleetctl.sim.workload import WorkItem, derive_workload, load_trace, scale_time  # noqa: E402
 
 TRACES = REPO.parent / "shared" / "traces"

@@ -10,7 +10,7 @@ mutants run against only its fast tests (TESTS below), with the dev venv's Pytho
     python scripts/mutation.py                       # every module in TESTS, 600 s each
     python scripts/mutation.py --budget 300 fleetctl/routing/scheduler.py
     python scripts/mutation.py --jobs 2              # modules in parallel (mutmut 2 is serial)
-    python scripts/mutation.py --tests "tests/test_a.py tests/test_b.py" fleetctl/perf.py
+    python scripts/mutation.py --tests "tests/test_a.py tests/test_b.py" fleetctl/model/perf.py
 
 Incremental by default: each module's .mutmut-cache is kept in benchmarks/out/mutation-cache/
 (git-ignored) and copied into the next run's work copy. mutmut 2 then keeps killed mutants
@@ -81,7 +81,7 @@ TESTS: dict[str, list[str]] = {
         "tests/test_cost.py",
     ],
     "fleetctl/planner/expand.py": ["tests/test_planner_units.py", "tests/test_planner.py"],
-    "fleetctl/perf.py": ["tests/test_perf.py"],
+    "fleetctl/model/perf.py": ["tests/test_perf.py"],
     # tests/test_sim.py takes 14-35 s: too slow per mutant; these two take ~1.6 s together.
     "fleetctl/sim/engine.py": ["tests/test_sim_engine.py", "tests/test_sim_vllm_rules.py"],
     "fleetctl/apply/steps.py": ["tests/test_apply_steps.py"],
@@ -89,8 +89,8 @@ TESTS: dict[str, list[str]] = {
         "tests/test_peer_policies.py",
         "--deselect tests/test_peer_policies.py::test_peer_policies_complete_a_simulated_workload",
     ],
-    "fleetctl/router/relay.py": ["tests/test_relay.py"],
-    "fleetctl/vllm_metrics.py": ["tests/test_vllm_metrics.py"],
+    "fleetctl/daemon/relay.py": ["tests/test_relay.py"],
+    "fleetctl/vllm/metrics.py": ["tests/test_vllm_metrics.py"],
 }
 
 

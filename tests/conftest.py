@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.catalog import Catalog, load_catalog
+from fleetctl.model.catalog import Catalog, load_catalog
 
 REPO = Path(__file__).resolve().parent.parent
 

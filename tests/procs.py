@@ -40,7 +40,7 @@ class RouterThread:
     with serve.py's limits; `runner_options` adds to the AppRunner's (e.g. an access log)."""
 
     def __init__(self, router: Any, **runner_options: Any) -> None:
-        from fleetctl.router.serve import server_options
+        from fleetctl.daemon.serve import server_options
 
         self.router = router
         self.port = free_port()

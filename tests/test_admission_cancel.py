@@ -12,9 +12,9 @@ import asyncio
 
 import pytest
 
-from fleetctl.perf import EnginePerf
-from fleetctl.router.admission import Admission
-from fleetctl.router.telemetry import RouterMetrics
+from fleetctl.daemon.admission import Admission
+from fleetctl.daemon.telemetry import RouterMetrics
+from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.policy import HardwareAware
 from fleetctl.routing.scheduler import Scheduler, release
 from fleetctl.routing.types import Backend, Request

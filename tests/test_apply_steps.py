@@ -9,7 +9,7 @@ import pytest
 
 from fleetctl.apply.node import Live, env_file, manifest, parse_inspect, server_id
 from fleetctl.apply.steps import Step, _util, node_steps
-from fleetctl.plan import Deployment, Server
+from fleetctl.fleet.plan import Deployment, Server
 
 
 def server(max_len: int = 8192, util: float = 0.92, tp: int = 1) -> Server:
@@ -382,12 +382,12 @@ def test_a_server_url_brackets_an_ipv6_host(host, url):
 
 
 def test_the_router_reaches_an_ipv6_node_in_brackets(tmp_path):
-    from fleetctl.catalog import load_catalog
-    from fleetctl.inventory import load_inventory
+    from fleetctl.daemon.backends import backends_from_state
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.fleet.state import State
+    from fleetctl.fleet.statedir import StateDir
+    from fleetctl.model.catalog import load_catalog
     from fleetctl.planner import plan_fleet
-    from fleetctl.router.backends import backends_from_state
-    from fleetctl.state import State
-    from fleetctl.statedir import StateDir
 
     inv_path = tmp_path / "inventory.yaml"
     inv_path.write_text(

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from fleetctl.calibrate_io import QUICK_INTERVAL_S, QUICK_WINDOW_S, refresh, refresh_running
-from fleetctl.calibration import Key
-from fleetctl.inventory import load_inventory
+from fleetctl.cli.calibrate_io import QUICK_INTERVAL_S, QUICK_WINDOW_S, refresh, refresh_running
+from fleetctl.daemon.backends import load_backends
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.calibration import Key
 from fleetctl.planner import plan_fleet
-from fleetctl.router.backends import load_backends
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
 from tests.procs import Emulator, free_port
 from tests.test_apply import fleet, hosts  # noqa: F401 (fixtures: SSH hosts running emulators)
 from tests.test_calibration import Load

@@ -11,7 +11,9 @@ from dataclasses import fields, replace
 
 import pytest
 
-from fleetctl.calibration import (
+from fleetctl.base.errors import UserError
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.calibration import (
     Calibration,
     CalibrationError,
     Entry,
@@ -25,12 +27,10 @@ from fleetctl.calibration import (
     window,
     windows,
 )
-from fleetctl.errors import UserError
-from fleetctl.estimate import Settings, Workload, estimate
-from fleetctl.perf import CUDA_INVISIBLE_BYTES, EnginePerf
+from fleetctl.model.estimate import Settings, Workload, estimate
+from fleetctl.model.perf import CUDA_INVISIBLE_BYTES, EnginePerf
 from fleetctl.routing.types import Backend
-from fleetctl.statedir import StateDir
-from fleetctl.vllm_metrics import Scrape, parse_metrics
+from fleetctl.vllm.metrics import Scrape, parse_metrics
 from tests.conftest import REPO
 from tests.procs import NAME, Emulator, free_port, http_request
 
@@ -421,7 +421,7 @@ def test_no_figure_runs_faster_than_the_gpus_peaks(catalog, perf):
         assert perf.step_time(b, b * 1024) >= perf.min_step_s(b, b * 1024)
     assert 1024 / perf.prefill_time(1024) <= perf.max_prefill_tok_s(1024)
     # A fitted speed 5% past the GPU's peak is noise: capped at the peak, and said.
-    from fleetctl.calibration.apply import EngineFit, within_physics
+    from fleetctl.model.calibration.apply import EngineFit, within_physics
 
     capped = within_physics(EngineFit(speed=perf.max_speed * 1.05), perf)
     assert capped.speed == perf.max_speed and "capped at the GPU's peak" in capped.text()
@@ -617,7 +617,7 @@ def test_calibrate_reads_a_real_vllm_server(tmp_path, cli):
 def test_the_window_reports_seconds_left_and_samples_so_far(emulator, tmp_path, catalog):
     """What calibrate's progress line shows on a terminal: the seconds left of the window
     and the samples taken so far, as they go."""
-    from fleetctl.calibrate_io import refresh
+    from fleetctl.cli.calibrate_io import refresh
 
     g, m, f = catalog.gpu("RTX-4090"), catalog.model(NAME), catalog.format("bf16")
     b = Backend(emulator.base, "rtx-1", g.name, NAME, "bf16", 40_000, perf=EnginePerf(g, m, f))

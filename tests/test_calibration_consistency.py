@@ -14,14 +14,14 @@ import json
 
 import pytest
 
-from fleetctl.calibration import Calibration
-from fleetctl.catalog import load_catalog
 from fleetctl.emulator.truth import slower
-from fleetctl.inventory import load_inventory
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.calibration import Calibration
+from fleetctl.model.catalog import load_catalog
+from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.planner import plan_fleet
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
 from tests.procs import NAME, Emulator
 from tests.test_calibration import Load
 

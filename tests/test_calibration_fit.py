@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.calibration import (
+from fleetctl.model.calibration import (
     EngineFit,
     Key,
     Sample,
@@ -17,9 +17,9 @@ from fleetctl.calibration import (
     fit_step,
     window,
 )
-from fleetctl.catalog import load_catalog
-from fleetctl.perf import EnginePerf
-from fleetctl.vllm_metrics import Scrape
+from fleetctl.model.catalog import load_catalog
+from fleetctl.model.perf import EnginePerf
+from fleetctl.vllm.metrics import Scrape
 
 PROFILES = Path(__file__).parent / "data" / "profiles"
 KEY = Key("CPU-TEST", "tiny-llama", "bf16", 1)

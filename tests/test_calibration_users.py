@@ -10,7 +10,13 @@ import pytest
 from rich.console import Console
 
 from fleetctl.apply.status import ServerStatus
-from fleetctl.calibration import (
+from fleetctl.cli.apply_cmds import server_engines
+from fleetctl.cli.render import status_table
+from fleetctl.daemon.backends import apply_calibration, backends_from_state, load_backends
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.calibration import (
     Calibration,
     Entry,
     Figure,
@@ -22,14 +28,8 @@ from fleetctl.calibration import (
     measured,
     speed_factor,
 )
-from fleetctl.cli.apply_cmds import server_engines
-from fleetctl.inventory import load_inventory
-from fleetctl.perf import EnginePerf, max_sequences
+from fleetctl.model.perf import EnginePerf, max_sequences
 from fleetctl.planner import plan_fleet
-from fleetctl.render import status_table
-from fleetctl.router.backends import apply_calibration, backends_from_state, load_backends
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
 
 KEY = Key("RTX-4090", "llama-3-8b", "bf16", 1, None, 8192)
 SERVERS = ["http://a:8000", "http://b:8000", "http://c:8000"]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from fleetctl.catalog import load_catalog
-from fleetctl.errors import UserError
-from fleetctl.hfconfig import count_params
+from fleetctl.base.errors import UserError
+from fleetctl.model.catalog import load_catalog
+from fleetctl.model.hfconfig import count_params
 
 REQUIRED_GPUS = [
     "A100-SXM4-80GB",

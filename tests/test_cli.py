@@ -85,9 +85,9 @@ def test_saved_plan_round_trips_and_diffs_against_state(cli, tmp_path):
     assert r.code == 0, r.err
     saved = json.loads(out.read_text())
     # Record it as applied state: the next plan keeps everything.
-    from fleetctl.plan import Deployment
-    from fleetctl.state import State
-    from fleetctl.statedir import StateDir
+    from fleetctl.fleet.plan import Deployment
+    from fleetctl.fleet.state import State
+    from fleetctl.fleet.statedir import StateDir
 
     deployments = tuple(Deployment.from_json(d) for d in saved["deployments"])
     assert [d.to_json() for d in deployments] == saved["deployments"]
@@ -252,7 +252,7 @@ def test_a_bundled_example_keeps_its_state_in_the_current_folder(cli, tmp_path, 
     assert any(
         "rtx-1: inventory declares 1x RTX-4090, probed 1x L40S" in w for w in plan["warnings"]
     )
-    from fleetctl.resources import bundled
+    from fleetctl.base.resources import bundled
 
     assert not (bundled("inventory") / ".fleetctl").exists()
 
@@ -302,7 +302,7 @@ def test_a_facts_file_that_is_not_usable_is_refused_with_where_and_why(cli, tmp_
 
 
 def test_facts_round_trip_through_json():
-    from fleetctl.facts import Facts
+    from fleetctl.fleet.facts import Facts
 
     doc = {
         "format": 2,

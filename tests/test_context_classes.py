@@ -10,19 +10,19 @@ from collections import Counter
 
 import pytest
 
-from fleetctl.inventory import load_inventory
-from fleetctl.perf import max_sequences
+from fleetctl.base.resources import examples
+from fleetctl.daemon.backends import backends_from_state, load_backends_file
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.perf import max_sequences
 from fleetctl.planner import plan_fleet
 from fleetctl.planner.candidates import CONTEXT_STEP
-from fleetctl.resources import examples
-from fleetctl.router.backends import backends_from_state, load_backends_file
 from fleetctl.routing.policy import HardwareAware
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend, Request
 from fleetctl.sim.fleet import servers_from_plan, simulate
 from fleetctl.sim.workload import WorkItem
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
 from tests.conftest import write
 
 A100, RTX = "A100-SXM4-80GB", "RTX-4090"

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.catalog import Catalog
-from fleetctl.cost import gpus_cost_per_hour, node_cost_per_hour, per_million_tokens
-from fleetctl.inventory import load_inventory
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.prices import gpus_cost_per_hour, node_cost_per_hour, per_million_tokens
+from fleetctl.fleet.state import State
+from fleetctl.model.catalog import Catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.state import State
 from tests.conftest import REPO, write
 
 FLEET = """\
@@ -189,7 +189,7 @@ def test_a_tpot_slo_caps_capacity_and_an_impossible_ttft_places_nothing(tmp_path
     assert capped["A100-SXM4-80GB"] < rtx["A100-SXM4-80GB"]
     # README: capped at the largest batch whose decode step (the same perf model, the mean
     # request: 1500 + 300 / 2 tokens of context) stays within half the TPOT objective, 20 ms.
-    from fleetctl.perf import EnginePerf
+    from fleetctl.model.perf import EnginePerf
 
     a100 = next(d for d in tight.deployments if d.gpu_type == "A100-SXM4-80GB")
     perf = EnginePerf(

@@ -8,9 +8,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from fleetctl.http import Client
-from fleetctl.router.dcgm import parse_dcgm_mem_copy
-from fleetctl.router.live import LiveState
+from fleetctl.daemon.dcgm import parse_dcgm_mem_copy
+from fleetctl.daemon.live import LiveState
+from fleetctl.fleet.http import Client
 from fleetctl.routing.types import Backend
 
 DATA = Path(__file__).parent / "data"
@@ -110,11 +110,11 @@ def test_the_scrape_loop_applies_a_fresh_dcgm_reading():
 
 
 def test_backends_from_state_know_their_gpus_and_dcgm_page(tmp_path, catalog):
-    from fleetctl.inventory import load_inventory
+    from fleetctl.daemon.backends import backends_from_state
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.fleet.state import State
+    from fleetctl.fleet.statedir import StateDir
     from fleetctl.planner import plan_fleet
-    from fleetctl.router.backends import backends_from_state
-    from fleetctl.state import State
-    from fleetctl.statedir import StateDir
     from tests.conftest import write
 
     inv = load_inventory(

@@ -18,8 +18,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.catalog import Catalog
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.model.catalog import Catalog
+from fleetctl.model.perf import EnginePerf, kv_budget
 from tests.conftest import REPO
 from tests.procs import NAME, SOURCE, Emulator
 

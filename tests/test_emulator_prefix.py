@@ -16,9 +16,17 @@ import msgpack
 import pytest
 import zmq
 
+from fleetctl.base.errors import UserError
+from fleetctl.daemon.kv_events import (
+    KvEventSubscriber,
+    KvSource,
+    decode_batch,
+    prompt_blocks,
+    server_hit_tokens,
+)
 from fleetctl.emulator.args import parse_args
 from fleetctl.emulator.config import resolve
-from fleetctl.emulator.kv_events import (
+from fleetctl.emulator.kv_publisher import (
     BlockNames,
     encode_batch,
     is_bind_endpoint,
@@ -27,16 +35,8 @@ from fleetctl.emulator.kv_events import (
 )
 from fleetctl.emulator.prompts import name, sources
 from fleetctl.emulator.server import STATE, make_app
-from fleetctl.errors import UserError
-from fleetctl.router.kv_events import (
-    KvEventSubscriber,
-    KvSource,
-    decode_batch,
-    prompt_blocks,
-    server_hit_tokens,
-)
 from fleetctl.routing.prefix import PrefixIndex
-from fleetctl.vllm_hash import block_hashes
+from fleetctl.vllm.hashing import block_hashes
 from tests.procs import NAME, SOURCE, Emulator, free_port
 
 BS = 16

@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from fleetctl.catalog import GpuProfile
 from fleetctl.emulator.args import parse_args
 from fleetctl.emulator.config import resolve
 from fleetctl.emulator.truth import describe, less_kv, slower, write_gpu
-from fleetctl.perf import EnginePerf
+from fleetctl.model.catalog import GpuProfile
+from fleetctl.model.perf import EnginePerf
 from tests.conftest import REPO
 from tests.procs import NAME, Emulator
 

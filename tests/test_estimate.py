@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from fleetctl.catalog import load_catalog
-from fleetctl.estimate import Settings, Workload, estimate
-from fleetctl.perf import kv_budget
+from fleetctl.model.catalog import load_catalog
+from fleetctl.model.estimate import Settings, Workload, estimate
+from fleetctl.model.perf import kv_budget
 
 CONTRACT = {
     "kv_cache_tokens",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.facts_parse import (
+from fleetctl.fleet.facts_parse import (
     COMPUTE_APPS_FIELDS,
     QUERY_FIELDS,
     QUERY_FIELDS_LEGACY,

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from fleetctl import health as h
-from fleetctl.facts import Facts
-from fleetctl.inventory import load_inventory
+from fleetctl.fleet import health as h
+from fleetctl.fleet.facts import Facts
+from fleetctl.fleet.inventory import load_inventory
 from fleetctl.planner import plan_fleet
 from tests.conftest import write
 from tests.procs import Emulator

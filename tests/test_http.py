@@ -1,4 +1,4 @@
-"""fleetctl's GET client (fleetctl/http.py) against real sockets: answers, bounds and reasons."""
+"""fleetctl's GET client (fleetctl/fleet/http.py) against real sockets: answers, bounds and reasons."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fleetctl import http
+from fleetctl.fleet import http
 from tests.procs import free_port
 
 SLOW_TAIL = b'vllm:num_requests_running{engine="0"} 3.0\n'

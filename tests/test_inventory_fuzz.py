@@ -13,10 +13,10 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetctl.catalog import load_catalog
-from fleetctl.errors import UserError
-from fleetctl.inventory import load_inventory
-from fleetctl.names import control_char
+from fleetctl.base.errors import UserError
+from fleetctl.base.names import control_char
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
 from tests.test_inventory_errors import GOOD
 
 EXAMPLES = int(os.environ.get("FLEETCTL_FUZZ_EXAMPLES", "300"))

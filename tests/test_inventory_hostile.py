@@ -405,9 +405,9 @@ def test_safe_values_still_pass(cli, tmp_path):
     ]
     for d in deployments:
         assert d["vllm_args"][-len(user_args) :] == user_args, d["vllm_args"]
-    from fleetctl import names
-    from fleetctl.catalog import load_catalog
-    from fleetctl.inventory import load_inventory
+    from fleetctl.base import names
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.model.catalog import load_catalog
 
     inv = load_inventory(path, load_catalog())
     assert dict(inv.models[0].spec.env) == {"VLLM_LOGGING_LEVEL": "DEBUG", "HF_HUB_OFFLINE": "1"}
@@ -417,7 +417,7 @@ def test_safe_values_still_pass(cli, tmp_path):
 
 
 def test_oversized_file_is_refused_before_parsing(cli, tmp_path, monkeypatch):
-    import fleetctl.yamlsrc
+    import fleetctl.base.yamlsrc
 
     monkeypatch.setattr(fleetctl.yamlsrc, "MAX_FILE_BYTES", 1000)
     path = write(tmp_path, GOOD + "#" * 2000 + "\n")
@@ -541,7 +541,7 @@ README_PINNED = (
 
 @pytest.mark.parametrize("flag", README_PINNED)
 def test_every_flag_the_readme_says_is_pinned_is_refused(catalog, flag):
-    from fleetctl.vllm_flags import check_args
+    from fleetctl.vllm.flags import check_args
 
     with pytest.raises(ValueError, match=r"is set by the plan \| \S") as e:
         check_args([flag, "1"], catalog.serve_flags(None))

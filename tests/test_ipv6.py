@@ -69,7 +69,7 @@ def inventory(tmp: Path, hosts: TestHosts, host: str | None = None) -> Path:
 
 
 def test_the_helpers_bracket_ipv6_only():
-    from fleetctl.names import host_port, http_url
+    from fleetctl.base.names import host_port, http_url
 
     assert host_port("fd00::11", 22) == "[fd00::11]:22"
     assert host_port("10.0.1.11", 22) == "10.0.1.11:22"
@@ -188,7 +188,7 @@ def test_a_changed_key_on_another_port_names_its_known_hosts_entry(hosts):
     fix the operator is given must remove that entry, quoted for the shell."""
     import paramiko
 
-    from fleetctl.ssh import SshOptions, Target, describe
+    from fleetctl.fleet.ssh import SshOptions, Target, describe
 
     h = hosts[0]
     key = paramiko.Ed25519Key(filename=str(h.dir / "host_ed25519"))

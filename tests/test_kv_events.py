@@ -19,7 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from fleetctl.router.kv_events import (
+from fleetctl.daemon.kv_events import (
     Cleared,
     KvEventSubscriber,
     KvSource,
@@ -32,7 +32,7 @@ from fleetctl.router.kv_events import (
     server_hit_tokens,
 )
 from fleetctl.routing.prefix import PrefixIndex
-from fleetctl.vllm_hash import block_digests, block_hashes, block_key, cbor_canonical, none_hash
+from fleetctl.vllm.hashing import block_digests, block_hashes, block_key, cbor_canonical, none_hash
 
 DATA = Path(__file__).resolve().parent / "data"
 CAPTURE = DATA / "vllm-0.32.0-cpu-kv-events.msgpack"

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.inventory import load_inventory
-from fleetctl.plan import Deployment
+from fleetctl.daemon.backends import KvEndpoint, kv_endpoint
+from fleetctl.daemon.router import DaemonConfig
+from fleetctl.daemon.serve import build_router
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.ssh import quote
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
 from fleetctl.planner import plan_fleet
-from fleetctl.router.backends import KvEndpoint, kv_endpoint
-from fleetctl.router.daemon import DaemonConfig
-from fleetctl.router.serve import build_router
-from fleetctl.ssh import quote
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
-from fleetctl.vllm_metrics import parse_metrics
+from fleetctl.vllm.metrics import parse_metrics
 from tests.conftest import write
 
 INVENTORY = """\

@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fleetctl.apply.node import NodeAgent
-from fleetctl.catalog import load_catalog
-from fleetctl.errors import UserError
-from fleetctl.inventory import load_inventory
+from fleetctl.base.errors import UserError
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.ssh import SshOptions, SshSession, Target
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.ssh import SshOptions, SshSession, Target
 from tests.sshhosts import TestHosts, require
 
 EXAMPLES = int(os.environ.get("FLEETCTL_FUZZ_EXAMPLES", "12"))

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from fleetctl.catalog import FormatProfile, GpuProfile, ModelProfile
-from fleetctl.perf import (
+from fleetctl.model.catalog import FormatProfile, GpuProfile, ModelProfile
+from fleetctl.model.perf import (
     EnginePerf,
     activation_peak_bytes,
     kv_budget,
@@ -17,11 +17,11 @@ from fleetctl.perf import (
     vllm_batch_defaults,
     weights_bytes,
 )
-from fleetctl.vllm_release import release
+from fleetctl.vllm.release import release
 
 # --- The model's arithmetic, by hand, on round-number profiles ------------------------------
 # The toy profiles below exist so that every expected value can be worked out on paper from
-# the formulas in perf.py's docstring and the vLLM release rules (vllm_release.py); each test
+# the formulas in model/perf.py's docstring and the vLLM release rules (vllm/release.py); each test
 # writes its constants as literals (0.44 GiB, 16 tokens a block, 0.55 MFU...) rather than
 # importing them, so a changed constant fails here.
 
@@ -746,7 +746,7 @@ def test_utilization_multiplies_what_cuda_reports_as_the_cards_total(catalog):
     size: 79.15 GiB on an A100 80GB (its logs and OOM messages), where 81,920 MiB less the
     0.44 GiB CUDA hides on an H100 gave 0.4 GiB too much. A profile without the figure keeps
     that rule."""
-    from fleetctl.perf import CUDA_INVISIBLE_BYTES, cuda_total
+    from fleetctl.model.perf import CUDA_INVISIBLE_BYTES, cuda_total
 
     a100, h100 = catalog.gpu("A100-SXM4-80GB"), catalog.gpu("H100-SXM-80GB")
     assert cuda_total(a100) == 81050 * 2**20

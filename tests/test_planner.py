@@ -7,11 +7,11 @@ from collections import Counter
 
 import pytest
 
-from fleetctl.inventory import load_inventory
+from fleetctl.base.resources import examples
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
 from fleetctl.planner import plan_fleet
 from fleetctl.planner.optimize import shapes_for
-from fleetctl.resources import examples
-from fleetctl.state import State
 from tests.conftest import write
 
 
@@ -151,7 +151,7 @@ def test_format_must_run_on_the_architecture(tmp_path, catalog):
         "interconnect: pcie\npcie_gen: 3\ntdp_w: 260\ndecode_efficiency: 0.75\n"
         "sources: [test]\n"
     )
-    from fleetctl.catalog import load_catalog
+    from fleetctl.model.catalog import load_catalog
 
     cat = load_catalog([tmp_path / "profiles"])
     text = """\

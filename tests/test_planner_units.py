@@ -11,9 +11,9 @@ from collections import Counter
 
 import pytest
 
-from fleetctl.errors import OperationError
-from fleetctl.inventory import load_inventory
-from fleetctl.plan import Deployment, Server
+from fleetctl.base.errors import OperationError
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.plan import Deployment, Server
 from fleetctl.planner.candidates import Candidate, NodeClass, candidates, node_classes
 from fleetctl.planner.expand import Placement, expand
 from fleetctl.planner.optimize import SOLVER_TIME_LIMIT_S, solve

@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.routing.policy import HardwareAware, KvAware, PowerOfTwo, RoundRobin
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.types import Backend, Request

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.errors import UserError
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.base.errors import UserError
+from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.routing.policy import HardwareAware
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain
 from fleetctl.routing.types import Backend, Request
@@ -293,7 +293,7 @@ def test_a_blocked_request_that_could_go_anywhere_holds_nothing(catalog):
 def test_route_serve_learns_how_much_of_the_expected_prefix_a_server_finds(catalog):
     """From the server's vllm:prompt_tokens_cached_total against what the router counted on:
     an index of placements that overstates the cache earns a discount."""
-    from fleetctl.router.live import PREFIX_WINDOW_TOKENS, LiveState
+    from fleetctl.daemon.live import PREFIX_WINDOW_TOKENS, LiveState
 
     b = Backend("http://127.0.0.1:1", "n", "A100-SXM4-80GB", "m", "bf16", 100_000)
     live = LiveState([b], interval=1.0)

@@ -168,8 +168,8 @@ def test_health_flags_the_skewed_node_and_ecc(cli, hosts, tmp_path):
     equivalent = json.loads((tmp_path / ".fleetctl" / "health.json").read_text())["equivalent"]
     assert equivalent["rtx-3"] is False and equivalent["rtx-1"] is True
     # The router gives the skewed node a class of its own.
-    from fleetctl.router.backends import class_tags
-    from fleetctl.statedir import StateDir
+    from fleetctl.daemon.backends import class_tags
+    from fleetctl.fleet.statedir import StateDir
 
     assert class_tags(StateDir(tmp_path / ".fleetctl"), ["rtx-1", "rtx-3"]) == [
         "",

@@ -8,8 +8,8 @@ import select
 
 import pytest
 
-import fleetctl.progress
-from fleetctl.progress import progress
+import fleetctl.base.progress
+from fleetctl.base.progress import progress
 
 
 def test_quiet_when_not_a_terminal(monkeypatch):

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetctl.catalog import Catalog, load_catalog
-from fleetctl.inventory import load_inventory
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import Catalog, load_catalog
+from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.policy import HardwareAware, Policy
 from fleetctl.routing.registry import make_policy, policy_names

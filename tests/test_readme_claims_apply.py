@@ -212,9 +212,9 @@ def test_per_class_length_is_the_longest_multiple_of_1024_it_holds(
 def test_mooncake_mixed_runs_131072_on_a100s_and_47104_on_4090s(catalog):
     """README: for Llama-3.1 8B BF16 (`example:mooncake-mixed`): 131072 on the A100s, 47104
     on the 4090s."""
-    from fleetctl.inventory import load_inventory
+    from fleetctl.base.resources import examples
+    from fleetctl.fleet.inventory import load_inventory
     from fleetctl.planner import plan_fleet
-    from fleetctl.resources import examples
 
     plan = plan_fleet(load_inventory(examples()["mooncake-mixed"], catalog), None)
     lengths = {(d.gpu_type, d.server.max_model_len) for d in plan.deployments}

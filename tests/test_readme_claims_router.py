@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from fleetctl.router.live import LiveState
+from fleetctl.daemon.live import LiveState
 from fleetctl.routing.types import Backend
 from tests.conftest import REPO
 from tests.procs import NAME, free_port, http_request, stop_process

@@ -1,4 +1,4 @@
-"""Relaying a backend's answer (fleetctl/router/relay.py) with real parts: a TCP backend that
+"""Relaying a backend's answer (fleetctl/daemon/relay.py) with real parts: a TCP backend that
 writes exact HTTP bytes, the router's own upstream client reading them, and for streams a
 real aiohttp front server and client.
 
@@ -24,7 +24,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from fleetctl.router.relay import (
+from fleetctl.daemon.relay import (
     BackendFailed,
     Stream,
     answer_headers,
@@ -32,8 +32,8 @@ from fleetctl.router.relay import (
     parse_answer,
     relay_whole,
 )
-from fleetctl.router.transport import Answer, make_transport
-from fleetctl.router.upstream import UpstreamError
+from fleetctl.daemon.transport import Answer, make_transport
+from fleetctl.daemon.upstream import UpstreamError
 from fleetctl.routing.types import Backend
 
 COMPLETION = (

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console, RenderableType
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import Inventory, load_inventory
-from fleetctl.plan import Plan
+from fleetctl.base.resources import examples
+from fleetctl.fleet.inventory import Inventory, load_inventory
+from fleetctl.fleet.plan import Plan
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.resources import examples
 
 WIDTHS = (80, 100, 160)
 DATA = Path(__file__).parent / "data"
@@ -73,7 +73,7 @@ def plan_numbers(plan: Plan) -> Iterator[str]:
 
 
 def plan_cases(explain: bool) -> Iterator[Case]:
-    from fleetctl.render import render_plan
+    from fleetctl.cli.render import render_plan
 
     for name in examples():
         plan = plan_of(name)
@@ -86,7 +86,7 @@ def plan_cases(explain: bool) -> Iterator[Case]:
 
 
 def profiles_cases() -> Iterator[Case]:
-    from fleetctl.render import profiles_table
+    from fleetctl.cli.render import profiles_table
 
     cat = load_catalog()
     numbers = []
@@ -132,16 +132,16 @@ FACTS = {
 
 
 def facts_cases() -> Iterator[Case]:
-    from fleetctl.facts import Facts
-    from fleetctl.render import facts_table
+    from fleetctl.cli.render import facts_table
+    from fleetctl.fleet.facts import Facts
 
     numbers = ["535.104.05", "12.2", "0.6.3.post1", "550.54.14", "12.4", "8", "1"]
     yield facts_table(Facts.from_json(FACTS)), numbers
 
 
 def health_cases() -> Iterator[Case]:
-    from fleetctl.health import Check
-    from fleetctl.render import health_table
+    from fleetctl.cli.render import health_table
+    from fleetctl.fleet.health import Check
 
     checks = [
         Check("reachable", "a100-inference-node-1", "ok", "ssh answered in 0.21 s"),
@@ -159,7 +159,7 @@ def health_cases() -> Iterator[Case]:
 
 def status_cases() -> Iterator[Case]:
     from fleetctl.apply.status import ServerStatus
-    from fleetctl.render import status_table
+    from fleetctl.cli.render import status_table
 
     rows = [
         ServerStatus("a100-inference-node-1", "llama-3-8b", (0,), 8000, "running", "ready"),
@@ -179,7 +179,7 @@ def status_cases() -> Iterator[Case]:
 
 @cache
 def comparison():  # type: ignore[no-untyped-def]
-    from fleetctl.sim.run import compare
+    from fleetctl.sim.compare import compare
     from fleetctl.sim.workload import parse_spec
 
     inv = inventory("seed-mixed-8b")
@@ -203,9 +203,9 @@ def simulate_cases() -> Iterator[Case]:
 
 
 def estimate_cases() -> Iterator[Case]:
-    from fleetctl.catalog import load_catalog
-    from fleetctl.estimate import Settings, Workload, estimate
-    from fleetctl.render import estimate_table
+    from fleetctl.cli.render import estimate_table
+    from fleetctl.model.catalog import load_catalog
+    from fleetctl.model.estimate import Settings, Workload, estimate
 
     cat = load_catalog()
     e = estimate(
@@ -263,7 +263,7 @@ def test_the_check_catches_a_cut_number() -> None:
 def test_the_compact_layouts_take_over_only_below_a_width() -> None:
     """A table while one fits: the seed plan at 100 columns, simulate as one table at 160 and
     as two (latency, outcomes) at 100; one block per record only where no table fits."""
-    from fleetctl.render import plan_table
+    from fleetctl.cli.render import plan_table
 
     def tables(text: str) -> int:
         return sum(line.startswith("┏") for line in text.splitlines())

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.errors import UserError
-from fleetctl.inventory import RequestLogSpec
-from fleetctl.router.request_log import KEY_FILE, RequestLog, file_name
+from fleetctl.base.errors import UserError
+from fleetctl.daemon.request_log import KEY_FILE, RequestLog, file_name
+from fleetctl.fleet.inventory import RequestLogSpec
 from fleetctl.routing.blocks import text_blocks, token_blocks
 from fleetctl.routing.types import Backend, Request
 from fleetctl.sim.workload import load_trace
@@ -341,7 +341,7 @@ def test_a_failing_disk_drops_lines_without_failing_requests(tmp_path):
 
 
 def test_an_unwritable_state_folder_is_a_user_error(tmp_path):
-    from fleetctl.router.serve import open_request_log
+    from fleetctl.daemon.serve import open_request_log
 
     class Inv:
         class spec:

@@ -678,7 +678,7 @@ def test_two_replicas_share_session_affinity_through_redis(fleet, redis_url, tmp
 
 
 def test_shared_ttft_window_in_redis(redis_url):
-    from fleetctl.router.shared import RedisShared
+    from fleetctl.daemon.shared import RedisShared
 
     async def go():
         one, two = RedisShared(redis_url, "ttft-test"), RedisShared(redis_url, "ttft-test")
@@ -726,10 +726,10 @@ def test_sighup_reloads_the_backends_file(fleet, tmp_path):
 def test_backends_come_from_applied_state_and_follow_it(fleet, tmp_path, catalog):
     import dataclasses
 
-    from fleetctl.inventory import load_inventory
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.fleet.state import State
+    from fleetctl.fleet.statedir import StateDir
     from fleetctl.planner import plan_fleet
-    from fleetctl.state import State
-    from fleetctl.statedir import StateDir
 
     emus = fleet["emus"]
     inv_path = tmp_path / "inv.yaml"

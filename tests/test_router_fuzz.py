@@ -17,8 +17,8 @@ import re
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fleetctl.router.tokens import prompt_text
-from fleetctl.router.upstream import Response, Upstream, UpstreamError, _Conn
+from fleetctl.daemon.tokens import prompt_text
+from fleetctl.daemon.upstream import Response, Upstream, UpstreamError, _Conn
 from fleetctl.routing.request import MAX_TOKENS, ClientError, parse_request
 
 EXAMPLES = int(os.environ.get("FLEETCTL_FUZZ_EXAMPLES", "300"))

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from fleetctl.http import Client
-from fleetctl.router.backends import body_for, model_problem
-from fleetctl.router.live import LiveState
+from fleetctl.daemon.backends import body_for, model_problem
+from fleetctl.daemon.live import LiveState
+from fleetctl.fleet.http import Client
 from fleetctl.routing.types import Backend
 from tests.conftest import REPO
 from tests.procs import NAME, SOURCE, Emulator, free_port, http_request, stop_process
@@ -173,7 +173,7 @@ def test_v1_models_is_read_again_every_10_s(monkeypatch):
     """
     from aiohttp import web
 
-    import fleetctl.router.live as live_module
+    import fleetctl.daemon.live as live_module
 
     clock = Clock()
     monkeypatch.setattr(live_module, "time", clock)

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from fleetctl.perf import EnginePerf
-from fleetctl.router.live import LiveState, where
+from fleetctl.daemon.live import LiveState, where
+from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.types import Backend
 from tests.procs import NAME, Emulator
 

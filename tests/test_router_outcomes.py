@@ -17,8 +17,8 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.router.daemon import DaemonConfig, Router
-from fleetctl.router.serve import AccessLog, served_by
+from fleetctl.daemon.router import DaemonConfig, Router
+from fleetctl.daemon.serve import AccessLog, served_by
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
@@ -184,7 +184,7 @@ def serving_one(upstream_timeout_s: float, transport: str = "fast"):
 
 @pytest.fixture(params=["fast", "reference"])
 def one(request):
-    """Both HTTP clients to backends (router/transport.py) end each outcome the same way."""
+    """Both HTTP clients to backends (daemon/transport.py) end each outcome the same way."""
     with serving_one(upstream_timeout_s=30, transport=request.param) as pair:
         yield pair
 

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.router.daemon import DaemonConfig, Router
-from fleetctl.router.prefix_share import STORED, PrefixShare, SharedIndex, decode, encode
-from fleetctl.router.shared import RedisShared
+from fleetctl.daemon.prefix_share import STORED, PrefixShare, SharedIndex, decode, encode
+from fleetctl.daemon.router import DaemonConfig, Router
+from fleetctl.daemon.shared import RedisShared
 from fleetctl.routing.blocks import TEXT_CHUNK_CHARS, text_blocks, token_blocks
 from fleetctl.routing.policy import RoundRobin
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks
@@ -427,7 +427,7 @@ class WordTokenizer:
 
 
 def test_with_a_tokenizer_the_blocks_are_16_token_blocks_of_its_ids():
-    from fleetctl.router.tokens import TokenCounter
+    from fleetctl.daemon.tokens import TokenCounter
 
     counter = TokenCounter()
     tok = WordTokenizer()
@@ -455,7 +455,7 @@ def test_kv_events_feed_the_index_and_prompts_are_named_as_vllm_names_them(serve
     teach the index nothing."""
     zmq = pytest.importorskip("zmq")
     msgpack = pytest.importorskip("msgpack")
-    from fleetctl.vllm_hash import block_hashes
+    from fleetctl.vllm.hashing import block_hashes
 
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)

@@ -319,7 +319,7 @@ def test_the_issue_load_loses_no_pin(
 def test_last_writer_wins_per_session_by_version(redis: Redis) -> None:
     """Two replicas write one session's pin: Redis keeps the later version, whichever
     arrives last, and the replica whose pin lost adopts the winner (a counted conflict)."""
-    from fleetctl.router.shared import RedisShared, decode_pin
+    from fleetctl.daemon.shared import RedisShared, decode_pin
     from fleetctl.routing.sessions import Pin
 
     async def go() -> tuple[RedisShared, RedisShared, str, bytes]:

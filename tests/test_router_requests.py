@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from fleetctl.router.daemon import DaemonConfig
-from fleetctl.router.daemon import Router as DaemonRouter
+from fleetctl.daemon.router import DaemonConfig
+from fleetctl.daemon.router import Router as DaemonRouter
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
@@ -197,7 +197,7 @@ def test_route_serves_head_and_body_timeouts_are_75_and_60_s():
     """README: a request head must arrive within 75 s of the connection opening or of its
     last answer, and a body within 60 s of its head. The tests above run both at 0.5 s through
     the same settings; route-serve (no flag sets them) runs DaemonConfig's defaults."""
-    from fleetctl.router.serve import server_options
+    from fleetctl.daemon.serve import server_options
 
     config = DaemonConfig()
     assert server_options(config)["keepalive_timeout"] == 75.0

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.routing.policy import HardwareAware, Policy, RoundRobin
 from fleetctl.routing.scheduler import (
     PREFILL_WINDOW_S,

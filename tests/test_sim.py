@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.perf import EnginePerf, kv_budget
+from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.sim.engine import Engine, Seq
 from fleetctl.sim.fleet import simulate
 from fleetctl.sim.workload import Synthetic, load_trace, parse_spec
@@ -123,7 +123,7 @@ def test_trace_loading_and_bad_traces(tmp_path):
     assert len(items) == 400 and items[0].arrival == 0.0
     assert (items[0].prompt, items[0].output) == (374, 44)
     assert all(b.arrival >= a.arrival for a, b in itertools.pairwise(items))
-    from fleetctl.errors import UserError
+    from fleetctl.base.errors import UserError
 
     bad = tmp_path / "bad.csv"
     bad.write_text("a,b,c\n1,2,3\n")
@@ -139,7 +139,7 @@ def test_workload_specs():
     items = w.generate(1)
     assert {i.priority for i in items} == {0, 2}
     assert 60 <= len(items) <= 200
-    from fleetctl.errors import UserError
+    from fleetctl.base.errors import UserError
 
     with pytest.raises(UserError, match="bad workload setting"):
         parse_spec("rat=2", "m")
@@ -405,11 +405,11 @@ def test_simulate_plot(cli, tmp_path):
 @pytest.fixture(scope="module")
 def rr_vs_ha():
     """Round-robin and hardware-aware over the seed fleet at 150% load, progress recorded."""
-    from fleetctl.catalog import load_catalog
-    from fleetctl.inventory import load_inventory
+    from fleetctl.base.resources import examples
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.model.catalog import load_catalog
     from fleetctl.planner import plan_fleet
-    from fleetctl.resources import examples
-    from fleetctl.sim.run import compare
+    from fleetctl.sim.compare import compare
 
     inv = load_inventory(examples()["seed-mixed-8b"], load_catalog())
     items = parse_spec("rate=20,duration=120,max_context=8192", "llama-3-8b").generate(0)

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from fleetctl.perf import EnginePerf
+from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.prefix import PromptBlocks, chain
 from fleetctl.sim.engine import DECODE, DONE, PREFILL, WAITING, Engine, EngineStats, Seq
 from fleetctl.sim.kvpool import engine_keys

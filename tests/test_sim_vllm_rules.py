@@ -3,7 +3,7 @@ CPU backend's block size, and admission only when a whole prompt fits (vLLM >= 0
 
 from __future__ import annotations
 
-from fleetctl.perf import EnginePerf
+from fleetctl.model.perf import EnginePerf
 from fleetctl.sim.engine import Engine, Seq
 
 

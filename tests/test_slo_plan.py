@@ -1,4 +1,4 @@
-"""plan --objective cost checked by the simulator against each model's SLO (fleetctl/slo_plan.py):
+"""plan --objective cost checked by the simulator against each model's SLO (fleetctl/whatif/slo_check.py):
 a plan sized from a 5-minute peak misses a burst's TTFT, and the planner asks for more."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.inventory import load_inventory
+from fleetctl.fleet.inventory import load_inventory
 from fleetctl.planner import plan_fleet
 from fleetctl.sim.workload import load_trace
-from fleetctl.slo_plan import check, plan_within_slos, synthetic_traffic
+from fleetctl.whatif.slo_check import check, plan_within_slos, synthetic_traffic
 from tests.conftest import write
 from tests.test_cost import priced
 
@@ -56,8 +56,8 @@ def test_a_cost_plan_that_misses_its_ttft_slo_on_a_burst_gets_more_capacity(cli,
     assert checked["headroom"] > 1.5  # asked for more than the derived workload
     assert data["solver"]["slo_rounds"] > 1
     # The plan sized for the derived rate alone: fewer GPUs, and the burst misses the SLO.
-    from fleetctl.catalog import load_catalog
     from fleetctl.cli.traffic import workloads_from
+    from fleetctl.model.catalog import load_catalog
 
     catalog = load_catalog()
     loaded, _ = workloads_from(load_inventory(inv, catalog), trace)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl import ssh
-from fleetctl.ssh import NodeError, SshOptions, SshSession, Target
+from fleetctl.fleet import ssh
+from fleetctl.fleet.ssh import NodeError, SshOptions, SshSession, Target
 from tests.conftest import REPO
 
 CONNECT_TIMEOUT_S = 2
@@ -131,13 +131,13 @@ def test_each_failure_class_is_one_line_with_what_to_do():
 
 
 def describe_unknown() -> BaseException:
-    from fleetctl.ssh import UnknownHostKey
+    from fleetctl.fleet.ssh import UnknownHostKey
 
     return UnknownHostKey("10.0.1.11")
 
 
 def test_no_banner_names_the_timeout_and_what_was_said():
-    from fleetctl.ssh import NoBanner
+    from fleetctl.fleet.ssh import NoBanner
 
     assert line(NoBanner(b"")) == (
         "a100-1 (10.0.1.11:22): no SSH banner within 10 s: is sshd listening there?"
@@ -150,7 +150,7 @@ def test_no_banner_names_the_timeout_and_what_was_said():
 
 def test_a_failing_jump_host_is_named():
     inner = ssh.describe(ConnectionRefusedError(errno.ECONNREFUSED, "refused"), T, OPTS)
-    from fleetctl.ssh import JumpFailed
+    from fleetctl.fleet.ssh import JumpFailed
 
     via = Target("a100-1", "10.0.1.11", 22, "root", None, "ops@bastion:2222")
     out = ssh.describe(JumpFailed("ops@bastion:2222", inner), via, OPTS).line()
@@ -159,7 +159,7 @@ def test_a_failing_jump_host_is_named():
 
 
 def test_timeouts_are_finite_and_bounded():
-    from fleetctl.errors import UserError
+    from fleetctl.base.errors import UserError
 
     for bad in (float("inf"), float("nan"), 0, -1):
         with pytest.raises(UserError):

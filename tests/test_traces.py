@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.errors import UserError
+from fleetctl.base.errors import UserError
 from fleetctl.sim.command import parse_window
 from fleetctl.sim.workload import load_trace
 

@@ -10,11 +10,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from fleetctl.inventory import load_inventory
-from fleetctl.router.daemon import DaemonConfig
-from fleetctl.router.serve import build_router
-from fleetctl.router.transport import TRANSPORTS
-from fleetctl.statedir import StateDir
+from fleetctl.daemon.router import DaemonConfig
+from fleetctl.daemon.serve import build_router
+from fleetctl.daemon.transport import TRANSPORTS
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.statedir import StateDir
 from tests.conftest import write
 from tests.procs import NAME, Emulator, free_port
 

@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from fleetctl.router.transport import TRANSPORTS, Transport, make_transport
-from fleetctl.router.upstream import BadResponse, ServerDisconnected, UpstreamError
+from fleetctl.daemon.transport import TRANSPORTS, Transport, make_transport
+from fleetctl.daemon.upstream import BadResponse, ServerDisconnected, UpstreamError
 from tests.procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

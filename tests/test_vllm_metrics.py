@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.vllm_metrics import Scrape, parse_metrics
+from fleetctl.vllm.metrics import Scrape, parse_metrics
 
 PAGE = (Path(__file__).resolve().parent / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
 

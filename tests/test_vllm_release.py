@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fleetctl.catalog import load_catalog
-from fleetctl.perf import EAGER_LAYER_S, EnginePerf, kv_budget, vllm_batch_defaults
-from fleetctl.vllm_release import TARGET, parse_version, release
+from fleetctl.model.catalog import load_catalog
+from fleetctl.model.perf import EAGER_LAYER_S, EnginePerf, kv_budget, vllm_batch_defaults
+from fleetctl.vllm.release import TARGET, parse_version, release
 
 
 def test_the_target_release_is_the_newest_flag_list_fleetctl_knows():
@@ -100,7 +100,7 @@ def test_a_measured_speed_scales_the_gpu_work_not_the_fixed_cost():
 def test_releases_outside_what_was_read_are_refused_with_why(cli):
     """estimate --vllm-version takes only releases whose rules were read (0.4 to 0.33.x):
     an older V0 sized its cache by other rules, a newer one may have changed them."""
-    from fleetctl.vllm_release import unmodelled
+    from fleetctl.vllm.release import unmodelled
 
     assert unmodelled("0.4.0") is None and unmodelled("0.33.9") is None
     assert unmodelled("0.6.3.post1") is None
@@ -116,7 +116,7 @@ def test_releases_outside_what_was_read_are_refused_with_why(cli):
 def test_awq_ran_its_own_kernel_before_marlin_took_it_over(catalog):
     """vLLM converts AWQ checkpoints to Marlin from 0.5.3 (vllm#6612); before, the AWQ GEMM
     kernel ran, slower (the format's plain_kernel_efficiency), and the flag was plain awq."""
-    from fleetctl.perf import EnginePerf
+    from fleetctl.model.perf import EnginePerf
 
     gpu, model, awq = (
         catalog.gpu("A100-SXM4-80GB"),

@@ -10,16 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.calibration import (
-    Calibration,
-    CalibrationError,
-    Entry,
-    Key,
-    find_startup,
-    record_startup,
-)
-from fleetctl.plan import Deployment
-from fleetctl.warmup import (
+from fleetctl.apply.warmup import (
     DISK_READ_BYTES_S,
     STARTUP_FIXED_S,
     Warmup,
@@ -29,6 +20,15 @@ from fleetctl.warmup import (
     stay_bonus,
     warmup_for,
     warmup_seconds,
+)
+from fleetctl.fleet.plan import Deployment
+from fleetctl.model.calibration import (
+    Calibration,
+    CalibrationError,
+    Entry,
+    Key,
+    find_startup,
+    record_startup,
 )
 from tests.test_apply_steps import dep
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
-from fleetctl.whatif import KEYS, Figures, judge
+from fleetctl.whatif.predict import KEYS, Figures, judge
 from tests.conftest import write
 from tests.procs import free_port
 from tests.test_apply import NAMES, fleet, hosts  # noqa: F401 (fixtures: real SSH test hosts)
@@ -169,7 +169,7 @@ def test_an_slo_drop_refuses_too(cli, tmp_path):
 
 def test_progress_hears_the_share_of_requests_simulated(tmp_path):
     from fleetctl.sim.workload import load_trace
-    from fleetctl.whatif import what_if
+    from fleetctl.whatif.predict import what_if
 
     inv = load_inventory(inventory(tmp_path, 2), load_catalog())
     items = load_trace(trace(tmp_path, n=5000, every_ms=20), "llama-3-8b")

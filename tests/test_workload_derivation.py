@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 
 from benchmarks.workload_derivation import INVENTORY, compare, replay, trace_items
-from fleetctl.catalog import load_catalog
-from fleetctl.inventory import load_inventory
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
+from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
-from fleetctl.whatif import KEYS
+from fleetctl.whatif.predict import KEYS
 
 SLICE = Path(__file__).parent / "data" / "azure_conv_slice.csv"
 REQUESTS = 80

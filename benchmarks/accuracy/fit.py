@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import score
 
-from fleetctl import perf
-from fleetctl.catalog import load_catalog
+from fleetctl.model import perf
+from fleetctl.model.catalog import load_catalog
 
 GiB = 2**30
 INT4 = ("awq-int4", "gptq-int4")

@@ -26,11 +26,11 @@ from typing import Any
 
 import yaml
 
-from fleetctl.catalog import Catalog, ModelProfile, load_catalog
-from fleetctl.estimate import Settings, Workload, estimate
-from fleetctl.hfconfig import profile_from_config
-from fleetctl.perf import EnginePerf
-from fleetctl.vllm_release import unmodelled
+from fleetctl.model.catalog import Catalog, ModelProfile, load_catalog
+from fleetctl.model.estimate import Settings, Workload, estimate
+from fleetctl.model.hfconfig import profile_from_config
+from fleetctl.model.perf import EnginePerf
+from fleetctl.vllm.release import unmodelled
 
 HERE = Path(__file__).resolve().parent
 

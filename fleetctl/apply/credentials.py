@@ -10,7 +10,7 @@ import os
 import stat
 from pathlib import Path
 
-from fleetctl.errors import Location, UserError
+from fleetctl.base.errors import Location, UserError
 
 
 def load_secrets(names: list[str], secrets_file: Path | None = None) -> dict[str, str]:

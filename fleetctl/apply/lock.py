@@ -16,8 +16,8 @@ import socket
 import sys
 from types import TracebackType
 
-from fleetctl.errors import OperationError
-from fleetctl.statedir import StateDir
+from fleetctl.base.errors import OperationError
+from fleetctl.fleet.statedir import StateDir
 
 
 class StateLock:

@@ -19,10 +19,10 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from fleetctl.errors import shown
-from fleetctl.names import ENV_KEY, control_char
-from fleetctl.plan import Deployment
-from fleetctl.ssh import Result, quote
+from fleetctl.base.errors import shown
+from fleetctl.base.names import ENV_KEY, control_char
+from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.ssh import Result, quote
 
 Supervisor = Literal["auto", "systemd", "nohup"]
 TOKEN_VAR = "FLEETCTL_SERVER_TOKEN"
@@ -194,7 +194,7 @@ n="$1"; sid="$2"
 tail -n "$n" "$root/$sid/log" 2>/dev/null || echo "(no log at ~/.fleetctl/servers/$sid/log)"
 """
 
-# The start-up lines vLLM logs with a duration (fleetctl/warmup.py reads them); bounded.
+# The start-up lines vLLM logs with a duration (fleetctl/apply/warmup.py reads them); bounded.
 _STARTUP = r"""
 grep -E 'took|takes|finished in' "$root/$1/log" 2>/dev/null | head -n 200
 """
@@ -335,7 +335,7 @@ class NodeAgent:
 
     def startup_phases(self, sid: str) -> dict[str, float]:
         """The start-up phases the server's log names so far (calibration.parse_startup_log)."""
-        from fleetctl.calibration import parse_startup_log
+        from fleetctl.model.calibration import parse_startup_log
 
         return parse_startup_log(self.session.run(_script(_STARTUP, sid), self.timeout_s).stdout)
 

@@ -7,14 +7,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from fleetctl.apply.execute import ApplyOptions, node_targets, ready
 from fleetctl.apply.node import Live, NodeAgent, server_id
-from fleetctl.apply.run import ApplyOptions, node_targets, ready
-from fleetctl.inventory import Inventory
-from fleetctl.names import natural_key
-from fleetctl.plan import Deployment
+from fleetctl.base.names import natural_key
+from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.ssh import NodeError, SshSession
+from fleetctl.fleet.state import State
 from fleetctl.planner.diff import parse_flags
-from fleetctl.ssh import NodeError, SshSession
-from fleetctl.state import State
 
 Condition = Literal[
     "running",

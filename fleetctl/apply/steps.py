@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from fleetctl.apply.node import Live
-from fleetctl.limits import SURGE_PORT_OFFSET
-from fleetctl.plan import Deployment
+from fleetctl.base.limits import SURGE_PORT_OFFSET
+from fleetctl.fleet.plan import Deployment
 
 StepKind = Literal["keep", "adopt", "start", "restart", "replace", "stop"]
 

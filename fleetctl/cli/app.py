@@ -57,7 +57,7 @@ def main() -> None:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
     except Exception as e:
-        from fleetctl.errors import FleetError
+        from fleetctl.base.errors import FleetError
 
         if debug:
             raise

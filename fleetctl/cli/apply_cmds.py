@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from fleetctl.base.jsonout import print_json
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import (
@@ -23,12 +24,11 @@ from fleetctl.cli.options import (
     parallel,
     timeout,
 )
-from fleetctl.jsonout import print_json
 
 if TYPE_CHECKING:
-    from fleetctl.calibration import Calibrated, Calibration, Entry
-    from fleetctl.inventory import Inventory
-    from fleetctl.state import State
+    from fleetctl.fleet.inventory import Inventory
+    from fleetctl.fleet.state import State
+    from fleetctl.model.calibration import Calibrated, Calibration, Entry
 
 
 @app.command()
@@ -94,7 +94,7 @@ def apply(
         """After an apply that went well: the servers now running refresh the calibration."""
         if skip_calibration:
             return {"calibration": None}, []
-        from fleetctl.calibrate_io import refresh_running
+        from fleetctl.cli.calibrate_io import refresh_running
 
         done = refresh_running(inv, catalog, sdir)
         return {"calibration": done.to_json()}, done.lines()
@@ -114,7 +114,7 @@ def apply(
 def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool, show: bool) -> Any:
     """apply --gate: the trace is read now (a bad one fails before anything is locked); the
     comparison runs once the plan is made, against the state apply holds locked."""
-    from fleetctl.cli import whatif
+    from fleetctl.cli import whatif_view as whatif
 
     traffic = whatif.load_traffic(inv, trace)
 
@@ -178,12 +178,12 @@ def status(
             )
         print_json({"ok": good, **summary, "servers": servers})
     else:
-        from fleetctl.render import status_table
-        from fleetctl.text import plural
+        from fleetctl.base.text import plural
+        from fleetctl.cli.render import status_table
 
         console = common.console()
         if rows:
-            from fleetctl.calibration import beside_model_text
+            from fleetctl.model.calibration import beside_model_text
 
             texts = {k: beside_model_text(e.entry) for k, e in engines.items() if e.entry}
             console.print(status_table(rows, texts))
@@ -197,7 +197,7 @@ def server_engines(
     inv: Inventory, state: State, calibration: Calibration
 ) -> dict[tuple[str, tuple[int, ...]], Calibrated]:
     """Per recorded server (node, GPUs): its engine as the one calibrated model has it."""
-    from fleetctl.calibration import deployment_engine
+    from fleetctl.fleet.engines import deployment_engine
 
     out = {}
     for d in state.deployments:
@@ -208,7 +208,7 @@ def server_engines(
 
 
 def _beside(entry: Entry | None) -> dict[str, Any] | None:
-    from fleetctl.calibration import beside_model
+    from fleetctl.model.calibration import beside_model
 
     return None if entry is None else beside_model(entry)
 

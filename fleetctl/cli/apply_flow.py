@@ -10,18 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from fleetctl.apply.credentials import load_secrets
+from fleetctl.apply.execute import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
 from fleetctl.apply.lock import StateLock
-from fleetctl.apply.run import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
-from fleetctl.errors import Location, UserError, shown
-from fleetctl.inventory import Inventory
-from fleetctl.jsonout import print_json
-from fleetctl.names import control_char
-from fleetctl.plan import Deployment, Plan
+from fleetctl.base.errors import Location, UserError, shown
+from fleetctl.base.jsonout import print_json
+from fleetctl.base.names import control_char
+from fleetctl.base.text import plural
+from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.plan import Deployment, Plan
+from fleetctl.fleet.ssh import SshOptions
+from fleetctl.fleet.state import State
+from fleetctl.fleet.statedir import StateDir
 from fleetctl.planner.diff import diff
-from fleetctl.ssh import SshOptions
-from fleetctl.state import State
-from fleetctl.statedir import StateDir
-from fleetctl.text import plural
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def run_apply(
         note = lock.stale_note()
         disruption = _disruption(inv, sdir, deployments, state)
         if not c.as_json:
-            from fleetctl.render import render_plan, summary_line
+            from fleetctl.cli.render import render_plan, summary_line
 
             if note:
                 console.print(f"[yellow]warning:[/] {note}")
@@ -231,9 +231,9 @@ def run_apply(
 
 
 def _disruption(inv: Inventory, sdir: StateDir, deployments: list[Deployment], state: State) -> Any:
-    """What the plan costs the running fleet in warm-up (fleetctl/warmup.py); the start-ups
+    """What the plan costs the running fleet in warm-up (fleetctl/apply/warmup.py); the start-ups
     measured so far, when the calibration file can be read."""
-    from fleetctl.warmup import for_plan
+    from fleetctl.apply.warmup import for_plan
 
     try:
         cal = sdir.load_calibration()
@@ -250,9 +250,9 @@ def _record_startups(
     console: Any,
     quiet: bool,
 ) -> None:
-    """Each server's measured start-up joins the calibration (warm-up: fleetctl/warmup.py);
+    """Each server's measured start-up joins the calibration (warm-up: fleetctl/apply/warmup.py);
     a calibration file that cannot be read or written is a warning, not a failed apply."""
-    from fleetctl.warmup import record_startups
+    from fleetctl.apply.warmup import record_startups
 
     try:
         record_startups(sdir, inv, deployments, outcomes)

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from fleetctl.base.jsonout import print_json
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import InventoryArg, JsonOpt, ProfilesOpt, StateDirOpt
-from fleetctl.jsonout import print_json
 
 if TYPE_CHECKING:
-    from fleetctl.calibration import Entry
+    from fleetctl.model.calibration import Entry
     from fleetctl.routing.types import Backend
 
 
@@ -46,9 +46,9 @@ def calibrate(
     as_json: bool = JsonOpt,
 ) -> None:
     """Measure KV capacity, decode step and prefill speed on the running servers."""
-    from fleetctl.calibrate_io import refresh
-    from fleetctl.progress import progress
-    from fleetctl.router.backends import load_backends
+    from fleetctl.base.progress import progress
+    from fleetctl.cli.calibrate_io import refresh
+    from fleetctl.daemon.backends import load_backends
 
     inv, catalog = common.load(inventory, profiles)
     sdir = common.state_dir(inv, state_dir)
@@ -78,8 +78,8 @@ def calibrate(
             }
         )
     else:
-        from fleetctl.render import calibration_table
-        from fleetctl.text import plural
+        from fleetctl.base.text import plural
+        from fleetctl.cli.render import calibration_table
 
         console = common.console()
         console.print(calibration_table(readings))
@@ -101,7 +101,7 @@ def used_as(entry: Entry, backends: list[Backend]) -> dict[str, str]:
     """How every command will use `entry`: per figure, measured, scaled from a measurement,
     or still the model's (the batch sizes seen too alike, a figure not trusted); empty when no
     server of its class has a model to scale."""
-    from fleetctl.calibration import Calibration, calibrated
+    from fleetctl.model.calibration import Calibration, calibrated
 
     k = entry.key
     for b in backends:

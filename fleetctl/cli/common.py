@@ -14,12 +14,12 @@ from fleetctl.cli.options import EXAMPLE_PREFIX
 if TYPE_CHECKING:  # heavy imports wait for the command that needs them
     from collections.abc import Mapping, Sequence
 
-    from fleetctl.catalog import Catalog
-    from fleetctl.inventory import Inventory
-    from fleetctl.plan import Plan
+    from fleetctl.fleet.inventory import Inventory
+    from fleetctl.fleet.plan import Plan
+    from fleetctl.fleet.state import State
+    from fleetctl.fleet.statedir import StateDir
+    from fleetctl.model.catalog import Catalog
     from fleetctl.sim.workload import WorkItem
-    from fleetctl.state import State
-    from fleetctl.statedir import StateDir
 
 
 def console() -> Any:
@@ -32,8 +32,8 @@ def console() -> Any:
 
 def example_path(arg: str) -> Path:
     """The bundled example `arg` names (example:NAME), else `arg` as a path."""
-    from fleetctl.errors import UserError
-    from fleetctl.resources import examples
+    from fleetctl.base.errors import UserError
+    from fleetctl.base.resources import examples
 
     if not arg.startswith(EXAMPLE_PREFIX):
         return Path(arg)
@@ -48,8 +48,8 @@ def load(
     inventory: str, profiles: list[Path] | None, ssh: bool = False
 ) -> tuple[Inventory, Catalog]:
     """Load the inventory; `ssh`: this command connects, so its key files must exist."""
-    from fleetctl.catalog import load_catalog
-    from fleetctl.inventory import load_inventory
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.model.catalog import load_catalog
 
     catalog = load_catalog(profiles)
     inv = load_inventory(example_path(inventory), catalog)
@@ -59,7 +59,7 @@ def load(
 
 
 def state_dir(inv: Inventory, override: Path | None) -> StateDir:
-    from fleetctl.statedir import StateDir
+    from fleetctl.fleet.statedir import StateDir
 
     return StateDir.of(inv, override)
 
@@ -81,7 +81,7 @@ def plan_with_facts(
     `plan` and `apply` both plan through here."""
     import dataclasses
 
-    from fleetctl.facts import apply_facts
+    from fleetctl.fleet.facts import apply_facts
     from fleetctl.planner import plan_fleet
 
     found = sdir.load_facts(facts)
@@ -90,7 +90,7 @@ def plan_with_facts(
         inv, notes = apply_facts(inv, found, catalog)
     calibration = sdir.load_calibration() if calibrated else None
     if inv.spec.planner.objective == "cost":
-        from fleetctl.slo_plan import plan_within_slos
+        from fleetctl.whatif.slo_check import plan_within_slos
 
         planned = inv
         result = plan_within_slos(
@@ -108,7 +108,7 @@ def exit_if_incomplete(result: Plan) -> None:
     """Exit 3 when a model could not be placed: the plan is valid, but not all of it."""
     if not result.unplaced:
         return
-    from fleetctl.text import plural
+    from fleetctl.base.text import plural
 
     names = ", ".join(u.model for u in result.unplaced)
     sys.stderr.write(
@@ -120,7 +120,7 @@ def exit_if_incomplete(result: Plan) -> None:
 
 def unchecked(out: Any, lines: list[str], total: int, verb: str = "check") -> None:
     """One line per node that could not be reached, then how many: unwrapped, no markup."""
-    from fleetctl.text import plural
+    from fleetctl.base.text import plural
 
     for line in lines:
         out.print(line, style="red", markup=False, highlight=False, soft_wrap=True)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import typer
 
+from fleetctl.base.jsonout import print_json
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import JsonOpt, NoCalibrationOpt, ProfilesOpt
-from fleetctl.jsonout import print_json
 
 VERSION = re.compile(r"\d{1,4}\.\d{1,4}(\.\d{1,4})?([.+-]?[A-Za-z0-9]{1,16}){0,3}")
 
@@ -72,10 +72,10 @@ def estimate(
     as_json: bool = JsonOpt,
 ) -> None:
     """How much KV cache a model gets on a GPU group, and its decode and prefill speeds."""
-    from fleetctl.catalog import load_catalog
-    from fleetctl.errors import UserError, did_you_mean, shown
-    from fleetctl.estimate import Settings, Workload
-    from fleetctl.estimate import estimate as run
+    from fleetctl.base.errors import UserError, did_you_mean, shown
+    from fleetctl.model.catalog import load_catalog
+    from fleetctl.model.estimate import Settings, Workload
+    from fleetctl.model.estimate import estimate as run
 
     cat = load_catalog(profiles)
     found = cat.find_gpu(gpu)
@@ -101,7 +101,7 @@ def estimate(
             f"--vllm-version {shown(vllm_version)} is not a release number", None, "e.g. 0.6.3"
         )
     if vllm_version is not None:
-        from fleetctl.vllm_release import NEWEST_READ, OLDEST_MODELLED, unmodelled
+        from fleetctl.vllm.release import NEWEST_READ, OLDEST_MODELLED, unmodelled
 
         why = unmodelled(vllm_version)
         if why is not None:
@@ -123,7 +123,7 @@ def estimate(
     )
     calibration = None
     if not no_calibration:
-        from fleetctl.statedir import STATE_DIR_NAME, StateDir
+        from fleetctl.fleet.statedir import STATE_DIR_NAME, StateDir
 
         calibration = StateDir(state_dir or Path.cwd() / STATE_DIR_NAME).load_calibration()
     result = run(
@@ -137,6 +137,6 @@ def estimate(
     if as_json:
         print_json(result.to_json())
         return
-    from fleetctl.render import estimate_table
+    from fleetctl.cli.render import estimate_table
 
     common.console().print(estimate_table(result))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from fleetctl.base.jsonout import print_json
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import (
@@ -19,7 +20,6 @@ from fleetctl.cli.options import (
     parallel,
     timeout,
 )
-from fleetctl.jsonout import print_json
 
 
 @app.command()
@@ -39,18 +39,18 @@ def probe(
     """Gather each node's GPUs, driver, CUDA, vLLM and OS over SSH into the state folder."""
     import itertools
 
-    from fleetctl.errors import UserError
-    from fleetctl.progress import progress
+    from fleetctl.base.errors import UserError
+    from fleetctl.base.progress import progress
 
     if local:
-        from fleetctl.probe import local_facts
+        from fleetctl.fleet.probe import local_facts
 
         print_json(local_facts().to_json())
         return
     if inventory is None:
         raise UserError("give an inventory, or --local for this machine", None, "see --help")
-    from fleetctl.probe import probe_fleet
-    from fleetctl.ssh import SshOptions
+    from fleetctl.fleet.probe import probe_fleet
+    from fleetctl.fleet.ssh import SshOptions
 
     inv, _ = common.load(inventory, profiles, ssh=True)
     sdir = common.state_dir(inv, state_dir)
@@ -63,7 +63,7 @@ def probe(
     if as_json:
         print_json(facts.to_json())
     else:
-        from fleetctl.render import facts_table
+        from fleetctl.cli.render import facts_table
 
         console = common.console()
         console.print(facts_table(facts))
@@ -88,11 +88,11 @@ def health(
     ),
 ) -> None:
     """Check nodes and servers: reachability, version skew in a class, GPUs, ECC, servers."""
-    from fleetctl import health as h
-    from fleetctl.calibrate_io import refresh_running
-    from fleetctl.probe import probe_fleet
-    from fleetctl.ssh import SshOptions
-    from fleetctl.statedir import HealthRecord
+    from fleetctl.cli.calibrate_io import refresh_running
+    from fleetctl.fleet import health as h
+    from fleetctl.fleet.probe import probe_fleet
+    from fleetctl.fleet.ssh import SshOptions
+    from fleetctl.fleet.statedir import HealthRecord
 
     inv, catalog = common.load(inventory, profiles, ssh=True)
     sdir = common.state_dir(inv, state_dir)
@@ -123,8 +123,8 @@ def health(
             }
         )
     else:
-        from fleetctl.render import health_table
-        from fleetctl.text import plural
+        from fleetctl.base.text import plural
+        from fleetctl.cli.render import health_table
 
         console = common.console()
         console.print(health_table(checks))

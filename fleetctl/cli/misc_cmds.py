@@ -7,10 +7,10 @@ from typing import Any
 
 import typer
 
+from fleetctl.base.jsonout import print_json
 from fleetctl.cli import common
 from fleetctl.cli.app import app, examples_app, profiles_app
 from fleetctl.cli.options import EXAMPLE_PREFIX, JsonOpt, ProfilesOpt
-from fleetctl.jsonout import print_json
 
 
 @examples_app.callback()
@@ -18,7 +18,7 @@ def examples(ctx: typer.Context, as_json: bool = JsonOpt) -> None:
     """List the bundled example inventories (use them as example:NAME, or copy one to edit)."""
     if ctx.invoked_subcommand is not None:
         return
-    from fleetctl.resources import examples as bundled_examples
+    from fleetctl.base.resources import examples as bundled_examples
 
     found = bundled_examples()
     if as_json:
@@ -38,8 +38,8 @@ def examples_copy(
     force: bool = typer.Option(False, "--force", help="Overwrite an existing file."),
 ) -> None:
     """Write an editable copy of a bundled example inventory."""
-    from fleetctl.errors import Location, UserError
-    from fleetctl.statedir import write_atomic
+    from fleetctl.base.errors import Location, UserError
+    from fleetctl.fleet.statedir import write_atomic
 
     source = common.example_path(EXAMPLE_PREFIX + name.removeprefix(EXAMPLE_PREFIX))
     target = dest or Path(source.name)
@@ -54,7 +54,7 @@ def examples_copy(
 @profiles_app.command("list")
 def profiles_list(profiles: list[Path] = ProfilesOpt, as_json: bool = JsonOpt) -> None:
     """List the GPU, model and format profiles."""
-    from fleetctl.catalog import load_catalog
+    from fleetctl.model.catalog import load_catalog
 
     cat = load_catalog(profiles)
     if as_json:
@@ -66,7 +66,7 @@ def profiles_list(profiles: list[Path] = ProfilesOpt, as_json: bool = JsonOpt) -
             }
         )
         return
-    from fleetctl.render import profiles_table
+    from fleetctl.cli.render import profiles_table
 
     common.console().print(profiles_table(cat))
 
@@ -80,8 +80,8 @@ def profiles_show(
     ),
 ) -> None:
     """Show one profile (GPU, model or format) by name or alias, as JSON."""
-    from fleetctl.catalog import load_catalog
-    from fleetctl.errors import UserError, did_you_mean
+    from fleetctl.base.errors import UserError, did_you_mean
+    from fleetctl.model.catalog import load_catalog
 
     cat = load_catalog(profiles)
     found: Any = cat.find_gpu(name)
@@ -118,10 +118,10 @@ def profiles_import(
     """Add a model profile from a Hugging Face config.json (parameter counts computed)."""
     import yaml
 
-    from fleetctl.catalog import ModelProfile
-    from fleetctl.errors import Location, UserError
-    from fleetctl.hfconfig import profile_from_config, read_config
-    from fleetctl.statedir import write_atomic
+    from fleetctl.base.errors import Location, UserError
+    from fleetctl.fleet.statedir import write_atomic
+    from fleetctl.model.catalog import ModelProfile
+    from fleetctl.model.hfconfig import profile_from_config, read_config
 
     data = profile_from_config(read_config(config), name, config, hf_id)
     try:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from fleetctl.base.jsonout import dump_json, print_json
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import (
@@ -16,7 +17,6 @@ from fleetctl.cli.options import (
     ProfilesOpt,
     StateDirOpt,
 )
-from fleetctl.jsonout import dump_json, print_json
 
 
 @app.command()
@@ -24,7 +24,7 @@ def validate(
     inventory: str = InventoryArg, profiles: list[Path] = ProfilesOpt, as_json: bool = JsonOpt
 ) -> None:
     """Check an inventory and its profiles; print what it declares."""
-    from fleetctl.text import plural
+    from fleetctl.base.text import plural
 
     inv, _ = common.load(inventory, profiles)
     gpus = sum(n.gpu_count for n in inv.nodes)
@@ -81,11 +81,11 @@ def plan(
     """Compute which model, format and TP size runs on which GPUs, and the diff to what runs."""
     import dataclasses
 
-    from fleetctl.statedir import write_atomic
+    from fleetctl.fleet.statedir import write_atomic
 
     inv, catalog = common.load(inventory, profiles)
     if objective is not None:
-        from fleetctl.cost import with_objective
+        from fleetctl.fleet.prices import with_objective
 
         inv = with_objective(inv, objective)
     workloads = None
@@ -96,7 +96,7 @@ def plan(
     sdir = common.state_dir(inv, state_dir)
     traffic = None
     if what_if is not None:
-        from fleetctl.cli import whatif
+        from fleetctl.cli import whatif_view as whatif
 
         traffic = whatif.load_traffic(inv, what_if)
     state = sdir.load_state()
@@ -106,7 +106,7 @@ def plan(
 
         traces = traces_from(inv, workload_from)  # the SLO check runs the traffic itself
     result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
-    from fleetctl.warmup import for_plan
+    from fleetctl.apply.warmup import for_plan
 
     # Warm-up: the start-ups apply measured (the calibration), else estimated from weights.
     disruption = for_plan(
@@ -131,7 +131,7 @@ def plan(
         data["disruption"] = disruption.to_json()
         print_json(data)
     else:
-        from fleetctl.render import render_plan
+        from fleetctl.cli.render import render_plan
 
         console = common.console()
         if workloads is not None:

@@ -106,11 +106,11 @@ def route_serve(
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
     """Run the OpenAI-compatible routing daemon in front of the fleet (SIGHUP reloads)."""
-    from fleetctl.errors import UserError
-    from fleetctl.router.backends import load_backends
-    from fleetctl.router.daemon import PREFIX_CAPACITY, DaemonConfig
-    from fleetctl.router.serve import build_router, kv_sources, read_secret, serve
-    from fleetctl.router.transport import TRANSPORTS
+    from fleetctl.base.errors import UserError
+    from fleetctl.daemon.backends import load_backends
+    from fleetctl.daemon.router import PREFIX_CAPACITY, DaemonConfig
+    from fleetctl.daemon.serve import build_router, kv_sources, read_secret, serve
+    from fleetctl.daemon.transport import TRANSPORTS
 
     if upstream_client not in TRANSPORTS:
         raise UserError(

@@ -9,9 +9,10 @@ from typing import Any
 
 from rich.console import RenderableType
 
-from fleetctl.errors import Location, UserError
-from fleetctl.inventory import BucketSpec, Inventory, WorkloadSpec
-from fleetctl.limits import MAX_RATE
+from fleetctl.base.errors import Location, UserError
+from fleetctl.base.limits import MAX_RATE
+from fleetctl.base.tables import Col, Records
+from fleetctl.fleet.inventory import BucketSpec, Inventory, WorkloadSpec
 from fleetctl.sim.workload import (
     Bucket,
     Derived,
@@ -21,7 +22,6 @@ from fleetctl.sim.workload import (
     load_trace,
     trace_files,
 )
-from fleetctl.tables import Col, Records
 
 # Length buckets per model derived from traffic: 2 prompt-length halves x 2 output-length
 # halves, what the cost objective sizes separately (sim/workload.py length_buckets).

@@ -6,7 +6,7 @@ vLLM's HTTP API, metrics.py writes its Prometheus exposition.
 
 Prefix caching (vLLM V1's automatic prefix caching, on unless --no-enable-prefix-caching):
 prompts.py names each prompt's blocks for the engine's cache, without a tokenizer. Token-id
-prompts: their full 16-token blocks hashed as vLLM 0.32 hashes them (fleetctl/vllm_hash.py,
+prompts: their full 16-token blocks hashed as vLLM 0.32 hashes them (fleetctl/vllm/hashing.py,
 --prefix-caching-hash-algo, $PYTHONHASHSEED). Text (a completions prompt, or a chat's message
 contents joined by newlines as the router's prompt_text joins them): fixed 64-character
 chunks chained (fleetctl/routing/blocks.py text_blocks), each 16 tokens at the emulator's 4

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
-from fleetctl.errors import UserError
-from fleetctl.vllm_hash import ALGOS, DEFAULT_ALGO
+from fleetctl.base.errors import UserError
+from fleetctl.vllm.hashing import ALGOS, DEFAULT_ALGO
 
 # Flags we read; every other `--flag` is one of vLLM's hundreds and is ignored with a warning.
 PROG = "fleetctl emulate"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetctl.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
+from fleetctl.base.errors import UserError
 from fleetctl.emulator.args import EmulatorArgs
-from fleetctl.emulator.kv_events import KvEventsConfig, parse_kv_events_config
+from fleetctl.emulator.kv_publisher import KvEventsConfig, parse_kv_events_config
 from fleetctl.emulator.truth import less_kv, slower
-from fleetctl.errors import UserError
-from fleetctl.perf import BLOCK_SIZE, EnginePerf, KvBudget, kv_budget, vllm_batch_defaults
+from fleetctl.model.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
+from fleetctl.model.perf import BLOCK_SIZE, EnginePerf, KvBudget, kv_budget, vllm_batch_defaults
 from fleetctl.sim.engine import Engine
 
 VLLM_VERSION = "0.32.0"  # the vLLM release whose API and metrics the emulator reproduces

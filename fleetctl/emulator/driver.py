@@ -7,7 +7,7 @@ request's new tokens (Engine.generated) to that request's queue. Latencies are m
 engine's clock, so they describe the modelled GPU, not the event loop's punctuality.
 
 With a KV event publisher, each engine step's prefix cache changes (the pool's `events`) are
-handed to it as one batch (fleetctl/emulator/kv_events.py).
+handed to it as one batch (fleetctl/emulator/kv_publisher.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fleetctl.emulator.kv_events import BlockNames, KvEventPublisher
+from fleetctl.emulator.kv_publisher import BlockNames, KvEventPublisher
 from fleetctl.emulator.metrics import Recorder
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.sim.engine import DONE, WAITING, Engine, Seq

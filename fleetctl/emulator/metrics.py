@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from fleetctl.perf import BLOCK_SIZE
+from fleetctl.model.perf import BLOCK_SIZE
 from fleetctl.sim.engine import Engine
 
 # Bucket boundaries exactly as vLLM 0.32 declares them.

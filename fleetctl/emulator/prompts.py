@@ -3,13 +3,13 @@
 The emulator has no tokenizer, so it names what it is given:
 
 - Token ids (a completions prompt given as ids, or a batch of such): the ids' full
-  `block_size`-token blocks hashed as vLLM 0.32 hashes them (fleetctl/vllm_hash.py, with
+  `block_size`-token blocks hashed as vLLM 0.32 hashes them (fleetctl/vllm/hashing.py, with
   `--prefix-caching-hash-algo` and the server's PYTHONHASHSEED, as vLLM takes them), so the
   blocks it caches, and publishes as KV events, carry the ints a real vLLM would publish for
   the same ids. Where those cannot be computed (xxhash without PYTHONHASHSEED or the xxhash
   package), fleetctl/routing/blocks.py `token_blocks(ids, block_size)`.
 - Text (a completions prompt string; a chat's messages, their text contents joined by
-  newlines as fleetctl/router/tokens.py `prompt_text` joins them): fleetctl/routing/blocks.py
+  newlines as fleetctl/daemon/tokens.py `prompt_text` joins them): fleetctl/routing/blocks.py
   `text_blocks(text, tokens)`, fixed 64-character chunks chained, each standing for
   64 / CHARS_PER_TOKEN = 16 tokens (the emulator counts 4 characters per token), so two
   prompts share cached blocks exactly as far as their texts share whole chunks.
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fleetctl.router.tokens import prompt_text
+from fleetctl.daemon.tokens import prompt_text
 from fleetctl.routing.blocks import text_blocks, token_blocks
 from fleetctl.routing.prefix import PromptBlocks
-from fleetctl.vllm_hash import block_hashes
+from fleetctl.vllm.hashing import block_hashes
 
 # Above this many token ids in one request, hashing (~0.2 us per token) leaves the loop.
 THREAD_OVER_IDS = 20_000

@@ -18,14 +18,14 @@ from typing import Any
 
 from aiohttp import web
 
-from fleetctl import names
+from fleetctl.base import names
+from fleetctl.base.errors import OperationError
 from fleetctl.emulator import prompts as naming
 from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
 from fleetctl.emulator.driver import Driver, Job, Update
-from fleetctl.emulator.kv_events import KvEventPublisher
+from fleetctl.emulator.kv_publisher import KvEventPublisher
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
-from fleetctl.errors import OperationError
 
 log = logging.getLogger("fleetctl.emulator")
 # uvicorn's access line, which is what vLLM prints; never headers, so never the API key.

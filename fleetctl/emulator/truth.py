@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from fleetctl.catalog import GpuProfile
-from fleetctl.perf import KvBudget
+from fleetctl.model.catalog import GpuProfile
+from fleetctl.model.perf import KvBudget
 
 MiB = 2**20
 

@@ -6,14 +6,12 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Mapping
 
-from fleetctl.calibration import Calibration
-from fleetctl.cost import total
-from fleetctl.errors import UserError
-from fleetctl.inventory import Inventory, Model
-from fleetctl.limits import SURGE_PORT_OFFSET
-from fleetctl.names import natural_key
-from fleetctl.perf import GB
-from fleetctl.plan import (
+from fleetctl.base.errors import UserError
+from fleetctl.base.limits import SURGE_PORT_OFFSET
+from fleetctl.base.names import natural_key
+from fleetctl.base.text import plural
+from fleetctl.fleet.inventory import Inventory, Model
+from fleetctl.fleet.plan import (
     BucketUse,
     Deployment,
     KvEvents,
@@ -22,6 +20,11 @@ from fleetctl.plan import (
     Server,
     Unplaced,
 )
+from fleetctl.fleet.prices import total
+from fleetctl.fleet.state import State
+from fleetctl.model.calibration import Calibration
+from fleetctl.model.perf import GB
+from fleetctl.model.startup import replacement_minutes, stay_bonus, warmup_seconds
 from fleetctl.planner.candidates import (
     Candidate,
     NodeClass,
@@ -37,9 +40,6 @@ from fleetctl.planner.candidates import (
 from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
 from fleetctl.planner.optimize import demand, solve
-from fleetctl.startup import replacement_minutes, stay_bonus, warmup_seconds
-from fleetctl.state import State
-from fleetctl.text import plural
 
 __all__ = ["plan_fleet"]
 
@@ -55,7 +55,7 @@ def plan_fleet(
     `calibration`, live servers' measured KV and speed replace the model's where they match.
     `objective` ("throughput" or "cost", default the inventory's planner.objective): share
     spare GPUs out, or use the cheapest GPUs that meet every workload (times the model's
-    `headroom`, where the simulator found its SLO missed: fleetctl/slo_plan.py)."""
+    `headroom`, where the simulator found its SLO missed: fleetctl/whatif/slo_check.py)."""
     state = state or State()
     objective = objective or inv.spec.planner.objective
     classes = node_classes(inv)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fleetctl.calibration import Calibrated, Calibration, calibrated
-from fleetctl.catalog import GpuProfile
-from fleetctl.cost import node_cost_per_hour
-from fleetctl.inventory import Inventory, Model, Node, Variant
-from fleetctl.names import natural_key
-from fleetctl.perf import (
+from fleetctl.base.names import natural_key
+from fleetctl.base.text import plural
+from fleetctl.fleet.inventory import Inventory, Model, Node, Variant
+from fleetctl.fleet.prices import node_cost_per_hour
+from fleetctl.model.calibration import Calibrated, Calibration, calibrated
+from fleetctl.model.catalog import GpuProfile
+from fleetctl.model.perf import (
     BLOCK_SIZE,
     GB,
     EnginePerf,
@@ -18,7 +19,6 @@ from fleetctl.perf import (
     max_sequences,
     vllm_batch_defaults,
 )
-from fleetctl.text import plural
 
 TP_SIZES = (1, 2, 4, 8)
 # Mean request shape assumed when a model has no workload: a chat turn.
@@ -42,7 +42,7 @@ class NodeClass:
     gpu_count: int
     nodes: tuple[Node, ...]
     allowed: frozenset[str]  # model names whose placement rules admit these nodes
-    cost_per_hour: float | None = None  # of one node (fleetctl/cost.py); None: unknown
+    cost_per_hour: float | None = None  # of one node (fleetctl/fleet/prices.py); None: unknown
 
     @property
     def size(self) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fleetctl.names import natural_key
-from fleetctl.plan import Action, Deployment
+from fleetctl.base.names import natural_key
+from fleetctl.fleet.plan import Action, Deployment
 
 
 def diff(desired: Sequence[Deployment], current: Sequence[Deployment]) -> tuple[Action, ...]:

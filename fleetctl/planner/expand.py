@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fleetctl.plan import Deployment
+from fleetctl.fleet.plan import Deployment
 from fleetctl.planner.candidates import Candidate, NodeClass
 
 

@@ -58,8 +58,8 @@ from typing import Any
 
 import numpy as np
 
-from fleetctl.errors import OperationError
-from fleetctl.inventory import Model
+from fleetctl.base.errors import OperationError
+from fleetctl.fleet.inventory import Model
 from fleetctl.planner.candidates import Candidate, NodeClass
 
 UNMET_WEIGHT = 1e3  # per missing minimum replica

@@ -1,5 +1,5 @@
 """The pure routing core: requests, backends, policies, the admission scheduler and sessions.
 
-No I/O and no event loop: the simulator (fleetctl/sim/) and the daemon (fleetctl/router/)
+No I/O and no event loop: the simulator (fleetctl/sim/) and the daemon (fleetctl/daemon/)
 call the same code.
 """

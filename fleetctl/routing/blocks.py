@@ -1,7 +1,7 @@
 """A prompt as chained block hashes: from token ids when a tokenizer gives them, else from text.
 
 Both give hashes that are the same in every process and on every router replica (replicas
-share what they routed through Redis, fleetctl/router/prefix_share.py), so neither may use
+share what they routed through Redis, fleetctl/daemon/prefix_share.py), so neither may use
 Python's `hash` of a str or bytes, which is salted per process. The hash of an int is not
 salted (it is the int modulo 2**61 - 1), nor is the hash of a tuple of ints: chains of those
 are stable on every 64-bit CPython.
@@ -20,7 +20,7 @@ own; it runs at ~0.4 us per chunk, against ~1.2 us with hashlib.blake2b
 (benchmarks/prefix_index.py). Each chunk stands for `tokens * chars / len(text)` tokens.
 
 For a chat request the text is the messages' contents joined by newlines, in order
-(fleetctl/router/tokens.py `prompt_text`), so requests that share a system prompt or earlier
+(fleetctl/daemon/tokens.py `prompt_text`), so requests that share a system prompt or earlier
 turns share their leading chunks. Pure: no I/O.
 """
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetctl.inventory import SloSpec
+from fleetctl.fleet.inventory import SloSpec
 from fleetctl.routing.types import Backend, Request
 
 # Queued prefill is costed at the speed of a chunk of this many tokens (vLLM's usual budget).

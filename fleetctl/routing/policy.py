@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from fleetctl.inventory import Inventory
+from fleetctl.fleet.inventory import Inventory
 from fleetctl.routing.goodput import (
     Effect,
     Slo,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetctl.perf import EnginePerf
+from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.prefix import PromptBlocks
 
 # Precision hints name a format or a family of formats.
@@ -108,7 +108,7 @@ class Backend:
     # it then forms a class of its own, so sessions never mix it with the others.
     class_tag: str = ""
     # The GPU indices on its node, and that node's dcgm-exporter /metrics URL, when known:
-    # DCGM then gives the measured memory-bandwidth utilization (fleetctl/router/live.py).
+    # DCGM then gives the measured memory-bandwidth utilization (fleetctl/daemon/live.py).
     gpus: tuple[int, ...] = ()
     dcgm_url: str = ""
     # The name its /v1/models lists when that is not `model` (a backends file's served_name):

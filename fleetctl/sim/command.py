@@ -10,17 +10,17 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.text import Text
 
-from fleetctl.errors import Location, UserError
-from fleetctl.inventory import Inventory
-from fleetctl.progress import progress
+from fleetctl.base.errors import Location, UserError
+from fleetctl.base.progress import progress
+from fleetctl.base.tables import Cell, Col, Records
+from fleetctl.base.text import plural
+from fleetctl.fleet.inventory import Inventory
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
+from fleetctl.sim.compare import Comparison, compare
 from fleetctl.sim.fleet import Server
-from fleetctl.sim.run import Comparison, compare
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
-from fleetctl.tables import Cell, Col, Records
-from fleetctl.text import plural
 
 
 def run_simulate(
@@ -45,8 +45,8 @@ def run_simulate(
     calibration gives the servers of its classes their measured KV and speed, and says so.
     `rate` (requests/s) or `load` (share of capacity) rescales the arrivals; `slo`
     (`TTFT_S,TPOT_MS`) replaces the model's objectives for the run."""
+    from fleetctl.fleet.statedir import StateDir
     from fleetctl.planner import plan_fleet
-    from fleetctl.statedir import StateDir
 
     if plot is not None:
         require_matplotlib()

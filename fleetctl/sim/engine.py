@@ -26,10 +26,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetctl.perf import BLOCK_SIZE, COMPUTE_EFFICIENCY, EnginePerf
+from fleetctl.model.perf import BLOCK_SIZE, COMPUTE_EFFICIENCY, EnginePerf
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.sim.kvpool import KvPool, Run, engine_keys
-from fleetctl.vllm_release import release
+from fleetctl.vllm.release import release
 
 WAITING, PREFILL, DECODE, DONE = 0, 1, 2, 3
 

@@ -12,10 +12,11 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fleetctl.calibration import Calibrated, Calibration, deployment_engine
-from fleetctl.inventory import Inventory
-from fleetctl.perf import BLOCK_SIZE, EnginePerf
-from fleetctl.plan import Deployment
+from fleetctl.fleet.engines import deployment_engine
+from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.plan import Deployment
+from fleetctl.model.calibration import Calibrated, Calibration
+from fleetctl.model.perf import BLOCK_SIZE, EnginePerf
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.prefix import PromptBlocks

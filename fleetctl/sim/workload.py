@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TextIO, TypeVar
 
-from fleetctl.errors import Location, UserError
+from fleetctl.base.errors import Location, UserError
 from fleetctl.routing.prefix import PromptBlocks, chain
 
 PROGRESS_ROWS = 4096  # rows between progress reports

@@ -1,0 +1,252 @@
+"""Proxying: send a placed request to its backend, relay the answer, retry through admission.
+
+Every attempt holds a Lease on its backend, and one handler pair in `Proxy.attempt` decides
+every outcome: success, an upstream failure (before or after the first byte), the client
+leaving (cancellation), or a bug. Whatever happens, the lease releases the backend's counters
+(outstanding, reserved tokens, pending prefill) exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeGuard
+
+from aiohttp import web
+
+from fleetctl.daemon.admission import Admission
+from fleetctl.daemon.backends import body_for
+from fleetctl.daemon.intake import error_response
+from fleetctl.daemon.live import LiveState
+from fleetctl.daemon.relay import BackendFailed, Stream, relay_whole
+from fleetctl.daemon.telemetry import RouterMetrics
+from fleetctl.daemon.tokens import TokenCounter
+from fleetctl.daemon.transport import Answer, Transport
+from fleetctl.daemon.upstream import UpstreamError
+from fleetctl.routing.goodput import Slo
+from fleetctl.routing.request import ClientError, Parsed
+from fleetctl.routing.scheduler import first_token, release
+from fleetctl.routing.types import Backend, Decision, OutputEstimator, Request
+
+RETRY_STATUSES = range(500, 600)
+# What a backend failing looks like; anything else (a client that left, a bug) is not its fault.
+FAILURES = (TimeoutError, UpstreamError, BackendFailed)
+# The backend that served a request (the last one tried), for the access log (serve.py).
+SERVED_BY = web.RequestKey("fleetctl_backend", Backend)
+
+
+def _count(value: object) -> TypeGuard[int]:
+    """A token count a backend may report: an int (not a bool) below 2**31."""
+    return type(value) is int and 0 <= value < 2**31
+
+
+@dataclass
+class Hooks:
+    """What the proxy tells the rest of the daemon about an attempt's outcome."""
+
+    admission: Admission
+    metrics: RouterMetrics
+    estimator: OutputEstimator
+    tokens: TokenCounter
+    live: LiveState | None
+    # Records a backend TTFT sample (scheduler's aging window, and the shared store).
+    observe_ttft: Callable[[float, float], None]
+    slo: dict[str, Slo] = field(default_factory=dict)  # each model's objectives, if it has
+
+
+class Lease:
+    """One attempt's hold on a backend, from placement (the scheduler accounted it) to its end.
+    Each ending releases the counters only if no other ending has: exactly once."""
+
+    __slots__ = ("b", "ended", "first_seen", "held", "hooks", "output", "req", "started", "ttft")
+
+    def __init__(self, hooks: Hooks, b: Backend, req: Request, started: float):
+        self.hooks, self.b, self.req, self.started = hooks, b, req, started
+        self.first_seen = False
+        self.held = True
+        self.ttft: float | None = None  # from arrival to the first byte
+        self.output: int | None = None  # output tokens, as reported or counted
+        self.ended = ""  # "done", "failed" or "abandoned"
+
+    def first(self) -> None:
+        """The first byte of the answer arrived: the prompt is no longer pending prefill."""
+        now = time.monotonic()
+        first_token(self.b, self.req)
+        self.first_seen = True
+        self.ttft = now - self.started
+        self.hooks.metrics.ttft.observe(now - self.started, self.req.model)
+        self.hooks.observe_ttft(now, now - self.started)
+
+    def _release(self) -> bool:
+        if not self.held:
+            return False
+        self.held = False
+        release(self.b, self.req, self.first_seen)
+        self.hooks.admission.wake()
+        return True
+
+    def done(self, answer: dict[str, Any] | None, streamed: int | None = None) -> None:
+        """Answered whole: learn from what the backend reported, when it is sane (a broken
+        backend must not skew the estimates)."""
+        if not self._release():
+            return
+        self.ended = "done"
+        h, req = self.hooks, self.req
+        e2e = time.monotonic() - self.started
+        h.metrics.e2e.observe(e2e, req.model)
+        if streamed is not None:
+            h.estimator.observe(req.model, streamed)
+            self.output = streamed
+        usage = answer.get("usage") if answer else None
+        if isinstance(usage, dict):
+            out, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+            if _count(out):
+                h.estimator.observe(req.model, out)
+                self.output = out
+            if _count(prompt):
+                h.tokens.observe(req.model, req.prompt_chars, prompt)
+        # A streamed answer times its tokens; a whole one arrives at once (no TPOT to time).
+        if streamed is not None and self.ttft is not None and self.output and self.output > 1:
+            tpot = (e2e - self.ttft) / (self.output - 1)
+            slo = h.slo.get(req.model)
+            met = None if slo is None else slo.met(self.ttft, tpot)
+            h.metrics.served(req.model, self.b.node_class, tpot, met)
+
+    def failed(self, reason: str) -> None:
+        """The backend failed: counted against it (ejection after several, logged with why)."""
+        if not self._release():
+            return
+        self.ended = "failed"
+        if self.hooks.live is not None:
+            self.hooks.live.failed(self.b, time.monotonic(), reason)
+
+    def abandoned(self) -> None:
+        """The client left, or a bug: not the backend's fault."""
+        if self._release():
+            self.ended = "abandoned"
+
+
+# The last attempt's Lease: how it ended, its TTFT and output tokens (the request log).
+LAST_ATTEMPT = web.RequestKey("fleetctl_attempt", Lease)
+
+
+@dataclass
+class Proxy:
+    upstream: Transport
+    hooks: Hooks
+    max_retries: int = 2
+    api_key: str | None = None  # the router's own: when set, the client's header is not passed
+    backend_api_key: str | None = None  # sent to backends instead of the client's header
+
+    async def serve(
+        self,
+        request: web.Request,
+        raw: bytes,
+        parsed: Parsed,
+        req: Request,
+        decision: Decision,
+        chat: bool,
+        started: float,
+    ) -> web.StreamResponse:
+        """Answer a placed request; a failure before the first byte is retried elsewhere."""
+        metrics = self.hooks.metrics
+        stream = bool(parsed.body.get("stream"))
+        headers = self._headers(request)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        label = decision.label
+        tried: list[Backend] = []
+        backend = decision.backend
+        while backend is not None:
+            tried.append(backend)
+            request[SERVED_BY] = backend
+            out = await self.attempt(request, raw, req, backend, path, headers, stream, started)
+            if out is not None:
+                metrics.requests.inc(req.model, backend.node_class, label, str(out.status))
+                return out
+            # Failed before any byte reached the client: try another backend.
+            if len(tried) > self.max_retries:
+                break
+            backend = await self._retry(req, tried)
+            if backend is not None:
+                metrics.retries.inc(req.model)
+                label = "retry"
+        metrics.requests.inc(req.model, tried[-1].node_class, label, "502")
+        return error_response(
+            ClientError(502, "every backend tried failed before answering", "server_error")
+        )
+
+    async def _retry(self, req: Request, tried: list[Backend]) -> Backend | None:
+        """A retry is a normal scheduler entry: the same priority and arrival (it keeps its
+        place in line), minus the backends that failed, and it waits for room like any other."""
+        req.exclude = frozenset(b.name for b in tried)
+        if not self.hooks.admission.could_serve(req):
+            return None  # no backend left to try: do not wait in line for nothing
+        try:
+            decision = await self.hooks.admission.place(req)
+        except ClientError:  # no room in time: the client gets the 502
+            return None
+        return decision.backend
+
+    def _headers(self, request: web.Request) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.backend_api_key:
+            headers["Authorization"] = f"Bearer {self.backend_api_key}"
+        elif self.api_key is None and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]  # the client's, for vLLM
+        return headers
+
+    async def attempt(
+        self,
+        request: web.Request,
+        raw: bytes,
+        req: Request,
+        b: Backend,
+        path: str,
+        headers: dict[str, str],
+        stream: bool,
+        started: float,
+    ) -> web.StreamResponse | None:
+        """Send to `b` and relay its answer; None when it failed before the first byte reached
+        the client (the caller may retry). The one place an attempt's outcome is handled."""
+        lease = Lease(self.hooks, b, req, started)
+        request[LAST_ATTEMPT] = lease
+        relay = Stream() if stream else None
+        try:
+            up = await _post(self.upstream, b.name + path, body_for(b, raw), headers)
+            # Leaving this block before the answer's end closes the upstream connection: vLLM
+            # sees a disconnect and aborts the request, which is what a client that left needs.
+            with up:
+                if up.status in RETRY_STATUSES:
+                    with contextlib.suppress(UpstreamError, TimeoutError):
+                        await up.read()
+                    raise BackendFailed(f"status {up.status}")
+                if self.hooks.live is not None:
+                    self.hooks.live.succeeded(b)
+                if relay is None or up.status != 200:
+                    relay = None
+                    return await relay_whole(up, b, lease)
+                return await relay.relay(request, up, b, lease)
+        except FAILURES as e:
+            lease.failed(str(e) or type(e).__name__)
+            if relay is None or relay.out is None:
+                return None  # nothing reached the client yet: retry elsewhere
+            await relay.end_with_error(e)
+            return relay.out
+        except BaseException:
+            # The client went away (cancelled) or a write failed, or a bug: never leave the
+            # counters raised.
+            lease.abandoned()
+            raise
+
+
+async def _post(upstream: Transport, url: str, raw: bytes, headers: dict[str, str]) -> Answer:
+    """A connection that cannot be made is the backend failing, like a bad answer; an OSError
+    later on is the client's connection, so it is told apart here."""
+    try:
+        return await upstream.post(url, raw, headers)
+    except TimeoutError:
+        raise
+    except OSError as e:
+        raise BackendFailed(f"cannot connect: {type(e).__name__}") from e

@@ -1,0 +1,149 @@
+"""Relaying a backend's answer to the client: whole, or streamed chunk by chunk as it comes.
+
+Neither function handles a failure: an upstream error rises to the proxy's one handler
+(proxy.py), which knows from `Stream.out` whether anything reached the client yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from fleetctl.daemon.transport import Answer
+from fleetctl.routing.types import Backend
+
+log = logging.getLogger("fleetctl.router")
+
+HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "host",
+    "content-encoding",
+}
+
+
+# The usage a stream ends with under stream_options.include_usage (or on every event with
+# continuous_usage_stats): a key, never text, since JSON escapes the quotes inside a string.
+COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+class BackendFailed(Exception):
+    """The backend's answer is not one to pass on (a 5xx, a broken 200): try another."""
+
+
+class Outcome(Protocol):
+    """What a relay reports, once each, about the attempt it relays (proxy.Lease)."""
+
+    def first(self) -> None: ...
+
+    def done(self, answer: dict[str, Any] | None, streamed: int | None = None) -> None: ...
+
+
+def parse_answer(body: bytes) -> dict[str, Any] | None:
+    """A 200 answer's JSON object, or None when it is not one (a broken backend). Parsed
+    whole: only a parse proves it is JSON, and an answer holds the generated text, not the
+    prompt, so it is small (~10 us for a 256-token completion)."""
+    try:
+        answer = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return answer if isinstance(answer, dict) else None
+
+
+def streamed_tokens(tail: bytes, token_events: int) -> int:
+    """A stream's output tokens: the usage its last two chunks state (the usage event comes
+    last, before `data: [DONE]`), else its token events; at least 1 (the proxy divides by
+    it)."""
+    stated = COMPLETION_TOKENS.findall(tail)
+    return max(1, int(stated[-1]) if stated else token_events)
+
+
+def header_value(value: str) -> str:
+    """`value` with CR, LF and other control characters escaped: whatever reaches a response
+    header (or a log line) cannot split it, even when validation upstream missed one."""
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in value)
+
+
+def answer_headers(up: Answer, b: Backend) -> dict[str, str]:
+    h = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
+    # The backend's own headers were checked as they were parsed (upstream.py); these come
+    # from inventory, state or a backends file.
+    h["X-Fleet-Backend"] = header_value(b.node)
+    h["X-Fleet-Class"] = header_value(b.node_class)
+    h["X-Fleet-Precision"] = header_value(b.variant)
+    return h
+
+
+async def relay_whole(up: Answer, b: Backend, outcome: Outcome) -> web.Response:
+    data = await up.read()
+    answer = parse_answer(data) if up.status == 200 else None
+    if up.status == 200 and answer is None:
+        log.warning("backend %s answered 200 with a body that is not a JSON object", b.name)
+        raise BackendFailed("a 200 answer that is not a JSON object")
+    outcome.first()
+    out = web.Response(body=data, status=up.status, headers=answer_headers(up, b))
+    outcome.done(answer)
+    return out
+
+
+class Stream:
+    """Relays an SSE answer. `out` is set once the client's response has started: from then
+    on a failure cannot be retried, only reported in the stream (`end_with_error`)."""
+
+    __slots__ = ("last", "out")
+
+    def __init__(self) -> None:
+        self.out: web.StreamResponse | None = None
+        self.last = b""  # the last chunk written
+
+    async def relay(
+        self, request: web.Request, up: Answer, b: Backend, outcome: Outcome
+    ) -> web.StreamResponse:
+        # Whatever has arrived, at once (b"" at the end): this loop runs once per chunk.
+        read = up.read_chunk
+        chunk = await read()
+        outcome.first()
+        out = web.StreamResponse(status=up.status, headers=answer_headers(up, b))
+        await out.prepare(request)
+        self.out = out
+        write = out.write
+        events = 0
+        # Not tokens: a chat stream's opening event (the role alone) and the usage event of
+        # stream_options.include_usage (no choices). vLLM sends about one event per token else
+        # (serving_completion.py, serving_chat.py), but a busy server folds tokens that came
+        # out together into one event: a real vLLM 0.32 chat stream sent 7 tokens in 6 events
+        # (tests/data/vllm-0.32.0-cpu-answers). Where the stream states its usage, that wins.
+        extra = 1 if request.path.endswith("/chat/completions") else 0
+        before = b""
+        while chunk:
+            events += chunk.count(b"data: {")
+            extra += chunk.count(b'"choices":[]')
+            await write(chunk)  # as it arrives: no buffering
+            before, self.last = self.last, chunk
+            chunk = await read()
+        await out.write_eof()
+        outcome.done(None, streamed=streamed_tokens(before + self.last, events - extra))
+        return out
+
+    async def end_with_error(self, e: BaseException) -> None:
+        """The backend died mid-stream: end the client's stream with an error event."""
+        assert self.out is not None
+        err = {
+            "error": {
+                "message": f"backend failed mid-stream ({type(e).__name__})",
+                "type": "server_error",
+                "code": 502,
+            }
+        }
+        # A blank line first ends an event the backend left half-written.
+        sep = b"" if self.last.endswith(b"\n\n") else b"\n\n"
+        await self.out.write(sep + b"data: " + json.dumps(err).encode() + b"\n\n")
+        await self.out.write_eof()

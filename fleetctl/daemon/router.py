@@ -1,0 +1,541 @@
+"""`fleetctl route-serve`: an OpenAI-compatible proxy that routes by the seed's rules.
+
+Each request is read and parsed once (intake.py), queued in the same Scheduler the simulator
+uses (admission.py), and proxied to the chosen backend byte for byte (proxy.py, relay.py):
+SSE chunks are written to the client as they arrive. Connection failures and 5xx answers
+before the first byte are retried on another backend through the scheduler; a backend that
+keeps failing is ejected (live.py). This module wires them into an aiohttp application.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from fleetctl.daemon.admission import Admission
+from fleetctl.daemon.backends import KvEndpoint
+from fleetctl.daemon.intake import Intake, authorize, error_response
+from fleetctl.daemon.live import LiveState, cancel
+from fleetctl.daemon.prefix_share import PrefixShare, SharedIndex
+from fleetctl.daemon.proxy import LAST_ATTEMPT, SERVED_BY, Hooks, Proxy
+from fleetctl.daemon.request_log import RequestLog
+from fleetctl.daemon.shared import RedisShared, SharedSessions
+from fleetctl.daemon.telemetry import Counter, Gauge, RouterMetrics
+from fleetctl.daemon.tokens import TokenCounter
+from fleetctl.daemon.transport import make_transport
+from fleetctl.routing.goodput import Slo
+from fleetctl.routing.policy import Policy
+from fleetctl.routing.prefix import PrefixIndex
+from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
+from fleetctl.routing.scheduler import Scheduler
+from fleetctl.routing.sessions import SessionTable
+from fleetctl.routing.types import Backend, OutputEstimator, Request
+
+log = logging.getLogger("fleetctl.router")
+
+# Blocks the prefix index holds, over all backends: ~1M blocks of ~16 tokens (benchmarks/
+# prefix_index.py measures its memory).
+PREFIX_CAPACITY = 1 << 20
+# The KV event subscriber's counts (SourceStats fields) exported on /metrics.
+KV_KINDS = ("batches", "events", "malformed", "gaps", "replayed", "cleared")
+
+
+def per_backend(total: int, backends: int) -> int:
+    """A PrefixIndex's capacity (per backend) for `total` blocks over `backends` backends."""
+    return max(1, total // max(1, backends))
+
+
+@dataclass
+class DaemonConfig:
+    max_body_bytes: int = 32 * 2**20
+    upstream_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    queue_timeout_s: float = 300.0
+    max_retries: int = 2
+    transport: str = "fast"  # the HTTP client to backends (daemon/transport.py)
+    api_key: str | None = None  # clients must send it as a Bearer token
+    backend_api_key: str | None = None  # sent to backends instead of the client's header
+    priority_classes: int = PRIORITY_CLASSES  # X-Priority from 0 to this minus one
+    max_json_depth: int = MAX_JSON_DEPTH
+    # A slow client cannot hold a connection: its request body must arrive within this
+    # (408 otherwise), and its request head within idle_timeout_s of the connection opening
+    # or of its last answer (serve.py), or the connection is closed.
+    body_timeout_s: float = 60.0
+    idle_timeout_s: float = 75.0  # above the 60 s idle timeout of the usual load balancers
+    # After an early answer (408, 413), the unread rest of a body is read and dropped this
+    # long, so that the client gets the answer rather than a reset; then the connection closes.
+    linger_s: float = 2.0
+
+
+@dataclass
+class Router:
+    backends: list[Backend]
+    scheduler: Scheduler
+    config: DaemonConfig = field(default_factory=DaemonConfig)
+    estimator: OutputEstimator = field(default_factory=OutputEstimator)
+    live: LiveState | None = None
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    shared: RedisShared | None = None  # session pins and the TTFT window, across replicas
+    tokens: TokenCounter = field(default_factory=TokenCounter)
+    known_formats: frozenset[str] = frozenset()  # the catalog's: a precision hint names one
+    # The prefix index: at most this many blocks over all backends (0: none). A policy that
+    # came with a PrefixIndex (make_policy's `prefix`) keeps it; else the router gives it
+    # one (as make_policy's `prefix` would) when requests are hashed for it.
+    prefix_capacity: int = PREFIX_CAPACITY
+    # Whether requests are hashed into blocks (Request.blocks); None: when the policy reads
+    # the prefix index (Policy.reads_prefix).
+    hash_prompts: bool | None = None
+    # Per backend name, the ZMQ endpoint of its vLLM KV events (vLLM's default binds
+    # tcp://*:5557: give tcp://HOST:5557), or a KvEndpoint with its topic and replay socket:
+    # the index is then fed by them (precise, fleetctl/daemon/kv_events.py) rather than by
+    # placements (approximate), and prompts are named as vLLM names its blocks of
+    # `kv_block_size` tokens (fleetctl/vllm/hashing.py). Each replica subscribes itself, so
+    # nothing of it goes through Redis.
+    kv_events: dict[str, str | KvEndpoint] | None = None
+    # The servers' --block-size until their /metrics say (vllm:cache_config_info's
+    # block_size, read by live.py): prompts are hashed once per request, with the size most
+    # of the subscribed backends use; a backend with another size finds no hits (logged).
+    kv_block_size: int = 16
+    # One JSON line per finished request (daemon/request_log.py); None: no log. The log
+    # needs each prompt's block hashes, so requests are hashed while it is kept.
+    request_log: RequestLog | None = None
+    # Which of route-serve's --workers this process is (None: the only one).
+    worker: int | None = None
+    # Each model's objectives (the inventory's slo): /metrics counts the answers that met them.
+    slo: dict[str, Slo] = field(default_factory=dict)
+    prefix: PrefixIndex | None = field(init=False, default=None)
+    prefix_share: PrefixShare | None = field(init=False, default=None)
+    _kv: Any = None  # the KvEventSubscriber, while it runs
+    _kv_counts: dict[tuple[str, str], float] = field(default_factory=dict)  # of past ones
+    _kv_sizes: str = ""  # the block sizes last logged
+    _kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one (re)subscription at once
+    _proxy: Proxy | None = None  # built at start, with its upstream connection pool
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    intake: Intake = field(init=False)
+    admission: Admission = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.config
+        self.intake = Intake(
+            c.api_key,
+            c.max_body_bytes,
+            c.body_timeout_s,
+            c.priority_classes,
+            c.max_json_depth,
+            self.tokens,
+            self.estimator,
+            self.known_formats,
+        )
+        self.intake.index(self.backends)
+        self.admission = Admission(self.scheduler, self.backends, self.metrics, c.queue_timeout_s)
+        self._prefix_index()
+        if self.request_log is not None:
+            self.intake.blocks = True
+
+    def _prefix_index(self) -> None:
+        """Whether requests are hashed into blocks, the policy's prefix index (the one it
+        came with, else a new one unless it keeps its own), and the index's sharing with
+        the other replicas through Redis."""
+        # Prompts are hashed into blocks (~0.03 ms for 1K tokens, benchmarks/prefix_index.py)
+        # for a policy that reads them.
+        hashed = self.policy.reads_prefix if self.hash_prompts is None else self.hash_prompts
+        self.intake.blocks = hashed
+        given = self.policy.prefix
+        own = self.policy.own_index
+        if isinstance(given, PrefixIndex):
+            self.prefix = given
+        elif hashed and not own and self.prefix_capacity > 0:
+            self.prefix = SharedIndex(per_backend(self.prefix_capacity, len(self.backends)))
+            self.policy.prefix = self.prefix
+        if self.kv_events and self.prefix is not None:
+            self.prefix.learn = False
+            self.tokens.engine_block_size = self.kv_block_size
+            if self.live is not None:
+                self.live.on_block_size = self._block_size
+        elif self.prefix is not None and self.prefix.learn and hashed and self.shared:
+            self.prefix_share = PrefixShare(self.shared, self.prefix)
+        if self.shared is not None:
+            self._share_state(self.shared)
+
+    def _share_state(self, shared: RedisShared) -> None:
+        """The policy's session pins and the scheduler's TTFT window, kept with the other
+        replicas' through Redis (fleetctl/daemon/shared.py)."""
+        sessions = getattr(self.policy, "sessions", None)
+        if isinstance(sessions, SessionTable) and not isinstance(sessions, SharedSessions):
+            for session, pin in sessions.pins.items():
+                shared.sessions.set(session, pin)
+            self.policy.sessions = shared.sessions  # type: ignore[attr-defined]
+        window = shared.ttft_window(self.scheduler.aging.window_s)
+        for at, value in self.scheduler.ttft.events:
+            window.add(at, value)
+        self.scheduler.ttft = window
+
+    def new_identity(self) -> None:
+        """A replica id of its own in the session store (a forked worker's)."""
+        if self.shared is not None:
+            self.shared.new_identity()
+            if self.prefix_share is not None:
+                self.prefix_share.renamed()
+
+    @property
+    def policy(self) -> Policy:
+        return self.scheduler.policy
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        c = self.config
+        # For the proxied requests: "fast" is cheaper than aiohttp's client.
+        upstream = make_transport(c.transport, c.connect_timeout_s, c.upstream_timeout_s)
+        hooks = Hooks(
+            self.admission,
+            self.metrics,
+            self.estimator,
+            self.tokens,
+            self.live,
+            self._ttft,
+            self.slo,
+        )
+        self._proxy = Proxy(upstream, hooks, c.max_retries, c.api_key, c.backend_api_key)
+        self._tasks.append(asyncio.create_task(self.admission.run()))
+        if self.request_log is not None:
+            self._tasks.append(asyncio.create_task(self.request_log.run()))
+        if self.shared is not None:
+            try:
+                await asyncio.wait_for(self.shared.check(), 2.0)
+            except Exception as e:  # keep serving on this replica's own state
+                self.shared.down(e)
+            self._tasks.append(asyncio.create_task(self.shared.run()))
+            if self.prefix_share is not None:
+                self._tasks.append(asyncio.create_task(self.prefix_share.run()))
+        if self.live is not None:
+            self._tasks.append(asyncio.create_task(self.live.run()))
+        if self.kv_events and self.prefix is not None:
+            await self._start_kv()
+
+    async def _start_kv(self) -> None:
+        # pyzmq and msgpack: needed only with KV events (the `prefix` extra).
+        from fleetctl.daemon.kv_events import KvEventSubscriber, KvSource
+
+        assert self.kv_events and self.prefix is not None
+        sources = [
+            KvSource(b, e)
+            if isinstance(e, str)
+            else KvSource(b, e.endpoint, e.topic, e.replay, e.bind)
+            for b, e in sorted(self.kv_events.items())
+        ]
+        self._kv = KvEventSubscriber(self.prefix, sources)
+        await self._kv.start()
+        log.info("KV events: subscribed to %d backends", len(sources))
+
+    async def _stop_kv(self) -> None:
+        if self._kv is None:
+            return
+        for name, stats in self._kv.stats.items():  # counters carry over a restart
+            for kind in KV_KINDS:
+                key = (name, kind)
+                self._kv_counts[key] = self._kv_counts.get(key, 0.0) + getattr(stats, kind)
+        await self._kv.close()
+        self._kv = None
+
+    def set_kv_events(self, fresh: dict[str, str | KvEndpoint]) -> None:
+        """Reload: subscribe to these sources instead (a no-op when they are the same). The
+        subscriber restarts in the background; the index keeps what it holds of backends
+        that stay (a restarted subscription asks each replay socket for what it missed)."""
+        if fresh == (self.kv_events or {}):
+            return
+        self.kv_events = dict(fresh)
+        if self.prefix is None:
+            return
+        if fresh:  # the index now follows the events (from placements until now, if empty)
+            self.prefix.learn = False
+            self.tokens.engine_block_size = self.kv_block_size
+            if self.live is not None:
+                self.live.on_block_size = self._block_size
+
+        async def restart() -> None:
+            async with self._kv_lock:
+                await self._stop_kv()
+                if self.kv_events and self.prefix is not None:
+                    await self._start_kv()
+
+        if self._proxy is not None:  # started: restart now; else _start subscribes
+            task = asyncio.create_task(restart())
+            self._tasks.append(task)
+            task.add_done_callback(self._kv_restarted)
+
+    def _kv_restarted(self, task: asyncio.Task[None]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("KV events: resubscribing failed: %s", task.exception())
+
+    def _block_size(self, b: Backend, size: int) -> None:
+        """A backend's /metrics said its KV block size: hash prompts with the size most
+        subscribed backends use (one size per request), saying so when they differ."""
+        if self.live is None or not self.kv_events:
+            return
+        sizes: dict[int, int] = {}
+        for x in self.backends:
+            got = self.live.state(x).block_size
+            if got and x.name in self.kv_events:
+                sizes[got] = sizes.get(got, 0) + 1
+        if not sizes:
+            return
+        best = max(sizes, key=lambda k: (sizes[k], -k))
+        self.tokens.engine_block_size = self.kv_block_size = best
+        seen = ", ".join(f"{n} x {k}" for k, n in sorted(sizes.items()))
+        if len(sizes) > 1 and seen != self._kv_sizes:
+            log.warning(
+                "KV events: backends use different block sizes (%s tokens): prompts are named "
+                "in blocks of %d, so the others find no cached prefix; give every server the "
+                "same --block-size",
+                seen,
+                best,
+            )
+        self._kv_sizes = seen
+
+    async def _stop(self, app: web.Application) -> None:
+        await self._stop_kv()
+        for t in self._tasks:
+            await cancel(t)
+        if self._proxy is not None:
+            self._proxy.upstream.close()
+        if self.shared is not None:
+            await self.shared.close()
+        if self.request_log is not None:
+            self.request_log.close()
+
+    def _ttft(self, now: float, ttft: float) -> None:
+        # Aging compares waiting to the backends' TTFT (dispatch to first byte), as simulated;
+        # with a session store, the window's samples reach the others once a second.
+        self.scheduler.observe_ttft(now, ttft)
+
+    def replace_backends(self, fresh: list[Backend]) -> None:
+        """Reload: keep the live counters of servers that stay; in-flight requests finish."""
+        old = {b.name: b for b in self.backends}
+        merged = []
+        for b in fresh:
+            keep = old.get(b.name)
+            if keep is None and self.live is not None:
+                # A server that joins (apply started it, maybe to replace another): no
+                # traffic until its /health says it is ready and it is warmed up.
+                self.live.joining(b)
+            if keep is not None:
+                b.outstanding, b.reserved_tokens, b.pending_prefill = (
+                    keep.outstanding,
+                    keep.reserved_tokens,
+                    keep.pending_prefill,
+                )
+                b.running, b.waiting, b.kv_usage, b.healthy = (
+                    keep.running,
+                    keep.waiting,
+                    keep.kv_usage,
+                    keep.healthy,
+                )
+            merged.append(b)
+        self.backends[:] = merged
+        self.intake.index(self.backends)
+        if isinstance(self.prefix, SharedIndex):  # ours: its bound follows the backend count
+            self.prefix.capacity = per_backend(self.prefix_capacity, len(self.backends))
+        if self.prefix is not None:  # forget servers that left
+            for name in set(self.prefix.blocks) - {b.name for b in self.backends}:
+                self.prefix.clear(name)
+        if self.live is not None:
+            self.live.backends = self.backends
+        self.admission.kick()
+
+    # --- handlers ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        arrival = time.time()
+        shared = self.shared
+        req: Request | None = None
+        try:
+            raw, parsed, req = await self.intake.read(request, chat)
+            # A session's pin: in memory (kept fresh by the other replicas' updates), else one
+            # batched read, waited for READ_WAIT_S at most. The policy's new pin is queued
+            # for Redis as it places the request (SharedSessions.set), not waited for.
+            if shared is not None and req.session and shared.needs_read(req.session):
+                await shared.read_pin(req.session)
+            decision = await self.admission.place(req)
+        except ClientError as e:
+            self.metrics.requests.inc("", "", "bad-request", str(e.status))
+            if req is not None:  # parsed, then refused (no room in time)
+                self._finished(request, req, arrival, started, e.status)
+            return error_response(e)
+        except BaseException:
+            if req is not None:  # the client left while its request waited for room
+                self._finished(request, req, arrival, started, 499)
+            raise
+        if decision.backend is None:
+            self.metrics.requests.inc(req.model, "", "rejected", "400")
+            self._finished(request, req, arrival, started, 400)
+            return error_response(ClientError(400, decision.reason, "invalid_request_error"))
+        assert self._proxy is not None
+        try:
+            out = await self._proxy.serve(request, raw, parsed, req, decision, chat, started)
+            if shared is not None and req.session and not out.prepared:
+                await shared.settled(req.session)  # a new pin reaches Redis before the answer
+        except BaseException:
+            self._finished(request, req, arrival, started, 499)  # the client left (or a bug)
+            raise
+        self._finished(request, req, arrival, started, out.status)
+        return out
+
+    def _finished(
+        self, request: web.Request, req: Request, arrival: float, started: float, status: int
+    ) -> None:
+        """A request ended: its line in the request log, if one is kept."""
+        if self.request_log is None:
+            return
+        attempt = request.get(LAST_ATTEMPT)
+        ttft = output = None
+        if attempt is not None:
+            ttft, output = attempt.ttft, attempt.output
+            if attempt.ended == "failed" and status < 400:
+                status = 502  # the backend failed mid-stream: the client got an error event
+        try:
+            self.request_log.record(
+                req,
+                arrival,
+                request.get(SERVED_BY),
+                ttft,
+                time.monotonic() - started,
+                status,
+                output,
+            )
+        except Exception as e:  # a request never fails for its log line
+            log.warning("request log: %s", type(e).__name__)
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            authorize(self.config.api_key, request)
+        except ClientError as e:
+            return error_response(e)
+        seen: dict[str, dict[str, Any]] = {}
+        for b in self.backends:
+            if b.model not in seen:
+                seen[b.model] = {
+                    "id": b.model,
+                    "object": "model",
+                    "owned_by": "fleetctl",
+                    "backends": 0,
+                    "healthy": 0,
+                }
+            seen[b.model]["backends"] += 1
+            seen[b.model]["healthy"] += int(b.healthy)
+        return web.json_response({"object": "list", "data": list(seen.values())})
+
+    async def health(self, request: web.Request) -> web.Response:
+        up = sum(b.healthy for b in self.backends)
+        body: dict[str, object] = {
+            "status": "ok" if up else "no healthy backend",
+            "backends": len(self.backends),
+            "healthy": up,
+            "queued": len(self.scheduler),
+        }
+        if self.worker is not None:
+            body["worker"] = self.worker
+        if self.live is not None:  # each backend out of routing, and why (wrong model, ejected)
+            body["unhealthy"] = self.live.unhealthy()
+        if self.shared is not None:
+            # Still serving, on this replica's own state: degraded, not down (a load balancer
+            # keeps sending here), with the reason.
+            store = self.shared.health()
+            body["session_store"] = store
+            if up and store["status"] != "ok":
+                body["status"] = "degraded"
+        return web.json_response(body, status=200 if up else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        now = time.monotonic()
+        depth = {prio: len(q) for prio, q in self.scheduler.classes.items()}
+        for prio in {*depth, *(int(k[0]) for k in self.metrics.queue.values)}:
+            self.metrics.queue.set(str(prio), value=depth.get(prio, 0))
+        for b in self.backends:
+            self.metrics.up.set(b.name, b.node_class, value=1.0 if b.healthy else 0.0)
+            self.metrics.outstanding.set(b.name, value=b.outstanding)
+            self.metrics.reserved.set(b.name, value=b.reserved_tokens)
+            self.metrics.prefill.set(b.name, value=b.pending_prefill)
+            if b.perf is not None:
+                self.metrics.speed.set(b.name, value=b.perf.speed)
+            if self.live is not None:
+                state = self.live.state(b)
+                age = now - state.scraped_at if state.scraped_at else float("inf")
+                self.metrics.scrape_age.set(b.name, value=age)
+                self.metrics.ejections.values[(b.name,)] = float(state.ejections)
+        if self.prefix is not None:
+            for b in self.backends:
+                self.metrics.prefix_blocks.set(b.name, value=self.prefix.size(b.name))
+        if self.prefix_share is not None:
+            share = self.prefix_share
+            for direction, n in (
+                ("published", share.published),
+                ("applied", share.applied),
+                ("dropped", share.dropped),
+            ):
+                self.metrics.prefix_updates.values[(direction,)] = float(n)
+        if self.shared is not None:
+            self.metrics.session_store(self.shared)
+        if self.live is not None:
+            self.live.expire_all(now)
+        text = self.metrics.render()
+        if self.kv_events and self.prefix is not None:
+            text += self._kv_metrics()
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    def _kv_metrics(self) -> str:
+        """The KV event subscriber's counts per backend (one series per backend and kind:
+        bounded by the backends), and the block size each reports."""
+        counts = Counter(
+            "fleetctl_kv_events_total",
+            "KV events from each backend: batches and events applied, malformed messages "
+            "skipped, gaps (batches lost), batches replayed, index clears.",
+            ("backend", "kind"),
+        )
+        names = {b.name for b in self.backends}
+        for key, v in self._kv_counts.items():
+            if key[0] in names:
+                counts.values[key] = v
+        if self._kv is not None:
+            for name, stats in self._kv.stats.items():
+                for kind in KV_KINDS:
+                    key = (name, kind)
+                    counts.values[key] = self._kv_counts.get(key, 0.0) + getattr(stats, kind)
+        size = Gauge(
+            "fleetctl_kv_block_size",
+            'Tokens per KV block: the size prompts are hashed with (backend ""), and each '
+            "backend's own (vllm:cache_config_info).",
+            ("backend",),
+        )
+        size.set("", value=self.kv_block_size)
+        if self.live is not None:
+            for b in self.backends:
+                got = self.live.state(b).block_size
+                if got:
+                    size.set(b.name, value=got)
+        return "\n".join([*counts.render(), *size.render()]) + "\n"

@@ -1,0 +1,390 @@
+"""The Plan: deployments on concrete GPUs, models that could not be placed, warnings, actions."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+# A replacement that fits beside the server it replaces starts on the slot's other port
+# (port +/- SURGE_PORT_OFFSET), so both run until the new one is healthy (apply/steps.py);
+# base/limits.py holds it because validation checks every such port exists.
+from fleetctl.base.names import http_url
+from fleetctl.fleet.prices import per_million_tokens, total
+
+Op = Literal["create", "replace", "delete", "keep"]
+
+
+def fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields, shallow: dataclasses.asdict deep-copies and is 10x slower."""
+    return {f: getattr(obj, f) for f in obj.__dataclass_fields__}
+
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class KvEvents:
+    """A server's --kv-events-config, from its own port (the inventory's
+    router.prefix_cache): vLLM's ZMQ publisher binds tcp://*:(port + events_offset), on
+    every interface (vLLM binds only so), and its replay socket tcp://*:(port +
+    replay_offset). route-serve connects to both at the server's host."""
+
+    events_offset: int
+    replay_offset: int | None
+    topic: str
+
+    def args(self, port: int) -> tuple[str, ...]:
+        config: dict[str, Any] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port + self.events_offset}",
+        }
+        if self.replay_offset is not None:
+            config["replay_endpoint"] = f"tcp://*:{port + self.replay_offset}"
+        config["topic"] = self.topic
+        # No spaces: one word in ps output, as `status` compares a foreign server's flags.
+        return ("--kv-events-config", json.dumps(config, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class Server:
+    """What one vLLM server runs and what the model predicts for it: shared by every replica
+    of the same candidate, so a plan for 10,000 nodes stores each of these once."""
+
+    model: str
+    variant: str
+    source: str
+    gpu_type: str
+    tensor_parallel_size: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_budget_bytes: int
+    kv_budget_tokens: int
+    max_sequences_at_max_len: int
+    weights_bytes: int
+    predicted_decode_tok_s: float
+    capacity_rps: float
+    reasons: tuple[str, ...]
+    args_head: tuple[str, ...]  # `vllm serve` arguments before --host/--port
+    args_tail: tuple[str, ...]  # and after
+    env: tuple[tuple[str, str], ...]  # besides CUDA_VISIBLE_DEVICES
+    # Why max_model_len is what it is: "131072 = max_context", or with the model's
+    # min_context the KV budget that made it shorter. Not a flag: it never restarts a server.
+    max_model_len_reason: str = ""
+    # Its KV events' ports follow each deployment's port, so they are added per deployment
+    # (at the end of its arguments); a Server read back from state has them in args_tail.
+    kv_events: KvEvents | None = None
+    # Its GPUs' share of its node's price per hour (fleetctl/fleet/prices.py); None: no price known.
+    # Not a flag either; state written before fleetctl knew prices has none.
+    cost_per_hour: float | None = None
+    # What the one calibrated model says of it at the reference shapes (KV tokens, decode
+    # tokens/s at batch 1, 8 and 32, prefill tokens/s, the source of each), as estimate,
+    # simulate and status print them: fleetctl.calibration.Calibrated.figures.
+    perf: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """One vLLM server: a Server on a tensor-parallel group of GPUs of one node."""
+
+    node: str
+    host: str
+    gpu_indices: tuple[int, ...]
+    port: int
+    server: Server
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        """Identity of a deployment slot: the node and the GPUs it holds."""
+        return (self.node, self.gpu_indices)
+
+    @property
+    def model(self) -> str:
+        return self.server.model
+
+    @property
+    def variant(self) -> str:
+        return self.server.variant
+
+    @property
+    def gpu_type(self) -> str:
+        return self.server.gpu_type
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.server.tensor_parallel_size
+
+    @property
+    def capacity_rps(self) -> float:
+        return self.server.capacity_rps
+
+    def url(self, path: str = "") -> str:
+        """Where the server answers HTTP, as the router and health checks reach it."""
+        return http_url(self.host, self.port, path)
+
+    @property
+    def vllm_args(self) -> tuple[str, ...]:
+        s = self.server
+        kv = s.kv_events.args(self.port) if s.kv_events is not None else ()
+        return (*s.args_head, "--host", self.host, "--port", str(self.port), *s.args_tail, *kv)
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        devices = ("CUDA_VISIBLE_DEVICES", ",".join(map(str, self.gpu_indices)))
+        return tuple(sorted((devices, *self.server.env)))
+
+    @property
+    def args_hash(self) -> str:
+        """Hash of everything that, if changed, needs the server restarted."""
+        parts = [*self.vllm_args, "\0env", *(f"{k}={v}" for k, v in self.env)]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.server
+        return {
+            "node": self.node,
+            "host": self.host,
+            "gpu_type": s.gpu_type,
+            "gpu_indices": list(self.gpu_indices),
+            "model": s.model,
+            "variant": s.variant,
+            "source": s.source,
+            "tensor_parallel_size": s.tensor_parallel_size,
+            "max_model_len": s.max_model_len,
+            "max_model_len_reason": s.max_model_len_reason,
+            "gpu_memory_utilization": s.gpu_memory_utilization,
+            "kv_cache_dtype": s.kv_cache_dtype,
+            "max_num_batched_tokens": s.max_num_batched_tokens,
+            "max_num_seqs": s.max_num_seqs,
+            "kv_budget_bytes": s.kv_budget_bytes,
+            "kv_budget_tokens": s.kv_budget_tokens,
+            "max_sequences_at_max_len": s.max_sequences_at_max_len,
+            "weights_bytes": s.weights_bytes,
+            "port": self.port,
+            "vllm_args": list(self.vllm_args),
+            "env": dict(self.env),
+            "predicted_decode_tok_s": round(s.predicted_decode_tok_s, 1),
+            "capacity_rps": round(s.capacity_rps, 3),
+            "cost_per_hour": _money(s.cost_per_hour),
+            "perf": s.perf,
+            "reasons": list(s.reasons),
+            "args_hash": self.args_hash,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Deployment:
+        """Read back what to_json wrote (as recorded in state.json)."""
+        args = list(d["vllm_args"])
+        # Split the arguments around --host/--port, as the planner builds them.
+        host_at = args.index("--host")
+        port_at = args.index("--port")
+        head = tuple(args[:host_at])
+        tail = tuple(args[max(host_at, port_at) + 2 :])
+        env = tuple(
+            sorted((k, v) for k, v in d.get("env", {}).items() if k != "CUDA_VISIBLE_DEVICES")
+        )
+        server = Server(
+            model=d["model"],
+            variant=d["variant"],
+            source=d["source"],
+            gpu_type=d["gpu_type"],
+            tensor_parallel_size=int(d["tensor_parallel_size"]),
+            max_model_len=int(d["max_model_len"]),
+            gpu_memory_utilization=float(d["gpu_memory_utilization"]),
+            kv_cache_dtype=d["kv_cache_dtype"],
+            max_num_batched_tokens=int(d["max_num_batched_tokens"]),
+            max_num_seqs=int(d["max_num_seqs"]),
+            kv_budget_bytes=int(d["kv_budget_bytes"]),
+            kv_budget_tokens=int(d["kv_budget_tokens"]),
+            max_sequences_at_max_len=int(d["max_sequences_at_max_len"]),
+            weights_bytes=int(d["weights_bytes"]),
+            predicted_decode_tok_s=float(d["predicted_decode_tok_s"]),
+            capacity_rps=float(d["capacity_rps"]),
+            reasons=tuple(d.get("reasons", ())),
+            args_head=head,
+            args_tail=tail,
+            env=env,
+            max_model_len_reason=str(d.get("max_model_len_reason", "")),
+            cost_per_hour=None if d.get("cost_per_hour") is None else float(d["cost_per_hour"]),
+            perf=d["perf"] if isinstance(d.get("perf"), dict) else None,
+        )
+        return cls(d["node"], d["host"], tuple(d["gpu_indices"]), int(d["port"]), server)
+
+
+@dataclass(frozen=True)
+class Unplaced:
+    model: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Action:
+    op: Op
+    node: str
+    gpu_indices: tuple[int, ...]
+    model: str
+    variant: str
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        d = fields_of(self)
+        d["gpu_indices"] = list(self.gpu_indices)
+        return d
+
+
+def _money(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+@dataclass(frozen=True)
+class BucketUse:
+    """One length bucket of a model's workload (objective cost with `buckets`): its rate
+    at the workload's peak, its mean request, and the requests/s each GPU type, format and
+    TP size carries of it, as the planner sized them."""
+
+    mean_prompt_tokens: int
+    mean_output_tokens: int
+    max_tokens: int
+    requests_per_s: float
+    served_by: tuple[tuple[str, float], ...]  # ("H100-SXM-80GB fp8 TP=1", req/s)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mean_prompt_tokens": self.mean_prompt_tokens,
+            "mean_output_tokens": self.mean_output_tokens,
+            "max_tokens": self.max_tokens,
+            "requests_per_s": round(self.requests_per_s, 3),
+            "served_by": {k: round(v, 3) for k, v in self.served_by},
+        }
+
+
+@dataclass(frozen=True)
+class ModelSummary:
+    """Planned capacity against the workload, per model, and what its GPUs cost."""
+
+    model: str
+    replicas: int
+    gpus: int
+    capacity_rps: float
+    demand_rps: float | None
+    # Workload not covered at the planner's target utilization (None without a workload).
+    shortfall_rps: float | None = None
+    cost_per_hour: float | None = None  # None: some GPU of it has no price
+    # Output tokens/s the cost is spread over: the workload's (what capacity x target
+    # utilization covers of it), or capacity x target utilization without a workload.
+    output_tokens_per_s: float = 0.0
+    # Objective cost with length buckets: which GPUs carry which requests.
+    buckets: tuple[BucketUse, ...] = ()
+
+    @property
+    def cost_per_million_output_tokens(self) -> float | None:
+        return per_million_tokens(self.cost_per_hour, self.output_tokens_per_s)
+
+    def to_json(self) -> dict[str, Any]:
+        d = fields_of(self)
+        d["buckets"] = [b.to_json() for b in self.buckets]
+        d["capacity_rps"] = round(self.capacity_rps, 3)
+        if self.shortfall_rps is not None:
+            d["shortfall_rps"] = round(self.shortfall_rps, 3)
+        d["cost_per_hour"] = _money(self.cost_per_hour)
+        d["output_tokens_per_s"] = round(self.output_tokens_per_s, 1)
+        d["cost_per_million_output_tokens"] = _money(self.cost_per_million_output_tokens)
+        return d
+
+
+@dataclass(frozen=True)
+class SloCheck:
+    """A model's SLO against the p99 tails the simulator found on the plan
+    (fleetctl/whatif/slo_check.py):
+    `headroom` is the capacity the planner was asked for over the workload to get there."""
+
+    model: str
+    slo_ttft_p99_s: float | None
+    slo_tpot_p99_ms: float | None
+    ttft_p99_s: float | None  # simulated; None: no request finished
+    tpot_p99_ms: float | None
+    requests: int
+    headroom: float = 1.0
+    traffic: str = "synthetic"  # what was simulated: "synthetic" (from the workload) or "trace"
+
+    @property
+    def misses(self) -> tuple[str, ...]:
+        """Each objective missed, with its simulated figure and by how much."""
+        out = []
+        for name, got, want, unit in (
+            ("TTFT p99", self.ttft_p99_s, self.slo_ttft_p99_s, "s"),
+            ("TPOT p99", self.tpot_p99_ms, self.slo_tpot_p99_ms, "ms"),
+        ):
+            if want is None:
+                continue
+            if got is None:
+                out.append(f"{name}: no request finished (objective {want:g} {unit})")
+            elif got > want:
+                out.append(
+                    f"{name} {got:.3g} {unit} against {want:g} {unit} (+{got / want - 1:.0%})"
+                )
+        return tuple(out)
+
+    @property
+    def met(self) -> bool:
+        return not self.misses
+
+    def to_json(self) -> dict[str, Any]:
+        d = fields_of(self)
+        for k in ("ttft_p99_s", "tpot_p99_ms"):
+            d[k] = None if d[k] is None else round(d[k], 4)
+        d["headroom"] = round(self.headroom, 3)
+        d["met"] = self.met
+        d["misses"] = list(self.misses)
+        return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    inventory: str
+    deployments: tuple[Deployment, ...]
+    unplaced: tuple[Unplaced, ...]
+    warnings: tuple[str, ...]
+    actions: tuple[Action, ...]
+    models: tuple[ModelSummary, ...]
+    state_serial: int | None = None
+    solver: dict[str, Any] = field(default_factory=dict)
+    objective: str = "throughput"
+    # Each SLO model's simulated tails, where the plan was checked (objective cost).
+    slo_checks: tuple[SloCheck, ...] = ()
+
+    @property
+    def cost_per_hour(self) -> float | None:
+        """The price per hour of every GPU a deployment uses; None if any has no price."""
+        return total(d.server.cost_per_hour for d in self.deployments)
+
+    @property
+    def cost_per_million_output_tokens(self) -> float | None:
+        tokens = sum(m.output_tokens_per_s for m in self.models)
+        return per_million_tokens(self.cost_per_hour, tokens)
+
+    @property
+    def changes(self) -> tuple[Action, ...]:
+        return tuple(a for a in self.actions if a.op != "keep")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "inventory": self.inventory,
+            "state_serial": self.state_serial,
+            "objective": self.objective,
+            "cost_per_hour": _money(self.cost_per_hour),
+            "cost_per_million_output_tokens": _money(self.cost_per_million_output_tokens),
+            "deployments": [d.to_json() for d in self.deployments],
+            "unplaced": [fields_of(u) for u in self.unplaced],
+            "warnings": list(self.warnings),
+            "actions": [a.to_json() for a in self.actions],
+            "models": [m.to_json() for m in self.models],
+            "slo_checks": [c.to_json() for c in self.slo_checks],
+            "solver": self.solver,
+        }

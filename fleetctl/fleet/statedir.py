@@ -1,0 +1,194 @@
+"""`.fleetctl/`, the one owner of what fleetctl keeps about a fleet: every path and format in it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleetctl.base.errors import Location, OperationError, UserError
+from fleetctl.base.resources import bundled
+from fleetctl.fleet.facts import Facts, FactsError
+from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.state import State
+from fleetctl.model.calibration import Calibration, CalibrationError
+
+STATE_DIR_NAME = ".fleetctl"
+HEALTH_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class HealthRecord:
+    """What the last `fleetctl health` concluded that others act on: the router treats a node
+    whose driver, CUDA or vLLM differs from its class as a class of its own."""
+
+    checked_at: str | None = None
+    equivalent: dict[str, bool] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": HEALTH_FORMAT,
+            "checked_at": self.checked_at,
+            "equivalent": self.equivalent,
+        }
+
+
+@dataclass(frozen=True)
+class StateDir:
+    root: Path
+
+    @classmethod
+    def of(cls, inv: Inventory, override: Path | None = None) -> StateDir:
+        """`override` (--state-dir), else `.fleetctl` beside the inventory; a bundled example's
+        beside the user, in the current folder, never inside the installed package."""
+        if override is not None:
+            return cls(override)
+        folder = inv.path.resolve().parent
+        if folder == bundled("inventory").resolve():
+            return cls(Path.cwd() / STATE_DIR_NAME)
+        return cls(folder / STATE_DIR_NAME)
+
+    # --- paths: nothing outside this class names a file in the folder -----------------------
+
+    @property
+    def state_path(self) -> Path:
+        return self.root / "state.json"
+
+    @property
+    def facts_path(self) -> Path:
+        return self.root / "facts.json"
+
+    @property
+    def health_path(self) -> Path:
+        return self.root / "health.json"
+
+    @property
+    def calibration_path(self) -> Path:
+        return self.root / "calibration.json"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "state.lock"
+
+    @property
+    def requests_path(self) -> Path:
+        """route-serve's request log: a folder (fleetctl/daemon/request_log.py)."""
+        return self.root / "requests"
+
+    # --- state: what apply recorded ---------------------------------------------------------
+
+    def load_state(self) -> State:
+        """The recorded state, or an empty one when nothing was applied yet."""
+        try:
+            raw = json.loads(self.state_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return State()
+        except (OSError, ValueError) as e:
+            raise OperationError(f"{self.state_path}: cannot read the state file: {e}") from None
+        try:
+            return State.from_json(raw)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise OperationError(f"{self.state_path}: the state file is damaged ({e})") from None
+
+    def save_state(self, state: State) -> None:
+        write_atomic(self.state_path, json.dumps(state.to_json(), indent=2) + "\n")
+
+    # --- facts: what probe found ------------------------------------------------------------
+
+    def load_facts(self, path: Path | None = None) -> Facts | None:
+        """Facts from `path` (--facts: must exist), else the saved ones, else None."""
+        where = path or self.facts_path
+        try:
+            raw = json.loads(where.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            if path is None:
+                return None
+            raise UserError(
+                "no such facts file", Location(str(where)), "run `fleetctl probe` first"
+            ) from None
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"cannot read facts: {e}", Location(str(where)), "re-run `fleetctl probe`"
+            ) from None
+        try:
+            return Facts.from_json(raw)
+        except FactsError as e:
+            raise UserError(
+                f"the facts file is not usable: {e}",
+                Location(str(where)),
+                "re-run `fleetctl probe` to write it again",
+            ) from None
+
+    def previous_facts(self) -> Facts | None:
+        """The saved facts to compare a new probe with; a damaged file compares with nothing."""
+        try:
+            return self.load_facts()
+        except UserError:
+            return None
+
+    def save_facts(self, facts: Facts) -> None:
+        write_atomic(self.facts_path, json.dumps(facts.to_json(), indent=2) + "\n")
+
+    # --- health: what the last check concluded ----------------------------------------------
+
+    def load_health(self) -> HealthRecord:
+        """The last health record; none yet (or unreadable) means every node is equivalent."""
+        try:
+            raw = json.loads(self.health_path.read_text(encoding="utf-8"))
+            equivalent = raw["equivalent"]
+            if not isinstance(equivalent, dict):
+                return HealthRecord()
+            return HealthRecord(
+                raw.get("checked_at"), {str(k): bool(v) for k, v in equivalent.items()}
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return HealthRecord()
+
+    def save_health(self, record: HealthRecord) -> None:
+        write_atomic(self.health_path, json.dumps(record.to_json(), indent=2) + "\n")
+
+    # --- calibration: what the live servers measured ----------------------------------------
+
+    def load_calibration(self) -> Calibration:
+        """The saved calibration, or an empty one when none was made yet."""
+        where = self.calibration_path
+        try:
+            raw = json.loads(where.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return Calibration()
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"cannot read the calibration: {e}",
+                Location(str(where)),
+                "run `fleetctl calibrate` again, or pass --no-calibration",
+            ) from None
+        try:
+            return Calibration.from_json(raw)
+        except CalibrationError as e:
+            raise UserError(
+                f"the calibration file is not usable: {e}",
+                Location(str(where)),
+                "run `fleetctl calibrate` again to write it, or pass --no-calibration",
+            ) from None
+
+    def save_calibration(self, calibration: Calibration) -> None:
+        write_atomic(self.calibration_path, json.dumps(calibration.to_json(), indent=1) + "\n")
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write via a temporary file, fsync and rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
