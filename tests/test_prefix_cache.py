@@ -220,9 +220,7 @@ def test_a_request_blocked_for_room_is_not_overtaken_on_that_backend(catalog):
     big.outstanding, big.reserved_tokens = 1, 60_000
     small = Backend("small", "small", "RTX-4090", "m", "bf16", 40_000, max_model_len=32768)
     small.outstanding, small.reserved_tokens = 2, 2_000
-    policy = LeastOutstanding()
-    policy.admission = True
-    sched = Scheduler(policy)
+    sched = Scheduler(LeastOutstanding(), admission=True)
     long = Request(1, "m", 50_000, 100, arrival=0.0)  # only `big` takes it, once room frees
     short = Request(2, "m", 1_000, 100, arrival=1.0)  # fits `big` now, and `small`
     sched.submit(long)
@@ -281,9 +279,7 @@ def test_a_blocked_request_that_could_go_anywhere_holds_nothing(catalog):
     big.outstanding, big.reserved_tokens = 1, 60_000
     other = Backend("other", "other", "A100-SXM4-80GB", "m", "bf16", 100_000, max_model_len=131072)
     other.outstanding, other.reserved_tokens = 2, 80_000
-    policy = LeastOutstanding()
-    policy.admission = True
-    sched = Scheduler(policy)
+    sched = Scheduler(LeastOutstanding(), admission=True)
     sched.submit(Request(1, "m", 50_000, 100, arrival=0.0))  # fits neither now
     sched.submit(Request(2, "m", 1_000, 100, arrival=1.0))
     sent, _ = sched.dispatch(2.0, [big, other])

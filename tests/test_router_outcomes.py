@@ -17,10 +17,8 @@ from collections.abc import Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.daemon.router import DaemonConfig, Router
+from fleetctl.daemon.router import DaemonConfig, Router, routing_core
 from fleetctl.daemon.serve import AccessLog, served_by
-from fleetctl.routing.registry import make_policy
-from fleetctl.routing.scheduler import Scheduler
 from fleetctl.routing.types import Backend
 from tests.procs import NAME, RouterThread, free_port, http_request
 
@@ -124,7 +122,7 @@ class Serving(RouterThread):
     """The router's app with serve.py's limits and access log, in a thread."""
 
     def __init__(self, backends: list[Backend], policy: str, config: DaemonConfig) -> None:
-        router = Router(backends, Scheduler(make_policy(policy)), config)
+        router = Router(backends, routing_core(policy, len(backends)), config)
         super().__init__(router, access_log_class=AccessLog)
 
     def post(self, headers: dict | None = None, **fields: object) -> tuple[int, dict, bytes]:

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetctl.daemon.prefix_share import STORED, PrefixShare, SharedIndex, decode, encode
-from fleetctl.daemon.router import DaemonConfig, Router
+from fleetctl.daemon.router import DaemonConfig, Router, per_backend, routing_core
 from fleetctl.daemon.shared import RedisShared
 from fleetctl.routing.blocks import TEXT_CHUNK_CHARS, text_blocks, token_blocks
 from fleetctl.routing.policy import RoundRobin
@@ -118,8 +118,8 @@ def test_an_update_survives_the_wire():
 class Recording(RoundRobin):
     """Round-robin that keeps each placed request (to read the Request intake built)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, index: PrefixIndex | None = None) -> None:
+        super().__init__(index)
         self.seen: list[tuple[Request, str]] = []
 
     def placed(self, req: Request, backend: Backend, decision: Decision | None = None) -> None:
@@ -174,7 +174,7 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 20) -> None:
 
 
 def test_chats_sharing_a_system_prompt_share_leading_blocks_and_the_index_learns(servers):
-    policy = Recording()
+    policy = Recording(SharedIndex())
     router = Router(backends(servers), Scheduler(policy), DaemonConfig(), hash_prompts=True)
     assert isinstance(policy.prefix, PrefixIndex) and router.intake.blocks
     s = Serving(router)
@@ -226,13 +226,13 @@ def test_token_id_prompts_hash_16_token_blocks(servers):
 
 @pytest.mark.parametrize("name", ["prefix-kv", "kv-router", "hardware-aware"])
 def test_prefix_aware_policies_get_hashed_prompts_and_the_index(name):
-    router = Router([], Scheduler(make_policy(name)))
+    router = Router([], routing_core(name, 0))
     assert router.policy.reads_prefix and router.intake.blocks
     assert isinstance(router.prefix, SharedIndex) and router.policy.prefix is router.prefix
 
 
 def test_a_policy_with_its_own_index_gets_hashed_prompts_only():
-    router = Router([], Scheduler(make_policy("cache-aware")))
+    router = Router([], routing_core("cache-aware", 0))
     assert router.intake.blocks and router.prefix is None
 
 
@@ -280,8 +280,8 @@ def test_prompts_are_not_hashed_for_a_policy_that_ignores_prefixes(servers):
 
 
 def test_the_index_stays_within_its_bound(servers):
-    policy = Recording()
     capacity = 40  # blocks over both backends: 20 each
+    policy = Recording(SharedIndex(per_backend(capacity, 2)))
     router = Router(
         backends(servers),
         Scheduler(policy),
@@ -320,7 +320,7 @@ def test_a_policy_given_an_index_keeps_it():
 
 
 def replica(servers: list[Hostile], url: str, namespace: str) -> Serving:
-    policy = Recording()
+    policy = Recording(SharedIndex())
     router = Router(
         backends(servers),
         Scheduler(policy),
@@ -462,7 +462,7 @@ def test_kv_events_feed_the_index_and_prompts_are_named_as_vllm_names_them(serve
     pub.setsockopt(zmq.LINGER, 0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     two = backends(servers)
-    policy = Recording()
+    policy = Recording(SharedIndex())
     router = Router(
         two,
         Scheduler(policy),

@@ -113,6 +113,15 @@ class LiveState:
     warmup_timeout: float = 60.0
     _warmups: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
+    def reloaded(self, backends: list[Backend]) -> None:
+        """Scrape these backends from now on (route-serve's reload)."""
+        self.backends = backends
+
+    def report_block_sizes(self, to: Callable[[Backend, int], None]) -> None:
+        """Call `to` with a backend and its KV block size when a scrape first reports it or
+        it changes."""
+        self.on_block_size = to
+
     def state(self, b: Backend) -> Liveness:
         return self.live.setdefault(b.name, Liveness())
 

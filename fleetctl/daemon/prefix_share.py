@@ -102,6 +102,10 @@ class SharedIndex(PrefixIndex):
         super().__init__(capacity, learn)
         self.share: PrefixShare | None = None
 
+    def share_with(self, share: PrefixShare) -> None:
+        """Queue what changes here for the other replicas, through `share`."""
+        self.share = share
+
     def routed(self, backend: str, blocks: PromptBlocks) -> None:
         if self.learn:
             hashes = blocks.hashes
@@ -143,7 +147,7 @@ class PrefixShare:
         self._warned = 0.0
         self._shared_at: dict[tuple[str, int], float] = {}  # (backend, last block): when
         if isinstance(index, SharedIndex):
-            index.share = self
+            index.share_with(self)
 
     def renamed(self) -> None:
         """The store's replica id changed (a forked worker's)."""

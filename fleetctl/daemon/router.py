@@ -24,16 +24,16 @@ from fleetctl.daemon.live import LiveState, cancel
 from fleetctl.daemon.prefix_share import PrefixShare, SharedIndex
 from fleetctl.daemon.proxy import LAST_ATTEMPT, SERVED_BY, Hooks, Proxy
 from fleetctl.daemon.request_log import RequestLog
-from fleetctl.daemon.shared import RedisShared, SharedSessions
+from fleetctl.daemon.shared import RedisShared
 from fleetctl.daemon.telemetry import Counter, Gauge, RouterMetrics
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.daemon.transport import make_transport
 from fleetctl.routing.goodput import Slo
-from fleetctl.routing.policy import Policy
+from fleetctl.routing.policy import Policy, RoutingConfig
 from fleetctl.routing.prefix import PrefixIndex
+from fleetctl.routing.registry import make_policy, policy_class
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
-from fleetctl.routing.scheduler import Scheduler
-from fleetctl.routing.sessions import SessionTable
+from fleetctl.routing.scheduler import Aging, Scheduler
 from fleetctl.routing.types import Backend, OutputEstimator, Request
 
 log = logging.getLogger("fleetctl.router")
@@ -48,6 +48,33 @@ KV_KINDS = ("batches", "events", "malformed", "gaps", "replayed", "cleared")
 def per_backend(total: int, backends: int) -> int:
     """A PrefixIndex's capacity (per backend) for `total` blocks over `backends` backends."""
     return max(1, total // max(1, backends))
+
+
+def routing_core(
+    policy: str,
+    backends: int,
+    *,
+    config: RoutingConfig | None = None,
+    aging: Aging | None = None,
+    prefix_capacity: int = PREFIX_CAPACITY,
+    kv_events: bool = False,
+    shared: RedisShared | None = None,
+    seed: int = 0,
+) -> Scheduler:
+    """The scheduler and the policy `policy` for `backends` servers, each built with what it
+    needs: a prefix index of `prefix_capacity` blocks when the policy reads one and keeps
+    none of its own (fed by placements, or by the servers' KV events), and with `shared`,
+    the session pins and the TTFT window every replica keeps in Redis."""
+    declared = policy_class(policy)
+    prefix = None
+    if declared.reads_prefix and not declared.own_index and prefix_capacity > 0:
+        prefix = SharedIndex(per_backend(prefix_capacity, backends), learn=not kv_events)
+    aging = aging or Aging()
+    chosen = make_policy(
+        policy, seed, config, prefix, shared.sessions if shared is not None else None
+    )
+    window = shared.ttft_window(aging.window_s) if shared is not None else None
+    return Scheduler(chosen, aging, ttft_window=window)
 
 
 @dataclass
@@ -83,9 +110,8 @@ class Router:
     shared: RedisShared | None = None  # session pins and the TTFT window, across replicas
     tokens: TokenCounter = field(default_factory=TokenCounter)
     known_formats: frozenset[str] = frozenset()  # the catalog's: a precision hint names one
-    # The prefix index: at most this many blocks over all backends (0: none). A policy that
-    # came with a PrefixIndex (make_policy's `prefix`) keeps it; else the router gives it
-    # one (as make_policy's `prefix` would) when requests are hashed for it.
+    # The prefix index's bound over all backends, which routing_core sized it by: it follows
+    # the number of backends on a reload.
     prefix_capacity: int = PREFIX_CAPACITY
     # Whether requests are hashed into blocks (Request.blocks); None: when the policy reads
     # the prefix index (Policy.reads_prefix).
@@ -121,6 +147,11 @@ class Router:
 
     def __post_init__(self) -> None:
         c = self.config
+        # Prompts are hashed into blocks (~0.03 ms for 1K tokens, benchmarks/prefix_index.py)
+        # for a policy that reads them, and for the request log.
+        hashed = self.policy.reads_prefix if self.hash_prompts is None else self.hash_prompts
+        given = self.policy.prefix  # the index the policy was built with (routing_core)
+        self.prefix = given if isinstance(given, PrefixIndex) else None
         self.intake = Intake(
             c.api_key,
             c.max_body_bytes,
@@ -130,53 +161,27 @@ class Router:
             self.tokens,
             self.estimator,
             self.known_formats,
+            blocks=hashed or self.request_log is not None,
         )
         self.intake.index(self.backends)
         self.admission = Admission(self.scheduler, self.backends, self.metrics, c.queue_timeout_s)
-        self._prefix_index()
-        if self.request_log is not None:
-            self.intake.blocks = True
-
-    def _prefix_index(self) -> None:
-        """Whether requests are hashed into blocks, the policy's prefix index (the one it
-        came with, else a new one unless it keeps its own), and the index's sharing with
-        the other replicas through Redis."""
-        # Prompts are hashed into blocks (~0.03 ms for 1K tokens, benchmarks/prefix_index.py)
-        # for a policy that reads them.
-        hashed = self.policy.reads_prefix if self.hash_prompts is None else self.hash_prompts
-        self.intake.blocks = hashed
-        given = self.policy.prefix
-        own = self.policy.own_index
-        if isinstance(given, PrefixIndex):
-            self.prefix = given
-        elif hashed and not own and self.prefix_capacity > 0:
-            self.prefix = SharedIndex(per_backend(self.prefix_capacity, len(self.backends)))
-            self.policy.prefix = self.prefix
         if self.kv_events and self.prefix is not None:
-            self.prefix.learn = False
-            self.tokens.engine_block_size = self.kv_block_size
-            if self.live is not None:
-                self.live.on_block_size = self._block_size
+            self._follow_kv_events(self.prefix)
         elif self.prefix is not None and self.prefix.learn and hashed and self.shared:
             self.prefix_share = PrefixShare(self.shared, self.prefix)
-        if self.shared is not None:
-            self._share_state(self.shared)
 
-    def _share_state(self, shared: RedisShared) -> None:
-        """The policy's session pins and the scheduler's TTFT window, kept with the other
-        replicas' through Redis (fleetctl/daemon/shared.py)."""
-        sessions = getattr(self.policy, "sessions", None)
-        if isinstance(sessions, SessionTable) and not isinstance(sessions, SharedSessions):
-            for session, pin in sessions.pins.items():
-                shared.sessions.set(session, pin)
-            self.policy.sessions = shared.sessions  # type: ignore[attr-defined]
-        window = shared.ttft_window(self.scheduler.aging.window_s)
-        for at, value in self.scheduler.ttft.events:
-            window.add(at, value)
-        self.scheduler.ttft = window
+    def _follow_kv_events(self, index: PrefixIndex) -> None:
+        """The servers' KV events feed the index from now on, with prompts named in blocks
+        of the size the servers' /metrics report."""
+        index.follow_events()
+        self.tokens.name_blocks_as_engine(self.kv_block_size)
+        if self.live is not None:
+            self.live.report_block_sizes(self._block_size)
 
-    def new_identity(self) -> None:
-        """A replica id of its own in the session store (a forked worker's)."""
+    def become_worker(self, worker: int) -> None:
+        """This process is route-serve's --workers number `worker`, a forked copy: a replica
+        id of its own in the session store."""
+        self.worker = worker
         if self.shared is not None:
             self.shared.new_identity()
             if self.prefix_share is not None:
@@ -264,10 +269,7 @@ class Router:
         if self.prefix is None:
             return
         if fresh:  # the index now follows the events (from placements until now, if empty)
-            self.prefix.learn = False
-            self.tokens.engine_block_size = self.kv_block_size
-            if self.live is not None:
-                self.live.on_block_size = self._block_size
+            self._follow_kv_events(self.prefix)
 
         async def restart() -> None:
             async with self._kv_lock:
@@ -299,7 +301,8 @@ class Router:
         if not sizes:
             return
         best = max(sizes, key=lambda k: (sizes[k], -k))
-        self.tokens.engine_block_size = self.kv_block_size = best
+        self.kv_block_size = best
+        self.tokens.name_blocks_as_engine(best)
         seen = ", ".join(f"{n} x {k}" for k, n in sorted(sizes.items()))
         if len(sizes) > 1 and seen != self._kv_sizes:
             log.warning(
@@ -353,12 +356,12 @@ class Router:
         self.backends[:] = merged
         self.intake.index(self.backends)
         if isinstance(self.prefix, SharedIndex):  # ours: its bound follows the backend count
-            self.prefix.capacity = per_backend(self.prefix_capacity, len(self.backends))
+            self.prefix.resize(per_backend(self.prefix_capacity, len(self.backends)))
         if self.prefix is not None:  # forget servers that left
             for name in set(self.prefix.blocks) - {b.name for b in self.backends}:
                 self.prefix.clear(name)
         if self.live is not None:
-            self.live.backends = self.backends
+            self.live.reloaded(self.backends)
         self.admission.kick()
 
     # --- handlers ------------------------------------------------------------------------------

@@ -25,14 +25,14 @@ from fleetctl.daemon.live import LiveState
 from fleetctl.daemon.proxy import SERVED_BY
 from fleetctl.daemon.relay import header_value
 from fleetctl.daemon.request_log import MB, RequestLog
-from fleetctl.daemon.router import PREFIX_CAPACITY, DaemonConfig, Router
+from fleetctl.daemon.router import PREFIX_CAPACITY, DaemonConfig, Router, routing_core
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.statedir import StateDir
 from fleetctl.model.catalog import Catalog
 from fleetctl.routing.policy import RoutingConfig
-from fleetctl.routing.registry import make_policy, policy_names
-from fleetctl.routing.scheduler import Aging, Scheduler
+from fleetctl.routing.registry import policy_names
+from fleetctl.routing.scheduler import Aging
 from fleetctl.routing.types import Backend, OutputEstimator
 
 log = logging.getLogger("fleetctl.router")
@@ -107,18 +107,6 @@ def read_secret(path: Path, what: str) -> str:
     return text
 
 
-def start_logging() -> None:
-    """The daemon's log: messages alone, at FLEETCTL_LOG_LEVEL (INFO); a no-op once set up."""
-    logging.basicConfig(level=os.environ.get("FLEETCTL_LOG_LEVEL", "INFO"), format="%(message)s")
-    # The format prints the message alone, so skip what every log record would otherwise look
-    # up (the caller's frame, thread, process): the access log writes a record per request.
-    # (The "Optimization" section of the logging HOWTO.)
-    logging._srcfile = None
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
-
-
 def build_router(
     inv: Inventory,
     catalog: Catalog,
@@ -150,19 +138,12 @@ def build_router(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
         )
     spec = inv.spec.router
-    # Live servers' measured KV and speed over the model's, where `fleetctl calibrate` has them;
-    # the log says which classes, so it starts before the backends load.
-    start_logging()
+    # Live servers' measured KV and speed over the model's, where `fleetctl calibrate` has them.
     backends = load_backends(inv, catalog, backends_file, state_dir, calibrated=calibrated)
     if kv_events is None:
         kv_events = kv_sources(inv, backends_file, state_dir, use_kv_events, backends)
     if kv_events:
         _need_prefix_extra()
-    routing = RoutingConfig.of(inv)
-    sched = Scheduler(
-        make_policy(policy, config=routing),
-        Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled),
-    )
     outputs = {m.name: m.spec.workload.mean_output_tokens for m in inv.models if m.spec.workload}
     # vLLM's --api-key guards /v1/models too, which the model-name check reads.
     # Each backend's speed is learned from its own /metrics while it serves (online_fit).
@@ -182,6 +163,16 @@ def build_router(
         from fleetctl.daemon.shared import RedisShared
 
         shared = RedisShared(session_store)
+    routing = RoutingConfig.of(inv)
+    sched = routing_core(
+        policy,
+        len(backends),
+        config=routing,
+        aging=Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled),
+        prefix_capacity=prefix_capacity,
+        kv_events=bool(kv_events),
+        shared=shared,
+    )
     # A variant whose source is a local folder lends the router its tokenizer.
     local = {
         m.name: Path(v.source).expanduser()
@@ -298,7 +289,6 @@ def serve(
     if workers <= 1:
         _serve_one(router, listen, reload, watch, reuse_port=False)
         return
-    start_logging()
     if router.shared is None:
         log.warning(
             "--workers %d without --session-store: each worker keeps its own session pins, "
@@ -308,8 +298,7 @@ def serve(
         )
 
     def child(worker: int) -> None:
-        router.worker = worker
-        router.new_identity()  # each worker is a replica of its own in the session store
+        router.become_worker(worker)  # a replica of its own in the session store
         _serve_one(router, listen, reload, watch, reuse_port=True)
 
     supervise(child, workers)
@@ -407,7 +396,6 @@ def _serve_one(
         import uvloop
 
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    start_logging()
     # `kill -USR1 PID` prints every thread's stack to the log, even with the event loop stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     log.info(

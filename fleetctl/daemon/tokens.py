@@ -81,6 +81,10 @@ class TokenCounter:
             if tok is not None:
                 self.tokenizers[model] = tok
 
+    def name_blocks_as_engine(self, block_size: int) -> None:
+        """Name prompts' blocks as vLLM does, `block_size` tokens each (for KV events)."""
+        self.engine_block_size = block_size
+
     def chars_per_token(self, model: str) -> float:
         return self.ratio.get(model, DEFAULT_CHARS_PER_TOKEN)
 

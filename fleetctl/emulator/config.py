@@ -88,8 +88,8 @@ class EmulatorConfig:
             self.name,
             block_size=self.block_size,
             kv_events=self.kv_events is not None and self.prefix_caching,
+            max_span_s=max(MAX_SPAN_S, MIN_WALL_TICK_S * self.time_scale),
         )
-        engine.max_span_s = max(MAX_SPAN_S, MIN_WALL_TICK_S * self.time_scale)
         return engine
 
 

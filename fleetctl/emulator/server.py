@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -480,9 +479,6 @@ async def _serve(config: EmulatorConfig) -> None:
 
 def serve(config: EmulatorConfig) -> None:
     """Serve until SIGTERM or SIGINT (exit status 0), on uvloop when it is installed."""
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
-    )
     _run(_serve(config))
 
 

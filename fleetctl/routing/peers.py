@@ -129,7 +129,7 @@ class CacheAware(Policy):
             return
         if not self._sized:
             per_block = self.CHARS_PER_TOKEN * req.blocks.block_tokens
-            self.tree.capacity = max(1, self.max_tree_size // per_block)
+            self.tree.resize(max(1, self.max_tree_size // per_block))
             self._sized = True
         self.tree.insert(backend.name, req.blocks.hashes)
 

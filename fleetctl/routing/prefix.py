@@ -84,6 +84,14 @@ class PrefixIndex:
     def __len__(self) -> int:
         return sum(len(b) for b in self.blocks.values())
 
+    def follow_events(self) -> None:
+        """From now on the servers' KV events feed the index, placements no longer."""
+        self.learn = False
+
+    def resize(self, capacity: int) -> None:
+        """A new bound per backend; a smaller one takes effect at each backend's next insert."""
+        self.capacity = capacity
+
     def match(self, backend: str, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` that `backend` holds."""
         held = self.blocks.get(backend)

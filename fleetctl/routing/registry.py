@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fleetctl.routing.peers import PEER_POLICIES
+from fleetctl.routing.peers import PEER_POLICIES, CacheAware, KvRouter, PrefixKv
 from fleetctl.routing.policy import (
     HardwareAware,
     KvAware,
@@ -24,6 +24,25 @@ POLICIES: dict[str, Callable[..., Policy]] = {
     "kv-aware": KvAware,
     "hardware-aware": HardwareAware,
 }
+
+
+# The class behind each name, whose declarations (`reads_prefix`, `own_index`) say what to
+# build it with before it is built.
+CLASSES: dict[str, type[Policy]] = {
+    "round-robin": RoundRobin,
+    "least-outstanding": LeastOutstanding,
+    "power-of-two": PowerOfTwo,
+    "kv-aware": KvAware,
+    "hardware-aware": HardwareAware,
+    CacheAware.name: CacheAware,
+    PrefixKv.name: PrefixKv,
+    KvRouter.name: KvRouter,
+}
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The policy class `name` makes, to read what it declares it needs (KeyError: unknown)."""
+    return CLASSES[name]
 
 
 def policy_names() -> list[str]:

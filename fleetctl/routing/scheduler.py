@@ -86,9 +86,13 @@ class Scheduler:
     # The backends' recent TTFTs the aging threshold is the median of: this scheduler's own
     # window unless given one (route-serve's replicas share theirs through Redis).
     ttft_window: RollingMedian | None = None
+    # Whether requests queue router-side within KV-derived caps; None: as the policy
+    # declares (Policy.admission). The simulator may turn it on or off for any policy.
+    admission: bool | None = None
 
     def __post_init__(self) -> None:
         self.ttft = self.ttft_window or RollingMedian(self.aging.window_s)
+        self.admits = self.policy.admission if self.admission is None else self.admission
         # One FIFO per priority class; the top class is kept sorted by arrival because
         # boosted requests join it from below.
         self.classes: dict[int, deque[Request]] = {}
@@ -141,7 +145,7 @@ class Scheduler:
                 self.submit(req)
 
     def has_room(self, b: Backend, req: Request) -> bool:
-        if not self.policy.admission:
+        if not self.admits:
             return True
         if b.outstanding >= b.max_num_seqs:
             return False
@@ -181,9 +185,7 @@ class Scheduler:
                     scan -= 1
                     if scan < 0:
                         break
-                if self.policy.admission and not any(
-                    b.outstanding < b.max_num_seqs for b in backends
-                ):
+                if self.admits and not any(b.outstanding < b.max_num_seqs for b in backends):
                     blocked = True
                     break
                 req = q.popleft()

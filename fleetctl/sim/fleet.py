@@ -219,9 +219,7 @@ def simulate(
     ]
     # Policies that read prefix caches see the engines' own, as vLLM's KV events tell them.
     policy = make_policy(policy_name, seed, config, prefix=_EngineCaches(engines))
-    if admission is not None:
-        policy.admission = admission
-    sched = Scheduler(policy, aging or Aging())
+    sched = Scheduler(policy, aging or Aging(), admission=admission)
     backends = [
         Backend(
             s.name,
