@@ -220,141 +220,164 @@ def simulate(
     # Policies that read prefix caches see the engines' own, as vLLM's KV events tell them.
     policy = make_policy(policy_name, seed, config, prefix=_EngineCaches(engines))
     sched = Scheduler(policy, aging or Aging(), admission=admission)
-    backends = [
-        Backend(
-            s.name,
-            s.node,
-            s.gpu_type,
-            s.model,
-            s.variant,
-            s.kv_tokens,
-            s.max_num_seqs,
-            s.perf,
-            max_model_len=s.max_model_len,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-        )
-        for s in servers
-    ]
-    estimate = OutputEstimator(output_estimate)
-    outcomes = [Outcome(w) for w in items]
-    requests: dict[int, Request] = {}
-    where: dict[int, int] = {}  # request id -> engine index
-    reasons: dict[str, int] = {}
-    last = items[-1].arrival if items else 0.0
-    horizon = last + (drain_s if drain_s is not None else max(300.0, 0.5 * last))
-
-    heap: list[tuple[float, int, int]] = []  # (time, version, engine)
-    version = [0] * len(engines)
-    dirty = set(range(len(engines)))
-
-    def reschedule(i: int) -> None:
-        version[i] += 1
-        t = engines[i].next_event()
-        if t is not None:
-            heapq.heappush(heap, (t, version[i], i))
-        dirty.add(i)
-
-    def settle(i: int, finished: list[Seq], now: float) -> None:
-        e, b = engines[i], backends[i]
-        for s in e.first_tokens:
-            req = requests[s.req]
-            first_token(b, req)
-            at = s.first_token_at or now
-            # Aging compares waiting to the backends' TTFT (dispatch to first token), not to
-            # TTFT seen by clients: that includes router queueing and grows with the backlog.
-            sched.observe_ttft(at, at - (outcomes[s.req].dispatched or req.arrival))
-        e.first_tokens.clear()
-        for s in finished:
-            o = outcomes[s.req]
-            o.first_token, o.finished = s.first_token_at, s.finished_at
-            o.preemptions = s.preemptions
-            release(b, requests[s.req])
-            estimate.observe(o.item.model, o.item.output)
-
-    def refresh() -> None:
-        for i in dirty:
-            e, b = engines[i], backends[i]
-            b.running, b.waiting, b.kv_usage = e.num_running, e.num_waiting, e.kv_usage
-            b.bandwidth_util, b.compute_util = e.utilization()
-        dirty.clear()
-
-    def dispatch(now: float) -> None:
-        refresh()
-        sent, rejected = sched.dispatch(now, backends)
-        for d in rejected:
-            o = outcomes[d.request.id]  # type: ignore[index]
-            o.rejected = d.decision.reason
-        for d in sent:
-            req = d.request
-            i = index[d.decision.backend.name]  # type: ignore[union-attr]
-            o = outcomes[req.id]  # type: ignore[index]
-            o.backend, o.dispatched, o.boosted = backends[i].name, now, req.boosted
-            key = d.decision.label
-            reasons[key] = reasons.get(key, 0) + 1
-            item = o.item
-            if item.prompt + item.output > servers[i].max_model_len:
-                # vLLM refuses it with a 400; the router reports it, the engine never sees it.
-                o.rejected = f"prompt + output exceeds max_model_len {servers[i].max_model_len}"
-                release(backends[i], req, first_token_seen=False)
-                continue
-            where[req.id] = i  # type: ignore[index]
-            seq = Seq(req.id, item.prompt, item.output, item.blocks)
-            settle(i, engines[i].add(seq, now), now)
-            reschedule(i)
-
-    index = {b.name: i for i, b in enumerate(backends)}
-    n = 0
-    events = 0
-    while True:
-        t_arr = items[n].arrival if n < len(items) else math.inf
-        while heap and heap[0][1] != version[heap[0][2]]:
-            heapq.heappop(heap)  # stale: the engine was rescheduled since
-        t_eng = heap[0][0] if heap else math.inf
-        now = min(t_arr, t_eng)
-        if now == math.inf or now > horizon:
-            break
-        events += 1
-        if progress is not None and events % PROGRESS_EVERY == 0:
-            progress(min(1.0, now / last) if last > 0 else 1.0)
-        if t_eng <= t_arr:
-            _, _, i = heapq.heappop(heap)
-            finished = engines[i].advance(now)
-            settle(i, finished, now)
-            reschedule(i)
-            if finished and len(sched):
-                dispatch(now)
-            continue
-        # Every arrival at this instant, then one dispatch.
-        while n < len(items) and items[n].arrival <= now:
-            w = items[n]
-            req = Request(
-                w.id,
-                w.model,
-                w.prompt,
-                w.max_tokens or estimate.estimate(w.model),
-                w.priority,
-                w.session,
-                w.precision,
-                w.strict,
-                w.arrival,
-                max_tokens=w.max_tokens,
-                blocks=w.blocks,
-            )
-            requests[w.id] = req
-            sched.submit(req)
-            n += 1
-        dispatch(now)
+    run = _Run(servers, items, engines, sched, OutputEstimator(output_estimate), drain_s)
+    run.run(progress)
     return SimResult(
         policy_name,
-        outcomes,
-        horizon,
+        run.outcomes,
+        run.horizon,
         sched.boosts,
         sum(e.stats.preemptions for e in engines),
-        reasons,
+        run.reasons,
         sum(e.stats.prefix_cache_queries for e in engines),
         sum(e.stats.prefix_cache_hits for e in engines),
         slo,
     )
+
+
+class _Run:
+    """One simulation: arrivals and engine events in time order, each engine's next event on
+    a heap, requests dispatched by the scheduler as they arrive and as room frees."""
+
+    def __init__(
+        self,
+        servers: Sequence[Server],
+        items: Sequence[WorkItem],
+        engines: list[Engine],
+        sched: Scheduler,
+        estimate: OutputEstimator,
+        drain_s: float | None,
+    ) -> None:
+        self.servers, self.items, self.engines, self.sched = servers, items, engines, sched
+        self.estimate = estimate
+        self.backends = [
+            Backend(
+                s.name,
+                s.node,
+                s.gpu_type,
+                s.model,
+                s.variant,
+                s.kv_tokens,
+                s.max_num_seqs,
+                s.perf,
+                max_model_len=s.max_model_len,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+            )
+            for s in servers
+        ]
+        self.index = {b.name: i for i, b in enumerate(self.backends)}
+        self.outcomes = [Outcome(w) for w in items]
+        self.requests: dict[int, Request] = {}
+        self.reasons: dict[str, int] = {}
+        self.last = items[-1].arrival if items else 0.0
+        self.horizon = self.last + (drain_s if drain_s is not None else max(300.0, 0.5 * self.last))
+        self.heap: list[tuple[float, int, int]] = []  # (time, version, engine)
+        self.version = [0] * len(engines)
+        self.dirty = set(range(len(engines)))
+
+    def run(self, progress: Callable[[float], None] | None) -> None:
+        items, heap, version = self.items, self.heap, self.version
+        n = 0
+        events = 0
+        while True:
+            t_arr = items[n].arrival if n < len(items) else math.inf
+            while heap and heap[0][1] != version[heap[0][2]]:
+                heapq.heappop(heap)  # stale: the engine was rescheduled since
+            t_eng = heap[0][0] if heap else math.inf
+            now = min(t_arr, t_eng)
+            if now == math.inf or now > self.horizon:
+                break
+            events += 1
+            if progress is not None and events % PROGRESS_EVERY == 0:
+                progress(min(1.0, now / self.last) if self.last > 0 else 1.0)
+            if t_eng <= t_arr:
+                _, _, i = heapq.heappop(heap)
+                finished = self.engines[i].advance(now)
+                self.settle(i, finished, now)
+                self.reschedule(i)
+                if finished and len(self.sched):
+                    self.dispatch(now)
+                continue
+            # Every arrival at this instant, then one dispatch.
+            while n < len(items) and items[n].arrival <= now:
+                self.arrive(items[n])
+                n += 1
+            self.dispatch(now)
+
+    def arrive(self, w: WorkItem) -> None:
+        req = Request(
+            w.id,
+            w.model,
+            w.prompt,
+            w.max_tokens or self.estimate.estimate(w.model),
+            w.priority,
+            w.session,
+            w.precision,
+            w.strict,
+            w.arrival,
+            max_tokens=w.max_tokens,
+            blocks=w.blocks,
+        )
+        self.requests[w.id] = req
+        self.sched.submit(req)
+
+    def reschedule(self, i: int) -> None:
+        self.version[i] += 1
+        t = self.engines[i].next_event()
+        if t is not None:
+            heapq.heappush(self.heap, (t, self.version[i], i))
+        self.dirty.add(i)
+
+    def settle(self, i: int, finished: list[Seq], now: float) -> None:
+        """Engine `i`'s first tokens and finished sequences, told to its backend, the
+        scheduler's TTFT window and the output estimator."""
+        e, b = self.engines[i], self.backends[i]
+        for s in e.first_tokens:
+            req = self.requests[s.req]
+            first_token(b, req)
+            at = s.first_token_at or now
+            # Aging compares waiting to the backends' TTFT (dispatch to first token), not to
+            # TTFT seen by clients: that includes router queueing and grows with the backlog.
+            self.sched.observe_ttft(at, at - (self.outcomes[s.req].dispatched or req.arrival))
+        e.first_tokens.clear()
+        for s in finished:
+            o = self.outcomes[s.req]
+            o.first_token, o.finished = s.first_token_at, s.finished_at
+            o.preemptions = s.preemptions
+            release(b, self.requests[s.req])
+            self.estimate.observe(o.item.model, o.item.output)
+
+    def refresh(self) -> None:
+        """The backends' snapshots of the engines that changed, as a scrape would read them."""
+        for i in self.dirty:
+            e, b = self.engines[i], self.backends[i]
+            b.running, b.waiting, b.kv_usage = e.num_running, e.num_waiting, e.kv_usage
+            b.bandwidth_util, b.compute_util = e.utilization()
+        self.dirty.clear()
+
+    def dispatch(self, now: float) -> None:
+        self.refresh()
+        sent, rejected = self.sched.dispatch(now, self.backends)
+        for d in rejected:
+            o = self.outcomes[d.request.id]  # type: ignore[index]
+            o.rejected = d.decision.reason
+        for d in sent:
+            req = d.request
+            i = self.index[d.decision.backend.name]  # type: ignore[union-attr]
+            o = self.outcomes[req.id]  # type: ignore[index]
+            o.backend, o.dispatched, o.boosted = self.backends[i].name, now, req.boosted
+            key = d.decision.label
+            self.reasons[key] = self.reasons.get(key, 0) + 1
+            item = o.item
+            limit = self.servers[i].max_model_len
+            if item.prompt + item.output > limit:
+                # vLLM refuses it with a 400; the router reports it, the engine never sees it.
+                o.rejected = f"prompt + output exceeds max_model_len {limit}"
+                release(self.backends[i], req, first_token_seen=False)
+                continue
+            seq = Seq(req.id, item.prompt, item.output, item.blocks)
+            self.settle(i, self.engines[i].add(seq, now), now)
+            self.reschedule(i)
 
 
 class _EngineCaches:
