@@ -4,7 +4,7 @@ Run (from the repository root, as root, in the dev venv):
 
     python benchmarks/apply_scale.py [--nodes 100] [--parallel 1,8,32,100] [--startup 2]
 
-Each node is an sshd test host (tests/sshhosts.py: own network namespace, hostname and HOME)
+Each node is an sshd test host (harness/sshhosts.py: own network namespace, hostname and HOME)
 with one declared RTX 4090, so the plan is one llama-3-8b server per node. The node's `vllm`
 is a stand-in, not `fleetctl emulate`: a stdlib HTTP server that answers /health with 503 for
 `--startup` seconds and then 200, and lists the served model in /v1/models. A hundred
@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.sshhosts import TestHosts  # noqa: E402
+from harness.sshhosts import TestHosts  # noqa: E402
 
 STAND_IN = r"""#!/usr/bin/env -S python3 -S
 # A stand-in for `vllm serve`: healthy after STARTUP seconds, lists its model.

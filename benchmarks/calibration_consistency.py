@@ -1,12 +1,12 @@
 """One calibration, every command: the figures estimate, plan, simulate and status print for a
-calibrated class, beside the node's truth and the GPU's physical ceiling (issue 22).
+calibrated class, beside the node's truth and the GPU's physical ceiling.
 
     python benchmarks/calibration_consistency.py [--out DIR]
 
 Two real emulators on loopback, each calibrated by `fleetctl calibrate` under live traffic:
 - skewed: an RTX 4090 whose truth is 30% less speed and 15% less KV cache than its profile
   (`--truth-speed 0.7 --truth-kv 0.85`), 10 clients ramping up;
-- own profile: the issue's new user, an emulator of its own profile at 3-7 concurrent
+- own profile: a new user's case, an emulator of its own profile at 3-7 concurrent
   requests, where a fit stretched to batch 1 once printed 112.7 tok/s past the roofline.
 
 Then estimate (batch 1, 8 and 32), plan --json, simulate --json and status's engines read the

@@ -1,4 +1,4 @@
-"""Issue 13 part 5: what `plan --objective cost` saves, checked against the SLOs in simulation.
+"""Cost plans: what `plan --objective cost` saves, checked against the SLOs in simulation.
 
 Run (from the repository root, in the dev venv):
 

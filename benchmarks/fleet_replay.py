@@ -1,4 +1,4 @@
-"""Issue 4 benchmark (b): p99 TTFT of an Azure trace replayed through each router, live.
+"""Fleet replay: p99 TTFT of an Azure trace replayed through each router, live.
 
 Run (from the repository root, in the dev venv; vllm-router lives in its own venv):
 
@@ -26,7 +26,7 @@ process, asyncio + aiohttp) sends each request at its arrival time and records, 
 request, the time to the first SSE token event and to the end of the stream; both are
 multiplied by X to give model seconds. Rounds rotate the order of the targets.
 
-With `--skew GPU=SPEED[/KV]` (issue 11, part 4) the emulators run on a generated profiles
+With `--skew GPU=SPEED[/KV]` (routing on a wrong prior) the emulators run on a generated profiles
 folder in which that GPU type is slower and/or holds less KV cache than its bundled profile;
 hardware-aware then runs once per `--priors`: wrong (route-serve on the bundled profiles),
 perfect (route-serve --profiles on the emulators' own), calibrated (route-serve on the bundled
@@ -36,7 +36,7 @@ name.
 The baselines read no profiles and run once. A robustness table closes the report.
 
 Processes, readiness waits, the open-loop load generator and the report's header and JSON
-file come from benchmarks/harness/ (shared with router_overhead.py and the tests).
+file come from harness/ (shared with router_overhead.py and the tests).
 
 Printed and written to --out: per target the TTFT mean/p50/p90/p99, E2E p99, errors, how
 the requests split between A100s and 4090s (read from the emulators' /metrics at the end),
@@ -59,12 +59,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness.commands import emulate_cmd, peer_router_cmd, route_serve_cmd
-from harness.load import Exchange, completion_body, open_loop, random_text
-from harness.procs import REPO, Proc, cpu_ticks, free_ports, tree_cpu_s
-from harness.ready import wait_ready
-from harness.results import header, out_dir, peer_version, write_json
-from harness.results import pct_linear as pct
 
 from fleetctl.base.resources import examples
 from fleetctl.fleet.inventory import load_inventory
@@ -72,6 +66,12 @@ from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.sim.compare import compare
 from fleetctl.sim.workload import WorkItem, load_trace
+from harness.commands import emulate_cmd, peer_router_cmd, route_serve_cmd
+from harness.load import Exchange, completion_body, open_loop, random_text
+from harness.procs import REPO, Proc, cpu_ticks, free_ports, tree_cpu_s
+from harness.ready import wait_ready
+from harness.results import header, out_dir, peer_version, write_json
+from harness.results import pct_linear as pct
 
 TRACES = REPO.parent / "shared" / "traces"
 EXAMPLE = "seed-mixed-8b-16k"
@@ -114,12 +114,12 @@ def pick_targets(spec: str) -> list[Target]:
     return out
 
 
-# --- a truth apart from the profiles (issue 11, part 4) ---------------------------------------
+# --- a truth apart from the profiles (routing on a wrong prior) -------------------------------
 
 # What hardware-aware routing is told about the GPUs when the emulators run skewed:
 # wrong: the bundled profiles (the emulators are slower / smaller than they say);
 # perfect: the emulators' own skewed profiles (`route-serve --profiles`), for reference;
-# calibrated: the bundled profiles, corrected online from the servers' /metrics (part 3).
+# calibrated: the bundled profiles, corrected online from the servers' /metrics (online fit).
 PRIORS = ("wrong", "perfect", "calibrated")
 
 

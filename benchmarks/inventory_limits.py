@@ -2,7 +2,7 @@
 
 Each case is a file written to a temporary folder and validated in a fresh process (so peak
 RSS is that process's own); the process's interpreter start-up and imports are measured alone
-as `baseline` and shown beside it. Issue 9's target: any inventory up to the caps is validated
+as `baseline` and shown beside it. The target: any inventory up to the caps is validated
 or refused in under 1 s and 150 MB.
 
     python benchmarks/inventory_limits.py            # table in markdown

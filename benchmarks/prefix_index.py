@@ -9,7 +9,7 @@ Run (from the repository root, in the dev venv):
     backend) filled with `--blocks` block hashes over `--backends` backends, as the chained
     16-token hashes of random prompts, measured as the tracemalloc delta and the RSS delta of
     this process; beside it the same blocks in a plain dict per backend (insertion order as
-    recency, the candidate compact structure below), the bound the issue sets being 200 MB
+    recency, the candidate compact structure below), the bound set for it being 200 MB
     for a million blocks.
 (b) CPU per request, for a Mooncake-sized prompt (~12K tokens: 48K characters, 750 16-token
     blocks) and a 1K-token one: hashing its text (fleetctl/routing/blocks.py text_blocks; the
@@ -19,7 +19,7 @@ Run (from the repository root, in the dev venv):
     (an update's encode and a peer's decode and insert, fleetctl/daemon/prefix_share.py).
     Each is set beside the same run's json.loads of the request body (which intake already
     pays per request) and beside route-serve's measured CPU per proxied non-streamed request
-    (0.43 ms, benchmarks/RESULTS.md, issue 10 follow-up), as a ratio.
+    (0.43 ms, benchmarks/results/router_overhead.md), as a ratio.
 
 Results go to benchmarks/out/prefix_index.json and .md.
 """
@@ -49,7 +49,7 @@ from fleetctl.routing.blocks import text_blocks, token_blocks  # noqa: E402
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain  # noqa: E402
 
 OUT = REPO / "benchmarks" / "out"
-PROXY_MS = 0.43  # route-serve CPU per non-streamed request (benchmarks/RESULTS.md)
+PROXY_MS = 0.43  # route-serve CPU per non-streamed request (benchmarks/results/router_overhead.md)
 _WORDS = "the of and to in is that for on with as was by at from this be are it an or have not"
 WORDS = [*_WORDS.split(" "), "router", "fleet", "token", "prompt", "cache", "block", "server"]
 

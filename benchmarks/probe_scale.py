@@ -17,8 +17,8 @@ from fleetctl.fleet.inventory import load_inventory
 from fleetctl.fleet.probe import probe_fleet
 from fleetctl.fleet.ssh import SshOptions
 from fleetctl.model.catalog import load_catalog
-from tests.sshhosts import TestHosts
-from tests.test_probe import RTX_QUERY, fake_smi
+from harness.fake_smi import RTX_QUERY, fake_smi
+from harness.sshhosts import TestHosts
 
 
 def run(n: int, parallel: int, repeat: int = 2) -> tuple[float, float, float]:

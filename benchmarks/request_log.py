@@ -12,8 +12,8 @@ row's fields, the keyed hashes of the session and of the logged block hashes (ev
 block hashes, the JSON line) and the prompt's hashing into blocks (routing/blocks.py
 text_blocks), which the log turns on only for a policy that does not hash prompts already
 (hardware-aware, the default, does). Each is set beside route-serve's measured CPU per
-proxied non-streamed request (0.43 ms, benchmarks/RESULTS.md, issue 10 follow-up); the
-issue's target is under 5%. A figure is the median of the rounds.
+proxied non-streamed request (0.43 ms, benchmarks/results/router_overhead.md); the
+target is under 5%. A figure is the median of the rounds.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from fleetctl.daemon.request_log import ENCODE, RequestLog
 from fleetctl.routing.blocks import text_blocks
 from fleetctl.routing.types import Backend, Request
 
-ROUTER_MS = 0.43  # route-serve's CPU per proxied non-streamed request (RESULTS.md)
+ROUTER_MS = 0.43  # route-serve's CPU per proxied non-streamed request (results/router_overhead.md)
 CHARS_PER_TOKEN = 4
 
 

@@ -6,14 +6,14 @@ Run (from the repository root, in the dev venv; the peers live in their own venv
     python3 -m venv /tmp/peers-venv && /tmp/peers-venv/bin/pip install vllm-router sglang-router
     python benchmarks/router_overhead.py [--peers-venv /tmp/peers-venv] [--quick]
 
-The backends are two small aiohttp servers (benchmarks/harness/standin.py, started as this
+The backends are two small aiohttp servers (harness/standin.py, started as this
 file's `backend` subcommand, one process each) that answer /v1/completions at once:
 streamed, `max_tokens` SSE chunks 1 ms apart (or NN ms apart when the prompt starts with
 "GAP=NN:"), or one short JSON answer; they also answer /v1/models, /health, /metrics (a real
 vLLM 0.32 page, tests/data) and the /server_info, /model_info probes sglang-router makes when
 it registers a worker. Being fast, they let the router's own cost show. Processes, readiness
 waits, the load generator's exchange and closed loop, and the report's header and JSON file
-come from benchmarks/harness/, which fleet_replay.py and the tests share.
+come from harness/, which fleet_replay.py and the tests share.
 
 Pinning (2-core machine): the router under test gets core 1 (`taskset -c 1`), the load
 generator (this process) and both backends share core 0; the same for every router, and the
@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from harness.commands import peer_router_cmd, route_serve_cmd
 from harness.load import Exchange, Gauge, closed_loop, completion_body, exchange, random_text
 from harness.procs import (

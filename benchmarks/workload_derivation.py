@@ -1,4 +1,4 @@
-"""Issue 13: the workload `plan --workload-from` derives from route-serve's request log, against
+"""Workload derivation: what `plan --workload-from` derives from route-serve's request log, against
 the trace that was replayed through it.
 
 Run (from the repository root, in the dev venv):
@@ -50,14 +50,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: the repository's packages, as the tests see them
     sys.path.insert(0, str(REPO))
 
-from benchmarks.harness.commands import emulate_cmd, route_serve_cmd  # noqa: E402
-from benchmarks.harness.load import completion_body, open_loop, random_text  # noqa: E402
-from benchmarks.harness.procs import Proc, free_ports  # noqa: E402
-from benchmarks.harness.ready import NotReady, http_request, wait_ready  # noqa: E402
 from fleetctl.cli.traffic import workloads_from  # noqa: E402
 from fleetctl.fleet.inventory import Inventory, load_inventory  # noqa: E402
 from fleetctl.model.catalog import load_catalog  # noqa: E402
 from fleetctl.sim.workload import WorkItem, derive_workload, load_trace, scale_time  # noqa: E402
+from harness.commands import emulate_cmd, route_serve_cmd  # noqa: E402
+from harness.load import completion_body, open_loop, random_text  # noqa: E402
+from harness.procs import Proc, free_ports  # noqa: E402
+from harness.ready import NotReady, http_request, wait_ready  # noqa: E402
 
 TRACES = REPO.parent / "shared" / "traces"
 INVENTORY = REPO / "inventory" / "seed-mixed-8b-16k.yaml"  # one model, long_context_tokens 4096
@@ -274,7 +274,7 @@ def _fmt(v: float) -> str:
 
 
 def main() -> None:
-    from benchmarks.harness.results import header, out_dir, write_json
+    from harness.results import header, out_dir, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default="conv", help="conv, code (../shared/traces) or a path")

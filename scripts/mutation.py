@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Mutation testing of fleetctl's pure core (issue 15), by module, in bounded time.
+"""Mutation testing of fleetctl's pure core, by module, in bounded time.
 
 Not part of CI and not a dev dependency: the tool (mutmut 2.5.1) lives in its own cached venv,
 ~/.cache/fleetctl/mutation-venv, made on first use with pip. Each module is mutated in a
@@ -16,7 +16,7 @@ Incremental by default: each module's .mutmut-cache is kept in benchmarks/out/mu
 (git-ignored) and copied into the next run's work copy. mutmut 2 then keeps killed mutants
 killed and retests only survivors (and mutants of changed lines) when a test file changed, so
 a run after a new test takes seconds, not minutes. --fresh ignores the cache: use it for a
-number recorded in RESULTS.md.
+number recorded in benchmarks/results/mutation.md.
 
 A surviving mutant that cannot change behaviour is listed, with the reason, in
 scripts/mutation_equivalents/<module>.toml (e.g. routing.scheduler.toml), matched by the

@@ -75,6 +75,14 @@ def catalog() -> Catalog:
     return load_catalog()
 
 
+def seed_nodes() -> str:
+    """The seed fleet's `nodes:` section as inventory/seed-mixed-8b.yaml writes it (4 A100
+    SXM4 80GB nodes beside 8 RTX 4090 nodes), for tests that vary its models or prices."""
+    text = (REPO / "inventory" / "seed-mixed-8b.yaml").read_text()
+    start = text.index("nodes:\n")
+    return text[start : text.index("\nmodels:", start) + 1]
+
+
 def write(tmp_path: Path, text: str, name: str = "inventory.yaml") -> Path:
     p = tmp_path / name
     p.write_text(text)

@@ -1,7 +1,7 @@
 """Processes the integration tests start: emulated vLLM servers on free loopback ports.
 
 Ports, process start and stop, readiness waits and the emulator's command line live in
-benchmarks/harness/, shared with the benchmarks; this module keeps the tests' names for them.
+harness/, shared with the benchmarks; this module keeps the tests' names for them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import openai
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness.commands import emulate_cmd
-from benchmarks.harness.procs import Proc, free_port, stop_process
-from benchmarks.harness.ready import first_answer, http_request, wait_status
+from harness.commands import emulate_cmd
+from harness.procs import Proc, free_port, stop_process
+from harness.ready import first_answer, http_request, wait_status
 
 __all__ = [
     "NAME",

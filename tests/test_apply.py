@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sshhosts import TestHosts, require
+from harness.sshhosts import TestHosts, require
 
 PY = sys.executable
 GATE_PY = Path(__file__).resolve().parent / "gate.py"

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.vllm_server import ensure_env, server_env
-from tests.sshhosts import STD_PATH, TestHosts, require
+from harness.sshhosts import STD_PATH, TestHosts, require
+from harness.vllm_server import ensure_env, server_env
 from tests.test_apply import servers_running
 
 pytestmark = pytest.mark.vllm_real

@@ -562,7 +562,7 @@ def test_calibrate_measures_emulated_servers_and_estimate_uses_it(emulator, tmp_
 def test_calibrate_reads_a_real_vllm_server(tmp_path, cli):
     """The metric names and labels calibration reads are a real vLLM 0.32's (the CPU build,
     serving tiny-llama; profiles in tests/data/profiles describe the CPU as CPU-TEST)."""
-    from benchmarks.harness.vllm_server import (
+    from harness.vllm_server import (
         MAX_MODEL_LEN,
         ensure_env,
         start_vllm,

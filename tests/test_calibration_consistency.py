@@ -1,6 +1,6 @@
 """One calibration, one truth: every command prints the same figures for a calibrated class,
 they follow a skewed node's truth at batch sizes it was not measured at, and none is faster
-than the GPU's peaks (issue 22; benchmarks/calibration_consistency.py runs the full version).
+than the GPU's peaks (benchmarks/calibration_consistency.py runs the full version).
 
 Real emulators on loopback under live traffic during `fleetctl calibrate`; estimate, plan and
 simulate read the calibration through the CLI. status reads it the same way

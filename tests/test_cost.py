@@ -14,17 +14,12 @@ from fleetctl.fleet.prices import gpus_cost_per_hour, node_cost_per_hour, per_mi
 from fleetctl.fleet.state import State
 from fleetctl.model.catalog import Catalog
 from fleetctl.planner import plan_fleet
-from tests.conftest import REPO, write
+from tests.conftest import REPO, seed_nodes, write
 
-FLEET = """\
-ssh: {user: ubuntu}
-nodes:
-  - name: a100-[1:4]
-    host: 10.0.1.[11:14]
-    gpus: {type: A100-SXM4-80GB, count: 1}
-  - name: rtx-[1:8]
-    host: 10.0.2.[21:28]
-    gpus: {type: RTX-4090, count: 1}
+FLEET = (
+    "ssh: {user: ubuntu}\n"
+    + seed_nodes()
+    + """\
 models:
   - name: llama-3-8b
     profile: llama-3-8b
@@ -33,6 +28,7 @@ models:
     max_context: 8192
     workload: {requests_per_s: 8, mean_prompt_tokens: 1500, mean_output_tokens: 300}
 """
+)
 
 
 def inventory(tmp_path: Path, catalog: Catalog, text: str = FLEET):  # type: ignore[no-untyped-def]
@@ -171,7 +167,8 @@ def test_bad_prices_and_slos_name_the_field(cli, tmp_path):
         "gpus: {type: RTX-4090, count: 1}\n    cost_per_hour: -1",
     )
     r = cli("validate", write(tmp_path, bad))
-    assert r.code == 2 and "cost_per_hour" in r.err and "inventory.yaml:9" in r.err
+    line = bad.splitlines().index("    cost_per_hour: -1") + 1
+    assert r.code == 2 and "cost_per_hour" in r.err and f"inventory.yaml:{line}:" in r.err
     bad = FLEET + "    slo: {ttft_p99_s: 0}\n"
     r = cli("validate", write(tmp_path, bad))
     assert r.code == 2 and "ttft_p99_s" in r.err
@@ -249,17 +246,9 @@ def test_a_cost_plan_moves_only_where_the_saving_pays_back_its_warm_up(tmp_path,
 # Two length buckets (Melange's request sizes): 40% short chats, 60% long prompts. The mean
 # request (1,840-token prompt) takes 0.34 s to prefill on a 4090, over half the 0.64 s TTFT
 # objective, so one mean shape rules the 4090 out; a 100-token prompt takes 0.02 s there.
-BUCKETED = """\
-ssh: {user: ubuntu}
-nodes:
-  - name: a100-[1:4]
-    host: 10.0.1.[11:14]
-    gpus: {type: A100-SXM4-80GB, count: 1}
-    cost_per_hour: 2.5
-  - name: rtx-[1:8]
-    host: 10.0.2.[21:28]
-    gpus: {type: RTX-4090, count: 1}
-    cost_per_hour: 1.0
+BUCKETED = (
+    priced(2.5, 1.0, "ssh: {user: ubuntu}\n" + seed_nodes())
+    + """\
 models:
   - name: llama-3-8b
     profile: llama-3-8b
@@ -275,6 +264,7 @@ models:
         - {share: 0.4, mean_prompt_tokens: 100, mean_output_tokens: 300, max_tokens: 800}
         - {share: 0.6, mean_prompt_tokens: 3000, mean_output_tokens: 100, max_tokens: 6200}
 """
+)
 
 
 def mean_only(text: str) -> str:

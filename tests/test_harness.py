@@ -1,4 +1,4 @@
-"""The harness the benchmarks and tests share (benchmarks/harness/), against real processes:
+"""The harness the benchmarks and tests share (harness/), against real processes:
 the stand-in backend as router_overhead.py starts it, the load generators, readiness waits
 that end when the process dies, and stop() reaching a whole process group."""
 
@@ -14,10 +14,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from benchmarks.harness.load import Gauge, closed_loop, completion_body, exchange, open_loop
-from benchmarks.harness.procs import REPO, Proc, free_port
-from benchmarks.harness.ready import NotReady, first_answer, wait_ready
-from benchmarks.harness.standin import gap_prefix
+from harness.load import Gauge, closed_loop, completion_body, exchange, open_loop
+from harness.procs import REPO, Proc, free_port
+from harness.ready import NotReady, first_answer, wait_ready
+from harness.standin import gap_prefix
 
 MODEL = "llama-3-8b"
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.sshhosts import TestHosts, require
 from tests.conftest import REPO
 from tests.procs import free_port, http_request, stop_process
-from tests.sshhosts import TestHosts, require
 from tests.test_apply import get, servers_running, shim, wait_until
 from tests.test_probe import RTX_QUERY, fake_smi
 

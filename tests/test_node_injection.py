@@ -26,7 +26,7 @@ from fleetctl.fleet.inventory import load_inventory
 from fleetctl.fleet.ssh import SshOptions, SshSession, Target
 from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
-from tests.sshhosts import TestHosts, require
+from harness.sshhosts import TestHosts, require
 
 EXAMPLES = int(os.environ.get("FLEETCTL_FUZZ_EXAMPLES", "12"))
 FAKE_SYSTEMD = Path(__file__).with_name("fake_systemd.py")

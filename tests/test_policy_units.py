@@ -423,7 +423,7 @@ def test_a_small_kv_backend_gets_a_long_request_only_4x_sooner():
 
 
 def test_long_small_kv_penalty_and_long_context_tokens_are_the_documented_defaults():
-    # The values the docs and RESULTS.md were measured with (issue 12).
+    # The values the docs and benchmarks/results/prefix_routing.md were measured with.
     c = RoutingConfig()
     assert (c.long_context_tokens, c.long_small_kv_penalty, c.large_kv_share) == (4096, 4.0, 0.5)
     assert (c.bandwidth_saturation, c.compute_saturation) == (0.85, 0.85)

@@ -8,31 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.sshhosts import TestHosts, require
+from harness.fake_smi import NVIDIA, RTX_QUERY, fake_smi
+from harness.sshhosts import TestHosts, require
 
-NVIDIA = Path(__file__).parent / "data" / "nvidia"
 A100_QUERY = (NVIDIA / "constructed-query-probe-fields-a100-x8-driver535.csv").read_text()
-# Values read off the real RTX 4090 table capture (smi-rtx4090-x1-driver580.txt), in the
-# probe's query format (see tests/data/nvidia/README.md: no real sample of that exists).
-RTX_QUERY = "0, NVIDIA GeForce RTX 4090, GPU-00000000-0000-4000-8000-000000004090, 24564, 232, 8.9, {driver}, [N/A], [N/A]\n"
-
-FAKE_SMI = """#!/bin/sh
-# Replays recorded nvidia-smi output, chosen by the arguments.
-case "$*" in
-  *--query-gpu=*) cat <<'EOF'
-{query}EOF
-  ;;
-  *--query-compute-apps=*) ;;
-  "topo -m") cat {topo} ;;
-  *) cat {table} ;;
-esac
-"""
-
 NAMES = [f"a100-{i}" for i in range(1, 5)] + [f"rtx-{i}" for i in range(1, 9)]
-
-
-def fake_smi(query: str, table: str, topo: str) -> str:
-    return FAKE_SMI.format(query=query, table=NVIDIA / table, topo=NVIDIA / topo)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Property-based tests (issue 15): invariants of the planner, the scheduler, the simulator and
+"""Property-based tests: invariants of the planner, the scheduler, the simulator and
 the routing policies over generated inputs, not hand-picked examples.
 
 Each property was shown failing once on a one-line bug planted in a throwaway worktree (the

@@ -7,13 +7,13 @@ import http.client
 import json
 import socket
 import struct
-import threading
 import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.procs import NAME, free_port
+from tests.procs import NAME
+from tests.rawhttp import RawServer
 from tests.test_route_serve import CAPTURE, Router
 
 BODY = json.dumps(
@@ -108,62 +108,24 @@ STREAM_BREAKS = {
 }
 
 
-class Hostile:
-    """A raw HTTP server on 127.0.0.1 (in a thread): GET /metrics gets the captured vLLM page;
-    each POST gets `kind`'s bytes (GOOD when None). Stream kinds send the head and one event,
-    then wait for `go` before breaking."""
+class Hostile(RawServer):
+    """A raw HTTP server: GET /metrics gets the captured vLLM page; each POST gets `kind`'s
+    bytes (GOOD when None). Stream kinds send the head and one event, then wait for `go`
+    before breaking."""
 
     def __init__(self) -> None:
-        self.port = free_port()
         self.kind: str | None = None
         self.auth: list[bytes] = []  # Authorization headers of the POSTs, as received
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        threading.Thread(target=self._run, daemon=True).start()
-        assert self.ready.wait(10)
+        super().__init__()
 
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.go = asyncio.Event()
-        self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
-        self.ready.set()
-        self.loop.run_forever()
-
-    def release(self) -> None:
-        self.loop.call_soon_threadsafe(self.go.set)
-
-    def close(self) -> None:
-        """End every connection's task inside the loop, then stop it: a task left pending
-        would be finalized later, with its loop gone, in whatever code runs then."""
-
-        async def cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while await self._one(r, w):
-                pass
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            w.close()
-
-    async def _one(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
-        """Answer one request; False when the connection is done."""
-        head = await r.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-            if line.lower().startswith(b"authorization:"):
-                self.auth.append(line.split(b":", 1)[1].strip())
-        await r.readexactly(length)
+    async def answer(
+        self,
+        head: bytes,
+        headers: list[tuple[bytes, bytes]],
+        r: asyncio.StreamReader,
+        w: asyncio.StreamWriter,
+    ) -> bool:
+        self.auth += [v for n, v in headers if n == b"authorization"]
         if head.startswith(b"GET /metrics"):
             page = CAPTURE.encode()
             w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(page), page))
@@ -208,7 +170,7 @@ def hostile(tmp_path_factory):
         yield router, server, backend["url"]
     finally:
         router.stop()
-        server.close()
+        server.stop()
 
 
 def held(router: Router, url: str) -> dict[str, float]:

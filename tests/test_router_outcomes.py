@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from fleetctl.daemon.router import DaemonConfig, Router, routing_core
 from fleetctl.daemon.serve import AccessLog, served_by
 from fleetctl.routing.types import Backend
-from tests.procs import NAME, RouterThread, free_port, http_request
+from tests.procs import NAME, RouterThread, http_request
+from tests.rawhttp import RawServer
 
 BODY = json.dumps(
     {
@@ -43,56 +44,23 @@ SSE = (
 SSE_END = b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
 
 
-class StandIn:
-    """A raw HTTP backend in a thread. Each POST is answered per `mode`: ok, fail (a 500),
-    hold (ok once `release()`d; at once after), stall (never answers), stream (SSE, two events), break
-    (one SSE event, then a reset once `release()`d). `posts` counts the POSTs received."""
+class StandIn(RawServer):
+    """A raw HTTP backend. Each POST is answered per `mode`: ok, fail (a 500), hold (ok once
+    `release()`d; at once after), stall (never answers), stream (SSE, two events), break (one
+    SSE event, then a reset once `release()`d). `posts` counts the POSTs received."""
 
     def __init__(self, mode: str = "ok") -> None:
         self.mode = mode
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.posts = 0
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        threading.Thread(target=self._run, args=(ready,), daemon=True).start()
-        assert ready.wait(10)
+        super().__init__()
 
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.go = asyncio.Event()
-        self.loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
-        ready.set()
-        self.loop.run_forever()
-
-    def release(self) -> None:
-        self.loop.call_soon_threadsafe(self.go.set)
-
-    def stop(self) -> None:
-        async def cancel_all() -> None:
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-    async def _serve(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        try:
-            while await self._one(r, w):
-                pass
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            w.close()
-
-    async def _one(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
-        head = await r.readuntil(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n"):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
-        await r.readexactly(length)
+    async def answer(
+        self,
+        head: bytes,
+        headers: list[tuple[bytes, bytes]],
+        r: asyncio.StreamReader,
+        w: asyncio.StreamWriter,
+    ) -> bool:
         if head.startswith(b"GET "):
             w.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
             return True

@@ -156,7 +156,7 @@ def servers():
         yield found
     finally:
         for s in found:
-            s.loop.call_soon_threadsafe(s.loop.stop)
+            s.stop()
 
 
 def backends(servers: list[Hostile]) -> list[Backend]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.router_replicas import (
+from harness.replicas import (
     Drive,
     Redis,
     RouteServe,

@@ -114,7 +114,7 @@ def test_a_decision_renders_its_reason_from_fields():
     assert r.reject and r.backend is None and r.reason == "no healthy backend serves x"
 
 
-# --- Boundaries and exact texts (issue 15: each test below kills mutants of request.py) ---
+# --- Boundaries and exact texts (each test below kills mutants of request.py) ---
 
 
 def nested(levels: int) -> bytes:

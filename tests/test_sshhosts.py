@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.sshhosts import TestHosts, available
+from harness.sshhosts import TestHosts, available
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.harness.vllm_server import (
+from harness.vllm_server import (
     MAX_MODEL_LEN,
     VllmProcess,
     ensure_env,

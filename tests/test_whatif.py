@@ -296,7 +296,7 @@ def test_the_prediction_follows_route_serve_in_front_of_emulators(tmp_path):
     plan queues, seconds of TTFT), two plans, route-serve and one emulator per planned server,
     in real time (about 50 s on two cores): route-serve's clock is the wall's, so at a time
     scale of 2 the prompt rate it weighs each server's decode by reads twice what the emulated
-    GPU sees (p99 TTFT came 49% off). The full run is within 5% (RESULTS.md); here 200
+    GPU sees (p99 TTFT came 49% off). The full run is within 5% (benchmarks/results/whatif_accuracy.md); here 200
     requests put a p99 on the top two, and the machine is shared: runs here came within 20%,
     so the 35% bound catches drift (a simulator that no longer routes, queues or batches as
     route-serve and the emulators do), not noise."""

@@ -1,4 +1,4 @@
-"""Issue 13: a known trace replayed through a real route-serve into emulators; the workload
+"""Workload derivation: a known trace replayed through a real route-serve into emulators; the workload
 `plan --workload-from` derives from route-serve's request log is the trace's, within 5%.
 
 The scaled-down run of benchmarks/workload_derivation.py: 80 requests of the committed Azure
@@ -7,43 +7,47 @@ slice, four times denser, one emulator four times faster (about 20 s on two core
 
 from __future__ import annotations
 
-import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks.workload_derivation import INVENTORY, compare, replay, trace_items
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir
 from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.whatif.predict import KEYS
+from tests.conftest import REPO
 
 SLICE = Path(__file__).parent / "data" / "azure_conv_slice.csv"
+INVENTORY = REPO / "inventory" / "seed-mixed-8b-16k.yaml"  # the benchmark's
 REQUESTS = 80
 COMPRESS = 4.0
 
 
 @pytest.fixture(scope="module")
-def replayed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
-    """The slice replayed once through route-serve, for both tests: its items, the run (with
-    its log folder) and the inventory."""
-    inv = load_inventory(INVENTORY, load_catalog())
-    items = trace_items(SLICE, inv.models[0].name, 0, REQUESTS)
-    run = asyncio.run(
-        replay(items, tmp_path_factory.mktemp("replay"), COMPRESS, COMPRESS, emulators=1)
+def replayed(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """The slice replayed once through route-serve by the benchmark itself, scaled down, for
+    both tests: its comparison of the derived workload with the trace, and the request log."""
+    out = tmp_path_factory.mktemp("replay")
+    cmd = [sys.executable, "benchmarks/workload_derivation.py", "--trace", str(SLICE)]
+    cmd += ["--requests", str(REQUESTS), "--compress", str(COMPRESS), "--emulators", "1"]
+    done = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900
     )
-    assert run.statuses == {"200": REQUESTS}, run.statuses
-    return items, run, inv
+    assert done.returncode == 0, done.stdout + done.stderr
+    run = out / f"{SLICE.stem}-{REQUESTS}"
+    result = json.loads((run / "result.json").read_text())
+    assert result["statuses"] == {"200": REQUESTS}, result["statuses"]
+    return result, run / "state" / "requests"
 
 
 def test_workload_derived_from_the_request_log_is_the_traces(replayed) -> None:
-    items, run, inv = replayed
-
-    c = compare(items, run.log, inv, COMPRESS)
+    c, _ = replayed
     rows = {r["figure"]: r for r in c["rows"]}
     assert c["log"]["requests"] == REQUESTS and c["log"]["source"] == "log"
     # Rates on either clock, and the mean lengths: the issue's 5%.
@@ -66,10 +70,10 @@ def test_workload_derived_from_the_request_log_is_the_traces(replayed) -> None:
 def test_the_day_two_loop_replans_from_the_log_with_cost_slos_and_a_what_if(
     replayed, cli, tmp_path: Path
 ) -> None:
-    """Issue 13's loop on real traffic: route-serve recorded the replay; the next plan is made
+    """The day-two loop on real traffic: route-serve recorded the replay; the next plan is made
     from that log for cost under an SLO, checked by the simulator on the log's own requests,
     set beside the fleet that runs now on the same requests, with its disruption."""
-    _, run, _ = replayed
+    _, log = replayed
     text = INVENTORY.read_text().replace(
         "    max_context: 16384\n", "    max_context: 16384\n    slo: {ttft_p99_s: 2.0}\n", 1
     )
@@ -78,7 +82,6 @@ def test_the_day_two_loop_replans_from_the_log_with_cost_slos_and_a_what_if(
     inv = load_inventory(inv_path, load_catalog())
     running = plan_fleet(inv)  # what apply ran: the throughput plan, every GPU in use
     StateDir.of(inv).save_state(State(1, running.deployments))
-    log = run.log
     r = cli(
         *("plan", inv_path, "--workload-from", log, "--objective", "cost"),
         *("--what-if", log, "--json"),

@@ -399,7 +399,8 @@ class LiveState:
             return
         # Decode speed only: a prefill compute factor from live windows came out biased (the
         # skewed fleet replay kept 4-59% of hardware-aware's p99 lead with it, 91% without;
-        # benchmarks/RESULTS.md). `fleetctl calibrate` and the start-up calibration keep it.
+        # benchmarks/results/fleet_replay.md). `fleetctl calibrate` and the start-up
+        # calibration keep it.
         fit = replace(fit, compute_speed=None)
         s.fit = fit
         b.perf = fit.apply(model)

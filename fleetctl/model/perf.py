@@ -37,9 +37,10 @@ GiB = 2**30
 GB = 1e9
 
 # Constants fitted on public vLLM measurements, a handful for all of them, never one per point
-# (`python benchmarks/accuracy/fit.py --exclude-doubtful`; benchmarks/RESULTS.md). Not fitted,
-# for want of data, and so priors from vLLM's logs: the CUDA context, the CUDA-graph estimate,
-# V1's fixed step cost ("under 1 ms"; the speed rows hold almost no V1 decode figures).
+# (`python benchmarks/accuracy/fit.py --exclude-doubtful`; benchmarks/results/accuracy.md). Not
+# fitted, for want of data, and so priors from vLLM's logs: the CUDA context, the CUDA-graph
+# estimate, V1's fixed step cost ("under 1 ms"; the speed rows hold almost no V1 decode
+# figures).
 # - the part of a GPU's memory CUDA never reports (nvidia-smi's total minus cudaMemGetInfo's:
 #   79.2 GiB of an H100's 79.6, 23.6 of a 4090's 24.0);
 CUDA_INVISIBLE_BYTES = int(0.44 * GiB)

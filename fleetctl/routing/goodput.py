@@ -18,13 +18,14 @@ the first token counts against the model's TTFT objective; decoding (the request
 the seconds it adds to the others) against its output x the TPOT objective. Without both
 objectives the two weigh the same: the plain sum of seconds.
 
-Why seconds and not a count of expected SLO misses: a count was tried (benchmarks/RESULTS.md,
-"Goodput"). The TPOT estimate cannot see the prompts that arrive in the next seconds (its
-real/estimated ratio has a p90 of 1.4-2.9 under Azure's bursts), so thresholds on it misfire,
-and a count makes an overloaded server a sink: its requests miss already, so more of them
-cost nothing. Seconds grow without bound there, and the sum is linear, so the policy is free
-to let a few requests pay for many (long prompts where they stall few decodes), which is
-what serves the most requests within both objectives at high load.
+Why seconds and not a count of expected SLO misses: a count was tried
+(benchmarks/results/goodput.md). The TPOT estimate cannot see the prompts that arrive in the
+next seconds (its real/estimated ratio has a p90 of 1.4-2.9 under Azure's bursts), so
+thresholds on it misfire, and a count makes an overloaded server a sink: its requests miss
+already, so more of them cost nothing. Seconds grow without bound there, and the sum is
+linear, so the policy is free to let a few requests pay for many (long prompts where they
+stall few decodes), which is what serves the most requests within both objectives at high
+load.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class RoutingConfig:
     # among servers of one max_model_len. Where their lengths differ (a model's min_context),
     # the lengths are the length classes: the penalty on top left the Mooncake trace's long
     # requests queueing for the A100s (p99 TTFT 97 s against 21.5 s at 70% load,
-    # benchmarks/RESULTS.md, issue 12).
+    # benchmarks/results/prefix_routing.md).
     long_small_kv_penalty: float = 4.0
     # Stay on the session's node (warm prefix cache) unless another is this much faster.
     affinity_slack_s: float = 0.25

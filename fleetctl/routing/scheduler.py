@@ -29,7 +29,7 @@ TOP = 0
 # Seconds over which the prompt tokens sent to each backend are averaged into its prefill
 # rate: about one request's decode, the span whose prompts will share its steps. Azure's
 # bursts outrun a longer window (20 s: the estimated TPOT of the A100s fell to a fifth of
-# what they did in a burst of 4K-token prompts; benchmarks/RESULTS.md, "Goodput").
+# what they did in a burst of 4K-token prompts; benchmarks/results/goodput.md).
 PREFILL_WINDOW_S = 5.0
 # After the first request of a class that must wait, look this many further for smaller ones
 # that fit elsewhere (backfill); deeper requests wait for the next dispatch. Bounds the work

@@ -348,16 +348,45 @@ class Engine:
         return self._collect_finished(self.clock)
 
     def _apply_step(self) -> list[Seq]:
-        """One step of decodes plus prefill chunks, scheduled as vLLM V1 does."""
+        """One step of decodes plus prefill chunks, scheduled as vLLM V1 does: running
+        decodes first, then running prefills' next chunks, then waiting requests admitted
+        while the token budget, the batch and the KV cache allow (none after a preemption)."""
+        preempted = self._room_for_decodes()
+        budget = self.max_num_batched_tokens - self.n_decode
+        chunks, budget, victims = self._next_chunks(budget)
+        if not (preempted or victims):
+            self._admit_waiting(budget, chunks)
+        # Preemption may have taken some chunks' sequences away.
+        chunks = [(s, n) for s, n in chunks if s.state == PREFILL]
+        if not self.n_decode and not chunks:
+            if self.waiting and not self.running and not (preempted or victims):
+                head = self.waiting[0]
+                raise ValueError(
+                    f"{self.name}: a request of {head.target} tokens can never fit the "
+                    f"{self.kv_tokens}-token KV cache (callers must respect max_model_len)"
+                )
+            return []
+        done = self._run_step(chunks)
+        self._advance_prefills(chunks, done)
+        return done
+
+    def _room_for_decodes(self) -> bool:
+        """Each decode takes one token, some a new block: preempt the newest running
+        sequences until they fit. Whether any was preempted."""
         preempted = False
-        # Decodes first: each takes one token, some need a new block.
         if self.n_decode:
             while self._blocks_needed(self.steps_done) > self.free_blocks and self.running:
                 self._preempt(next(reversed(self.running)))
                 preempted = True
             self._take(self._blocks_needed(self.steps_done))
-        budget = self.max_num_batched_tokens - self.n_decode
+        return preempted
+
+    def _next_chunks(self, budget: int) -> tuple[list[tuple[Seq, int]], int, bool]:
+        """The running prefills' next chunks within `budget` tokens, preempting the newest
+        running sequences for their blocks: the chunks, the budget left, and whether any
+        sequence was preempted."""
         chunks: list[tuple[Seq, int]] = []
+        preempted = False
         for s in list(self.prefilling):
             if budget <= 0 or s.state != PREFILL:
                 continue
@@ -372,9 +401,13 @@ class Engine:
             self._take(need)
             chunks.append((s, n))
             budget -= n
-        while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-        ):
+        return chunks, budget, preempted
+
+    def _admit_waiting(self, budget: int, chunks: list[tuple[Seq, int]]) -> None:
+        """Admit waiting requests in order while their first chunk fits the budget, the batch
+        and the free blocks (with vLLM's whole-prompt rule, their whole prompt): each starts
+        prefilling past what the prefix cache holds of it, its chunk added to `chunks`."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
             # Found in the prefix cache: no compute for those blocks.
             shared, free_hits, own, whole = self._lookup(s)
@@ -387,40 +420,39 @@ class Engine:
             if new + free_hits + own > self.free_blocks:
                 break
             self.waiting.popleft()
-            pool = self.pool
-            pool.take_hits(s.keys, shared)
-            s.held = s.keys[:shared]
-            if own:
-                pool.take_own(s.own, own)  # type: ignore[arg-type]
-            pool.forget(s.own)
-            s.own = None
-            s.reg = min(len(s.keys), hit_blocks)
-            s.computed = hit
-            if not s.preemptions:
-                s.cached = hit
-            self.stats.prefix_cache_queries += s.target
-            self.stats.prefix_cache_hits += hit
-            self._admissions += 1
-            s.admitted = self._admissions
-            s.state = PREFILL
-            self.running[s] = None
-            self.prefilling.append(s)
+            self._admit(s, shared, own, hit)
             s.blocks = hit_blocks + new
             self._take(new)
             chunks.append((s, n))
             budget -= n
-        # Preemption may have taken some chunks' sequences away.
-        chunks = [(s, n) for s, n in chunks if s.state == PREFILL]
-        n_dec = self.n_decode
-        if not n_dec and not chunks:
-            if self.waiting and not self.running and not preempted:
-                head = self.waiting[0]
-                raise ValueError(
-                    f"{self.name}: a request of {head.target} tokens can never fit the "
-                    f"{self.kv_tokens}-token KV cache (callers must respect max_model_len)"
-                )
-            return []
+
+    def _admit(self, s: Seq, shared: int, own: int, hit: int) -> None:
+        """`s` leaves the queue to prefill: it holds the `shared` cached blocks and takes back
+        `own` of its own freed ones, and `hit` tokens need no compute."""
+        pool = self.pool
+        pool.take_hits(s.keys, shared)
+        s.held = s.keys[:shared]
+        if own:
+            pool.take_own(s.own, own)  # type: ignore[arg-type]
+        pool.forget(s.own)
+        s.own = None
+        s.reg = min(len(s.keys), shared + own)
+        s.computed = hit
+        if not s.preemptions:
+            s.cached = hit
+        self.stats.prefix_cache_queries += s.target
+        self.stats.prefix_cache_hits += hit
+        self._admissions += 1
+        s.admitted = self._admissions
+        s.state = PREFILL
+        self.running[s] = None
+        self.prefilling.append(s)
+
+    def _run_step(self, chunks: list[tuple[Seq, int]]) -> list[Seq]:
+        """The step's time from the performance model, its reads and counts; the decodes it
+        finishes."""
         p = self.perf
+        n_dec = self.n_decode
         dec_ctx = self.decode_context()
         tokens = n_dec + sum(n for _, n in chunks)
         kv = dec_ctx + n_dec + sum(s.computed + n for s, n in chunks)
@@ -434,7 +466,12 @@ class Engine:
         st.generation_tokens += n_dec
         if n_dec:
             self.steps_done += 1
-        done = self._collect_finished(self.clock)
+        return self._collect_finished(self.clock)
+
+    def _advance_prefills(self, chunks: list[tuple[Seq, int]], done: list[Seq]) -> None:
+        """Each chunk computed: its blocks registered in the prefix cache; a completed prefill
+        samples its first token and decodes from now on, or finishes (into `done`)."""
+        st = self.stats
         for s, n in chunks:
             s.computed += n
             st.prompt_tokens += n
@@ -454,7 +491,6 @@ class Engine:
                 done.append(self._finish(s))
             else:
                 self._start_decode(s)
-        return done
 
     def _start_decode(self, s: Seq) -> None:
         s.state = DECODE
