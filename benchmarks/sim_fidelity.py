@@ -14,7 +14,7 @@ vLLM's CPU backend), small enough that sequences outgrow it and get preempted.
 1. Calibration, as `fleetctl calibrate` does it: closed loops at concurrency 1, 2, 4, 8, 16
    and back down over other requests of the same trace while this process scrapes /metrics
    every second (its default), each page stamped with the time it was read; the windows go through
-   fleetctl.calibration (`windows`, `entry_for`, `measured`), which fits the engine's steps by
+   fleetctl.model.calibration (`windows`, `entry_for`, `measured`), which fits the engine's steps by
    the clock and turns them into the performance model's terms (`EngineFit`).
 2. The workload: requests drawn from the Azure conversation trace (../shared/traces), prompt
    lengths divided by 4 and both lengths capped so prompt + output <= 480; Poisson arrivals
@@ -65,6 +65,7 @@ from typing import Any
 
 import aiohttp
 
+from fleetctl.base import documents
 from fleetctl.model.calibration import (
     Key,
     Sample,
@@ -365,7 +366,7 @@ def replay_load(
         "failures": sorted({r.failure for r in rows if r.failure}),
         "real": real,
         # The engine's own view over the replay: mean step (ITL) and decode batch.
-        "server": None if during is None else during.to_json(),
+        "server": None if during is None else documents.data(during),
         "step_check": step_check(during, step),
         "rows": [[r.item.arrival, r.item.prompt, r.item.output, r.e2e] for r in rows],
         "own_fit": own_found.provenance if own_found else "nothing trusted",
@@ -495,9 +496,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "windows": entry.n_samples,
             "kv_tokens": kv,
             "fit": found.provenance if found else "nothing trusted",
-            "step": entry.step.to_json() if entry.step else None,
-            "prefill_tok_s": entry.prefill_tok_s.to_json() if entry.prefill_tok_s else None,
-            "samples": [x.to_json() for x in entry.samples],
+            "step": documents.data(entry.step) if entry.step else None,
+            "prefill_tok_s": documents.data(entry.prefill_tok_s) if entry.prefill_tok_s else None,
+            "samples": [documents.data(x) for x in entry.samples],
         }
         pairs = draw(args.requests, args.seed, args.trace)
         mean_p = sum(p for p, _ in pairs) / len(pairs)

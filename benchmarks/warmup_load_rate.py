@@ -1,7 +1,7 @@
 """How fast real vLLM servers read their weights at start-up, against fleetctl's estimate.
 
 Reads the real GPU start-up log lines quoted in benchmarks/accuracy/kv_points.yaml (each row
-names its public source) with the parser apply uses (fleetctl.calibration.parse_startup_log):
+names its public source) with the parser apply uses (fleetctl.model.calibration.parse_startup_log):
 "Model loading took X GiB [memory] and Y seconds", per rank. Prints each row's read rate per
 rank, and the estimate's weights term (all the server's weights / DISK_READ_BYTES_S) beside
 the measured load.

@@ -11,7 +11,7 @@ the first N rows of the Azure LLM inference code trace (../shared/traces) at the
 times (no --load rescaling: what `plan --what-if` does), each with max_tokens = its output
 length, as route-serve's request log would record it.
 
-Predicted: fleetctl.whatif.what_if, the function behind `plan --what-if` and `apply --gate`
+Predicted: fleetctl.whatif.predict.what_if, the function behind `plan --what-if` and `apply --gate`
 (the simulator's engines, the router's scheduler and hardware-aware policy), per plan.
 Measured: one `fleetctl emulate --time-scale X` process per planned server, with that server's
 vLLM flags (the same engine model, run in real time X times faster), behind `fleetctl
@@ -39,18 +39,18 @@ from typing import Any
 
 import aiohttp
 from fleet_replay import TRACES, bodies, emulator_cmd
-from harness.commands import route_serve_cmd
-from harness.load import completion_body, open_loop
-from harness.procs import REPO, Proc, free_ports
-from harness.ready import wait_ready
-from harness.results import header, out_dir, write_json
-from harness.results import pct_linear as pct
 
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.sim.workload import WorkItem, load_trace
 from fleetctl.whatif.predict import what_if
+from harness.commands import route_serve_cmd
+from harness.load import completion_body, open_loop
+from harness.procs import REPO, Proc, free_ports
+from harness.ready import wait_ready
+from harness.results import header, out_dir, write_json
+from harness.results import pct_linear as pct
 
 MODEL = "llama-3-8b"
 PROFILE = "llama-3-8b"

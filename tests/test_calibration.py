@@ -286,6 +286,18 @@ def test_the_file_round_trips_and_merges(perf, tmp_path):
     assert merged.find("RTX-4090", "llama-3-8b", "bf16", 2) is None
 
 
+# The key as the file writes it.
+KEY_JSON = {
+    "gpu": "RTX-4090",
+    "model": "llama-3-8b",
+    "format": "bf16",
+    "tp": 1,
+    "vllm_version": "0.32.0",
+    "max_model_len": 8192,
+    "node": None,
+}
+
+
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
@@ -294,18 +306,33 @@ def test_the_file_round_trips_and_merges(perf, tmp_path):
             {"format": 9, "entries": []},
             "format 9 was written by a newer fleetctl (this one reads 1)",
         ),
-        ({"format": 1}, "no 'entries' list"),
-        ({"format": 1, "entries": [{"key": {"gpu": "x"}}]}, "entries[0].key.model: not a name"),
+        ({"format": 1, "entries": {}}, "entries: input should be a valid array, got an object"),
+        ({"format": 1, "entries": [{"key": {"gpu": "x"}}]}, "entries[0].key.model: missing"),
         (
-            {"format": 1, "entries": [{"key": KEY.to_json() | {"tp": 0}}]},
-            "entries[0].key.tp: not a positive whole number",
+            {"format": 1, "entries": [{"key": KEY_JSON | {"tp": 0}}]},
+            "entries[0].key.tp: input should be greater than or equal to 1, got a number",
+        ),
+        (
+            {"format": 1, "entries": [{"key": KEY_JSON, "measured_at": ""}]},
+            "entries[0].measured_at: string should have at least 1 character, got a string",
+        ),
+        (
+            {"format": 1, "entries": [{"key": KEY_JSON, "measured_at": "t", "servers": [1]}]},
+            "entries[0].servers[0]: input should be a valid string, got a number",
         ),
         (
             {
                 "format": 1,
-                "entries": [{"key": KEY.to_json(), "measured_at": "t", "samples": [[1]]}],
+                "entries": [{"key": KEY_JSON, "measured_at": "t", "samples": [[1, "x"]]}],
             },
-            "entries[0].samples[0]: not a list of 11 numbers",
+            "entries[0].samples[0][1]: input should be a valid number, got a string",
+        ),
+        (
+            {
+                "format": 1,
+                "entries": [{"key": KEY_JSON, "measured_at": "t", "step_at_batch_s": {}}],
+            },
+            "entries[0].step_at_batch_s.value: missing",
         ),
     ],
 )
@@ -315,12 +342,26 @@ def test_a_bad_file_is_named(doc, message):
     assert str(err.value) == message
 
 
+def test_the_file_is_the_dataclasses():
+    """The file's keys are the fields' (step_at_batch as step_at_batch_s), its samples rows of
+    numbers; a file from before start-ups were timed, or samples by the clock, still reads."""
+    doc = Calibration((Entry(KEY, "t", samples=(Sample(batch=2.5, tokens=3),)),)).to_json()
+    assert doc["format"] == 1 and doc["startups"] == []
+    (entry,) = doc["entries"]
+    assert entry["key"] == KEY_JSON and "step_at_batch_s" in entry
+    assert entry["samples"] == [[2.5, 0.0, 3, 0.0, 0, 0, 0.0, 0, 0.0, 0.0, 0.0]]
+    old = {"format": 1, "entries": [{**entry, "samples": [[2.5, 0, 3, 0, 0, 0, 0, 0, 0]]}]}
+    assert Calibration.from_json(old) == Calibration.from_json(doc)
+
+
 def test_a_broken_file_is_one_clear_line(tmp_path, cli):
     sdir = StateDir(tmp_path)
     sdir.calibration_path.write_text('{"format": 1, "entries": [{"key": 3}]}')
     with pytest.raises(UserError) as err:
         sdir.load_calibration()
-    assert "the calibration file is not usable: entries[0].key: not an object" in str(err.value)
+    assert "the calibration file is not usable: entries[0].key: input should be an object" in str(
+        err.value
+    )
     args = ["estimate", "--gpu", "RTX-4090", "--model", "llama-3-8b", "--format", "bf16"]
     r = cli(*args, "--state-dir", tmp_path)
     assert r.code == 2
@@ -329,7 +370,7 @@ def test_a_broken_file_is_one_clear_line(tmp_path, cli):
 
 
 def test_estimate_uses_trusted_figures_and_says_so(catalog, perf):
-    """estimate is the one calibrated engine (fleetctl.calibration.calibrated) at the asked
+    """estimate is the one calibrated engine (fleetctl.model.calibration.calibrated) at the asked
     batch and prompt, as plan, simulate and status use it: KV measured, decode and prefill
     from the model's shape at the measured terms; `source` says which figure is which."""
     e = an_entry(perf)

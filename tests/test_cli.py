@@ -286,7 +286,10 @@ def test_a_facts_file_that_is_not_usable_is_refused_with_where_and_why(cli, tmp_
     assert r.code == 2 and "written by a newer fleetctl" in r.err and "fleetctl probe" in r.err
     f.write_text(json.dumps({"format": 2, "nodes": {"rtx-1": {"gpus": [{"index": "zero"}]}}}))
     r = cli("plan", inv, "--facts", f)
-    assert r.code == 2 and "nodes.rtx-1.gpus[0].index: expected int, got str" in r.err
+    assert (
+        r.code == 2
+        and "nodes.rtx-1.gpus[0].index: input should be a valid integer, got a string" in r.err
+    )
     # A facts file of the first format still reads (its keys did not change meaning), and is
     # used: its L40S replaces the RTX-4090 the inventory declares.
     one = {"rtx-1": {"gpus": [{"index": 0, "name": "NVIDIA L40S", "memory_total_mib": 46068}]}}
@@ -299,6 +302,46 @@ def test_a_facts_file_that_is_not_usable_is_refused_with_where_and_why(cli, tmp_
         w.startswith("rtx-1: inventory declares 1x RTX-4090, probed 1x L40S")
         for w in plan["warnings"]
     ), plan["warnings"]
+
+
+def test_a_state_or_plan_file_that_is_not_usable_is_one_line_naming_the_field(cli, tmp_path):
+    """state.json and a saved plan read through their schemas: a newer format, a field of the
+    wrong type or a server without its --port are refused in one line that names the field,
+    exit 2; what this release writes reads back the same."""
+    inv = write(tmp_path, (REPO / "inventory" / "seed-mixed-8b.yaml").read_text())
+    saved = tmp_path / "plan.json"
+    assert cli("plan", inv, "-o", saved).code == 0
+    plan = json.loads(saved.read_text())
+    state = tmp_path / ".fleetctl" / "state.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"format": 1, "serial": 4, "deployments": plan["deployments"]}))
+    r = cli("plan", inv, "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["state_serial"] == 4  # read back: every server kept
+    assert all(a["op"] == "keep" for a in json.loads(r.out)["actions"])
+    for doc, want in (
+        ({"format": 2, "serial": 1, "deployments": []}, "written by a newer fleetctl"),
+        (
+            {"format": 1, "deployments": [{**plan["deployments"][0], "port": "8000"}]},
+            "deployments[0].port: input should be a valid integer, got a string",
+        ),
+        (
+            {"format": 1, "deployments": [{**plan["deployments"][0], "vllm_args": ["serve"]}]},
+            "deployments[0]: vllm_args has no --host or --port",
+        ),
+    ):
+        state.write_text(json.dumps(doc))
+        r = cli("plan", inv)
+        assert r.code == 2 and "state file is not usable" in r.err and want in r.err, r.err
+        assert len(r.err.strip().splitlines()) == 1 and "Traceback" not in r.err
+    state.unlink()
+    bad = {**plan, "deployments": [{**plan["deployments"][0], "gpu_indices": "0"}]}
+    saved.write_text(json.dumps(bad))
+    r = cli("apply", saved, "--yes")
+    assert (
+        r.code == 2
+        and "deployments[0].gpu_indices: input should be a valid array, got a string" in r.err
+    )
 
 
 def test_facts_round_trip_through_json():

@@ -419,7 +419,7 @@ def test_safe_values_still_pass(cli, tmp_path):
 def test_oversized_file_is_refused_before_parsing(cli, tmp_path, monkeypatch):
     import fleetctl.base.yamlsrc
 
-    monkeypatch.setattr(fleetctl.yamlsrc, "MAX_FILE_BYTES", 1000)
+    monkeypatch.setattr(fleetctl.base.yamlsrc, "MAX_FILE_BYTES", 1000)
     path = write(tmp_path, GOOD + "#" * 2000 + "\n")
     r = cli("validate", path)
     assert (
@@ -510,7 +510,7 @@ def test_an_edited_plan_file_is_refused_before_any_connection(cli, tmp_path, fie
     assert words in r.err and "deployments[0]" in r.err and "refused" not in r.out + r.err
 
 
-# The README's list of flags the plan pins, written out (not read from fleetctl.vllm_flags),
+# The README's list of flags the plan pins, written out (not read from fleetctl.vllm.flags),
 # with the other spellings it names: each is refused, naming the field to use instead.
 README_PINNED = (
     "--port",

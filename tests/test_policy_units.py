@@ -1,7 +1,7 @@
 """Routing policies (routing/policy.py) rule by rule, on hand-built backends with a linear GPU.
 
 Fast (no catalog, no simulation): scripts/mutation.py runs it once per mutant. The GPU here is
-`LinearPerf`, a stand-in for fleetctl.perf.EnginePerf whose costs are linear, so every
+`LinearPerf`, a stand-in for fleetctl.model.perf.EnginePerf whose costs are linear, so every
 estimate below is worked out by hand from HardwareAware.estimate's formula in a comment:
 
     prefill_marginal(tokens, context) = tokens / 1000 + context / 100_000   (seconds)

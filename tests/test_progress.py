@@ -13,7 +13,7 @@ from fleetctl.base.progress import progress
 
 
 def test_quiet_when_not_a_terminal(monkeypatch):
-    monkeypatch.setattr(fleetctl.progress, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setattr(fleetctl.base.progress, "SHOW_AFTER_S", 0.0)
     stream = io.StringIO()
     with progress("simulating", 5, stream=stream) as bar:
         for k in range(6):
@@ -36,7 +36,7 @@ def _read_all(fd: int) -> bytes:
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_a_bar_on_a_terminal_unless_disabled(monkeypatch, enabled):
-    monkeypatch.setattr(fleetctl.progress, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setattr(fleetctl.base.progress, "SHOW_AFTER_S", 0.0)
     monkeypatch.setenv("TERM", "xterm")
     monkeypatch.delenv("NO_COLOR", raising=False)
     master, slave = os.openpty()
@@ -55,7 +55,7 @@ def test_a_bar_on_a_terminal_unless_disabled(monkeypatch, enabled):
 
 def test_short_work_shows_nothing(monkeypatch):
     """Under SHOW_AFTER_S no bar starts, even on a terminal: a flash of one is noise."""
-    monkeypatch.setattr(fleetctl.progress, "SHOW_AFTER_S", 3600.0)
+    monkeypatch.setattr(fleetctl.base.progress, "SHOW_AFTER_S", 3600.0)
     master, slave = os.openpty()
     with (
         os.fdopen(slave, "w", encoding="utf-8") as stream,
@@ -69,7 +69,7 @@ def test_short_work_shows_nothing(monkeypatch):
 
 def test_the_bar_goes_to_stderr_by_default_never_stdout(monkeypatch):
     """Without a `stream`, the bar draws on sys.stderr: stdout stays for the command's output."""
-    monkeypatch.setattr(fleetctl.progress, "SHOW_AFTER_S", 0.0)
+    monkeypatch.setattr(fleetctl.base.progress, "SHOW_AFTER_S", 0.0)
     monkeypatch.setenv("TERM", "xterm")
     monkeypatch.delenv("NO_COLOR", raising=False)
     err_master, err_slave = os.openpty()

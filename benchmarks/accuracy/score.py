@@ -1,6 +1,6 @@
 """How far fleetctl's performance model is from public vLLM measurements, row by row.
 
-Runs `fleetctl estimate`'s code path (fleetctl.estimate, the same as the command) on every row
+Runs `fleetctl estimate`'s code path (fleetctl.model.estimate, the same as the command) on every row
 of kv_points.yaml and speed_points.yaml, and prints each row's signed error (model / measured
 - 1) and the median and p90 of |error| by figure, GPU, format and vLLM version range.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,12 +11,14 @@ from typing import Any
 from fleetctl.apply.credentials import load_secrets
 from fleetctl.apply.execute import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
 from fleetctl.apply.lock import StateLock
+from fleetctl.base import documents
+from fleetctl.base.documents import DocumentError
 from fleetctl.base.errors import Location, UserError, shown
 from fleetctl.base.jsonout import print_json
 from fleetctl.base.names import control_char
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
-from fleetctl.fleet.plan import Deployment, Plan
+from fleetctl.fleet.plan import PLAN_FORMAT, Deployment, Plan, SavedPlan
 from fleetctl.fleet.ssh import SshOptions
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir
@@ -65,17 +66,18 @@ def is_plan_file(arg: str) -> bool:
 def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
     """(inventory path, state serial it was made against, deployments) of a saved plan."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        deployments = [Deployment.from_json(d) for d in doc["deployments"]]
-        return str(doc["inventory"]), doc.get("state_serial"), deployments
+        text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}", None, "check the path") from None
-    except (ValueError, KeyError, TypeError) as e:
+    try:
+        saved = documents.load(text, SavedPlan, reads=(PLAN_FORMAT,), default_format=PLAN_FORMAT)
+    except DocumentError as e:
         raise UserError(
-            f"{path} is not a plan fleetctl wrote ({type(e).__name__}: {e})",
-            None,
+            f"not a plan fleetctl wrote: {e}",
+            Location(str(path)),
             "make one with `fleetctl plan INVENTORY -o plan.json`",
         ) from None
+    return saved.inventory, saved.state_serial, [Deployment.of(r) for r in saved.deployments]
 
 
 def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) -> None:

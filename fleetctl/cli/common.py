@@ -141,7 +141,7 @@ class _Stderr:
 def debug_logging() -> None:
     """--debug: paramiko's own log and each SSH failure's traceback go to stderr.
 
-    Without it they stay quiet (fleetctl.ssh silences paramiko): one line per node is enough.
+    Without it they stay quiet (fleetctl.fleet.ssh silences paramiko): one line per node is enough.
     """
     import logging
 

@@ -1,4 +1,8 @@
-"""Rich renderables for plans and profiles; commands print them, nothing here prints."""
+"""Rich renderables for plans and profiles; commands print them, nothing here prints.
+
+Kept whole because the tables share their column rules and widths, so the commands' output reads
+alike.
+"""
 
 from __future__ import annotations
 

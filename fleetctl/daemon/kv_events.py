@@ -36,8 +36,8 @@ The wire, as vLLM 0.32 writes it (paths under the vllm package of the cached env
   `decode_batch` reads both.
 - A block hash on the wire is an int (msgpack uint64) by default and the digest's bytes with
   VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (v1/core/kv_cache_utils.py
-  `maybe_convert_block_hash`); `fleetctl.vllm_hash.block_key` maps both to the same int,
-  and `fleetctl.vllm_hash.block_hashes` computes those ints from a prompt's token ids.
+  `maybe_convert_block_hash`); `fleetctl.vllm.hashing.block_key` maps both to the same int,
+  and `fleetctl.vllm.hashing.block_hashes` computes those ints from a prompt's token ids.
 - What is published (v1/core/block_pool.py): `cache_full_blocks` sends one BlockStored per
   request step for the full blocks newly cached, chained by `parent_block_hash`; eviction
   and hash replacement send one BlockRemoved per block; `reset_prefix_cache` sends
@@ -241,7 +241,7 @@ def prompt_blocks(
     seed: str | None = None,
 ) -> PromptBlocks | None:
     """A prompt's blocks named as the server names them, for `PrefixIndex.cached`; None
-    where they cannot be reproduced here (see fleetctl.vllm_hash)."""
+    where they cannot be reproduced here (see fleetctl.vllm.hashing)."""
     hashes = block_hashes(token_ids, block_size, algo, seed)
     if hashes is None:
         return None

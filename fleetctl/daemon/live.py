@@ -1,6 +1,10 @@
 """Live backend state: /metrics scrapes, memory-bandwidth utilization (DCGM, else vLLM's
 read-byte counter, else the perf model), ejection, the model name each backend serves, and each
-backend's speed as measured online from its own counters."""
+backend's speed as measured online from its own counters.
+
+Kept whole because scraping, ejection and the online fit act on the same per-backend state at
+each scrape.
+"""
 
 from __future__ import annotations
 
@@ -285,7 +289,7 @@ class LiveState:
     # --- scraping ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Scrape until cancelled; every GET goes through fleetctl.http's client."""
+        """Scrape until cancelled; every GET goes through fleetctl.fleet.http's client."""
         client = Client(self.timeout)
         try:
             while True:

@@ -5,6 +5,9 @@ uses (admission.py), and proxied to the chosen backend byte for byte (proxy.py, 
 SSE chunks are written to the client as they arrive. Connection failures and 5xx answers
 before the first byte are retried on another backend through the scheduler; a backend that
 keeps failing is ejected (live.py). This module wires them into an aiohttp application.
+
+Kept whole because it is the one place the daemon's parts meet: the app, its handlers, start and
+stop, reloads.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ it decided meanwhile, each with its version: the script keeps the last writer's,
 whose pin lost adopts the winner (counted as a conflict). Pins it held from before are
 re-read once on their next use, since another replica may have changed them meanwhile; one
 Redis no longer holds (restarted empty) is written back from memory.
+
+Kept whole because the pins, the aging window and the outage handling share one connection, one
+writer and one version scheme, described above.
 """
 
 from __future__ import annotations

@@ -1,4 +1,8 @@
-"""Pure parsers that turn what `nvidia-smi` prints on a node into typed facts."""
+"""Pure parsers that turn what `nvidia-smi` prints on a node into typed facts.
+
+Kept whole because each parser sits beside the captured output it was written against, and they
+share the row and problem types.
+"""
 
 from __future__ import annotations
 

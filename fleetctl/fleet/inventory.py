@@ -1,4 +1,8 @@
-"""The inventory: YAML schema, node-range expansion, and cross-checks against the profiles."""
+"""The inventory: YAML schema, node-range expansion, and cross-checks against the profiles.
+
+Kept whole because the schema, its range expansion and its cross-checks read top-down as the one
+definition of the file; split, a field's bounds and its check would live apart.
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 # A replacement that fits beside the server it replaces starts on the slot's other port
 # (port +/- SURGE_PORT_OFFSET), so both run until the new one is healthy (apply/steps.py);
 # base/limits.py holds it because validation checks every such port exists.
+from fleetctl.base import documents
 from fleetctl.base.names import http_url
 from fleetctl.fleet.prices import per_million_tokens, total
 
@@ -84,7 +85,7 @@ class Server:
     cost_per_hour: float | None = None
     # What the one calibrated model says of it at the reference shapes (KV tokens, decode
     # tokens/s at batch 1, 8 and 32, prefill tokens/s, the source of each), as estimate,
-    # simulate and status print them: fleetctl.calibration.Calibrated.figures.
+    # simulate and status print them: fleetctl.model.calibration.Calibrated.figures.
     perf: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
 
@@ -144,76 +145,127 @@ class Deployment:
         parts = [*self.vllm_args, "\0env", *(f"{k}={v}" for k, v in self.env)]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
-    def to_json(self) -> dict[str, Any]:
+    def record(self) -> DeploymentRecord:
+        """This deployment as the files hold it."""
         s = self.server
-        return {
-            "node": self.node,
-            "host": self.host,
-            "gpu_type": s.gpu_type,
-            "gpu_indices": list(self.gpu_indices),
-            "model": s.model,
-            "variant": s.variant,
-            "source": s.source,
-            "tensor_parallel_size": s.tensor_parallel_size,
-            "max_model_len": s.max_model_len,
-            "max_model_len_reason": s.max_model_len_reason,
-            "gpu_memory_utilization": s.gpu_memory_utilization,
-            "kv_cache_dtype": s.kv_cache_dtype,
-            "max_num_batched_tokens": s.max_num_batched_tokens,
-            "max_num_seqs": s.max_num_seqs,
-            "kv_budget_bytes": s.kv_budget_bytes,
-            "kv_budget_tokens": s.kv_budget_tokens,
-            "max_sequences_at_max_len": s.max_sequences_at_max_len,
-            "weights_bytes": s.weights_bytes,
-            "port": self.port,
-            "vllm_args": list(self.vllm_args),
-            "env": dict(self.env),
-            "predicted_decode_tok_s": round(s.predicted_decode_tok_s, 1),
-            "capacity_rps": round(s.capacity_rps, 3),
-            "cost_per_hour": _money(s.cost_per_hour),
-            "perf": s.perf,
-            "reasons": list(s.reasons),
-            "args_hash": self.args_hash,
-        }
+        return DeploymentRecord(
+            node=self.node,
+            host=self.host,
+            gpu_type=s.gpu_type,
+            gpu_indices=self.gpu_indices,
+            model=s.model,
+            variant=s.variant,
+            source=s.source,
+            tensor_parallel_size=s.tensor_parallel_size,
+            max_model_len=s.max_model_len,
+            max_model_len_reason=s.max_model_len_reason,
+            gpu_memory_utilization=s.gpu_memory_utilization,
+            kv_cache_dtype=s.kv_cache_dtype,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            kv_budget_bytes=s.kv_budget_bytes,
+            kv_budget_tokens=s.kv_budget_tokens,
+            max_sequences_at_max_len=s.max_sequences_at_max_len,
+            weights_bytes=s.weights_bytes,
+            port=self.port,
+            vllm_args=self.vllm_args,
+            env=dict(self.env),
+            predicted_decode_tok_s=round(s.predicted_decode_tok_s, 1),
+            capacity_rps=round(s.capacity_rps, 3),
+            cost_per_hour=_money(s.cost_per_hour),
+            perf=s.perf,
+            reasons=s.reasons,
+            args_hash=self.args_hash,
+        )
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Deployment:
-        """Read back what to_json wrote (as recorded in state.json)."""
-        args = list(d["vllm_args"])
+    def of(cls, r: DeploymentRecord) -> Deployment:
+        """The deployment a record describes (as state.json or a saved plan holds it)."""
         # Split the arguments around --host/--port, as the planner builds them.
-        host_at = args.index("--host")
-        port_at = args.index("--port")
-        head = tuple(args[:host_at])
-        tail = tuple(args[max(host_at, port_at) + 2 :])
-        env = tuple(
-            sorted((k, v) for k, v in d.get("env", {}).items() if k != "CUDA_VISIBLE_DEVICES")
-        )
+        args = r.vllm_args
+        host_at, port_at = args.index("--host"), args.index("--port")
         server = Server(
-            model=d["model"],
-            variant=d["variant"],
-            source=d["source"],
-            gpu_type=d["gpu_type"],
-            tensor_parallel_size=int(d["tensor_parallel_size"]),
-            max_model_len=int(d["max_model_len"]),
-            gpu_memory_utilization=float(d["gpu_memory_utilization"]),
-            kv_cache_dtype=d["kv_cache_dtype"],
-            max_num_batched_tokens=int(d["max_num_batched_tokens"]),
-            max_num_seqs=int(d["max_num_seqs"]),
-            kv_budget_bytes=int(d["kv_budget_bytes"]),
-            kv_budget_tokens=int(d["kv_budget_tokens"]),
-            max_sequences_at_max_len=int(d["max_sequences_at_max_len"]),
-            weights_bytes=int(d["weights_bytes"]),
-            predicted_decode_tok_s=float(d["predicted_decode_tok_s"]),
-            capacity_rps=float(d["capacity_rps"]),
-            reasons=tuple(d.get("reasons", ())),
-            args_head=head,
-            args_tail=tail,
-            env=env,
-            max_model_len_reason=str(d.get("max_model_len_reason", "")),
-            cost_per_hour=None if d.get("cost_per_hour") is None else float(d["cost_per_hour"]),
-            perf=d["perf"] if isinstance(d.get("perf"), dict) else None,
+            model=r.model,
+            variant=r.variant,
+            source=r.source,
+            gpu_type=r.gpu_type,
+            tensor_parallel_size=r.tensor_parallel_size,
+            max_model_len=r.max_model_len,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            kv_cache_dtype=r.kv_cache_dtype,
+            max_num_batched_tokens=r.max_num_batched_tokens,
+            max_num_seqs=r.max_num_seqs,
+            kv_budget_bytes=r.kv_budget_bytes,
+            kv_budget_tokens=r.kv_budget_tokens,
+            max_sequences_at_max_len=r.max_sequences_at_max_len,
+            weights_bytes=r.weights_bytes,
+            predicted_decode_tok_s=r.predicted_decode_tok_s,
+            capacity_rps=r.capacity_rps,
+            reasons=r.reasons,
+            args_head=args[:host_at],
+            args_tail=args[max(host_at, port_at) + 2 :],
+            env=tuple(sorted((k, v) for k, v in r.env.items() if k != "CUDA_VISIBLE_DEVICES")),
+            max_model_len_reason=r.max_model_len_reason,
+            cost_per_hour=r.cost_per_hour,
+            perf=r.perf,
         )
-        return cls(d["node"], d["host"], tuple(d["gpu_indices"]), int(d["port"]), server)
+        return cls(r.node, r.host, r.gpu_indices, r.port, server)
+
+    def to_json(self) -> dict[str, Any]:
+        return documents.data(self.record())
+
+    @classmethod
+    def from_json(cls, raw: object) -> Deployment:
+        """Raises DocumentError naming the field that is wrong."""
+        return cls.of(documents.parse_part(raw, DeploymentRecord))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentRecord:
+    """One deployment as `plan --json`, a saved plan and state.json hold it: its server's
+    fields inline, its whole `vllm serve` command line and environment, and their hash."""
+
+    node: str
+    host: str
+    gpu_type: str
+    gpu_indices: tuple[int, ...]
+    model: str
+    variant: str
+    source: str
+    tensor_parallel_size: int
+    max_model_len: int
+    max_model_len_reason: str = ""
+    gpu_memory_utilization: float
+    kv_cache_dtype: str
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_budget_bytes: int
+    kv_budget_tokens: int
+    max_sequences_at_max_len: int
+    weights_bytes: int
+    port: int
+    vllm_args: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    predicted_decode_tok_s: float
+    capacity_rps: float
+    cost_per_hour: float | None = None  # absent from state written before fleetctl knew prices
+    perf: dict[str, Any] | None = None
+    reasons: tuple[str, ...] = ()
+    args_hash: str = ""
+
+    def __post_init__(self) -> None:
+        if "--host" not in self.vllm_args or "--port" not in self.vllm_args:
+            raise ValueError("vllm_args has no --host or --port")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavedPlan:
+    """What apply reads back of a plan saved with `plan -o`: where it came from and its
+    deployments (the rest of the file is for people)."""
+
+    inventory: str
+    state_serial: int | None = None
+    deployments: tuple[DeploymentRecord, ...] = ()
 
 
 @dataclass(frozen=True)

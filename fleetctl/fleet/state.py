@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetctl.fleet.plan import Deployment
+from fleetctl.base import documents
+from fleetctl.fleet.plan import Deployment, DeploymentRecord
 
 STATE_FORMAT = 1
 
@@ -16,14 +17,19 @@ class State:
     deployments: tuple[Deployment, ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": STATE_FORMAT,
-            "serial": self.serial,
-            "deployments": [d.to_json() for d in self.deployments],
-        }
+        records = tuple(d.record() for d in self.deployments)
+        return documents.dump(StateFile(self.serial, records), STATE_FORMAT)
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any]) -> State:
-        """Raises KeyError, TypeError or ValueError for a damaged record."""
-        deployments = tuple(Deployment.from_json(d) for d in raw.get("deployments", []))
-        return cls(int(raw.get("serial", 0)), deployments)
+    def from_json(cls, raw: object) -> State:
+        """Raises DocumentError naming the field that is wrong, or a format it does not read."""
+        f = documents.parse(raw, StateFile, reads=(STATE_FORMAT,), default_format=STATE_FORMAT)
+        return cls(f.serial, tuple(Deployment.of(r) for r in f.deployments))
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """state.json: the serial apply counts up, and each deployment's record."""
+
+    serial: int = 0
+    deployments: tuple[DeploymentRecord, ...] = ()

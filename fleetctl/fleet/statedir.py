@@ -7,11 +7,12 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from fleetctl.base import documents
+from fleetctl.base.documents import DocumentError
 from fleetctl.base.errors import Location, OperationError, UserError
 from fleetctl.base.resources import bundled
-from fleetctl.fleet.facts import Facts, FactsError
+from fleetctl.fleet.facts import Facts
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibration, CalibrationError
@@ -27,13 +28,6 @@ class HealthRecord:
 
     checked_at: str | None = None
     equivalent: dict[str, bool] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "format": HEALTH_FORMAT,
-            "checked_at": self.checked_at,
-            "equivalent": self.equivalent,
-        }
 
 
 @dataclass(frozen=True)
@@ -82,16 +76,21 @@ class StateDir:
 
     def load_state(self) -> State:
         """The recorded state, or an empty one when nothing was applied yet."""
+        where = self.state_path
         try:
-            raw = json.loads(self.state_path.read_text(encoding="utf-8"))
+            raw = json.loads(where.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return State()
         except (OSError, ValueError) as e:
-            raise OperationError(f"{self.state_path}: cannot read the state file: {e}") from None
+            raise OperationError(f"{where}: cannot read the state file: {e}") from None
         try:
             return State.from_json(raw)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise OperationError(f"{self.state_path}: the state file is damaged ({e})") from None
+        except DocumentError as e:
+            raise UserError(
+                f"the state file is not usable: {e}",
+                Location(str(where)),
+                "restore it, or move it aside: `fleetctl apply` then adopts the servers that run",
+            ) from None
 
     def save_state(self, state: State) -> None:
         write_atomic(self.state_path, json.dumps(state.to_json(), indent=2) + "\n")
@@ -115,7 +114,7 @@ class StateDir:
             ) from None
         try:
             return Facts.from_json(raw)
-        except FactsError as e:
+        except DocumentError as e:
             raise UserError(
                 f"the facts file is not usable: {e}",
                 Location(str(where)),
@@ -137,18 +136,15 @@ class StateDir:
     def load_health(self) -> HealthRecord:
         """The last health record; none yet (or unreadable) means every node is equivalent."""
         try:
-            raw = json.loads(self.health_path.read_text(encoding="utf-8"))
-            equivalent = raw["equivalent"]
-            if not isinstance(equivalent, dict):
-                return HealthRecord()
-            return HealthRecord(
-                raw.get("checked_at"), {str(k): bool(v) for k, v in equivalent.items()}
-            )
-        except (OSError, ValueError, KeyError, TypeError):
+            text = self.health_path.read_text(encoding="utf-8")
+            return documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,))
+        except (OSError, DocumentError):
             return HealthRecord()
 
     def save_health(self, record: HealthRecord) -> None:
-        write_atomic(self.health_path, json.dumps(record.to_json(), indent=2) + "\n")
+        write_atomic(
+            self.health_path, json.dumps(documents.dump(record, HEALTH_FORMAT), indent=2) + "\n"
+        )
 
     # --- calibration: what the live servers measured ----------------------------------------
 

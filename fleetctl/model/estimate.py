@@ -141,7 +141,7 @@ def estimate(
 ) -> Estimate:
     """Memory and speed of `model` in `fmt` on `tensor_parallel_size` GPUs of type `gpu`;
     with `calibration`, as its servers of that class measured them (the one calibrated model
-    every command uses: fleetctl.calibration.calibrated)."""
+    every command uses: fleetctl.model.calibration.calibrated)."""
     tp = settings.tensor_parallel_size
     rel = release(settings.vllm_version)
     max_len = settings.max_model_len or model.max_context

@@ -46,6 +46,9 @@ TP size, quantization and KV budget chosen in the same program), the terms becom
   where its requests cost least (the GPU-hours it takes, at their price): no objective above
   prices the shares, so the solver's vertex would otherwise decide who carries what;
   no fairness term and no GPU-use bonus: GPUs no model needs stay idle (and unpaid for).
+
+Kept whole because it is one program, built and solved in the stages above, whose rows refer to
+each other's columns.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ sequence is preempted by recompute: its blocks are freed and it waits again at t
 Blocks live in `KvPool` (fleetctl/sim/kvpool.py), vLLM's automatic prefix cache: a prompt
 whose leading blocks are cached (named by the chained hashes the request carries, or, after
 a preemption, its own freed blocks) skips their prefill. Step time comes from the shared
-performance model (`fleetctl.perf.EnginePerf`).
+performance model (`fleetctl.model.perf.EnginePerf`).
 
 Speed: decoding sequences are not touched one by one each step. Each remembers the engine's
 decode-step counter when it started decoding, so its context is `base + (D - d0)`; a heap
@@ -17,6 +17,9 @@ says when each finishes, and counts by context length modulo the block size say 
 need a new KV block at each step. A step then costs O(prefills + events), and while the
 batch is all decodes, `k` identical steps are applied at once in closed form. Time is passed
 in; nothing here reads a clock.
+
+Kept whole because it is one class, the engine's step, whose parts share its counters and the
+closed-form decode bookkeeping above.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The cost objective sizes capacity from a workload's rate and mean shape (capacit
 target_utilization >= requests_per_s, the SLO capping each server's batch), which says
 nothing about tails: a trace's bursts, long prompts queued behind each other, a batch that
 grows when requests pile up. So every plan it makes is run through the simulator, the
-router's own policy over the planner's servers (fleetctl.whatif), on the model's traffic:
+router's own policy over the planner's servers (fleetctl.whatif.predict), on the model's traffic:
 the trace's own arrivals when the workload came from one (`plan --workload-from`), else
 Poisson arrivals at the workload's rate with lognormal lengths around its means. A model
 whose simulated p99 TTFT or TPOT misses its SLO gets `headroom` (its workload is asked for

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated
+
+from pydantic import Field, FiniteFloat
 
 from fleetctl.model.calibration.fit import StepModel, fit_step
 from fleetctl.model.calibration.rules import (
@@ -14,9 +16,6 @@ from fleetctl.model.calibration.rules import (
     MIN_DECODE_TOKENS,
     MIN_DECODE_WINDOWS,
     MIN_PREFILL_REQUESTS,
-    CalibrationError,
-    is_num,
-    num,
 )
 from fleetctl.model.calibration.window import Sample
 from fleetctl.model.perf import EnginePerf
@@ -26,26 +25,11 @@ from fleetctl.model.perf import EnginePerf
 class Figure:
     """One measured figure, the model's for the same server, and whether to use it."""
 
-    value: float
-    model: float | None = None
-    trusted: bool = True
+    value: FiniteFloat
+    model: FiniteFloat | None = None
+    # Not trusted unless it says so: a file's figure without the key is not used.
+    trusted: bool = False
     why: str = ""  # why it is not trusted, or a note on how it was measured
-
-    def to_json(self) -> dict[str, Any]:
-        return {"value": self.value, "model": self.model, "trusted": self.trusted, "why": self.why}
-
-    @classmethod
-    def from_json(cls, raw: object, where: str) -> Figure:
-        if not isinstance(raw, dict):
-            raise CalibrationError(f"{where}: not an object")
-        value = num(raw, "value", where)
-        model = raw.get("model")
-        if model is not None and not is_num(model):
-            raise CalibrationError(f"{where}.model: not a number")
-        trusted, why = raw.get("trusted", False), raw.get("why", "")
-        if not isinstance(trusted, bool) or not isinstance(why, str):
-            raise CalibrationError(f"{where}: 'trusted' must be true or false, 'why' a string")
-        return cls(value, None if model is None else float(model), trusted, why)
 
 
 def _checked(value: float, model: float | None, what: str, note: str = "") -> Figure:
@@ -66,7 +50,8 @@ def _beyond(f: Figure, broken: bool, why: str) -> Figure:
 class Figures:
     kv_tokens: Figure | None = None
     step: StepModel | None = None
-    step_at_batch: Figure | None = None  # the fitted step at the samples' mean batch
+    # The fitted step at the samples' mean batch (in seconds, as its key says).
+    step_at_batch: Annotated[Figure | None, Field(alias="step_at_batch_s")] = None
     prefill_tok_s: Figure | None = None
     ttft_s: Figure | None = None
 

@@ -4,10 +4,12 @@ cost per prompt token where the clock timed the steps."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated
 
-from fleetctl.model.calibration.rules import MIN_TIMED_WINDOWS
+from pydantic import FiniteFloat
+
+from fleetctl.model.calibration.rules import MIN_TIMED_WINDOWS, rounded
 from fleetctl.model.calibration.window import Sample
 
 
@@ -18,24 +20,15 @@ class StepModel:
     timed by the clock). per_seq_s is None when the samples' batch sizes were too alike to
     separate the two: fixed_s is then the mean step at `batch_lo`..`batch_hi`."""
 
-    fixed_s: float
-    per_seq_s: float | None
-    batch_lo: float
-    batch_hi: float
-    per_prefill_token_s: float | None = None
+    fixed_s: FiniteFloat
+    per_seq_s: FiniteFloat | None
+    batch_lo: Annotated[FiniteFloat, rounded(3)]
+    batch_hi: Annotated[FiniteFloat, rounded(3)]
+    per_prefill_token_s: FiniteFloat | None = None
 
     def at(self, batch: float) -> float:
         """A step of `batch` decodes alone."""
         return self.fixed_s + (self.per_seq_s or 0.0) * batch
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fixed_s": self.fixed_s,
-            "per_seq_s": self.per_seq_s,
-            "batch_lo": round(self.batch_lo, 3),
-            "batch_hi": round(self.batch_hi, 3),
-            "per_prefill_token_s": self.per_prefill_token_s,
-        }
 
 
 def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
@@ -51,7 +44,7 @@ def fit_step(samples: Iterable[Sample]) -> tuple[StepModel | None, str]:
             return fitted, ""
     if len(decoding) >= MIN_TIMED_WINDOWS:
         # The inter-token latency on the same terms: it too carries the steps' prefill chunks.
-        fitted = _fit_timed([replace(s, wall_step_s=s.step_s) for s in decoding])
+        fitted = _fit_timed([s._replace(wall_step_s=s.step_s) for s in decoding])
         if fitted is not None and fitted.per_prefill_token_s is not None:
             return fitted, ""
     pts = [(s.batch, s.step_s, float(s.tokens)) for s in decoding]

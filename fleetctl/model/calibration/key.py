@@ -5,19 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Protocol, TypeVar
 
-from fleetctl.model.calibration.rules import CalibrationError
+from pydantic import Field
+
+from fleetctl.model.calibration.rules import Name
 
 
 @dataclass(frozen=True, order=True)
 class Key:
     """What an entry is for. `node` only for a node that differs from its class (health)."""
 
-    gpu: str
-    model: str
-    format: str
-    tp: int
+    gpu: Name
+    model: Name
+    format: Name
+    tp: Annotated[int, Field(ge=1)]
     vllm_version: str | None = None
     max_model_len: int | None = None
     node: str | None = None
@@ -30,36 +32,6 @@ class Key:
         if self.max_model_len:
             out += f", max_model_len {self.max_model_len:,}"
         return out + (f" (node {self.node})" if self.node else "")
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "gpu": self.gpu,
-            "model": self.model,
-            "format": self.format,
-            "tp": self.tp,
-            "vllm_version": self.vllm_version,
-            "max_model_len": self.max_model_len,
-            "node": self.node,
-        }
-
-    @classmethod
-    def from_json(cls, raw: object, where: str) -> Key:
-        if not isinstance(raw, dict):
-            raise CalibrationError(f"{where}: not an object")
-        for name in ("gpu", "model", "format"):
-            if not isinstance(raw.get(name), str) or not raw[name]:
-                raise CalibrationError(f"{where}.{name}: not a name")
-        tp = raw.get("tp")
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise CalibrationError(f"{where}.tp: not a positive whole number")
-        version, length, node = raw.get("vllm_version"), raw.get("max_model_len"), raw.get("node")
-        if version is not None and not isinstance(version, str):
-            raise CalibrationError(f"{where}.vllm_version: not a string")
-        if length is not None and (not isinstance(length, int) or isinstance(length, bool)):
-            raise CalibrationError(f"{where}.max_model_len: not a whole number")
-        if node is not None and not isinstance(node, str):
-            raise CalibrationError(f"{where}.node: not a string")
-        return cls(raw["gpu"], raw["model"], raw["format"], tp, version, length, node)
 
 
 class Keyed(Protocol):

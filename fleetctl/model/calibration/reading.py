@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetctl.model.calibration.figures import Figure, Figures
+from fleetctl.base import documents
+from fleetctl.model.calibration.figures import Figures
 from fleetctl.model.calibration.key import Key
 from fleetctl.model.calibration.window import Sample
 
@@ -25,20 +26,13 @@ class ServerReading:
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        f = self.figures
-
-        def fig(x: Figure | None) -> dict[str, Any] | None:
-            return None if x is None else x.to_json()
-
+        """`calibrate --json`'s line for the server: its figures as the file keeps an entry's,
+        and how many samples it gave rather than the samples."""
         return {
             "url": self.url,
             "node": self.node,
-            "key": None if self.key is None else self.key.to_json(),
+            "key": None if self.key is None else documents.data(self.key),
             "error": self.error,
             "n_samples": len(self.samples),
-            "kv_tokens": fig(f.kv_tokens),
-            "step": None if f.step is None else f.step.to_json(),
-            "step_at_batch_s": fig(f.step_at_batch),
-            "prefill_tok_s": fig(f.prefill_tok_s),
-            "ttft_s": fig(f.ttft_s),
+            **documents.data(self.figures),
         }

@@ -1,10 +1,11 @@
 """What counts as a measurement: the least evidence a figure needs, how far off the model a
-figure may be before it is a broken server instead, the file's format, and its number checks."""
+figure may be before it is a broken server instead, the file's format, and its value types."""
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Annotated
+
+from pydantic import Field, PlainSerializer
 
 CALIBRATION_FORMAT = 1
 
@@ -31,12 +32,13 @@ class CalibrationError(ValueError):
     """A calibration document that is not one: the message says which field and why."""
 
 
-def is_num(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+# What the file holds beyond JSON types (fleetctl/base/documents.py reads and writes it by the
+# dataclasses' field types). A name or timestamp is never empty: an entry keyed or dated by
+# nothing is no measurement.
+Name = Annotated[str, Field(min_length=1)]
 
 
-def num(raw: dict[str, Any], name: str, where: str) -> float:
-    v = raw.get(name)
-    if not is_num(v):
-        raise CalibrationError(f"{where}.{name}: not a number")
-    return float(v)  # type: ignore[arg-type]
+def rounded(digits: int) -> PlainSerializer:
+    """A float written to `digits` decimals, for figures whose noise is far larger than that:
+    a fleet's file keeps thousands of samples."""
+    return PlainSerializer(lambda v: round(v, digits))

@@ -4,13 +4,18 @@ phases vLLM's start-up log names."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import Field, FiniteFloat
 
 from fleetctl.model.calibration.key import Key
-from fleetctl.model.calibration.rules import CalibrationError, is_num
+from fleetctl.model.calibration.rules import Name, rounded
 
 KEEP_STARTUPS = 16  # start-ups an entry keeps per key, newest last
+
+# A start-up's time: never negative, kept to the millisecond.
+Seconds = Annotated[FiniteFloat, Field(ge=0), rounded(3)]
 
 _SECONDS = r"([0-9]+(?:\.[0-9]+)?)\s*(?:s|secs?|seconds)\b"
 # (phase, pattern): the first match of each counts; later lines of the same phase (one per
@@ -49,9 +54,9 @@ class Startup:
     a download, or a cold page cache, that later ones do not."""
 
     key: Key
-    measured_at: str
-    seconds: tuple[float, ...]
-    phases: tuple[tuple[str, float], ...] = ()
+    measured_at: Name
+    seconds: Annotated[tuple[Seconds, ...], Field(min_length=1)]
+    phases: dict[str, FiniteFloat] = field(default_factory=dict)  # seconds by phase name
     servers: tuple[str, ...] = ()
 
     @property
@@ -65,42 +70,3 @@ class Startup:
         n = len(self.seconds)
         when = self.measured_at[:16].replace("T", " ")
         return f"measured by apply over {n} start{'s' if n != 1 else ''}, {when}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "key": self.key.to_json(),
-            "measured_at": self.measured_at,
-            "median_s": round(self.median_s, 3),
-            "seconds": [round(s, 3) for s in self.seconds],
-            "phases": dict(self.phases),
-            "servers": list(self.servers),
-        }
-
-    @classmethod
-    def from_json(cls, raw: object, where: str) -> Startup:
-        if not isinstance(raw, dict):
-            raise CalibrationError(f"{where}: not an object")
-        key = Key.from_json(raw.get("key"), f"{where}.key")
-        at = raw.get("measured_at")
-        if not isinstance(at, str) or not at:
-            raise CalibrationError(f"{where}.measured_at: not a timestamp")
-        seconds = raw.get("seconds")
-        if not isinstance(seconds, list) or not seconds or not all(is_num(s) for s in seconds):
-            raise CalibrationError(f"{where}.seconds: not a list of numbers")
-        if any(s < 0 for s in seconds):
-            raise CalibrationError(f"{where}.seconds: a negative time")
-        phases = raw.get("phases", {})
-        if not isinstance(phases, dict) or not all(
-            isinstance(k, str) and is_num(v) for k, v in phases.items()
-        ):
-            raise CalibrationError(f"{where}.phases: not an object of numbers")
-        servers = raw.get("servers", [])
-        if not isinstance(servers, list) or not all(isinstance(s, str) for s in servers):
-            raise CalibrationError(f"{where}.servers: not a list of names")
-        return cls(
-            key,
-            at,
-            tuple(float(s) for s in seconds),
-            tuple((k, float(v)) for k, v in phases.items()),
-            tuple(servers),
-        )

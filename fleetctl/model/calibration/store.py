@@ -1,12 +1,15 @@
 """What `.fleetctl/calibration.json` holds: an entry of measured figures per class key and
-the servers' start-ups, to and from JSON."""
+the servers' start-ups, read and written by these dataclasses' types (fleetctl/base/documents)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import astuple, dataclass, replace
+from typing import Annotated, Any
 
+from pydantic import Field, FiniteFloat
+
+from fleetctl.base import documents
 from fleetctl.model.calibration.figures import Figure, measure
 from fleetctl.model.calibration.fit import StepModel
 from fleetctl.model.calibration.key import Key, best
@@ -14,8 +17,7 @@ from fleetctl.model.calibration.rules import (
     CALIBRATION_FORMAT,
     KEEP_SAMPLES,
     CalibrationError,
-    is_num,
-    num,
+    Name,
 )
 from fleetctl.model.calibration.startup import KEEP_STARTUPS, Startup
 from fleetctl.model.calibration.window import Sample
@@ -28,15 +30,16 @@ class Entry:
     (UTC, ISO 8601)."""
 
     key: Key
-    measured_at: str
+    measured_at: Name
     servers: tuple[str, ...] = ()
     kv_tokens: Figure | None = None
     step: StepModel | None = None
-    step_at_batch: Figure | None = None
+    step_at_batch: Annotated[Figure | None, Field(alias="step_at_batch_s")] = None
     prefill_tok_s: Figure | None = None
     ttft_s: Figure | None = None
     samples: tuple[Sample, ...] = ()
-    gpu_memory_utilization: float | None = None  # the servers' (their KV cache depends on it)
+    # The servers' setting, which their KV cache depends on.
+    gpu_memory_utilization: FiniteFloat | None = None
 
     @property
     def n_samples(self) -> int:
@@ -55,113 +58,36 @@ class Entry:
         return f"calibrated from {n} server{'s' if n != 1 else ''}, {when}"
 
     def to_json(self) -> dict[str, Any]:
-        def fig(f: Figure | None) -> dict[str, Any] | None:
-            return None if f is None else f.to_json()
-
-        return {
-            "key": self.key.to_json(),
-            "measured_at": self.measured_at,
-            "servers": list(self.servers),
-            "gpu_memory_utilization": self.gpu_memory_utilization,
-            "n_samples": self.n_samples,
-            "kv_tokens": fig(self.kv_tokens),
-            "step": None if self.step is None else self.step.to_json(),
-            "step_at_batch_s": fig(self.step_at_batch),
-            "prefill_tok_s": fig(self.prefill_tok_s),
-            "ttft_s": fig(self.ttft_s),
-            "samples": [s.to_json() for s in self.samples],
-        }
-
-    @classmethod
-    def from_json(cls, raw: object, where: str) -> Entry:
-        if not isinstance(raw, dict):
-            raise CalibrationError(f"{where}: not an object")
-        key = Key.from_json(raw.get("key"), f"{where}.key")
-        at = raw.get("measured_at")
-        if not isinstance(at, str) or not at:
-            raise CalibrationError(f"{where}.measured_at: not a timestamp")
-        servers = raw.get("servers", [])
-        if not isinstance(servers, list) or not all(isinstance(s, str) for s in servers):
-            raise CalibrationError(f"{where}.servers: not a list of URLs")
-        samples = raw.get("samples", [])
-        if not isinstance(samples, list):
-            raise CalibrationError(f"{where}.samples: not a list")
-
-        def fig(name: str) -> Figure | None:
-            v = raw.get(name)
-            return None if v is None else Figure.from_json(v, f"{where}.{name}")
-
-        util = raw.get("gpu_memory_utilization")
-        if util is not None and not is_num(util):
-            raise CalibrationError(f"{where}.gpu_memory_utilization: not a number")
-        step = raw.get("step")
-        model = None
-        if step is not None:
-            if not isinstance(step, dict):
-                raise CalibrationError(f"{where}.step: not an object")
-            per = step.get("per_seq_s")
-            if per is not None and not is_num(per):
-                raise CalibrationError(f"{where}.step.per_seq_s: not a number")
-            prompt = step.get("per_prefill_token_s")
-            if prompt is not None and not is_num(prompt):
-                raise CalibrationError(f"{where}.step.per_prefill_token_s: not a number")
-            model = StepModel(
-                num(step, "fixed_s", f"{where}.step"),
-                None if per is None else float(per),
-                num(step, "batch_lo", f"{where}.step"),
-                num(step, "batch_hi", f"{where}.step"),
-                None if prompt is None else float(prompt),
-            )
-        return cls(
-            key,
-            at,
-            tuple(servers),
-            fig("kv_tokens"),
-            model,
-            fig("step_at_batch_s"),
-            fig("prefill_tok_s"),
-            fig("ttft_s"),
-            tuple(Sample.from_json(s, f"{where}.samples[{i}]") for i, s in enumerate(samples)),
-            util,
-        )
+        """The entry as the file keeps it (`calibrate --json` shows the fresh ones)."""
+        return documents.data(self)
 
 
 @dataclass(frozen=True)
 class Calibration:
-    entries: tuple[Entry, ...] = field(default_factory=tuple)
+    entries: tuple[Entry, ...] = ()
     # How long servers took to start, as apply timed them (warm-up; fleetctl/apply/warmup.py).
-    startups: tuple[Startup, ...] = field(default_factory=tuple)
+    # Absent from files written before apply timed start-ups.
+    startups: tuple[Startup, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": CALIBRATION_FORMAT,
-            "entries": [e.to_json() for e in sorted(self.entries, key=lambda e: e.key)],
-            "startups": [s.to_json() for s in sorted(self.startups, key=lambda s: s.key)],
-        }
+        """The file's document: entries and start-ups in key order, so that a file changes only
+        where a measurement did."""
+        return documents.dump(
+            replace(
+                self,
+                entries=tuple(sorted(self.entries, key=lambda e: _in_order(e.key))),
+                startups=tuple(sorted(self.startups, key=lambda s: _in_order(s.key))),
+            ),
+            CALIBRATION_FORMAT,
+        )
 
     @classmethod
     def from_json(cls, raw: object) -> Calibration:
         """A calibration from a parsed document; CalibrationError names the field that is wrong."""
-        if not isinstance(raw, dict):
-            raise CalibrationError("not a JSON object")
-        fmt = raw.get("format")
-        if fmt != CALIBRATION_FORMAT:
-            newer = isinstance(fmt, int) and fmt > CALIBRATION_FORMAT
-            raise CalibrationError(
-                f"format {fmt!r} was written by a {'newer' if newer else 'different'} fleetctl "
-                f"(this one reads {CALIBRATION_FORMAT})"
-            )
-        entries = raw.get("entries")
-        if not isinstance(entries, list):
-            raise CalibrationError("no 'entries' list")
-        # Absent from files written before apply timed start-ups.
-        startups = raw.get("startups", [])
-        if not isinstance(startups, list):
-            raise CalibrationError("'startups' is not a list")
-        return cls(
-            tuple(Entry.from_json(e, f"entries[{i}]") for i, e in enumerate(entries)),
-            tuple(Startup.from_json(s, f"startups[{i}]") for i, s in enumerate(startups)),
-        )
+        try:
+            return documents.parse(raw, cls, reads=(CALIBRATION_FORMAT,))
+        except documents.DocumentError as e:
+            raise CalibrationError(str(e)) from None
 
     def get(self, key: Key) -> Entry | None:
         return next((e for e in self.entries if e.key == key), None)
@@ -185,6 +111,12 @@ class Calibration:
         (not one node's), then the same vLLM version, then the same max_model_len, then the
         newest."""
         return best(self.entries, (gpu, model, fmt, tp), vllm_version, max_model_len)
+
+
+def _in_order(key: Key) -> tuple[tuple[bool, Any], ...]:
+    # Key's own order compares None with a value (a node's key beside its class's) and fails:
+    # an absent field sorts first instead.
+    return tuple((v is not None, v) for v in astuple(key))
 
 
 def entry_for(
@@ -236,7 +168,7 @@ def record_startup(
     times = ((old.seconds if old else ()) + (seconds,))[-KEEP_STARTUPS:]
     servers = tuple(dict.fromkeys((*(old.servers if old else ()), server)))
     servers = tuple(s for s in servers if s)[-KEEP_STARTUPS:]
-    fresh = Startup(key, measured_at, times, tuple((phases or {}).items()), servers)
+    fresh = Startup(key, measured_at, times, dict(phases or {}), servers)
     kept = tuple(s for s in cal.startups if s.key != key)
     return replace(cal, startups=(*kept, fresh))
 

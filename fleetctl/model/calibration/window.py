@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import Annotated, NamedTuple
 
-from fleetctl.model.calibration.rules import CalibrationError
+from fleetctl.model.calibration.rules import rounded
 from fleetctl.vllm.metrics import Scrape
 
 
-@dataclass(frozen=True)
-class Sample:
-    """What one server did between two scrapes: decode tokens at a batch, requests finished."""
+class Sample(NamedTuple):
+    """What one server did between two scrapes: decode tokens at a batch, requests finished.
 
-    batch: float = 0.0  # mean sequences per decode step
+    A named tuple: the file keeps a sample as a row of these numbers in this order, compact for
+    the thousands a fleet's file keeps. Rows of 9, from before the clock timed the windows, read
+    with the last two 0."""
+
+    batch: Annotated[float, rounded(4)] = 0.0  # mean sequences per decode step
     step_s: float = 0.0  # mean inter-token latency: one decode step at that batch
     tokens: int = 0  # inter-token intervals observed (the decode weight)
     prefill_s: float = 0.0  # summed prefill time of the requests that finished
@@ -23,52 +26,14 @@ class Sample:
     requests: int = 0  # requests that finished
     ttft_s: float = 0.0  # summed time to first token
     first_tokens: int = 0  # requests that got their first token
-    context: float = 0.0  # mean prompt + half the mean output of the finished requests
+    # The mean prompt + half the mean output of the finished requests.
+    context: Annotated[float, rounded(1)] = 0.0
     # Timed by the clock, when the server ran a request at both ends of the window and counts
     # its steps: the mean engine step (wall seconds over steps) and the prompt tokens each step
     # computed besides its decodes. Unlike the inter-token latency, the wall clock does not
     # count the time a preempted request waits to be readmitted as one long step.
     wall_step_s: float = 0.0
-    prefill_per_step: float = 0.0
-
-    def to_json(self) -> list[float]:
-        # Compact: a file of a fleet keeps hundreds of these.
-        return [
-            round(self.batch, 4),
-            self.step_s,
-            self.tokens,
-            self.prefill_s,
-            self.prefill_tokens,
-            self.requests,
-            self.ttft_s,
-            self.first_tokens,
-            round(self.context, 1),
-            self.wall_step_s,
-            round(self.prefill_per_step, 3),
-        ]
-
-    @classmethod
-    def from_json(cls, raw: object, where: str) -> Sample:
-        # 9 numbers: written before samples were timed by the clock.
-        if not isinstance(raw, list) or len(raw) not in (9, 11):
-            raise CalibrationError(f"{where}: not a list of 11 numbers")
-        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in raw):
-            raise CalibrationError(f"{where}: not a list of 11 numbers")
-        b, s, t, ps, pt, r, ts, ft, c, *timed = raw
-        wall, per_step = (float(timed[0]), float(timed[1])) if timed else (0.0, 0.0)
-        return cls(
-            float(b),
-            float(s),
-            int(t),
-            float(ps),
-            int(pt),
-            int(r),
-            float(ts),
-            int(ft),
-            float(c),
-            wall,
-            per_step,
-        )
+    prefill_per_step: Annotated[float, rounded(3)] = 0.0
 
 
 # The counters of a Scrape that a window differences (the gauges are read at its ends).
