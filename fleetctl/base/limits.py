@@ -44,4 +44,5 @@ MAX_CONNECT_TIMEOUT_S = 300.0
 MAX_TOKENS = 10_000_000  # context lengths and token counts
 MAX_RATE = 1_000_000.0  # requests per second
 MAX_REPLICAS = 100_000
+MAX_NETWORK_GBPS = 3200.0  # a NIC's line rate: 8 x 400 Gb/s bonded is the most a node has
 SURGE_PORT_OFFSET = 1000  # a replacement server's port: port_base + GPU index + this

@@ -79,6 +79,8 @@ def plan_table(plan: Plan) -> Records:
             deletes[(a.gpu_indices, a.model, a.variant)].append(a.node)
 
     rows: list[list[Cell]] = []
+    # A role column only where some model is split into prefill and decode servers.
+    split = any(d.server.role != "both" for d in plan.deployments)
     ordered = sorted(rows_by.items(), key=lambda r: (natural_key(r[0][2][0]), r[1][1][0]))
     for (kind, _, node_names), (d, slots) in ordered:
         style = OP_STYLE[kind]
@@ -88,6 +90,7 @@ def plan_table(plan: Plan) -> Records:
                 f"{_slots(slots)} {d.gpu_type}",
                 d.model,
                 d.variant,
+                *([d.server.role] if split else []),
                 str(d.tensor_parallel_size),
                 str(d.server.max_model_len),
                 f"{d.server.kv_budget_tokens:,}",
@@ -103,10 +106,11 @@ def plan_table(plan: Plan) -> Records:
                 ",".join(map(str, gpus)),
                 str(model),
                 str(variant),
-                *[""] * 6,
+                *[""] * (7 if split else 6),
             ]
         )
-    return Records("Plan", PLAN_COLUMNS, rows)
+    columns = [*PLAN_COLUMNS[:4], Col("role", head=True), *PLAN_COLUMNS[4:]]
+    return Records("Plan", columns if split else PLAN_COLUMNS, rows)
 
 
 PLAN_COLUMNS = [
@@ -220,16 +224,18 @@ def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
     parts: list[RenderableType] = [plan_table(plan), model_table(plan)]
     if not explain:  # --explain lists the same among each deployment's reasons
         parts.extend(Text(line) for line in context_lines(plan))
+    parts.extend(Text(line) for line in split_lines(plan, explain))
     if explain:
         seen = set()
         for d in plan.deployments:
-            key = (d.gpu_type, d.model, d.variant, d.tensor_parallel_size)
+            key = (d.gpu_type, d.model, d.variant, d.tensor_parallel_size, d.server.role)
             if key in seen:
                 continue
             seen.add(key)
+            role = "" if d.server.role == "both" else f" ({d.server.role})"
             parts.append(
                 Text(
-                    f"{d.model} {d.variant} TP={d.tensor_parallel_size} on {d.gpu_type}:",
+                    f"{d.model} {d.variant} TP={d.tensor_parallel_size} on {d.gpu_type}{role}:",
                     style="bold",
                 )
             )
@@ -249,6 +255,34 @@ def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
         parts.append(Text(line))
     parts.append(summary_line(plan.actions))
     return Group(*parts)
+
+
+def split_lines(plan: Plan, explain: bool) -> list[str]:
+    """Per model whose servers the planner weighed splitting: what it chose and the figures
+    of both ways (with --explain, also where it kept them colocated)."""
+    out = []
+    for s in plan.models:
+        g = s.disaggregation
+        if g is None or not (g.chosen or explain):
+            continue
+        colocated = (
+            f"colocated {g.colocated_rps:.2f} req/s within the SLO, first token "
+            f"{g.colocated_ttft_s:.2f} s, decode token {g.colocated_tpot_ms:.0f} ms"
+        )
+        if g.split_rps is None:
+            out.append(f"{s.model}: colocated ({g.reason})")
+            continue
+        split = (
+            f"split {g.split_rps:.2f} req/s, first token {g.split_ttft_s:.2f} s with "
+            f"{(g.transfer_s or 0) * 1000:.0f} ms of KV transfer, decode token "
+            f"{g.split_tpot_ms:.0f} ms"
+        )
+        if g.chosen:
+            head = f"{s.model}: {g.prefill_servers} prefill + {g.decode_servers} decode servers"
+        else:
+            head = f"{s.model}: colocated"
+        out.append(f"{head} ({g.reason}): {split}; {colocated}")
+    return out
 
 
 def cost_line(plan: Plan) -> str | None:

@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, field_validator
 
 from fleetctl.base import names
 from fleetctl.base.errors import UserError, shown, what_and_fix
@@ -24,6 +24,7 @@ from fleetctl.base.limits import (
     MAX_MODEL_NAME,
     MAX_MODELS,
     MAX_NAME,
+    MAX_NETWORK_GBPS,
     MAX_NODES,
     MAX_RATE,
     MAX_REPLICAS,
@@ -84,6 +85,13 @@ class GpuSpec(Strict):
     count: int = Field(1, ge=1, le=64)
 
 
+class NetworkSpec(Strict):
+    """The node's network for moving KV caches between servers (disaggregated serving)."""
+
+    gbps: float = Field(gt=0, le=MAX_NETWORK_GBPS)  # the NIC's line rate, Gb/s
+    rdma: bool = False  # RoCE or InfiniBand: transfers bypass the kernel's TCP stack
+
+
 class NodeSpec(Strict):
     name: str = Field(min_length=1)  # a name or a range, checked once expanded
     host: str | None = None
@@ -94,6 +102,9 @@ class NodeSpec(Strict):
     # The price of one node of this entry (all its GPUs) per hour, in the fleet's currency;
     # null: gpus.count x the GPU profile's cost_per_hour, if it has one (fleetctl/fleet/prices.py).
     cost_per_hour: float | None = Field(None, ge=0, le=1e6)
+    # null: what `fleetctl probe` read (/sys/class/net/*/speed, /sys/class/infiniband), else
+    # unknown, and the planner keeps such a node's servers colocated.
+    network: NetworkSpec | None = None
 
 
 class VariantSpec(Strict):
@@ -140,6 +151,11 @@ class PlacementSpec(Strict):
     labels: Labels = Field(default_factory=dict)
 
 
+def _on_off(value: Any) -> Any:
+    """YAML 1.1 reads a bare `on` or `off` as true or false: take them as written."""
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class ModelSpec(Strict):
     name: Annotated[str, AfterValidator(names.model_name)]
     profile: str = Field(min_length=1, max_length=MAX_MODEL_NAME)
@@ -157,6 +173,9 @@ class ModelSpec(Strict):
     min_sequences: int = Field(1, ge=1, le=MAX_REPLICAS)
     gpu_memory_utilization: float | None = Field(None, gt=0.1, le=0.99)
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    # Prefill and decode on separate servers, the KV cache moved between them: `auto` where
+    # the planner finds it serves more within the model's SLO (planner/disaggregate.py).
+    disaggregation: Annotated[Literal["auto", "off", "on"], BeforeValidator(_on_off)] = "auto"
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     vllm_args: tuple[str, ...] = Field((), max_length=256)  # checked against vLLM's flags
     env: dict[Annotated[str, AfterValidator(_env_key)], str] = Field(
@@ -231,6 +250,18 @@ class RouterSpec(Strict):
         return v
 
 
+class KvTransferSpec(Strict):
+    """How disaggregated servers move a prompt's KV cache: vLLM's --kv-transfer-config."""
+
+    # NixlConnector (vLLM's default for P/D: UCX, RDMA where the NICs have it), or
+    # ExampleConnector (a folder both servers share; for tests, and machines without NIXL).
+    connector: Literal["NixlConnector", "ExampleConnector"] = "NixlConnector"
+    # NIXL's side channel, a ZMQ socket on the node's address (cleartext): server port + this.
+    side_channel_port_offset: int = Field(6000, ge=1, le=65535)
+    buffer_device: Literal["auto", "cpu"] = "auto"  # "cpu" on vLLM's CPU backend
+    shared_storage_path: str | None = Field(None, min_length=1)
+
+
 class PlannerSpec(Strict):
     gpu_memory_utilization: float = Field(0.92, gt=0.1, le=0.99)
     target_utilization: float = Field(0.8, gt=0, le=1)
@@ -248,6 +279,7 @@ class PlannerSpec(Strict):
     # and capacity missing; with objective cost, pay its GPU-hours back within payback_hours.
     change_threshold: float = Field(0.02, ge=0, le=10)
     payback_hours: float = Field(24.0, gt=0, le=24 * 365)
+    kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec)
 
 
 class GateSpec(Strict):
@@ -326,6 +358,7 @@ class Node:
     labels: tuple[tuple[str, str], ...]
     line: int | None = None
     cost_per_hour: float | None = None  # as written on its entry; see fleetctl/fleet/prices.py
+    network: NetworkSpec | None = None  # as written, or as probed (fleet/facts.py)
 
 
 @dataclass(frozen=True)
@@ -487,25 +520,39 @@ def _check_ports(spec: InventorySpec, nodes: tuple[Node, ...], src: Source) -> N
 
 def _check_event_ports(spec: InventorySpec, widest: Node, src: Source) -> None:
     """With KV events, a node's servers (port_base + first GPU, or that + the surge offset)
-    publish on their port + events_port_offset and replay on + replay_port_offset: each of
+    publish on their port + events_port_offset and replay on + replay_port_offset; a model
+    that may be disaggregated gets NIXL's side channel on + side_channel_port_offset. Each of
     those runs of ports must exist and not overlap another, nor the dcgm-exporter's port."""
     pc = spec.router.prefix_cache
-    if not pc.kv_events:
+    offsets: list[tuple[tuple[str, ...], int]] = []
+    if pc.kv_events:
+        if not pc.enabled:
+            raise UserError(
+                "kv_events is on but prefix caching is off: vLLM publishes no KV events without it",
+                src.at(("router", "prefix_cache", "kv_events")),
+                "set prefix_cache.enabled to true, or kv_events to false",
+            )
+        offsets.append((("router", "prefix_cache", "events_port_offset"), pc.events_port_offset))
+        if pc.replay_port_offset is not None:
+            where = ("router", "prefix_cache", "replay_port_offset")
+            offsets.append((where, pc.replay_port_offset))
+    kv = spec.planner.kv_transfer
+    # `auto` needs a known network to split (planner/disaggregate.py): inventories that give
+    # none keep their whole port range as before.
+    networks = any(n.network is not None for n in spec.nodes)
+    may_split = any(
+        m.disaggregation == "on" or (m.disaggregation == "auto" and networks) for m in spec.models
+    )
+    if kv.connector == "NixlConnector" and may_split:
+        where = ("planner", "kv_transfer", "side_channel_port_offset")
+        offsets.append((where, kv.side_channel_port_offset))
+    if not offsets:
         return
-    at = ("router", "prefix_cache")
-    if not pc.enabled:
-        raise UserError(
-            "kv_events is on but prefix caching is off: vLLM publishes no KV events without it",
-            src.at((*at, "kv_events")),
-            "set prefix_cache.enabled to true, or kv_events to false",
-        )
     base, n = spec.planner.port_base, widest.gpu_count
     runs = {"server ports": 0, "replacement server ports": SURGE_PORT_OFFSET}
-    offsets = [("events_port_offset", pc.events_port_offset)]
-    if pc.replay_port_offset is not None:
-        offsets.append(("replay_port_offset", pc.replay_port_offset))
-    for field, off in offsets:
-        kind = field.split("_", 1)[0]
+    for at, off in offsets:
+        field = at[-1]
+        kind = field.removesuffix("_port_offset").replace("_", " ")
         for name, start in (
             (f"{kind} ports", off),
             (f"replacement {kind} ports", off + SURGE_PORT_OFFSET),
@@ -515,7 +562,7 @@ def _check_event_ports(spec: InventorySpec, widest: Node, src: Source) -> None:
                 raise UserError(
                     f"{field} {off} gives {widest.name}'s last GPU the {name[:-1]} {top}, "
                     "past 65535",
-                    src.at((*at, field)),
+                    src.at(at),
                     f"lower {field} to at most {65535 - base - n + 1 - (start - off)}, or "
                     "lower planner.port_base",
                 )
@@ -525,7 +572,7 @@ def _check_event_ports(spec: InventorySpec, widest: Node, src: Source) -> None:
                         f"{field} {off} puts {widest.name}'s {name} "
                         f"({base + start}-{top}) on its {other} "
                         f"({base + ostart}-{base + ostart + n - 1})",
-                        src.at((*at, field)),
+                        src.at(at),
                         f"give each run of {n} ports its own range: e.g. {field} "
                         f"{_free_offset(runs, n)}",
                     )
@@ -538,7 +585,8 @@ def _check_event_ports(spec: InventorySpec, widest: Node, src: Source) -> None:
                     f"dcgm_exporter_port {dcgm} is one of {widest.name}'s {name}",
                     src.at(("router", "dcgm_exporter_port")),
                     "move the KV event ports with prefix_cache.events_port_offset or "
-                    "replay_port_offset",
+                    "replay_port_offset, or the side channel's with "
+                    "planner.kv_transfer.side_channel_port_offset",
                 )
 
 
@@ -626,6 +674,7 @@ def _expand_nodes(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple[N
                     labels,
                     line,
                     ns.cost_per_hour,
+                    ns.network,
                 )
             )
     return tuple(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -15,6 +16,8 @@ from fleetctl.base.names import http_url
 from fleetctl.fleet.prices import per_million_tokens, total
 
 Op = Literal["create", "replace", "delete", "keep"]
+# What a server does: both phases of a request (colocated), or one of them (disaggregated).
+Role = Literal["both", "prefill", "decode"]
 
 
 def fields_of(obj: Any) -> dict[str, Any]:
@@ -47,6 +50,42 @@ class KvEvents:
         config["topic"] = self.topic
         # No spaces: one word in ps output, as `status` compares a foreign server's flags.
         return ("--kv-events-config", json.dumps(config, separators=(",", ":")))
+
+
+@dataclass(frozen=True)
+class KvTransfer:
+    """A disaggregated server's --kv-transfer-config (vLLM's), and NIXL's side channel: a
+    ZMQ socket on the node's address at the server's port + `side_channel_offset`, through
+    which a decode server asks the prefill server where the KV cache is."""
+
+    role: Role
+    connector: str
+    side_channel_offset: int | None = None  # NIXL's; None for connectors without one
+    buffer_device: str | None = None  # None: the platform's (GPU memory on a GPU)
+    shared_storage_path: str | None = None  # ExampleConnector's folder, shared by both
+
+    def args(self) -> tuple[str, ...]:
+        config: dict[str, Any] = {"kv_connector": self.connector}
+        if self.connector == "NixlConnector":
+            # vLLM 0.32 deprecates kv_both for NIXL: the producer prefills, the consumer
+            # decodes (each request's kv_transfer_params say which it does).
+            config["kv_role"] = "kv_producer" if self.role == "prefill" else "kv_consumer"
+        else:
+            config["kv_role"] = "kv_both"
+        if self.buffer_device is not None:
+            config["kv_buffer_device"] = self.buffer_device
+        if self.shared_storage_path is not None:
+            config["kv_connector_extra_config"] = {"shared_storage_path": self.shared_storage_path}
+        return ("--kv-transfer-config", json.dumps(config, separators=(",", ":")))
+
+    def env(self, host: str, port: int) -> tuple[tuple[str, str], ...]:
+        """NIXL's side channel: the address it binds is the one it tells decode servers."""
+        if self.side_channel_offset is None:
+            return ()
+        return (
+            ("VLLM_NIXL_SIDE_CHANNEL_HOST", host),
+            ("VLLM_NIXL_SIDE_CHANNEL_PORT", str(port + self.side_channel_offset)),
+        )
 
 
 @dataclass(frozen=True)
@@ -87,6 +126,10 @@ class Server:
     # tokens/s at batch 1, 8 and 32, prefill tokens/s, the source of each), as estimate,
     # simulate and status print them: fleetctl.model.calibration.Calibrated.figures.
     perf: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    role: Role = "both"
+    # Its KV transfer's side channel follows each deployment's address and port, so it is
+    # added to the environment per deployment; a Server read back from state has it in env.
+    kv_transfer: KvTransfer | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +180,9 @@ class Deployment:
     @property
     def env(self) -> tuple[tuple[str, str], ...]:
         devices = ("CUDA_VISIBLE_DEVICES", ",".join(map(str, self.gpu_indices)))
-        return tuple(sorted((devices, *self.server.env)))
+        kv = self.server.kv_transfer
+        side = kv.env(self.host, self.port) if kv is not None else ()
+        return tuple(sorted((devices, *self.server.env, *side)))
 
     @property
     def args_hash(self) -> str:
@@ -155,6 +200,7 @@ class Deployment:
             gpu_indices=self.gpu_indices,
             model=s.model,
             variant=s.variant,
+            role=s.role,
             source=s.source,
             tensor_parallel_size=s.tensor_parallel_size,
             max_model_len=s.max_model_len,
@@ -208,6 +254,7 @@ class Deployment:
             max_model_len_reason=r.max_model_len_reason,
             cost_per_hour=r.cost_per_hour,
             perf=r.perf,
+            role=r.role,
         )
         return cls(r.node, r.host, r.gpu_indices, r.port, server)
 
@@ -231,6 +278,7 @@ class DeploymentRecord:
     gpu_indices: tuple[int, ...]
     model: str
     variant: str
+    role: Role = "both"  # absent from plans and state written before disaggregated serving
     source: str
     tensor_parallel_size: int
     max_model_len: int
@@ -316,6 +364,32 @@ class BucketUse:
 
 
 @dataclass(frozen=True)
+class Disaggregation:
+    """The planner's choice for a model's servers, colocated or in prefill and decode pools,
+    and the figures it chose by (planner/disaggregate.py): requests/s within the SLO, and a
+    request's first token (s) and decode token (ms) at light load, each way."""
+
+    chosen: bool
+    reason: str
+    colocated_rps: float
+    colocated_ttft_s: float
+    colocated_tpot_ms: float
+    split_rps: float | None = None
+    split_ttft_s: float | None = None
+    split_tpot_ms: float | None = None
+    transfer_s: float | None = None
+    prefill_servers: int = 0
+    decode_servers: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = fields_of(self)
+        for k, v in d.items():
+            if isinstance(v, float):
+                d[k] = round(v, 4) if math.isfinite(v) else None
+        return d
+
+
+@dataclass(frozen=True)
 class ModelSummary:
     """Planned capacity against the workload, per model, and what its GPUs cost."""
 
@@ -332,6 +406,9 @@ class ModelSummary:
     output_tokens_per_s: float = 0.0
     # Objective cost with length buckets: which GPUs carry which requests.
     buckets: tuple[BucketUse, ...] = ()
+    # Where the planner weighed prefill/decode pools against colocated servers; None where
+    # it did not (disaggregation off, or auto with no network known).
+    disaggregation: Disaggregation | None = None
 
     @property
     def cost_per_million_output_tokens(self) -> float | None:
@@ -340,6 +417,7 @@ class ModelSummary:
     def to_json(self) -> dict[str, Any]:
         d = fields_of(self)
         d["buckets"] = [b.to_json() for b in self.buckets]
+        d["disaggregation"] = self.disaggregation.to_json() if self.disaggregation else None
         d["capacity_rps"] = round(self.capacity_rps, 3)
         if self.shortfall_rps is not None:
             d["shortfall_rps"] = round(self.shortfall_rps, 3)

@@ -255,7 +255,29 @@ def warnings(
             )
             out.append(f"{plural(idle, c.gpu.name + ' GPU')} left idle: {why}")
     out += _kv_event_warnings(inv, deployments)
+    out += _kv_transfer_warnings(deployments)
     return out
+
+
+def _kv_transfer_warnings(deployments: list[Deployment]) -> list[str]:
+    """What a split model's KV transfer exposes on the network or the disk."""
+    moved = [d.server.kv_transfer for d in deployments if d.server.kv_transfer is not None]
+    if not moved:
+        return []
+    kv = moved[0]
+    if kv.side_channel_offset is not None:
+        return [
+            f"KV transfer: each prefill and decode server's NIXL side channel listens on its "
+            f"node's address at its port + {kv.side_channel_offset}, and KV caches cross the "
+            "network over UCX: neither is authenticated or encrypted, so a peer that reaches "
+            "them can read prompts' KV caches; keep those nodes on a trusted network and "
+            "firewall the ports from everyone else"
+        ]
+    return [
+        f"KV transfer: {kv.connector} keeps every prompt's KV cache as plain files in "
+        f"{kv.shared_storage_path or '/tmp'}, readable by whoever reads that folder, and never "
+        "deletes them: give it a private folder with room, and clean it"
+    ]
 
 
 def _kv_event_warnings(inv: Inventory, deployments: list[Deployment]) -> list[str]:

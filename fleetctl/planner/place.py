@@ -15,6 +15,7 @@ from fleetctl.fleet.inventory import Inventory, Model
 from fleetctl.fleet.plan import (
     BucketUse,
     Deployment,
+    Disaggregation,
     KvEvents,
     ModelSummary,
     Plan,
@@ -37,6 +38,7 @@ from fleetctl.planner.candidates import (
 from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
 from fleetctl.planner.optimize import Solution, demand, solve
+from fleetctl.planner.roles import assign_roles
 
 
 def plan_fleet(
@@ -67,7 +69,12 @@ def plan_fleet(
     )
     placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
     used = list({id(p.cand): p.cand for p in placements}.values())
-    deployments = _deployments(inv, state, placements, _servers(inv, feasible, placements, sol))
+    servers = _servers(inv, feasible, placements, sol)
+    deployments = _deployments(inv, state, placements, servers)
+    # Prefill and decode pools where they serve more within the SLO (planner/disaggregate.py).
+    prefilling = (d.key for d in state.deployments if d.server.role == "prefill")
+    candidate_of = {id(servers[id(k)]): k for k in used}
+    deployments, split = assign_roles(inv, deployments, candidate_of, prefilling)
     by_model: dict[str, list[Deployment]] = defaultdict(list)
     for d in deployments:
         by_model[d.model].append(d)
@@ -77,6 +84,7 @@ def plan_fleet(
             by_model[m.name],
             target,
             _bucket_uses(m, feasible, sol.bucket_shares, (headroom or {}).get(m.name, 1.0)),
+            split.get(m.name),
         )
         for m in inv.models
     )
@@ -259,10 +267,17 @@ def _bucket_uses(
 
 
 def _summary(
-    m: Model, placed: list[Deployment], target: float, buckets: tuple[BucketUse, ...] = ()
+    m: Model,
+    placed: list[Deployment],
+    target: float,
+    buckets: tuple[BucketUse, ...] = (),
+    split: Disaggregation | None = None,
 ) -> ModelSummary:
-    """Capacity against workload, and the price of a model's GPUs per output token."""
+    """Capacity against workload, and the price of a model's GPUs per output token. A split
+    model's capacity is its pools' together (the least of prefill, network and decode)."""
     capacity = sum(d.capacity_rps for d in placed)
+    if split is not None and split.chosen and split.split_rps is not None:
+        capacity = split.split_rps
     d = demand(m)
     served = capacity * target if d is None else min(d, capacity * target)
     short = None if d is None else max(0.0, d - capacity * target)
@@ -280,6 +295,7 @@ def _summary(
         total(p.server.cost_per_hour for p in placed),
         served * request_shape(m)[1],
         buckets,
+        split,
     )
 
 

@@ -1,0 +1,297 @@
+"""Prefill and decode on separate servers, or both on each: which serves a model's workload
+within its SLO at the higher rate, from the one performance model and the network.
+
+A colocated server prefills and decodes in the same steps: every prompt it takes stretches
+the decode steps of the requests it is generating (DistServe's interference). At a rate of
+`r` requests/s, a share `r x prefill` of its time goes to prefill, so a decode token takes
+`step(B) / (1 - r x prefill)`, where the batch `B` holds the requests then decoding (Little:
+`r x output x TPOT`). Its rate within a TPOT objective is the largest `r` that keeps that
+under the objective.
+
+Disaggregated, a prefill server only prefills (its rate is one over the prompt's prefill
+time), the KV cache crosses the network (`kv bytes per token x prompt` at the link's speed,
+which adds to the first token and bounds each prefill node's rate), and a decode server only
+decodes: its batch is as large as its KV cache and the TPOT objective allow, and no prompt
+stalls it. The pools' rate is the least of the prefill pool's, the links' and the decode
+pool's; the split of servers between the pools is chosen to balance them.
+
+The rule (`decide`): with `disaggregation: on`, split whenever both pools can exist; with
+`auto` (the default), only where the model has an SLO (disaggregation trades the first token's
+latency, a network hop and a GPU's generality for the requests that meet both objectives: an
+SLO is what weighs that), the fleet gives the model two classes of GPU or more, the first
+token still meets the TTFT objective after the transfer, and the split serves at least
+GAIN x the colocated rate. Otherwise the servers stay colocated, and the reason says why.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from fleetctl.fleet.inventory import Model
+from fleetctl.model.perf import EnginePerf, max_sequences
+
+# How much more the split must serve than colocated servers under `auto`: a split costs a
+# network hop per request, a second server's failure and GPUs that serve one phase only.
+GAIN = 1.2
+# A p99 objective held against mean-shape figures keeps this share as headroom (the planner's
+# SLO_HEADROOM: longer prompts and bursts).
+SLO_HEADROOM = 0.5
+# Priors for moving a KV cache, not yet measured here: the share of the line rate a transfer
+# gets (NIXL over UCX; RDMA reaches nearly all of it, TCP less) and a fixed cost per transfer
+# (the side channel's handshake and the first bytes' latency).
+LINK_EFFICIENCY = {True: 0.9, False: 0.7}
+LINK_LATENCY_S = {True: 0.0002, False: 0.002}
+
+
+@dataclass(frozen=True)
+class Link:
+    """The network between two nodes: the slower NIC's line rate; RDMA where both have it."""
+
+    gbps: float
+    rdma: bool = False
+
+    def seconds(self, nbytes: float) -> float:
+        """One transfer of `nbytes` alone on the link."""
+        rate = self.gbps * 1e9 / 8 * LINK_EFFICIENCY[self.rdma]
+        return LINK_LATENCY_S[self.rdma] + nbytes / rate
+
+    def between(self, other: Link) -> Link:
+        return Link(min(self.gbps, other.gbps), self.rdma and other.rdma)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The servers of one candidate (a class, format and TP size) a model was given: their
+    engine, KV cache and batch limit, and the node network they sit on (None: unknown)."""
+
+    key: int  # the candidate's index, to map a split back to deployments
+    label: str  # "A100-SXM4-80GB bf16 TP=1", for the explanation
+    servers: int
+    perf: EnginePerf
+    kv_tokens: int
+    max_num_seqs: int
+    link: Link | None
+    servers_per_node: int = 1
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What one arrangement serves: requests/s within the SLO, and the first token and
+    decode token time of a request at that rate's light end."""
+
+    rate: float
+    ttft_s: float
+    tpot_s: float
+    transfer_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Split:
+    """A model's servers in two pools: per candidate key, how many prefill (the rest decode)."""
+
+    prefill: dict[int, int] = field(default_factory=dict)
+    figures: Figures | None = None
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the planner does with a model's servers, and why in numbers."""
+
+    disaggregate: bool
+    colocated: Figures
+    split: Split | None
+    reason: str
+    tpot_objective_s: float | None = None  # the TPOT objective it was weighed under
+
+
+def colocated(
+    pool: Pool, prompt: int, output: int, tpot_s: float | None, ttft_s: float | None = None
+) -> Figures:
+    """One colocated server of `pool`: its rate within the TPOT objective `tpot_s` (None:
+    saturation), prefill interference counted, and none where even a request alone misses
+    the TTFT objective `ttft_s`; TTFT and TPOT at light load."""
+    p = pool.perf
+    t_prefill = p.prefill_marginal(prompt)
+    most = min(pool.max_num_seqs, max_sequences(pool.kv_tokens, prompt + output))
+    light = Figures(0.0, p.prefill_time(prompt), p.step_time(1, prompt + output / 2))
+    if most < 1 or (ttft_s is not None and light.ttft_s > ttft_s * SLO_HEADROOM):
+        return light
+    ctx = prompt + output / 2
+
+    def tpot(rate: float) -> float | None:
+        """The decode token time at `rate`, or None where the server cannot keep up."""
+        busy = rate * t_prefill
+        if busy >= 1:
+            return None
+        t = p.step_time(1, ctx) / (1 - busy)
+        for _ in range(60):  # the fixed point of TPOT = step(rate x output x TPOT) / (1 - busy)
+            batch = rate * output * t
+            if batch > most:
+                return None
+            nxt = p.step_time(max(1, math.ceil(batch)), max(1.0, batch) * ctx) / (1 - busy)
+            if abs(nxt - t) < 1e-9:
+                break
+            t = nxt
+        return t
+
+    limit = None if tpot_s is None else tpot_s * SLO_HEADROOM
+    lo, hi = 0.0, 1.0 / t_prefill
+    for _ in range(50):  # the largest rate whose TPOT holds
+        mid = (lo + hi) / 2
+        t = tpot(mid)
+        if t is not None and (limit is None or t <= limit):
+            lo = mid
+        else:
+            hi = mid
+    return Figures(lo, light.ttft_s, light.tpot_s)
+
+
+def prefill_rate(pool: Pool, prompt: int) -> float:
+    """Requests/s one prefill-only server of `pool` takes: its compute alone."""
+    return 1.0 / pool.perf.prefill_marginal(prompt)
+
+
+def decode_rate(pool: Pool, prompt: int, output: int, tpot_s: float | None) -> float:
+    """Requests/s one decode-only server of `pool` generates: the largest batch its KV cache
+    (prompt and output of each) and the TPOT objective allow, no prompt stalling it."""
+    p = pool.perf
+    ctx = prompt + output / 2
+    most = min(pool.max_num_seqs, max_sequences(pool.kv_tokens, prompt + output))
+    limit = None if tpot_s is None else tpot_s * SLO_HEADROOM
+    best = 0.0
+    for batch in range(1, most + 1):
+        step = p.step_time(batch, batch * ctx)
+        if limit is not None and step > limit:
+            break
+        best = max(best, batch / (output * step))
+    return best
+
+
+def transfer_bytes(pool: Pool, prompt: int) -> float:
+    """The KV cache of a prompt, every tensor-parallel rank's share."""
+    return pool.perf.kv_token_bytes * pool.perf.tp * prompt
+
+
+def split_figures(
+    pools: Sequence[Pool],
+    prefill: dict[int, int],
+    prompt: int,
+    output: int,
+    tpot_s: float | None,
+    ttft_s: float | None = None,
+) -> Figures:
+    """The rate the two pools serve together (the least of prefill, network and decode),
+    and a request's TTFT (prefill and transfer) and TPOT at light load. A prefill server
+    whose first token, transfer included, misses the TTFT objective `ttft_s` adds nothing."""
+    p_rate = n_rate = d_rate = 0.0
+    ttft, tpot, move = math.inf, math.inf, 0.0
+    decoders = [q for q in pools if q.servers - prefill.get(q.key, 0) > 0]
+    for q in pools:
+        n_p = prefill.get(q.key, 0)
+        n_d = q.servers - n_p
+        if n_p:
+            links = [q.link.between(d.link) for d in decoders if q.link and d.link]
+            link = min(links, key=lambda k: k.gbps) if links else None
+            if link is None:
+                return Figures(0.0, math.inf, math.inf)
+            seconds = link.seconds(transfer_bytes(q, prompt))
+            first = q.perf.prefill_time(prompt) + seconds
+            if first < ttft:
+                ttft, move = first, seconds
+            if ttft_s is not None and first > ttft_s * SLO_HEADROOM:
+                continue
+            p_rate += n_p * prefill_rate(q, prompt)
+            # A node's NIC carries the transfers of every prefill server on it.
+            n_rate += n_p / q.servers_per_node / seconds if seconds > 0 else math.inf
+        if n_d:
+            d_rate += n_d * decode_rate(q, prompt, output, tpot_s)
+            tpot = min(tpot, q.perf.step_time(1, prompt + output / 2))
+    return Figures(min(p_rate, n_rate, d_rate), ttft, tpot, move)
+
+
+def best_split(
+    pools: Sequence[Pool],
+    prompt: int,
+    output: int,
+    tpot_s: float | None,
+    ttft_s: float | None = None,
+) -> Split:
+    """The split of servers into prefill and decode that serves the highest rate: pools
+    ordered by how much better they prefill than decode take the prefill share first, then
+    the count that balances the pools (and its neighbours) is tried."""
+    ratio = {
+        q.key: prefill_rate(q, prompt) / max(decode_rate(q, prompt, output, tpot_s), 1e-12)
+        for q in pools
+    }
+    order = sorted(pools, key=lambda q: -ratio[q.key])
+    total = sum(q.servers for q in pools)
+    best = Split()
+    for n in range(1, total):  # n prefill servers, from the pools that prefill best
+        prefill: dict[int, int] = {}
+        left = n
+        for q in order:
+            take = min(left, q.servers)
+            if take:
+                prefill[q.key] = take
+            left -= take
+        got = split_figures(pools, prefill, prompt, output, tpot_s, ttft_s)
+        if best.figures is None or got.rate > best.figures.rate:
+            best = Split(prefill, got)
+    return best
+
+
+def decide(model: Model, pools: Sequence[Pool], prompt: int, output: int, classes: int) -> Choice:
+    """Colocated or split for `model`'s servers (`pools`, on `classes` GPU types), and why."""
+    slo = model.spec.slo
+    tpot_s = slo.tpot_p99_ms / 1000 if slo is not None and slo.tpot_p99_ms is not None else None
+    ttft_s = slo.ttft_p99_s if slo is not None else None
+    colo = [colocated(q, prompt, output, tpot_s, ttft_s) for q in pools]
+    together = Figures(
+        sum(f.rate * q.servers for f, q in zip(colo, pools, strict=True)),
+        min((f.ttft_s for f in colo), default=math.inf),
+        min((f.tpot_s for f in colo), default=math.inf),
+    )
+
+    def choice(split_it: bool, why: str, split: Split | None = None) -> Choice:
+        return Choice(split_it, together, split, why, tpot_s)
+
+    mode = model.spec.disaggregation
+    if mode == "off":
+        return choice(False, "disaggregation: off")
+    if sum(q.servers for q in pools) < 2:
+        return choice(False, "one server: nothing to split")
+    missing = [q.label for q in pools if q.link is None]
+    if missing:
+        return choice(
+            False, f"no network speed known for {', '.join(missing)}: set nodes[].network"
+        )
+    split = best_split(pools, prompt, output, tpot_s, ttft_s)
+    got = split.figures
+    assert got is not None
+    if mode == "on":
+        return choice(got.rate > 0, "disaggregation: on", split)
+    if slo is None:
+        why = "no SLO: a split trades the first token's latency for requests within an SLO"
+        return choice(False, why, split)
+    if classes < 2:
+        return choice(False, "one GPU type: a split would only halve its GPUs", split)
+    if got.rate == 0 and ttft_s is not None and got.ttft_s > ttft_s * SLO_HEADROOM:
+        why = (
+            f"the KV transfer ({got.transfer_s:.2f} s) puts the first token at {got.ttft_s:.2f} s,"
+            f" past the TTFT objective's share ({ttft_s * SLO_HEADROOM:.2f} s)"
+        )
+        return choice(False, why, split)
+    if got.rate < GAIN * together.rate:
+        why = (
+            f"a split serves {got.rate:.2f} req/s within the SLO against {together.rate:.2f} "
+            f"colocated: less than {GAIN:g}x"
+        )
+        return choice(False, why, split)
+    why = (
+        f"a split serves {got.rate:.2f} req/s within the SLO against {together.rate:.2f} "
+        f"colocated ({got.rate / together.rate:.2f}x); the KV transfer adds "
+        f"{got.transfer_s * 1000:.0f} ms to the first token"
+    )
+    return choice(True, why, split)

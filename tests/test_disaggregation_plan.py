@@ -1,0 +1,188 @@
+"""The planner's prefill/decode split: where it pays (a mixed fleet, long prompts, a fast
+network, an SLO) it splits and says why in numbers; where it does not (a slow network and a
+tight first token, short prompts, one GPU type, no SLO, no network known) it keeps the
+servers colocated and says why. Roles reach plan --json, the flags and the environment."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.state import State
+from fleetctl.planner import plan_fleet
+from fleetctl.planner.disaggregate import Link, Pool, colocated, decode_rate, prefill_rate
+from tests.conftest import REPO, write
+
+SEED = (REPO / "inventory" / "seed-mixed-8b.yaml").read_text()
+SLOW_TTFT = "{ttft_p99_s: 1.4, tpot_p99_ms: 50}"
+WORKLOAD = "    workload: {requests_per_s: 20, mean_prompt_tokens: 1500, mean_output_tokens: 300}\n"
+
+
+def fleet(
+    gbps: float | None = 100,
+    rdma: bool = True,
+    slo: str | None = "{ttft_p99_s: 4, tpot_p99_ms: 50}",
+    prompt: int = 1500,
+    mode: str | None = None,
+) -> str:
+    """The seed fleet (4 A100s, 8 RTX 4090s) with a network, an SLO and a prompt length."""
+    text = SEED
+    if gbps is not None:
+        net = f"\n    network: {{gbps: {gbps}, rdma: {str(rdma).lower()}}}"
+        for gpu in ("A100-SXM4-80GB", "RTX-4090"):
+            line = f"    gpus: {{type: {gpu}, count: 1}}"
+            text = text.replace(line, line + net)
+    extra = f"    slo: {slo}\n" if slo else ""
+    extra += f"    disaggregation: {mode}\n" if mode else ""
+    workload = WORKLOAD.replace("1500", str(prompt))
+    assert WORKLOAD in text
+    return text.replace(WORKLOAD, workload + extra)
+
+
+def planned(tmp_path, catalog, text: str):  # type: ignore[no-untyped-def]
+    return plan_fleet(load_inventory(write(tmp_path, text), catalog))
+
+
+def test_a_mixed_fleet_on_a_fast_network_splits_and_says_why(tmp_path, catalog, cli):
+    plan = planned(tmp_path, catalog, fleet())
+    roles = {(d.gpu_type, d.server.role) for d in plan.deployments}
+    # The 4090s prefill (compute-bound, their small KV cache held only until it is sent);
+    # the A100s decode (their large KV caches hold many sequences, no prompt stalls them).
+    assert ("RTX-4090", "prefill") in roles and ("A100-SXM4-80GB", "decode") in roles
+    (summary,) = plan.models
+    g = summary.disaggregation
+    assert g is not None and g.chosen
+    assert g.prefill_servers + g.decode_servers == 12 and g.prefill_servers >= 8
+    assert g.split_rps is not None and g.split_rps >= 1.2 * g.colocated_rps
+    assert summary.capacity_rps == pytest.approx(g.split_rps)
+    assert g.transfer_s is not None and 0 < g.transfer_s < 0.1  # 1,500 tokens over 100 Gb
+    # The flags vLLM takes for each role, the side channel on the node's address.
+    prefill = next(d for d in plan.deployments if d.server.role == "prefill")
+    decode = next(d for d in plan.deployments if d.server.role == "decode")
+    config = json.loads(prefill.vllm_args[prefill.vllm_args.index("--kv-transfer-config") + 1])
+    assert config == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert '"kv_role":"kv_consumer"' in " ".join(decode.vllm_args)
+    env = dict(prefill.env)
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == prefill.host
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(prefill.port + 6000)
+    # plan --json: every deployment's role; the choice with both ways' figures.
+    path = write(tmp_path, fleet())
+    out = json.loads(cli("plan", path, "--json").out)
+    assert {d["role"] for d in out["deployments"]} == {"prefill", "decode"}
+    assert out["models"][0]["disaggregation"]["chosen"] is True
+    assert any(
+        "NIXL side channel" in w and "authenticated or encrypted" in w for w in out["warnings"]
+    )
+    text = cli("plan", path, "--explain").out
+    assert "prefill + " in text and "decode servers" in text and "colocated" in text
+    assert "prefill server of llama-3-8b's split" in text
+
+
+def test_a_split_reads_back_from_state_and_keeps_its_prefill_slots(tmp_path, catalog):
+    inv = load_inventory(write(tmp_path, fleet()), catalog)
+    plan = plan_fleet(inv)
+    state = State(1, plan.deployments)
+    back = State.from_json(json.loads(json.dumps(state.to_json())))
+    for old, new in zip(plan.deployments, back.deployments, strict=True):
+        assert new.server.role == old.server.role
+        assert new.vllm_args == old.vllm_args and new.env == old.env
+        assert new.args_hash == old.args_hash
+    # Planned again against that state: nothing changes, the same slots prefill.
+    again = plan_fleet(inv, back)
+    assert all(a.op == "keep" for a in again.actions)
+    assert {d.key for d in again.deployments if d.server.role == "prefill"} == {
+        d.key for d in plan.deployments if d.server.role == "prefill"
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        # 10 GbE without RDMA: a 3,000-token prompt's KV cache (393 MB) takes 0.45 s to move,
+        # so no prefill server's first token stays within the 1.4 s objective's share (0.7 s);
+        # the same fleet on 100 Gb RDMA splits (test_the_network_decides).
+        (
+            fleet(gbps=10, rdma=False, slo=SLOW_TTFT, prompt=3000),
+            "puts the first token",
+        ),
+        (fleet(slo=None), "no SLO"),
+        (fleet(prompt=100, slo="{ttft_p99_s: 16, tpot_p99_ms: 100}"), "less than 1.2x"),
+    ],
+    ids=["slow-network", "no-slo", "short-prompts"],
+)
+def test_where_a_split_does_not_pay_the_servers_stay_colocated_and_it_says_why(
+    tmp_path, catalog, text, why
+):
+    plan = planned(tmp_path, catalog, text)
+    assert {d.server.role for d in plan.deployments} == {"both"}
+    (summary,) = plan.models
+    assert summary.disaggregation is not None and not summary.disaggregation.chosen
+    assert why in summary.disaggregation.reason
+    assert not any(d.server.kv_transfer for d in plan.deployments)
+
+
+def test_the_network_decides(tmp_path, catalog):
+    fast = planned(tmp_path, catalog, fleet(gbps=100, slo=SLOW_TTFT, prompt=3000))
+    g = fast.models[0].disaggregation
+    assert g is not None and g.chosen and g.transfer_s is not None and g.transfer_s < 0.1
+
+
+def test_one_gpu_type_stays_colocated_unless_told(tmp_path, catalog):
+    one = fleet().replace("type: RTX-4090", "type: A100-SXM4-80GB")
+    plan = planned(tmp_path, catalog, one)
+    assert plan.models[0].disaggregation is not None
+    assert "one GPU type" in plan.models[0].disaggregation.reason
+    forced = planned(
+        tmp_path, catalog, fleet(mode="on").replace("type: RTX-4090", "type: A100-SXM4-80GB")
+    )
+    roles = [d.server.role for d in forced.deployments]
+    assert roles.count("prefill") >= 1 and roles.count("decode") >= 1
+
+
+def test_without_a_network_or_with_it_off_nothing_changes(tmp_path, catalog):
+    """No network known: the plan is what it was before splits existed, with no choice
+    weighed; `off` likewise, whatever the network."""
+    before = planned(tmp_path, catalog, fleet(gbps=None))
+    off = planned(tmp_path, catalog, fleet(mode="off"))
+    for plan in (before, off):
+        assert {d.server.role for d in plan.deployments} == {"both"}
+        assert plan.models[0].disaggregation is None
+    assert [d.record() for d in before.deployments] == [d.record() for d in off.deployments]
+
+
+def test_the_side_channel_ports_must_fit_and_not_collide(cli, tmp_path):
+    text = fleet().replace(
+        "planner:\n", "planner:\n  kv_transfer: {side_channel_port_offset: 1000}\n"
+    )
+    r = cli("validate", write(tmp_path, text))
+    assert r.code == 2 and "side_channel_port_offset 1000" in r.err, r.err
+    assert "replacement server ports" in r.err
+
+
+def test_the_pools_rates_follow_the_model(catalog):
+    """Prefill-only servers take prompts at their compute speed, decode-only ones at the
+    batch their KV cache holds, and a colocated server within a TPOT objective less than
+    either: each prompt it takes stalls its decodes."""
+    from fleetctl.model.perf import EnginePerf, kv_budget
+
+    gpu, model, fmt = (
+        catalog.gpu("A100-SXM4-80GB"),
+        catalog.model("llama-3-8b"),
+        catalog.format("bf16"),
+    )
+    perf = EnginePerf(gpu, model, fmt)
+    kv = kv_budget(gpu, model, fmt, gpu_memory_utilization=0.9).kv_tokens
+    pool = Pool(0, "A100", 1, perf, kv, 256, Link(100, True))
+    assert prefill_rate(pool, 3000) < prefill_rate(pool, 1000)
+    assert decode_rate(pool, 1000, 300, 0.05) < decode_rate(pool, 1000, 300, None)
+    small = Pool(0, "A100", 1, perf, 20_000, 256, Link(100, True))
+    assert decode_rate(small, 1000, 300, None) < decode_rate(pool, 1000, 300, None)
+    tight = colocated(pool, 3000, 300, 0.04).rate
+    loose = colocated(pool, 3000, 300, 0.2).rate
+    assert 0 < tight < loose
+    assert Link(10).seconds(1e9) > Link(100).seconds(1e9) > Link(100, True).seconds(1e9)
+    # A deployment of each role round-trips through its record.
+    assert Deployment.of is not None
