@@ -22,6 +22,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fleetctl.routing.phases import (
+    DECODE,
+    PREFILL,
+    choose_decode,
+    choose_prefill,
+    in_role,
+    is_split,
+)
 from fleetctl.routing.policy import Policy
 from fleetctl.routing.types import Backend, Decision, Request
 
@@ -206,8 +214,13 @@ class Scheduler:
                         keep.append(req)
                         continue
                 # The policy weighs every eligible backend, full ones too: waiting here for the
-                # best one can beat taking a slower one that has room (its estimate says).
-                decision = self.policy.choose(req, pool)
+                # best one can beat taking a slower one that has room (its estimate says). A
+                # disaggregated model's request goes to a prefill server first; its decode
+                # server is chosen when the prompt is done (decode_for).
+                if is_split(pool):
+                    decision = choose_prefill(req, in_role(pool, PREFILL), self.policy.prefix)
+                else:
+                    decision = self.policy.choose(req, pool)
                 assert decision.backend is not None
                 if not self.has_room(decision.backend, req):
                     blocked = True
@@ -227,6 +240,19 @@ class Scheduler:
             if blocked:
                 break  # strict priority: lower classes wait while this one is blocked
         return sent, rejected
+
+    def decode_for(self, req: Request, backends: Sequence[Backend]) -> Decision | None:
+        """The decode server for a request a prefill server has prefilled: a rejection where
+        none may serve it, None while none has room (ask again when one frees). The chosen
+        one holds the request's KV from now (its transfer starts) until release()."""
+        pool, why = self.policy.eligible(req, [b for b in backends if b.role == DECODE])
+        if not pool:
+            return Decision.rejected(why or f"no decode server serves {req.model}")
+        decision = choose_decode(req, pool)
+        if decision is not None and decision.backend is not None:
+            decision.backend.outstanding += 1
+            decision.backend.reserved_tokens += req.total_tokens
+        return decision
 
 
 def account(b: Backend, req: Request, now: float) -> None:

@@ -114,6 +114,9 @@ class Backend:
     # The name its /v1/models lists when that is not `model` (a backends file's served_name):
     # the router renames a request's model to it on the way there.
     served_name: str = ""
+    # "both" (prefill and decode), or one phase of a disaggregated model: "prefill" or
+    # "decode" (routing/phases.py).
+    role: str = "both"
 
     @property
     def node_class(self) -> str:

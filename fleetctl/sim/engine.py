@@ -49,6 +49,7 @@ class Seq:
         "computed",
         "d0",
         "epoch",
+        "external",
         "finished_at",
         "first_token_at",
         "generated",
@@ -89,6 +90,10 @@ class Seq:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.preemptions = 0
+        # Prompt tokens whose KV cache arrives from a prefill server (disaggregated serving):
+        # admitted with them computed, as vLLM's decode server loads them instead of
+        # prefilling; 0 once a preemption has dropped them (it then prefills itself).
+        self.external = 0
 
 
 @dataclass
@@ -98,6 +103,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens computed (cache hits not included)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached (their prefill skipped)
+    external_tokens: int = 0  # prompt tokens whose KV arrived from a prefill server
     generation_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
@@ -412,10 +418,14 @@ class Engine:
         prefilling past what the prefix cache holds of it, its chunk added to `chunks`."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
-            # Found in the prefix cache: no compute for those blocks.
-            shared, free_hits, own, whole = self._lookup(s)
-            hit_blocks = shared + own
-            hit = hit_blocks * self.block_size
+            if s.external:  # its KV arrives whole: every prompt token but the last is there
+                shared = free_hits = own = 0
+                whole = self.blocks_for(s.target)
+                hit_blocks, hit = 0, s.external
+            else:  # found in the prefix cache: no compute for those blocks
+                shared, free_hits, own, whole = self._lookup(s)
+                hit_blocks = shared + own
+                hit = hit_blocks * self.block_size
             n = min(s.target - hit, budget)
             new = self.blocks_for(hit + n) - hit_blocks
             if whole > self.free_blocks and self.whole_prompt:
@@ -441,10 +451,13 @@ class Engine:
         s.own = None
         s.reg = min(len(s.keys), shared + own)
         s.computed = hit
-        if not s.preemptions:
-            s.cached = hit
-        self.stats.prefix_cache_queries += s.target
-        self.stats.prefix_cache_hits += hit
+        if s.external:
+            self.stats.external_tokens += hit
+        else:
+            if not s.preemptions:
+                s.cached = hit
+            self.stats.prefix_cache_queries += s.target
+            self.stats.prefix_cache_hits += hit
         self._admissions += 1
         s.admitted = self._admissions
         s.state = PREFILL
@@ -579,6 +592,7 @@ class Engine:
         del self.running[s]
         s.blocks = 0
         s.computed = 0
+        s.external = 0  # the transferred KV is gone with its blocks: prefill it here
         s.target = s.prompt + s.generated
         s.state = WAITING
         s.preemptions += 1

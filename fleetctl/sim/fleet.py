@@ -17,7 +17,9 @@ from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.model.calibration import Calibrated, Calibration
 from fleetctl.model.perf import BLOCK_SIZE, EnginePerf
+from fleetctl.planner.disaggregate import Link
 from fleetctl.routing.goodput import Slo
+from fleetctl.routing.phases import PREFILL
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.routing.registry import make_policy
@@ -45,6 +47,8 @@ class Server:
     calibrated: str = ""  # where its KV and speed were measured, when they were
     block_size: int = BLOCK_SIZE  # KV block tokens (vLLM's CPU backend: 128)
     engine: Calibrated | None = None  # the calibrated engine it was built from, when it was
+    role: str = "both"  # or one phase of a disaggregated model: "prefill", "decode"
+    link: Link | None = None  # its node's network, for KV transfers (None: unknown)
 
 
 # Events between progress reports: often enough for a smooth bar, rare enough to cost nothing.
@@ -57,8 +61,10 @@ def servers_from_plan(
     """The simulator's servers for a plan's deployments; with `calibration`, a deployment whose
     class has an entry runs at its servers' measured speed with their measured KV."""
     out = []
+    nodes = {n.name: n for n in inv.nodes}
     for d in deployments:
         engine = deployment_engine(d, inv, calibration)
+        net = nodes[d.node].network if d.node in nodes else None
         assert engine is not None, f"the inventory does not describe {d.node}'s server"
         s = d.server
         out.append(
@@ -75,6 +81,8 @@ def servers_from_plan(
                 s.max_model_len,
                 engine.provenance,
                 engine=engine,
+                role=s.role,
+                link=None if net is None else Link(net.gbps, net.rdma),
             )
         )
     return out
@@ -128,6 +136,9 @@ class SimResult:
     prefix_queries: int = 0  # prompt tokens the engines looked up in their prefix caches
     prefix_hits: int = 0  # of those, tokens found cached: prefill saved
     slo: Slo | None = None  # the model's objectives: slo_attainment counts who met both
+    # Disaggregated serving: prompt tokens whose KV cache a decode server received from a
+    # prefill server instead of computing it.
+    transferred_tokens: int = 0
 
     def summary(self) -> dict[str, float | int]:
         """Latency percentiles over the requests served; `slo_attainment` is the share of
@@ -232,6 +243,7 @@ def simulate(
         sum(e.stats.prefix_cache_queries for e in engines),
         sum(e.stats.prefix_cache_hits for e in engines),
         slo,
+        sum(e.stats.external_tokens for e in engines),
     )
 
 
@@ -262,6 +274,7 @@ class _Run:
                 s.perf,
                 max_model_len=s.max_model_len,
                 max_num_batched_tokens=s.max_num_batched_tokens,
+                role=s.role,
             )
             for s in servers
         ]
@@ -274,28 +287,42 @@ class _Run:
         self.heap: list[tuple[float, int, int]] = []  # (time, version, engine)
         self.version = [0] * len(engines)
         self.dirty = set(range(len(engines)))
+        # Disaggregated requests: which are prefilling (their prefill server's index), which
+        # decode after a transfer, those waiting for a decode server with room, the KV
+        # transfers in flight (when each lands, on which decode engine), and when each node's
+        # NIC is free again (its transfers queue on it).
+        self.prefilling: dict[int, int] = {}
+        self.remote: set[int] = set()
+        self.awaiting: list[tuple[int, int]] = []
+        self.transfers: list[tuple[float, int, int]] = []
+        self.nic_free: dict[str, float] = {}
 
     def run(self, progress: Callable[[float], None] | None) -> None:
         items, heap, version = self.items, self.heap, self.version
         n = 0
         events = 0
+        transfers = self.transfers
         while True:
             t_arr = items[n].arrival if n < len(items) else math.inf
             while heap and heap[0][1] != version[heap[0][2]]:
                 heapq.heappop(heap)  # stale: the engine was rescheduled since
             t_eng = heap[0][0] if heap else math.inf
-            now = min(t_arr, t_eng)
+            t_kv = transfers[0][0] if transfers else math.inf
+            now = min(t_arr, t_eng, t_kv)
             if now == math.inf or now > self.horizon:
                 break
             events += 1
             if progress is not None and events % PROGRESS_EVERY == 0:
                 progress(min(1.0, now / self.last) if self.last > 0 else 1.0)
+            if t_kv <= t_eng and t_kv <= t_arr:
+                self.landed(*heapq.heappop(transfers))
+                continue
             if t_eng <= t_arr:
                 _, _, i = heapq.heappop(heap)
                 finished = self.engines[i].advance(now)
                 self.settle(i, finished, now)
                 self.reschedule(i)
-                if finished and len(self.sched):
+                if finished and (len(self.sched) or self.awaiting):
                     self.dispatch(now)
                 continue
             # Every arrival at this instant, then one dispatch.
@@ -334,16 +361,28 @@ class _Run:
         e, b = self.engines[i], self.backends[i]
         for s in e.first_tokens:
             req = self.requests[s.req]
-            first_token(b, req)
+            if s.req in self.remote:  # a decode server's first token: its client's first
+                self.outcomes[s.req].first_token = s.first_token_at
+            else:
+                first_token(b, req)
+            if s.req in self.prefilling:
+                continue  # that token is the prefill server's: the decode server samples anew
             at = s.first_token_at or now
             # Aging compares waiting to the backends' TTFT (dispatch to first token), not to
             # TTFT seen by clients: that includes router queueing and grows with the backlog.
             self.sched.observe_ttft(at, at - (self.outcomes[s.req].dispatched or req.arrival))
         e.first_tokens.clear()
         for s in finished:
+            if self.prefilling.get(s.req) == i:  # the prompt is done: its KV goes to decode
+                del self.prefilling[s.req]
+                release(b, self.requests[s.req])
+                self.to_decode(s.req, i, now)
+                continue
             o = self.outcomes[s.req]
-            o.first_token, o.finished = s.first_token_at, s.finished_at
-            o.preemptions = s.preemptions
+            if s.req not in self.remote:
+                o.first_token = s.first_token_at
+            o.finished = s.finished_at
+            o.preemptions += s.preemptions
             release(b, self.requests[s.req])
             self.estimate.observe(o.item.model, o.item.output)
 
@@ -375,9 +414,55 @@ class _Run:
                 o.rejected = f"prompt + output exceeds max_model_len {limit}"
                 release(self.backends[i], req, first_token_seen=False)
                 continue
-            seq = Seq(req.id, item.prompt, item.output, item.blocks)
+            if d.decision.kind == PREFILL:  # one token there, then the rest elsewhere
+                self.prefilling[req.id] = i  # type: ignore[index]
+                seq = Seq(req.id, item.prompt, 1, item.blocks)
+            else:
+                seq = Seq(req.id, item.prompt, item.output, item.blocks)
             self.settle(i, self.engines[i].add(seq, now), now)
             self.reschedule(i)
+        self.retry_decode(now)
+
+    def to_decode(self, rid: int, p: int, now: float) -> None:
+        """A prompt prefilled on engine `p`: a decode server takes its KV cache, or it waits
+        for one with room."""
+        req = self.requests[rid]
+        self.refresh()
+        decision = self.sched.decode_for(req, self.backends)
+        if decision is None:
+            self.awaiting.append((rid, p))
+            return
+        o = self.outcomes[rid]
+        if decision.backend is None:
+            o.rejected = decision.reason
+            return
+        j = self.index[decision.backend.name]
+        o.backend = decision.backend.name
+        self.reasons[decision.label] = self.reasons.get(decision.label, 0) + 1
+        # The transfer queues on the prefill node's NIC behind the ones before it.
+        src, dst = self.servers[p], self.servers[j]
+        link = src.link.between(dst.link) if src.link and dst.link else None
+        nbytes = src.perf.kv_token_bytes * src.perf.tp * req.prompt_tokens
+        start = max(now, self.nic_free.get(src.node, 0.0))
+        end = start + (link.seconds(nbytes) if link is not None and src.node != dst.node else 0.0)
+        self.nic_free[src.node] = end
+        heapq.heappush(self.transfers, (end, rid, j))
+
+    def landed(self, at: float, rid: int, j: int) -> None:
+        """A KV transfer is done: the decode engine takes the request, its prompt computed
+        but for the last token (as vLLM's decode server recomputes it)."""
+        item = self.outcomes[rid].item
+        seq = Seq(rid, item.prompt, item.output, item.blocks)
+        seq.external = max(0, item.prompt - 1)
+        self.remote.add(rid)
+        self.settle(j, self.engines[j].add(seq, at), at)
+        self.reschedule(j)
+
+    def retry_decode(self, now: float) -> None:
+        """Prefilled requests waiting for a decode server's room, in the order they waited."""
+        waiting, self.awaiting = self.awaiting, []
+        for rid, p in waiting:
+            self.to_decode(rid, p, now)
 
 
 class _EngineCaches:
