@@ -6,7 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
@@ -45,11 +45,18 @@ class BackendEntry(Strict):
     # The name the server serves the model under (vLLM's --served-model-name) when it is not
     # `model`: the router renames the request's model to it (README, route-serve).
     served_name: str | None = Field(None, min_length=1)
+    # One phase of a disaggregated model (routing/phases.py), or both.
+    role: Literal["both", "prefill", "decode"] = "both"
 
 
 def served_name(b: Backend) -> str:
     """The model name `b` serves: its backends-file `served_name`, else the inventory's."""
     return b.served_name or b.model
+
+
+def host_port(b: Backend) -> str:
+    """Where `b` listens, as `host:port` (its URL without the scheme)."""
+    return b.name.split("://", 1)[-1].rstrip("/")
 
 
 def body_for(b: Backend, raw: bytes) -> bytes:
@@ -129,6 +136,7 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         b.served_name = e.served_name if e.served_name and e.served_name != e.model else ""
         b.gpus, b.dcgm_url = e.gpus, e.dcgm_url or ""
         b.max_num_batched_tokens = e.max_num_batched_tokens or default_tokens
+        b.role = e.role
         out.append(b)
     return out
 
@@ -172,6 +180,7 @@ def backends_from_state(inv: Inventory, state_dir: StateDir) -> list[Backend]:
                 gpus=d.gpu_indices,
                 dcgm_url=dcgm_url(inv, d.host),
                 max_num_batched_tokens=s.max_num_batched_tokens,
+                role=s.role,
             )
         )
     return out

@@ -16,16 +16,18 @@ from typing import Any, TypeGuard
 
 from aiohttp import web
 
+from fleetctl.daemon import disagg
 from fleetctl.daemon.admission import Admission
-from fleetctl.daemon.backends import body_for
+from fleetctl.daemon.backends import body_for, host_port, served_name
 from fleetctl.daemon.intake import error_response
 from fleetctl.daemon.live import LiveState
-from fleetctl.daemon.relay import BackendFailed, Stream, relay_whole
+from fleetctl.daemon.relay import BackendFailed, Stream, header_value, relay_whole
 from fleetctl.daemon.telemetry import RouterMetrics
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.daemon.transport import Answer, Transport
 from fleetctl.daemon.upstream import UpstreamError
 from fleetctl.routing.goodput import Slo
+from fleetctl.routing.phases import PREFILL
 from fleetctl.routing.request import ClientError, Parsed
 from fleetctl.routing.scheduler import first_token, release
 from fleetctl.routing.types import Backend, Decision, OutputEstimator, Request
@@ -60,10 +62,25 @@ class Lease:
     """One attempt's hold on a backend, from placement (the scheduler accounted it) to its end.
     Each ending releases the counters only if no other ending has: exactly once."""
 
-    __slots__ = ("b", "ended", "first_seen", "held", "hooks", "output", "req", "started", "ttft")
+    __slots__ = (
+        "b",
+        "ended",
+        "first_seen",
+        "held",
+        "hooks",
+        "output",
+        "prefilled",
+        "req",
+        "started",
+        "ttft",
+    )
 
-    def __init__(self, hooks: Hooks, b: Backend, req: Request, started: float):
+    def __init__(
+        self, hooks: Hooks, b: Backend, req: Request, started: float, prefilled: bool = False
+    ):
         self.hooks, self.b, self.req, self.started = hooks, b, req, started
+        # A decode server's lease: the prompt was prefilled elsewhere, so none is pending here.
+        self.prefilled = prefilled
         self.first_seen = False
         self.held = True
         self.ttft: float | None = None  # from arrival to the first byte
@@ -73,7 +90,8 @@ class Lease:
     def first(self) -> None:
         """The first byte of the answer arrived: the prompt is no longer pending prefill."""
         now = time.monotonic()
-        first_token(self.b, self.req)
+        if not self.prefilled:
+            first_token(self.b, self.req)
         self.first_seen = True
         self.ttft = now - self.started
         self.hooks.metrics.ttft.observe(now - self.started, self.req.model)
@@ -83,7 +101,7 @@ class Lease:
         if not self.held:
             return False
         self.held = False
-        release(self.b, self.req, self.first_seen)
+        release(self.b, self.req, self.first_seen or self.prefilled)
         self.hooks.admission.wake()
         return True
 
@@ -128,6 +146,15 @@ class Lease:
             self.ended = "abandoned"
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """A prompt a prefill server has computed: the server, and the KV transfer's parameters
+    it answered with (None: it gave none, so the decode server prefills the prompt itself)."""
+
+    backend: Backend
+    params: dict[str, Any] | None
+
+
 # The last attempt's Lease: how it ended, its TTFT and output tokens (the request log).
 LAST_ATTEMPT = web.RequestKey("fleetctl_attempt", Lease)
 
@@ -151,6 +178,8 @@ class Proxy:
         started: float,
     ) -> web.StreamResponse:
         """Answer a placed request; a failure before the first byte is retried elsewhere."""
+        if decision.kind == PREFILL:
+            return await self.split(request, raw, parsed, req, decision, chat, started)
         metrics = self.hooks.metrics
         stream = bool(parsed.body.get("stream"))
         headers = self._headers(request)
@@ -176,6 +205,115 @@ class Proxy:
         return error_response(
             ClientError(502, "every backend tried failed before answering", "server_error")
         )
+
+    async def split(
+        self,
+        request: web.Request,
+        raw: bytes,
+        parsed: Parsed,
+        req: Request,
+        decision: Decision,
+        chat: bool,
+        started: float,
+    ) -> web.StreamResponse:
+        """A disaggregated request: its prompt on the prefill server placed (another if it
+        fails), then its answer from a decode server that pulls the KV cache; a decode server
+        that fails before the first byte is replaced by another that prefills the prompt
+        itself. The client sees one answer, or one error."""
+        metrics = self.hooks.metrics
+        headers = {**self._headers(request), "X-Request-Id": disagg.request_id()}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        tried: list[Backend] = []
+        prefill = decision.backend
+        done: Prefilled | web.Response | None = None
+        while prefill is not None:
+            tried.append(prefill)
+            done = await self._prefill(prefill, parsed.body, req, path, headers)
+            if done is not None:
+                break
+            if len(tried) > self.max_retries:
+                break
+            prefill = await self._retry(req, tried)
+            if prefill is not None:
+                metrics.retries.inc(req.model)
+        if isinstance(done, web.Response):  # the client's mistake: its answer, as vLLM gave it
+            request[SERVED_BY] = tried[-1]
+            metrics.requests.inc(req.model, tried[-1].node_class, decision.label, str(done.status))
+            return done
+        if done is None:
+            metrics.requests.inc(req.model, tried[-1].node_class, decision.label, "502")
+            return error_response(
+                ClientError(502, "every prefill server tried failed", "server_error")
+            )
+        extra = {"X-Fleet-Prefill-Backend": header_value(host_port(done.backend))}
+        params = done.params
+        stream = bool(parsed.body.get("stream"))
+        decoders: list[Backend] = []
+        for _ in range(self.max_retries + 1):
+            d = self._decode_server(req, decoders, params is not None)
+            if d is None:
+                break
+            decoders.append(d)
+            request[SERVED_BY] = d
+            body = disagg.decode_body(parsed.body, served_name(d), params)
+            out = await self.attempt(
+                request, body, req, d, path, headers, stream, started, extra, params is not None
+            )
+            if out is not None:
+                metrics.requests.inc(req.model, d.node_class, "decode", str(out.status))
+                return out
+            params = None  # the failed server's pulled KV is gone: the next one prefills
+        last = decoders[-1] if decoders else tried[-1]
+        metrics.requests.inc(req.model, last.node_class, "decode", "502")
+        return error_response(
+            ClientError(502, "every decode server tried failed before answering", "server_error")
+        )
+
+    async def _prefill(
+        self, b: Backend, body: dict[str, Any], req: Request, path: str, headers: dict[str, str]
+    ) -> Prefilled | web.Response | None:
+        """The prompt on prefill server `b`: where its KV cache waits (Prefilled), a client
+        error to pass on as it is (a 4xx Response), or None when `b` failed (retry)."""
+        live, admission = self.hooks.live, self.hooks.admission
+        first = False
+        try:
+            prompt = disagg.prefill_body(body, served_name(b))
+            up = await _post(self.upstream, b.name + path, prompt, headers)
+            with up:
+                data = await up.read()
+            if up.status in RETRY_STATUSES:
+                raise BackendFailed(f"status {up.status}")
+            first = True
+            if up.status != 200:
+                return web.Response(body=data, status=up.status, content_type="application/json")
+            if live is not None:
+                live.succeeded(b)
+            return Prefilled(b, disagg.transfer_params(data))
+        except FAILURES as e:
+            if live is not None:
+                live.failed(b, time.monotonic(), str(e) or type(e).__name__)
+            return None
+        finally:
+            if first:
+                first_token(b, req)
+            release(b, req, first)
+            admission.wake()
+
+    def _decode_server(
+        self, req: Request, tried: list[Backend], transferred: bool
+    ) -> Backend | None:
+        """The decode server for the prompt, held for it from now: the one it slows least
+        with room, else the least busy (its vLLM queues it); None when none may serve it.
+        One that must prefill the prompt itself counts it as pending there."""
+        admission = self.hooks.admission
+        left = [b for b in admission.backends if b not in tried]
+        decision = admission.scheduler.decode_for(req, left, force=True)
+        if decision is None or decision.backend is None:
+            return None
+        b = decision.backend
+        if not transferred:
+            b.pending_prefill += req.prefill_tokens
+        return b
 
     async def _retry(self, req: Request, tried: list[Backend]) -> Backend | None:
         """A retry is a normal scheduler entry: the same priority and arrival (it keeps its
@@ -207,10 +345,14 @@ class Proxy:
         headers: dict[str, str],
         stream: bool,
         started: float,
+        extra: dict[str, str] | None = None,
+        prefilled: bool = False,
     ) -> web.StreamResponse | None:
         """Send to `b` and relay its answer; None when it failed before the first byte reached
-        the client (the caller may retry). The one place an attempt's outcome is handled."""
-        lease = Lease(self.hooks, b, req, started)
+        the client (the caller may retry). The one place an attempt's outcome is handled.
+        `extra`: headers for the client's answer; `prefilled`: `b` decodes a prompt another
+        server prefilled (its body carries the KV transfer's parameters)."""
+        lease = Lease(self.hooks, b, req, started, prefilled)
         request[LAST_ATTEMPT] = lease
         relay = Stream() if stream else None
         try:
@@ -226,8 +368,8 @@ class Proxy:
                     self.hooks.live.succeeded(b)
                 if relay is None or up.status != 200:
                     relay = None
-                    return await relay_whole(up, b, lease)
-                return await relay.relay(request, up, b, lease)
+                    return await relay_whole(up, b, lease, extra)
+                return await relay.relay(request, up, b, lease, extra)
         except FAILURES as e:
             lease.failed(str(e) or type(e).__name__)
             if relay is None or relay.out is None:

@@ -72,8 +72,9 @@ def header_value(value: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in value)
 
 
-def answer_headers(up: Answer, b: Backend) -> dict[str, str]:
+def answer_headers(up: Answer, b: Backend, extra: dict[str, str] | None = None) -> dict[str, str]:
     h = {k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
+    h.update(extra or {})
     # The backend's own headers were checked as they were parsed (upstream.py); these come
     # from inventory, state or a backends file.
     h["X-Fleet-Backend"] = header_value(b.node)
@@ -82,14 +83,16 @@ def answer_headers(up: Answer, b: Backend) -> dict[str, str]:
     return h
 
 
-async def relay_whole(up: Answer, b: Backend, outcome: Outcome) -> web.Response:
+async def relay_whole(
+    up: Answer, b: Backend, outcome: Outcome, extra: dict[str, str] | None = None
+) -> web.Response:
     data = await up.read()
     answer = parse_answer(data) if up.status == 200 else None
     if up.status == 200 and answer is None:
         log.warning("backend %s answered 200 with a body that is not a JSON object", b.name)
         raise BackendFailed("a 200 answer that is not a JSON object")
     outcome.first()
-    out = web.Response(body=data, status=up.status, headers=answer_headers(up, b))
+    out = web.Response(body=data, status=up.status, headers=answer_headers(up, b, extra))
     outcome.done(answer)
     return out
 
@@ -105,13 +108,18 @@ class Stream:
         self.last = b""  # the last chunk written
 
     async def relay(
-        self, request: web.Request, up: Answer, b: Backend, outcome: Outcome
+        self,
+        request: web.Request,
+        up: Answer,
+        b: Backend,
+        outcome: Outcome,
+        extra: dict[str, str] | None = None,
     ) -> web.StreamResponse:
         # Whatever has arrived, at once (b"" at the end): this loop runs once per chunk.
         read = up.read_chunk
         chunk = await read()
         outcome.first()
-        out = web.StreamResponse(status=up.status, headers=answer_headers(up, b))
+        out = web.StreamResponse(status=up.status, headers=answer_headers(up, b, extra))
         await out.prepare(request)
         self.out = out
         write = out.write
@@ -121,16 +129,16 @@ class Stream:
         # (serving_completion.py, serving_chat.py), but a busy server folds tokens that came
         # out together into one event: a real vLLM 0.32 chat stream sent 7 tokens in 6 events
         # (tests/data/vllm-0.32.0-cpu-answers). Where the stream states its usage, that wins.
-        extra = 1 if request.path.endswith("/chat/completions") else 0
+        not_tokens = 1 if request.path.endswith("/chat/completions") else 0
         before = b""
         while chunk:
             events += chunk.count(b"data: {")
-            extra += chunk.count(b'"choices":[]')
+            not_tokens += chunk.count(b'"choices":[]')
             await write(chunk)  # as it arrives: no buffering
             before, self.last = self.last, chunk
             chunk = await read()
         await out.write_eof()
-        outcome.done(None, streamed=streamed_tokens(before + self.last, events - extra))
+        outcome.done(None, streamed=streamed_tokens(before + self.last, events - not_tokens))
         return out
 
     async def end_with_error(self, e: BaseException) -> None:

@@ -46,6 +46,9 @@ class EmulatorArgs:
     enable_prefix_caching: bool | None = None
     prefix_caching_hash_algo: str = "sha256"
     kv_events_config: str | None = None
+    kv_transfer_config: str | None = None
+    kv_link_gbps: float = 100.0
+    kv_link_rdma: bool = False
     startup_delay: float = 0.0
     crash_after: int | None = None
     hang_after: int | None = None
@@ -105,6 +108,15 @@ def _parser() -> _Parser:
         default=1.0,
         help="the GPU holds X of the KV cache its profile leaves (less memory, same reserves)",
     )
+    own.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=100.0,
+        help="the network a decode server pulls KV caches over, Gb/s (with --kv-transfer-config)",
+    )
+    own.add_argument(
+        "--kv-link-rdma", action="store_true", help="that network has RDMA (RoCE, InfiniBand)"
+    )
     faults = p.add_argument_group("faults")
     faults.add_argument(
         "--startup-delay", type=float, default=0.0, help="wall seconds of 503s first (unscaled)"
@@ -139,6 +151,7 @@ def _parser() -> _Parser:
     )
     vllm.add_argument("--prefix-caching-hash-algo", choices=ALGOS, default=DEFAULT_ALGO)
     vllm.add_argument("--kv-events-config", metavar="JSON")
+    vllm.add_argument("--kv-transfer-config", metavar="JSON")
     vllm.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 

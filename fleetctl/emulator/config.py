@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from fleetctl.base.errors import UserError
 from fleetctl.emulator.args import EmulatorArgs
 from fleetctl.emulator.kv_publisher import KvEventsConfig, parse_kv_events_config
+from fleetctl.emulator.kv_transfer import KvTransferConfig, parse_kv_transfer_config
 from fleetctl.emulator.truth import less_kv, slower
 from fleetctl.model.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
 from fleetctl.model.perf import BLOCK_SIZE, EnginePerf, KvBudget, kv_budget, vllm_batch_defaults
+from fleetctl.planner.disaggregate import Link
 from fleetctl.sim.engine import Engine
 
 VLLM_VERSION = "0.32.0"  # the vLLM release whose API and metrics the emulator reproduces
@@ -59,6 +61,8 @@ class EmulatorConfig:
     prefix_caching: bool = True
     hash_algo: str = "sha256"
     kv_events: KvEventsConfig | None = None
+    # --kv-transfer-config: one phase of a disaggregated model (None: both, as usual).
+    kv_transfer: KvTransferConfig | None = None
 
     @property
     def block_size(self) -> int:
@@ -157,6 +161,10 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
     _check_fits(budget, max_len)
     source = args.source or model.hf_id or model.name
     kv_events = parse_kv_events_config(args.kv_events_config) if args.kv_events_config else None
+    kv_transfer = None
+    if args.kv_transfer_config:
+        link = Link(args.kv_link_gbps, args.kv_link_rdma)
+        kv_transfer = parse_kv_transfer_config(args.kv_transfer_config, link)
     return EmulatorConfig(
         gpu=gpu,
         model=model,
@@ -186,6 +194,7 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
         prefix_caching=args.enable_prefix_caching is not False,
         hash_algo=args.prefix_caching_hash_algo,
         kv_events=kv_events if kv_events is not None and kv_events.publishes else None,
+        kv_transfer=kv_transfer,
     )
 
 
@@ -204,6 +213,8 @@ def _check_ranges(args: EmulatorArgs) -> None:
         raise UserError(f"--truth-kv must be in (0, 1], got {args.truth_kv:g}")
     if args.tensor_parallel_size < 1:
         raise UserError("--tensor-parallel-size must be at least 1")
+    if not 0 < args.kv_link_gbps <= 3200:
+        raise UserError(f"--kv-link-gbps must be in (0, 3200], got {args.kv_link_gbps:g}")
 
 
 def _check_fits(budget: KvBudget, max_len: int) -> None:

@@ -76,12 +76,15 @@ class Driver:
         index: int,
         blocks: PromptBlocks | None = None,
         ids: Sequence[int] | None = None,
+        external: int = 0,
     ) -> Job:
         """Add a sequence at the current emulated time; its tokens will arrive on `queue`.
-        `blocks` name its prompt for the prefix cache; `ids` are its token ids, if known."""
+        `blocks` name its prompt for the prefix cache; `ids` are its token ids, if known;
+        `external` prompt tokens arrived as KV from a prefill server (not computed here)."""
         now = self.now()
         self._step_until(now)
         seq = Seq(None, prompt, output, blocks)
+        seq.external = external
         job = Job(seq, index, queue, now, last_token_at=now)
         seq.req = job
         self.finished += self.engine.add(seq, now)

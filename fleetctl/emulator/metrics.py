@@ -280,10 +280,13 @@ def render(
     w.counter("prefix_cache_queries", float(st.prefix_cache_queries))
     w.counter("prefix_cache_hits", hits)
     w.counter("num_preemptions", st.preemptions)
-    w.counter("prompt_tokens", st.prompt_tokens + hits)
+    # A decode server of a disaggregated model receives its prompts' KV from prefill servers:
+    # vLLM counts those tokens as prompt tokens from the external_kv_transfer source.
+    external = float(st.external_tokens)
+    w.counter("prompt_tokens", st.prompt_tokens + hits + external)
     sources = {"local_compute": float(st.prompt_tokens), "local_cache_hit": hits}
-    w.counter("prompt_tokens_by_source", sources | {"external_kv_transfer": 0.0}, "source")
-    w.counter("prompt_tokens_cached", hits)
+    w.counter("prompt_tokens_by_source", sources | {"external_kv_transfer": external}, "source")
+    w.counter("prompt_tokens_cached", hits + external)
     w.counter("generation_tokens", st.generation_tokens)
     w.counter("request_success", {k: float(v) for k, v in rec.success.items()}, "finished_reason")
     for name, h in rec.hist.items():

@@ -24,6 +24,7 @@ from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
 from fleetctl.emulator.driver import Driver, Job, Update
 from fleetctl.emulator.kv_publisher import KvEventPublisher
+from fleetctl.emulator.kv_transfer import answer_params, remote_prefill, wants_remote_decode
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
 
 log = logging.getLogger("fleetctl.emulator")
@@ -318,10 +319,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     if faults.error_rate and state.rng.random() < faults.error_rate:
         raise proto.ApiError(500, "Emulated server error (--error-rate)", "InternalServerError")
     _record_params(state.recorder, plan)
+    external, producer = await _kv_transfer(body, plan, state.config)
     queue: asyncio.Queue[Update] = asyncio.Queue()
     driver = state.run()
     jobs = [
-        driver.submit(prompt, out, queue, i * plan.n + j, named.blocks, named.ids)
+        driver.submit(prompt, out, queue, i * plan.n + j, named.blocks, named.ids, external)
         for i, (prompt, out, named) in enumerate(
             zip(plan.prompts, plan.outputs, plan.named, strict=True)
         )
@@ -333,13 +335,47 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             die = state.streams == faults.die_mid_stream
             response, whole = await _stream(request, plan, jobs, queue, die)
         else:
-            response, whole = await _respond(request, plan, jobs, queue), True
+            answer = _producer_params(request, plan, jobs, state.config) if producer else None
+            response, whole = await _respond(request, plan, jobs, queue, answer), True
     finally:
         for job in jobs:
             driver.abort(job)  # no-op for finished ones; a client that left frees its KV
     if whole:
         _completed(state)
     return response
+
+
+async def _kv_transfer(body: dict[str, Any], plan: Plan, c: EmulatorConfig) -> tuple[int, bool]:
+    """A disaggregated request's phase, as vLLM's NixlConnector takes it: (prompt tokens whose
+    KV arrived from a prefill server, after the modelled transfer; whether this server keeps
+    its KV cache for a decode server). Without --kv-transfer-config vLLM ignores the
+    parameters, and so does this."""
+    params = body.get("kv_transfer_params")
+    if c.kv_transfer is None or params is None:
+        return 0, False
+    try:
+        remote = remote_prefill(params)
+    except ValueError as e:
+        raise proto.bad_request(str(e), "kv_transfer_params") from None
+    if remote is None:
+        return 0, wants_remote_decode(params)
+    if len(plan.prompts) != 1:
+        raise proto.bad_request("kv_transfer_params goes with one prompt", "kv_transfer_params")
+    prompt = plan.prompts[0]
+    perf = c.perf
+    seconds = c.kv_transfer.link.seconds(perf.kv_token_bytes * perf.tp * prompt)
+    await asyncio.sleep(seconds / c.time_scale)  # the blocks cross the network
+    return max(0, prompt - 1), False
+
+
+def _producer_params(
+    request: web.Request, plan: Plan, jobs: list[Job], c: EmulatorConfig
+) -> dict[str, Any]:
+    assert c.kv_transfer is not None
+    prompt = plan.prompts[0]
+    blocks = -(-prompt // c.block_size)
+    rid = request.headers.get("X-Request-Id") or "emulated"
+    return answer_params(c.kv_transfer, f"cmpl-{rid}-0", blocks, prompt, jobs[0].seq.cached)
 
 
 async def _name_prompts(
@@ -375,7 +411,11 @@ def _usage(plan: Plan, completion: int) -> dict[str, Any]:
 
 
 async def _respond(
-    request: web.Request, plan: Plan, jobs: list[Job], queue: asyncio.Queue[Update]
+    request: web.Request,
+    plan: Plan,
+    jobs: list[Job],
+    queue: asyncio.Queue[Update],
+    kv_transfer_params: dict[str, Any] | None = None,
 ) -> web.StreamResponse:
     remaining = {job.index: job.seq.output for job in jobs}
     while remaining:
@@ -384,6 +424,8 @@ async def _respond(
             del remaining[index]
     texts = [proto.tokens_text(0, job.seq.output) for job in jobs]
     body = plan.reply.full(texts, _usage(plan, sum(job.seq.output for job in jobs)))
+    if kv_transfer_params is not None:  # a prefill server's: where its KV cache waits
+        body["kv_transfer_params"] = kv_transfer_params
     response = _json(body)
     await response.prepare(request)  # written here so --crash-after counts it as sent
     await response.write_eof()

@@ -241,14 +241,20 @@ class Scheduler:
                 break  # strict priority: lower classes wait while this one is blocked
         return sent, rejected
 
-    def decode_for(self, req: Request, backends: Sequence[Backend]) -> Decision | None:
+    def decode_for(
+        self, req: Request, backends: Sequence[Backend], force: bool = False
+    ) -> Decision | None:
         """The decode server for a request a prefill server has prefilled: a rejection where
-        none may serve it, None while none has room (ask again when one frees). The chosen
-        one holds the request's KV from now (its transfer starts) until release()."""
+        none may serve it, None while none has room (ask again when one frees; with `force`,
+        the one with fewest requests, whose vLLM queues it). The chosen one holds the
+        request's KV from now (its transfer starts) until release()."""
         pool, why = self.policy.eligible(req, [b for b in backends if b.role == DECODE])
         if not pool:
             return Decision.rejected(why or f"no decode server serves {req.model}")
         decision = choose_decode(req, pool)
+        if decision is None and force:
+            least = min(pool, key=lambda b: (b.outstanding, b.name))
+            decision = Decision(least, DECODE, ("full",), detail=f"({least.outstanding} decoding)")
         if decision is not None and decision.backend is not None:
             decision.backend.outstanding += 1
             decision.backend.reserved_tokens += req.total_tokens
