@@ -186,3 +186,25 @@ def test_the_pools_rates_follow_the_model(catalog):
     assert Link(10).seconds(1e9) > Link(100).seconds(1e9) > Link(100, True).seconds(1e9)
     # A deployment of each role round-trips through its record.
     assert Deployment.of is not None
+
+
+def test_probed_nics_give_the_network_where_the_inventory_gives_none(tmp_path, catalog, cli):
+    """`probe` reads each node's fastest physical NIC that is up (/sys/class/net/*/speed, in
+    Mb/s; -1 where the driver does not say) and whether it has RDMA devices; the planner
+    uses them where the inventory has no network, and the inventory's wins where it has."""
+    from fleetctl.fleet.facts import Facts, NodeFacts, apply_facts
+    from fleetctl.fleet.facts_parse import network_gbps
+
+    assert network_gbps("-1 25000 100000 ") == 100.0
+    assert network_gbps("-1 ") is None and network_gbps(None) is None
+    inv = load_inventory(write(tmp_path, fleet(gbps=None)), catalog)
+    probed = {n.name: NodeFacts(network_gbps=100.0, rdma=True) for n in inv.nodes}
+    with_facts, _ = apply_facts(inv, Facts(probed), catalog)
+    assert all(n.network is not None and n.network.rdma for n in with_facts.nodes)
+    assert plan_fleet(with_facts).models[0].disaggregation is not None
+    declared = load_inventory(write(tmp_path, fleet(gbps=10, rdma=False)), catalog)
+    kept, _ = apply_facts(declared, Facts(probed), catalog)
+    assert {n.network.gbps for n in kept.nodes if n.network} == {10}
+    # A facts file with the new keys reads back.
+    doc = Facts(probed).to_json()
+    assert Facts.from_json(json.loads(json.dumps(doc))).nodes["rtx-1"].network_gbps == 100.0

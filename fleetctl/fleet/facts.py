@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field
 
 from fleetctl.base import documents
-from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.inventory import Inventory, NetworkSpec
 from fleetctl.model.catalog import Catalog
 
 # 1: the untyped dicts of the first probe; 2: the same keys, read through these types. A
@@ -83,6 +83,10 @@ class NodeFacts:
     gpus: tuple[GpuFacts, ...] = ()
     gpu_error: Problem | None = None
     interconnect: str | None = None  # "nvlink", "pcie", or None below two GPUs
+    # Its fastest physical NIC that is up (Gb/s), and whether it has RDMA devices
+    # (/sys/class/infiniband); None: not said (and facts from before they were read).
+    network_gbps: float | None = None
+    rdma: bool | None = None
 
     @property
     def reached(self) -> bool:
@@ -122,6 +126,10 @@ def apply_facts(inv: Inventory, facts: Facts, catalog: Catalog) -> tuple[Invento
     nodes = []
     for node in inv.nodes:
         probed = facts.nodes.get(node.name)
+        if probed is not None and node.network is None and probed.network_gbps:
+            # The inventory's network wins; else what the node's NICs say.
+            network = NetworkSpec(gbps=probed.network_gbps, rdma=bool(probed.rdma))
+            node = dataclasses.replace(node, network=network)
         if probed is None or not probed.gpus:
             nodes.append(node)
             continue

@@ -541,3 +541,11 @@ def parse_topo(text: str) -> dict[str, Any] | SmiError:
         "gpu_links": links,
         "interconnect": interconnect,
     }
+
+
+def network_gbps(speeds_mbps: str | None) -> float | None:
+    """The fastest physical NIC that is up, in Gb/s, from the speeds /sys/class/net/*/speed
+    gives (Mb/s; -1 or nothing where the driver does not say, as virtio's often does); None
+    when none says."""
+    known = [int(s) for s in (speeds_mbps or "").split() if s.lstrip("-").isdigit() and int(s) > 0]
+    return max(known) / 1000 if known else None

@@ -18,6 +18,7 @@ from fleetctl.fleet.facts_parse import (
     QUERY_FIELDS_LEGACY,
     GpuRow,
     SmiError,
+    network_gbps,
     parse_compute_apps_csv,
     parse_smi_query_csv,
     parse_smi_table,
@@ -36,6 +37,10 @@ echo "mem_total_kib=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo 2>/dev/null)"
 echo "disk_free_kib=$(df -Pk "$HOME" 2>/dev/null | awk 'NR==2 {print $4}')"
 echo "fleetctl_pids=$(grep -l -s -z '^FLEETCTL_SERVER_TOKEN=' /proc/[0-9]*/environ 2>/dev/null \
   | sed 's,/proc/\([0-9]*\)/environ,\1,' | tr '\n' ' ')"
+echo "net_speeds_mbps=$(for d in /sys/class/net/*; do [ -e "$d/device" ] || continue; \
+  [ "$(cat "$d/operstate" 2>/dev/null)" = up ] && printf '%s ' "$(cat "$d/speed" 2>/dev/null)"; \
+  done)"
+echo "rdma_devices=$(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ')"
 """
 
 # One Python start per node (`python3 -`): its version, vLLM's, and the GPUs through NVML when
@@ -118,6 +123,8 @@ def probe_node(session: SshSession) -> NodeFacts:
         gpus=gpus.gpus,
         gpu_error=gpus.error,
         interconnect=parsed.get("interconnect") if isinstance(parsed, dict) else None,
+        network_gbps=network_gbps(kv.get("net_speeds_mbps")),
+        rdma=bool((kv.get("rdma_devices") or "").split()) if "rdma_devices" in kv else None,
     )
 
 
