@@ -247,7 +247,7 @@ async def replay(
         sent = replace(w, arrival=x.started - start) if x is not None else w
         why = "" if ok else ("no answer" if x is None else f"{x.status} {x.error}".strip())
         rows.append(Row(sent, x.ended - x.started if ok and x else None, why))
-    return rows, before, after
+    return rows, before, after, scrapes
 
 
 async def wait_idle(session: aiohttp.ClientSession, url: str) -> None:

@@ -162,7 +162,7 @@ def strict_router():
         yield r
     finally:
         r.stop()
-        server.close()
+        server.stop()
 
 
 def exchange(port: int, data: bytes) -> tuple[bytes, float]:
@@ -269,7 +269,7 @@ def test_values_written_into_headers_cannot_split_them():
         assert "Set-Cookie" not in headers
     finally:
         r.stop()
-        server.close()
+        server.stop()
 
 
 def test_a_backends_file_node_name_with_control_characters_is_refused(tmp_path):
