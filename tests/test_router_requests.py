@@ -42,7 +42,7 @@ def router(tmp_path_factory):
     finally:
         r.stop()
         for s in servers:
-            s.close()
+            s.stop()
 
 
 def error(router: Router, body: object, headers: dict | None = None) -> tuple[int, str]:
