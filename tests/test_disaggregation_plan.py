@@ -208,3 +208,13 @@ def test_probed_nics_give_the_network_where_the_inventory_gives_none(tmp_path, c
     # A facts file with the new keys reads back.
     doc = Facts(probed).to_json()
     assert Facts.from_json(json.loads(json.dumps(doc))).nodes["rtx-1"].network_gbps == 100.0
+
+
+def test_the_diff_names_a_role_change(tmp_path, catalog):
+    colo = load_inventory(write(tmp_path, fleet(mode="off")), catalog)
+    before = plan_fleet(colo)
+    split = load_inventory(write(tmp_path, fleet()), catalog)
+    after = plan_fleet(split, State(1, before.deployments))
+    changed = [a for a in after.actions if a.op == "replace"]
+    assert changed and all(a.detail.startswith("role both -> ") for a in changed)
+    assert any("role both -> prefill" in a.detail for a in changed)

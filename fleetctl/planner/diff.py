@@ -34,7 +34,8 @@ def _what_changed(old: Deployment, new: Deployment) -> str:
     if (old.model, old.variant) != (new.model, new.variant):
         return f"was {old.model} {old.variant}"
     before, after = parse_flags(old.vllm_args), parse_flags(new.vllm_args)
-    changes = [
+    roles = [f"role {old.server.role} -> {new.server.role}"]
+    changes = roles * (old.server.role != new.server.role) + [
         f"{flag} {before.get(flag, '(unset)')} -> {after.get(flag, '(unset)')}"
         for flag in sorted(before.keys() | after.keys())
         if before.get(flag) != after.get(flag)
