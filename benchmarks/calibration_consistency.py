@@ -29,11 +29,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness.commands import emulate_cmd
-from harness.procs import Proc, free_port
-from harness.ready import http_request, wait_status
-from harness.results import header, machine, out_dir
-
 from fleetctl.cli.apply_cmds import server_engines
 from fleetctl.emulator.truth import slower
 from fleetctl.fleet.inventory import load_inventory
@@ -42,6 +37,10 @@ from fleetctl.fleet.statedir import StateDir
 from fleetctl.model.catalog import load_catalog
 from fleetctl.model.perf import EnginePerf, kv_budget
 from fleetctl.planner import plan_fleet
+from harness.commands import emulate_cmd
+from harness.procs import Proc, free_port
+from harness.ready import http_request, wait_status
+from harness.results import header, machine, out_dir
 
 NAME, SOURCE, SCALE = "llama-3-8b", "meta-llama/Meta-Llama-3-8B-Instruct", "20"
 BATCHES = ("1", "8", "32")

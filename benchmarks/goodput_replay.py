@@ -43,6 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.model.catalog import load_catalog
+from fleetctl.planner import plan_fleet
 from harness.commands import (
     emulate_cmd,
     peer_router_cmd,
@@ -53,10 +56,6 @@ from harness.procs import REPO, Proc, free_ports
 from harness.ready import http_request, wait_status
 from harness.results import header, out_dir, peer_version, write_json
 from harness.results import pct_linear as pct
-
-from fleetctl.fleet.inventory import load_inventory
-from fleetctl.model.catalog import load_catalog
-from fleetctl.planner import plan_fleet
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 FLEET = REPO / "benchmarks" / "fleets" / "goodput-mixed.yaml"

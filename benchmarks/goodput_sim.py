@@ -34,9 +34,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness.procs import REPO
-from harness.results import header, out_dir, write_json
-
 from fleetctl.base.resources import examples
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.model.catalog import load_catalog
@@ -45,6 +42,8 @@ from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.sim.compare import compare
 from fleetctl.sim.workload import WorkItem, load_trace
+from harness.procs import REPO
+from harness.results import header, out_dir, write_json
 
 TRACES = REPO.parent / "shared" / "traces"
 MOONCAKE = TRACES / "mooncake_conversation_trace.jsonl"

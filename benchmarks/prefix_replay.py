@@ -60,12 +60,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from harness.commands import emulate_cmd, route_serve_cmd, vllm_bench_timed_trace_cmd
-from harness.procs import REPO, Proc, free_ports
-from harness.ready import http_request, wait_status
-from harness.results import header, out_dir, write_json
-from harness.results import pct_linear as pct
-
 from fleetctl.base.resources import examples
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.model.catalog import load_catalog
@@ -73,6 +67,11 @@ from fleetctl.planner import plan_fleet
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.sim.compare import compare
 from fleetctl.sim.workload import MOONCAKE_BLOCK_TOKENS, WorkItem, load_trace
+from harness.commands import emulate_cmd, route_serve_cmd, vllm_bench_timed_trace_cmd
+from harness.procs import REPO, Proc, free_ports
+from harness.ready import http_request, wait_status
+from harness.results import header, out_dir, write_json
+from harness.results import pct_linear as pct
 
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 EXAMPLE = "mooncake-mixed"
