@@ -86,14 +86,17 @@ def parse_part(raw: object, schema: type[T]) -> T:
     return _validate(json.dumps(raw), schema)
 
 
-def dump(document: object, fmt: int) -> dict[str, Any]:
+def dump(document: object, fmt: int, *, omit_unknown: bool = False) -> dict[str, Any]:
     """`document` as JSON-ready data under its format number, keys by their aliases."""
-    return {"format": fmt, **data(document)}
+    return {"format": fmt, **data(document, omit_unknown=omit_unknown)}
 
 
-def data(part: object) -> Any:
-    """A document or a part of one as JSON-ready data, keys by their aliases."""
-    return _adapter(type(part)).dump_python(part, mode="json", by_alias=True)
+def data(part: object, *, omit_unknown: bool = False) -> Any:
+    """A document or a part of one as JSON-ready data, keys by their aliases. With
+    `omit_unknown`, fields that are None are left out rather than written as null."""
+    return _adapter(type(part)).dump_python(
+        part, mode="json", by_alias=True, exclude_none=omit_unknown
+    )
 
 
 def first_error(e: ValidationError) -> str:

@@ -93,7 +93,9 @@ class NodeFacts:
         return self.error is None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = documents.data(self)
+        # A node's facts list what was learned: a field not known (no error, no GPU driver) is
+        # absent, as readers (`jq 'has("error")'`, older fleetctl) expect.
+        out: dict[str, Any] = documents.data(self, omit_unknown=True)
         return out
 
     def version(self, what: str) -> str | None:
@@ -109,7 +111,7 @@ class Facts:
     inventory: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return documents.dump(self, FACTS_FORMAT)
+        return documents.dump(self, FACTS_FORMAT, omit_unknown=True)
 
     @classmethod
     def from_json(cls, raw: object) -> Facts:
