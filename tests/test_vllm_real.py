@@ -30,6 +30,7 @@ from harness.vllm_server import (
     start_vllm,
     stop,
     survivors,
+    tiny_profile,
     wait_healthy,
 )
 
@@ -212,24 +213,8 @@ def test_generation_tokens_advance(server: VllmProcess) -> None:
 def test_route_serve_proxies_real_vllm(server: VllmProcess, vllm_env: Path, tmp_path: Path) -> None:
     """The router in front of the real server: completions streamed and not, real /metrics."""
     model_dir = vllm_env / "models" / MODEL
-    profiles = tmp_path / "profiles"
+    profiles = tiny_profile(vllm_env, tmp_path / "profiles")
     cli = [sys.executable, "-m", "fleetctl"]
-    r = subprocess.run(
-        [
-            *cli,
-            "profiles",
-            "import-hf-config",
-            str(model_dir / "config.json"),
-            "--name",
-            MODEL,
-            "--out",
-            str(profiles),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert r.returncode == 0, r.stderr
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(
         "nodes:\n  - name: cpu-1\n    host: 127.0.0.1\n    gpus: {type: RTX-4090, count: 1}\n"

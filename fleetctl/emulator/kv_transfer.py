@@ -5,7 +5,8 @@ with, and the decode server's wait for the KV cache to cross the network it is t
 No KV moves (the emulator holds none): a decode server that receives a prefill server's
 parameters waits the modelled transfer time (the prompt's KV bytes at the link's speed,
 planner/disaggregate.Link), then starts with every prompt token but the last computed, as
-vLLM's does after pulling the blocks.
+vLLM's does after pulling the blocks; like vLLM 0.32 it counts the whole prompt as
+`external_kv_transfer` and no prompt token as computed.
 """
 
 from __future__ import annotations

