@@ -7,20 +7,13 @@ What it pins down: the decode server computes no prompt token (its
 the emulator and the simulator copy), NIXL reports no failed transfer, the answer names both
 servers, and streaming passes through from the decode server.
 
-On a machine of two cores each server's worker is bound to a core of its own
-(VLLM_CPU_OMP_THREADS_BIND). Left to vLLM's default, both workers spin on both cores; while
-the prefill server holds a finished request's blocks for its decode server (NIXL's lease,
-30 s) it steps without pause, its side channel and the decode server's front end starve, and
-every decode waited out the lease (30-33 s, then read blocks already released; measured
-2026-12-04). A GPU fleet has no such contention.
+The pair and why each server's worker has a core of its own: harness/pd_pair.py.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,15 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from fleetctl.fleet.plan import KvTransfer
-from harness.procs import stop_process
+from harness.pd_pair import EXTERNAL, FAILED, LOCAL, counters, start_pair
+from harness.procs import free_port, stop_process
 from harness.vllm_server import (
     VllmProcess,
     ensure_env,
     log_tail,
-    start_vllm,
     stop,
     tiny_profile,
     wait_healthy,
@@ -52,40 +43,10 @@ MODEL = "tiny-llama"
 PROMPT = list(range(100, 400))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _cores() -> tuple[str, str]:
-    """Two distinct cores for the two workers (the same one twice on a one-core machine)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return str(cpus[0]), str(cpus[-1])
-
-
-def _server(env: Path, role: str, core: str) -> VllmProcess:
-    port, side = _free_port(), _free_port()
-    kv = KvTransfer(
-        role=role,  # type: ignore[arg-type]
-        connector="NixlConnector",
-        side_channel_offset=side - port,
-        buffer_device="cpu",
-    )
-    return start_vllm(
-        env,
-        port,
-        *kv.args(),
-        extra_env={**dict(kv.env("127.0.0.1", port)), "VLLM_CPU_OMP_THREADS_BIND": core},
-    )
-
-
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[VllmProcess, VllmProcess]]:
     env = ensure_env()
-    p_core, d_core = _cores()
-    prefill = _server(env, "prefill", p_core)
-    decode = _server(env, "decode", d_core)
+    prefill, decode = start_pair(env)
     try:
         for proc in (prefill, decode):
             try:
@@ -98,36 +59,15 @@ def pair() -> Iterator[tuple[VllmProcess, VllmProcess]]:
             stop(proc)
 
 
-def _counters(proc: VllmProcess) -> dict[str, float]:
-    """The decode-side counters this test reads, summed over their samples."""
-    conn = http.client.HTTPConnection("127.0.0.1", int(proc.url.rsplit(":", 1)[1]), timeout=30)
-    conn.request("GET", "/metrics")
-    text = conn.getresponse().read().decode()
-    conn.close()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if not s.name.endswith("_total"):
-                continue
-            key = s.name + (f"/{s.labels['source']}" if "source" in s.labels else "")
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
 def _settled(proc: VllmProcess, key: str, at_least: float) -> dict[str, float]:
     """The counters once KEY reached AT_LEAST: vLLM updates them after the answer, no sooner
     (the bound only stops a hang)."""
     deadline = time.monotonic() + 60
     while True:
-        now = _counters(proc)
+        now = counters(proc)
         if now.get(key, 0.0) >= at_least or time.monotonic() > deadline:
             return now
         time.sleep(0.1)
-
-
-EXTERNAL = "vllm:prompt_tokens_by_source_total/external_kv_transfer"
-LOCAL = "vllm:prompt_tokens_by_source_total/local_compute"
-FAILED = "vllm:nixl_num_failed_transfers_total"
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +103,7 @@ def router(pair, tmp_path_factory) -> Iterator[int]:
             }
         )
     )
-    port = _free_port()
+    port = free_port()
     log = tmp / "router.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
@@ -204,8 +144,8 @@ def _post(port: int, path: str, body: dict) -> tuple[int, dict[str, str], bytes]
 
 def test_the_decode_server_computes_no_prompt_token(pair, router) -> None:
     prefill, decode = pair
-    before = _counters(decode)
-    prefilled = _counters(prefill)
+    before = counters(decode)
+    prefilled = counters(prefill)
     for i in range(3):
         prompt = [t + i for t in PROMPT]  # no prefix shared between the requests
         status, headers, data = _post(
@@ -231,7 +171,7 @@ def test_the_decode_server_computes_no_prompt_token(pair, router) -> None:
 
 def test_a_stream_passes_through_from_the_decode_server(pair, router) -> None:
     prefill, decode = pair
-    before = _counters(decode)
+    before = counters(decode)
     status, headers, data = _post(
         router,
         "/v1/completions",
