@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import subprocess
 import sys
 import time
@@ -13,12 +14,18 @@ import time
 import pytest
 
 from fleetctl.daemon.backends import body_for, model_problem
-from fleetctl.daemon.live import LiveState
+from fleetctl.daemon.live import BUSY_GRACE_S, LiveState
 from fleetctl.fleet.http import Client
 from fleetctl.routing.types import Backend
 from tests.conftest import REPO
 from tests.procs import NAME, SOURCE, Emulator, free_port, http_request, stop_process
 
+ONE_NODE = (
+    "nodes:\n  - name: rtx-1\n    gpus: {type: RTX-4090, count: 1}\n"
+    "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"
+    "    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n"
+    "    max_context: 8192\n"
+)
 WRONG = f'serves "{SOURCE}", not "{NAME}": start vLLM with --served-model-name {NAME}'
 
 
@@ -285,12 +292,7 @@ def test_route_serve_renames_the_model_for_a_backend_with_a_served_name(emus, tm
     """A vLLM started without --served-model-name answers 404 to the inventory's name; with
     served_name in the backends file, route-serve sends the name it serves, and it answers."""
     inv = tmp_path / "inventory.yaml"
-    inv.write_text(
-        "nodes:\n  - name: rtx-1\n    gpus: {type: RTX-4090, count: 1}\n"
-        "models:\n  - name: llama-3-8b\n    profile: llama-3-8b\n"
-        "    variants:\n      bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}\n"
-        "    max_context: 8192\n"
-    )
+    inv.write_text(ONE_NODE)
     entry = {"url": emus["hf"].base, "node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME}
     (tmp_path / "backends.yaml").write_text(
         json.dumps({"backends": [{**entry, "served_name": SOURCE}]})
@@ -316,5 +318,71 @@ def test_route_serve_renames_the_model_for_a_backend_with_a_served_name(emus, tm
         assert status == 200, answer
         assert json.loads(answer)["model"] == SOURCE  # "its answers carry that name too"
         assert "served-model-name" not in log.read_text()
+    finally:
+        stop_process(proc)
+
+
+def test_a_busy_backends_slow_metrics_do_not_eject_it():
+    """A /metrics that times out while requests on the backend keep going through is a busy
+    server's (a loaded vLLM answers it late): it stays in routing. Once nothing went through
+    for BUSY_GRACE_S, or nothing is in flight, the timeouts count again and eject it."""
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        b = Backend(f"http://127.0.0.1:{port}", "a100-1", "A100-SXM4-80GB", NAME, "bf16", 1000)
+        live = LiveState([b], timeout=0.2)
+
+        def scrapes(n: int) -> None:
+            async def main() -> None:
+                client = Client(0.2)
+                try:
+                    for _ in range(n):
+                        await live.scrape(client, b)
+                        live.state(b).ejected_until = 0.0  # probe again now
+                finally:
+                    await client.close()
+
+            asyncio.run(main())
+
+        b.outstanding = 2
+        live.succeeded(b)  # a request through it just now
+        scrapes(4)
+        assert b.healthy and live.state(b).failures == 0
+        live.state(b).answered_at = time.monotonic() - BUSY_GRACE_S - 1  # long silent: hung
+        scrapes(3)
+        assert not b.healthy and "timed out" in live.state(b).last_error
+        b.healthy, live.state(b).failures = True, 0
+        live.succeeded(b)
+        b.outstanding = 0  # nothing in flight: a slow /metrics is the only sign there is
+        scrapes(3)
+        assert not b.healthy
+
+
+def test_a_model_whose_servers_are_all_out_answers_503_not_400(tmp_path):
+    """No fault of the client's: the router says 503 (OpenAI's server_error), as it does when
+    no server had room in time; a prompt too long for every server stays a 400."""
+    inv = tmp_path / "inventory.yaml"
+    inv.write_text(ONE_NODE)
+    dead = free_port()
+    entry = {"url": f"http://127.0.0.1:{dead}", "node": "rtx-1", "gpu_type": "RTX-4090"}
+    (tmp_path / "backends.yaml").write_text(json.dumps({"backends": [entry | {"model": NAME}]}))
+    port = free_port()
+    log = tmp_path / "router.log"
+    cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv)]
+    cmd += ["--backends", str(tmp_path / "backends.yaml"), "--listen", f"127.0.0.1:{port}"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        end = time.monotonic() + 60  # only stops a hang: ejected after three scrapes
+        while "ejected" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < end, log.read_text()
+            time.sleep(0.05)
+        body = {"model": NAME, "prompt": "hello", "max_tokens": 2}
+        status, _, answer = http_request(port, "POST", "/v1/completions", body)
+        assert status == 503, answer
+        error = json.loads(answer)["error"]
+        assert error["type"] == "server_error"
+        assert error["message"] == f"no healthy backend serves {NAME}"
     finally:
         stop_process(proc)

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from fleetctl.base.limits import MAX_TOKENS
 from fleetctl.daemon.backends import model_problem, served_name
 from fleetctl.daemon.dcgm import parse_dcgm_mem_copy
-from fleetctl.fleet.http import Client, HttpError
+from fleetctl.fleet.http import Client, HttpError, HttpTimeout
 from fleetctl.model.calibration import (
     EngineFit,
     Key,
@@ -35,6 +35,7 @@ from fleetctl.vllm.metrics import Scrape, parse_metrics
 log = logging.getLogger("fleetctl.router")
 MODELS_EVERY_S = 10.0  # between /v1/models reads of a backend that serves the right name
 MODELS_RETRY_S = 2.0  # ... of one that does not, or gave no answer
+BUSY_GRACE_S = 10.0  # a /metrics timeout is a busy server's if a request went through since
 FIT_WINDOWS = 120  # decode windows (consecutive scrapes) the online fit keeps per backend
 FIT_EVERY = 5  # new windows between refits
 # The prefix trust is updated once the router has counted on this many cached prompt tokens
@@ -61,6 +62,7 @@ class Liveness:
     read_bytes: float | None = None
     read_at: float = 0.0
     ejections: int = 0
+    answered_at: float = 0.0  # when a request through the router last went through
     last_error: str = ""  # the latest failure's reason, for the ejection log and /health
     # Why it is out of routing while it serves another model (one line with the fix), or "".
     wrong_model: str = ""
@@ -217,11 +219,19 @@ class LiveState:
     def succeeded(self, b: Backend) -> None:
         """A request went through: the backend is good."""
         s = self.state(b)
+        s.answered_at = time.monotonic()
         s.failures = 0
         s.backoff = 1.0
         if not b.healthy and not s.wrong_model and not s.warming:
             b.healthy = True
             log.info("readmitted %s: a request went through", where(b))
+
+    def busy(self, b: Backend, now: float) -> bool:
+        """Whether a slow /metrics is a busy server's, not a failing one's: requests are in
+        flight on it and one went through within BUSY_GRACE_S. A loaded vLLM answers /metrics
+        late (its front end is streaming); ejecting it then sends its load to the others. A
+        hung one stops answering requests too, and its timeouts count again."""
+        return b.outstanding > 0 and now - self.state(b).answered_at < BUSY_GRACE_S
 
     def probed(self, b: Backend, now: float) -> None:
         """A /metrics scrape went through. That proves less than a served request (a server can
@@ -322,8 +332,10 @@ class LiveState:
             if r.status != 200:
                 raise HttpError(f"answered {r.status}")
         except HttpError as e:
-            self.failed(b, time.monotonic(), f"/metrics {e}")
-            self.expire(b, time.monotonic())
+            now = time.monotonic()
+            if not (isinstance(e, HttpTimeout) and self.busy(b, now)):
+                self.failed(b, now, f"/metrics {e}")
+            self.expire(b, now)
             return
         self.apply(b, r.text, time.monotonic())
         self.probed(b, time.monotonic())

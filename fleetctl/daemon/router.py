@@ -398,9 +398,11 @@ class Router:
                 self._finished(request, req, arrival, started, 499)
             raise
         if decision.backend is None:
-            self.metrics.requests.inc(req.model, "", "rejected", "400")
-            self._finished(request, req, arrival, started, 400)
-            return error_response(ClientError(400, decision.reason, "invalid_request_error"))
+            down = decision.down
+            status, kind = (503, "server_error") if down else (400, "invalid_request_error")
+            self.metrics.requests.inc(req.model, "", "rejected", str(status))
+            self._finished(request, req, arrival, started, status)
+            return error_response(ClientError(status, decision.reason, kind))
         assert self._proxy is not None
         try:
             out = await self._proxy.serve(request, raw, parsed, req, decision, chat, started)

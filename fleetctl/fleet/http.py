@@ -23,6 +23,10 @@ class HttpError(Exception):
     """No usable answer: unreachable, timed out, cut short, too big. The text is one line."""
 
 
+class HttpTimeout(HttpError):
+    """No whole answer within the limit (the server may be busy rather than gone)."""
+
+
 @dataclass(frozen=True)
 class Reply:
     status: int
@@ -72,7 +76,7 @@ class Client:
                         raise HttpError(f"answer over {self.max_bytes} bytes")
                 return Reply(resp.status, bytes(body))
         except TimeoutError:
-            raise HttpError(f"timed out after {limit:g} s") from None
+            raise HttpTimeout(f"timed out after {limit:g} s") from None
         except aiohttp.ClientConnectorError as e:
             raise HttpError(_os_reason(e.os_error)) from None
         except (aiohttp.ClientError, OSError) as e:

@@ -204,7 +204,7 @@ class Scheduler:
                 ok = [b for b in backends if b.name not in req.exclude] if req.exclude else backends
                 pool, why = self.policy.eligible(req, ok)
                 if not pool:
-                    rejected.append(Dispatch(req, Decision.rejected(why)))
+                    rejected.append(Dispatch(req, Decision.rejected(why, all_down(req, ok))))
                     continue
                 serving = sum(1 for b in ok if b.model == req.model and b.healthy)
                 restricted = len(pool) < serving
@@ -248,9 +248,11 @@ class Scheduler:
         none may serve it, None while none has room (ask again when one frees; with `force`,
         the one with fewest requests, whose vLLM queues it). The chosen one holds the
         request's KV from now (its transfer starts) until release()."""
-        pool, why = self.policy.eligible(req, [b for b in backends if b.role == DECODE])
+        decoders = [b for b in backends if b.role == DECODE]
+        pool, why = self.policy.eligible(req, decoders)
         if not pool:
-            return Decision.rejected(why or f"no decode server serves {req.model}")
+            why = why or f"no decode server serves {req.model}"
+            return Decision.rejected(why, all_down(req, decoders))
         decision = choose_decode(req, pool)
         if decision is None and force:
             least = min(pool, key=lambda b: (b.outstanding, b.name))
@@ -287,3 +289,10 @@ def release(b: Backend, req: Request, first_token_seen: bool = True) -> None:
     b.reserved_tokens -= req.total_tokens
     if not first_token_seen:
         b.pending_prefill -= req.prefill_tokens
+
+
+def all_down(req: Request, backends: Sequence[Backend]) -> bool:
+    """Whether `req`'s model has servers here and every one is out of routing (ejected,
+    warming up): no fault of the request's, so the client hears 503, not 400."""
+    mine = [b for b in backends if b.model == req.model]
+    return bool(mine) and not any(b.healthy for b in mine)

@@ -136,7 +136,8 @@ class Decision:
     detail: str = ""  # a measured value, for people only, e.g. "(3)" outstanding requests
     ttft_s: float | None = None  # the policy's estimate of seconds to the first token
     tpot_s: float | None = None  # ... and of seconds per output token after it
-    reject: bool = False  # the request can never be served as asked (a client error)
+    reject: bool = False  # the request cannot be served as asked (with `down`: not now)
+    down: bool = False  # its model's servers are all out of routing: the router's fault, 503
     message: str = ""  # a rejection's explanation, for the client
     # What the policy learned of the request on the way, for `Policy.placed`: the prompt
     # tokens `backend` holds of it (when `looked_up`), and whether only some of its model's
@@ -146,8 +147,8 @@ class Decision:
     exclusive: bool = False
 
     @classmethod
-    def rejected(cls, message: str) -> Decision:
-        return cls(None, "rejected", reject=True, message=message)
+    def rejected(cls, message: str, down: bool = False) -> Decision:
+        return cls(None, "rejected", reject=True, message=message, down=down)
 
     @property
     def label(self) -> str:
