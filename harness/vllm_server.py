@@ -64,7 +64,7 @@ def tiny_profile(env_dir: str | os.PathLike[str], out: Path) -> Path:
     written under OUT, which route-serve and the planner take as `--profiles OUT`."""
     config = Path(env_dir) / MODEL_SUBDIR / "config.json"
     cmd = [sys.executable, "-m", "fleetctl", "profiles", "import-hf-config", str(config)]
-    cmd += ["--name", MODEL_SUBDIR.name, "--out", str(out)]
+    cmd += ["--name", MODEL_SUBDIR.name, "--out", str(out), "--force"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     if r.returncode != 0:
         raise RuntimeError(f"profiles import-hf-config failed: {r.stderr}")

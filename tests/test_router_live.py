@@ -325,13 +325,15 @@ def test_route_serve_renames_the_model_for_a_backend_with_a_served_name(emus, tm
 def test_a_busy_backends_slow_metrics_do_not_eject_it():
     """A /metrics that times out while requests on the backend keep going through is a busy
     server's (a loaded vLLM answers it late): it stays in routing. Once nothing went through
-    for BUSY_GRACE_S, or nothing is in flight, the timeouts count again and eject it."""
+    for BUSY_GRACE_S, or nothing is in flight, the timeouts count again and eject it, unless
+    it is the last of its model's servers in routing."""
     with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         port = silent.getsockname()[1]
         b = Backend(f"http://127.0.0.1:{port}", "a100-1", "A100-SXM4-80GB", NAME, "bf16", 1000)
-        live = LiveState([b], timeout=0.2)
+        other = Backend("http://127.0.0.1:1", "a100-2", "A100-SXM4-80GB", NAME, "bf16", 1000)
+        live = LiveState([b, other], timeout=0.2)  # `other` is never scraped here
 
         def scrapes(n: int) -> None:
             async def main() -> None:
@@ -357,6 +359,10 @@ def test_a_busy_backends_slow_metrics_do_not_eject_it():
         b.outstanding = 0  # nothing in flight: a slow /metrics is the only sign there is
         scrapes(3)
         assert not b.healthy
+        # The last of its model's servers in routing stays, slow /metrics or not.
+        b.healthy, live.state(b).failures, other.healthy = True, 0, False
+        scrapes(3)
+        assert b.healthy
 
 
 def test_a_model_whose_servers_are_all_out_answers_503_not_400(tmp_path):

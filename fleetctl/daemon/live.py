@@ -233,6 +233,16 @@ class LiveState:
         hung one stops answering requests too, and its timeouts count again."""
         return b.outstanding > 0 and now - self.state(b).answered_at < BUSY_GRACE_S
 
+    def last_up(self, b: Backend) -> bool:
+        """Whether `b` is the last of its model's servers in its role still in routing. A slow
+        /metrics does not eject that one (as a proxy's panic threshold routes to all hosts
+        when too few are healthy): better a late answer than none; a refused connection or a
+        failed request still does."""
+        return b.healthy and not any(
+            o is not b and o.healthy and o.model == b.model and o.role == b.role
+            for o in self.backends
+        )
+
     def probed(self, b: Backend, now: float) -> None:
         """A /metrics scrape went through. That proves less than a served request (a server can
         answer /metrics and still fail requests), so it only lets an ejected backend back in
@@ -333,7 +343,7 @@ class LiveState:
                 raise HttpError(f"answered {r.status}")
         except HttpError as e:
             now = time.monotonic()
-            if not (isinstance(e, HttpTimeout) and self.busy(b, now)):
+            if not (isinstance(e, HttpTimeout) and (self.busy(b, now) or self.last_up(b))):
                 self.failed(b, now, f"/metrics {e}")
             self.expire(b, now)
             return
