@@ -1,7 +1,7 @@
 """Prefill/decode splits in the simulator: the planner's choice against the best colocated
 plan and a naive split, on real traces, as goodput.
 
-    python benchmarks/disagg_sim.py [--requests 3000] [--quick] [--out DIR]
+    python benchmarks/disagg_sim.py [--requests 3000] [--quick] [--networks N,...] [--out DIR]
 
 Fleets: the seed fleet (4 A100 80GB + 8 RTX 4090, `inventory/seed-mixed-8b.yaml`) and
 `example:mooncake-mixed` (4 A100 + 14 RTX 4090), each on a 100 Gb RDMA network and on 10 GbE
@@ -171,11 +171,19 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--load", type=float, default=0.9)
     ap.add_argument("--quick", action="store_true", help="600 requests, one network")
+    ap.add_argument(
+        "--networks", help=f"a comma-separated subset of: {', '.join(NETWORKS)} (default: all)"
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "disagg_sim"))
     args = ap.parse_args()
     WORK = out_dir(args.out)
     requests = 600 if args.quick else args.requests
     nets = ["100 Gb RDMA"] if args.quick else list(NETWORKS)
+    if args.networks:
+        nets = [n.strip() for n in args.networks.split(",")]
+        unknown = [n for n in nets if n not in NETWORKS]
+        if unknown:
+            ap.error(f"unknown network {unknown[0]!r}: one of {', '.join(NETWORKS)}")
     started = time.monotonic()
     results = {}
     for case in CASES:

@@ -182,10 +182,11 @@ def split_figures(
     tpot_s: float | None,
     ttft_s: float | None = None,
 ) -> Figures:
-    """The rate the two pools serve together (the least of prefill, network and decode),
+    """The rate the two pools serve together (the least of prefill, the prefill nodes' and
+    the decode nodes' NICs, and decode),
     and a request's TTFT (prefill and transfer) and TPOT at light load. A prefill server
     whose first token, transfer included, misses the TTFT objective `ttft_s` adds nothing."""
-    p_rate = n_rate = d_rate = 0.0
+    p_rate = n_rate = in_rate = d_rate = 0.0
     ttft, tpot, move = math.inf, math.inf, 0.0
     decoders = [q for q in pools if q.servers - prefill.get(q.key, 0) > 0]
     for q in pools:
@@ -208,7 +209,10 @@ def split_figures(
         if n_d:
             d_rate += n_d * decode_rate(q, prompt, output, tpot_s)
             tpot = min(tpot, q.perf.step_time(1, prompt + output / 2))
-    return Figures(min(p_rate, n_rate, d_rate), ttft, tpot, move)
+            # ... and a decode node's NIC receives the transfers of every decode server on it.
+            arrive = q.link.seconds(transfer_bytes(q, prompt)) if q.link else math.inf
+            in_rate += n_d / q.servers_per_node / arrive if arrive > 0 else math.inf
+    return Figures(min(p_rate, n_rate, in_rate, d_rate), ttft, tpot, move)
 
 
 def best_split(
