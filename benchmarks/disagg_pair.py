@@ -37,7 +37,7 @@ import aiohttp
 
 from harness.commands import route_serve_cmd
 from harness.load import exchange
-from harness.pd_pair import EXTERNAL, FAILED, LOCAL, counters, start_pair
+from harness.pd_pair import EXTERNAL, FAILED, LOCAL, counters, settled, start_pair
 from harness.procs import Proc, free_ports, tree_cpu_s
 from harness.ready import wait_status
 from harness.results import header, out_dir, pct_rank, peer_version, write_json
@@ -90,7 +90,7 @@ def start_targets(
     entry = {"model": MODEL, "variant": "bf16"}
     p_entry = {"url": prefill.url, "node": "rtx-1", "gpu_type": "RTX-4090"} | entry
     d_entry = {"url": decode.url, "node": "a100-1", "gpu_type": "A100-SXM4-80GB"} | entry
-    ports = free_ports(6)
+    ports = free_ports(5)
     targets = [
         Target(
             "route-serve, disaggregated",
@@ -177,22 +177,12 @@ async def run(targets: list[Target], args: argparse.Namespace, decode: VllmProce
                     prompt = [(7 * seed + i) % 2000 + 2 for i in range(args.prompt)]
                     await one(session, t, prompt)
                 t.cpu_s += (tree_cpu_s(t.proc.pid) - cpu0) if t.proc else 0.0
-                after = await settled(decode, before, t.disaggregated, per_round * args.prompt)
+                moved = before.get(EXTERNAL, 0.0) + per_round * args.prompt
+                after = (
+                    settled(decode, EXTERNAL, moved, 30) if t.disaggregated else counters(decode)
+                )
                 t.external += after.get(EXTERNAL, 0.0) - before.get(EXTERNAL, 0.0)
                 t.local += after.get(LOCAL, 0.0) - before.get(LOCAL, 0.0)
-
-
-async def settled(
-    decode: VllmProcess, before: dict[str, float], disaggregated: bool, tokens: int
-) -> dict[str, float]:
-    """The decode server's counters once vLLM updated them (after its answers, no sooner)."""
-    end = time.monotonic() + 30
-    while True:
-        now = counters(decode)
-        got = now.get(EXTERNAL, 0.0) - before.get(EXTERNAL, 0.0)
-        if not disaggregated or got >= tokens or time.monotonic() > end:
-            return now
-        await asyncio.sleep(0.1)
 
 
 def report(
@@ -212,17 +202,15 @@ def report(
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in targets:
-        n = len(t.ttft)
-        ms = lambda v: f"{v * 1e3:.1f}"  # noqa: E731
-        cpu = f"{t.cpu_s * 1e3 / max(1, n + t.failed):.2f}" if t.proc else "-"
+        cpu = f"{t.cpu_s * 1e3 / max(1, len(t.ttft) + t.failed):.2f}" if t.proc else "-"
         moved = f"{t.external:.0f} / {t.local:.0f}" if t.disaggregated else "-"
-        lines.append(
-            f"| {t.name} | {ms(statistics.median(t.ttft)) if n else '-'} | {ms(pct_rank(t.ttft, 0.9)) if n else '-'} "
-            f"| {ms(statistics.median(t.e2e)) if n else '-'} | {ms(pct_rank(t.e2e, 0.9)) if n else '-'} "
-            f"| {statistics.median(t.ttft) / base:.2f}x | {cpu} | {moved} | {t.failed} |"
-            if n
-            else f"| {t.name} | - | - | - | - | - | {cpu} | {moved} | {t.failed} |"
-        )
+        times = ["-"] * 5
+        if t.ttft:
+            ttft50 = statistics.median(t.ttft)
+            times = [f"{v * 1e3:.1f}" for v in (ttft50, pct_rank(t.ttft, 0.9))]
+            times += [f"{v * 1e3:.1f}" for v in (statistics.median(t.e2e), pct_rank(t.e2e, 0.9))]
+            times.append(f"{ttft50 / base:.2f}x")
+        lines.append(f"| {t.name} | {' | '.join(times)} | {cpu} | {moved} | {t.failed} |")
     failed = counters(decode).get(FAILED, 0.0)
     lines += ["", f"NIXL transfers that failed on the decode server over the run: {failed:.0f}."]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import time
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,3 +75,14 @@ def counters(proc: VllmProcess) -> dict[str, float]:
             key = s.name + (f"/{s.labels['source']}" if "source" in s.labels else "")
             out[key] = out.get(key, 0.0) + s.value
     return out
+
+
+def settled(proc: VllmProcess, key: str, at_least: float, bound_s: float = 60) -> dict[str, float]:
+    """The counters once KEY reached AT_LEAST: vLLM updates them after its answer, no sooner
+    (the bound only stops a hang; the caller then asserts on what it got)."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        now = counters(proc)
+        if now.get(key, 0.0) >= at_least or time.monotonic() > deadline:
+            return now
+        time.sleep(0.1)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pd_pair import EXTERNAL, FAILED, LOCAL, counters, start_pair
+from harness.pd_pair import EXTERNAL, FAILED, LOCAL, counters, settled, start_pair
 from harness.procs import free_port, stop_process
 from harness.vllm_server import (
     VllmProcess,
@@ -59,24 +59,14 @@ def pair() -> Iterator[tuple[VllmProcess, VllmProcess]]:
             stop(proc)
 
 
-def _settled(proc: VllmProcess, key: str, at_least: float) -> dict[str, float]:
-    """The counters once KEY reached AT_LEAST: vLLM updates them after the answer, no sooner
-    (the bound only stops a hang)."""
-    deadline = time.monotonic() + 60
-    while True:
-        now = counters(proc)
-        if now.get(key, 0.0) >= at_least or time.monotonic() > deadline:
-            return now
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def router(pair, tmp_path_factory) -> Iterator[int]:
     """route-serve with the prefill server and the decode server as its backends."""
     prefill, decode = pair
     tmp = tmp_path_factory.mktemp("pd-real")
-    model_dir = ensure_env() / "models" / MODEL
-    profiles = tiny_profile(ensure_env(), tmp / "profiles")
+    env = ensure_env()
+    model_dir = env / "models" / MODEL
+    profiles = tiny_profile(env, tmp / "profiles")
     cli = [sys.executable, "-m", "fleetctl"]
     inventory = tmp / "inventory.yaml"
     inventory.write_text(
@@ -159,13 +149,13 @@ def test_the_decode_server_computes_no_prompt_token(pair, router) -> None:
         assert (usage["prompt_tokens"], usage["completion_tokens"]) == (len(PROMPT), 8)
         assert headers["X-Fleet-Backend"] == "a100-1"
         assert headers["X-Fleet-Prefill-Backend"] == prefill.url.removeprefix("http://")
-    after = _settled(decode, EXTERNAL, before[EXTERNAL] + 3 * len(PROMPT))
+    after = settled(decode, EXTERNAL, before[EXTERNAL] + 3 * len(PROMPT))
     # The decode server pulled every prompt token's KV and computed none of them.
     assert after[EXTERNAL] - before[EXTERNAL] == 3 * len(PROMPT), (before, after)
     assert after[LOCAL] - before[LOCAL] == 0, (before, after)
     assert after[FAILED] == 0
     # The prefill server computed them (each prompt once).
-    done = _settled(prefill, LOCAL, prefilled[LOCAL] + 3 * len(PROMPT))
+    done = settled(prefill, LOCAL, prefilled[LOCAL] + 3 * len(PROMPT))
     assert done[LOCAL] - prefilled[LOCAL] == 3 * len(PROMPT)
 
 
@@ -192,6 +182,6 @@ def test_a_stream_passes_through_from_the_decode_server(pair, router) -> None:
     # Streamed (vLLM may put several tokens in one chunk when its loop runs behind).
     assert sum(1 for c in chunks if c.get("choices")) >= 2
     assert chunks[-1]["usage"]["completion_tokens"] == 6
-    after = _settled(decode, EXTERNAL, before[EXTERNAL] + len(PROMPT))
+    after = settled(decode, EXTERNAL, before[EXTERNAL] + len(PROMPT))
     assert after[EXTERNAL] - before[EXTERNAL] == len(PROMPT)
     assert after[LOCAL] - before[LOCAL] == 0
