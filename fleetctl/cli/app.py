@@ -22,8 +22,13 @@ examples_app = typer.Typer(
     help="The bundled example inventories: list them, or copy one to edit.",
     invoke_without_command=True,
 )
+traces_app = typer.Typer(
+    help="Public LLM request traces by name: list them, download one into the cache.",
+    no_args_is_help=True,
+)
 app.add_typer(profiles_app, name="profiles")
 app.add_typer(examples_app, name="examples")
+app.add_typer(traces_app, name="traces")
 
 
 def _version(value: bool) -> None:

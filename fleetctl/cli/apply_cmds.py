@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from fleetctl.base.jsonout import print_json
+from fleetctl.base.public_traces import resolve_trace
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import (
@@ -58,8 +59,10 @@ def apply(
         None,
         "--gate",
         metavar="TRACE",
-        help="Simulate what runs now and the plan on this trace (or request log); refuse a "
-        "plan whose p99 TTFT or SLO attainment is worse beyond apply.gate's thresholds.",
+        help="Simulate what runs now and the plan on this trace (a file, a request log, or a "
+        "name from `fleetctl traces list`); refuse a plan whose p99 TTFT or SLO attainment is "
+        "worse beyond apply.gate's thresholds.",
+        callback=resolve_trace,
     ),
     force: bool = typer.Option(False, "--force", help="Apply even if --gate refuses the plan."),
 ) -> None:

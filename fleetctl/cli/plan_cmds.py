@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from fleetctl.base.jsonout import dump_json, print_json
+from fleetctl.base.public_traces import resolve_trace
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import (
@@ -61,14 +62,18 @@ def plan(
         "--workload-from",
         metavar="LOGS",
         help="Plan for the traffic in route-serve's request log (a file or its folder) or a "
-        "trace, instead of the inventory's workloads.",
+        "trace (a file, or a name from `fleetctl traces list`), instead of the inventory's "
+        "workloads.",
+        callback=resolve_trace,
     ),
     what_if: Path | None = typer.Option(
         None,
         "--what-if",
         metavar="TRACE",
-        help="Simulate what runs now and this plan on the same trace (or request log); "
-        "show TTFT, TPOT, SLO attainment and cost side by side.",
+        help="Simulate what runs now and this plan on the same trace (a file, a request log, "
+        "or a name from `fleetctl traces list`); show TTFT, TPOT, SLO attainment and cost "
+        "side by side.",
+        callback=resolve_trace,
     ),
     objective: str | None = typer.Option(
         None,
@@ -162,9 +167,10 @@ def simulate(
     trace: Path | None = typer.Option(
         None,
         "--trace",
-        metavar="FILE",
+        metavar="FILE|NAME",
         help="Request trace: Azure CSV, Mooncake JSONL, or route-serve's request log "
-        "(a file, or its folder).",
+        "(a file, or its folder); or a name from `fleetctl traces list`, once fetched.",
+        callback=resolve_trace,
     ),
     window: str | None = typer.Option(
         None,
