@@ -160,6 +160,10 @@ def test_plan_reads_the_state_folders_calibration_unless_told_not_to(tmp_path, c
     assert r.code == 0, r.err
     assert json.loads(r.out)["deployments"][0]["kv_budget_tokens"] == 8192
     assert any("calibrated from 3 servers" in w for w in json.loads(r.out)["warnings"])
+    # In the text, the figures' provenance is a note, not a warning: nothing is wrong.
+    text = cli("plan", inv_path).out.splitlines()
+    said = [ln for ln in text if "calibrated from 3 servers" in ln]
+    assert said and all(ln.startswith("note: ") for ln in said), text
     r = cli("plan", inv_path, "--json", "--no-calibration")
     assert r.code == 0, r.err
     assert json.loads(r.out)["deployments"][0]["kv_budget_tokens"] > 8192

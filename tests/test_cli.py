@@ -278,6 +278,54 @@ def test_examples_copy_writes_an_editable_inventory(cli, tmp_path, monkeypatch):
     assert r.code == 2 and "choose one of" in r.err
 
 
+@pytest.mark.parametrize("command", ["probe", "status", "health", "apply", "destroy"])
+def test_a_command_that_connects_refuses_a_bundled_example_saying_copy_it(
+    cli, tmp_path, monkeypatch, command
+):
+    """Before any connection, even with the example's identity file present (so the missing
+    key no longer stops it): the line names the example and `fleetctl examples copy NAME`."""
+    from fleetctl.fleet.ssh import SshSession
+
+    tried = []
+    monkeypatch.setattr(SshSession, "_open", lambda self, t, deadline: tried.append(t.host) / 0)
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "id_ed25519").write_text("not a key\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yes = ["--yes"] if command in ("apply", "destroy") else []
+    r = cli(command, "example:seed-mixed-8b", *yes)
+    assert r.code == 2 and tried == [], (r.err, tried)
+    (line,) = r.err.splitlines()
+    assert "example:seed-mixed-8b is a bundled example" in line
+    assert "run `fleetctl examples copy seed-mixed-8b`" in line and "site-packages" not in line
+
+
+def test_a_saved_plan_of_a_bundled_example_is_refused_too(cli, tmp_path, monkeypatch):
+    """cost-mixed names no identity_file: only the example check stands before a connection."""
+    from fleetctl.fleet.ssh import SshSession
+
+    tried = []
+    monkeypatch.setattr(SshSession, "_open", lambda self, t, deadline: tried.append(t.host) / 0)
+    monkeypatch.chdir(tmp_path)
+    assert cli("plan", "example:cost-mixed", "-o", "plan.json").code == 0
+    for target in ("example:cost-mixed", "plan.json"):
+        r = cli("apply", target, "--yes")
+        assert r.code == 2 and tried == [], (r.err, tried)
+        assert "run `fleetctl examples copy cost-mixed`" in r.err
+
+
+def test_a_rate_is_shown_to_two_decimals(cli, tmp_path):
+    """A workload rate like one derived from a trace (2.65395 req/s) reads 2.65 in the
+    Capacity table and in an unplaced model's reason, not with six digits."""
+    text = (REPO / "inventory" / "seed-mixed-8b.yaml").read_text()
+    assert "requests_per_s: 20," in text
+    inv = write(tmp_path, text.replace("requests_per_s: 20,", "requests_per_s: 2.65395,"))
+    r = cli("plan", inv)
+    assert r.code == 0, r.err
+    (row,) = [ln for ln in r.out.splitlines() if cells(ln)[:1] == ["llama-3-8b"]]
+    assert cells(row)[4] == "2.65" and "2.65395" not in r.out, row
+
+
 def test_a_facts_file_that_is_not_usable_is_refused_with_where_and_why(cli, tmp_path):
     inv = write(tmp_path, (REPO / "inventory" / "seed-mixed-8b.yaml").read_text())
     f = tmp_path / "facts.json"

@@ -129,7 +129,7 @@ def test_plan_json_carries_cost_per_hour_on_top_and_per_deployment(cli, tmp_path
     assert m["output_tokens_per_s"] == 8 * 300  # the workload's, which capacity covers
     assert m["cost_per_million_output_tokens"] == pytest.approx(12.0 / (2400 * 3600) * 1e6, 1e-3)
     r = cli("plan", inv, "--state-dir", tmp_path / "s")
-    assert "Cost: 12.00 per hour (objective throughput)" in r.out
+    assert "Cost: $12.00/h (objective throughput), $1.39 per million output tokens" in r.out
 
 
 def no_price_profiles(tmp_path: Path) -> Path:

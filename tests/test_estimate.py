@@ -87,13 +87,47 @@ def test_int4_weights_leave_more_kv_and_eager_reserves_no_graphs(cli):
 
 def test_a_model_that_does_not_fit_says_so(cli):
     r = cli("estimate", "--gpu", "RTX-4090", "--model", "llama-3-70b", "--format", "bf16")
-    assert r.code == 0 and "does not fit" in r.out
+    assert r.code == 3 and "does not fit" in r.out
     doc = json.loads(
         cli(
             "estimate", "--gpu", "RTX-4090", "--model", "llama-3-70b", "--format", "bf16", "--json"
         ).out
     )
     assert doc["fits"] is False and doc["kv_cache_tokens"] == 0
+
+
+def test_a_model_that_does_not_fit_exits_3_without_speeds_and_names_what_fits(cli):
+    """Llama-3 70B BF16 on one A100: no KV or speed figures a server that never starts could
+    not have, exit 3 (as plan's cannot-be-placed, and said in --help), and the smallest TP
+    and the least quantized format that fit, both as the performance model figures them."""
+    args = ("estimate", "--gpu", "A100-SXM4-80GB", "--model", "llama-3-70b", "--format", "bf16")
+    r = cli(*args)
+    assert r.code == 3, r.out + r.err
+    assert "tok/s" not in r.out and "0.00 GiB" not in r.out and "n/a" in r.out
+    cat = load_catalog()
+    gpu, model = cat.gpu("A100-SXM4-80GB"), cat.model("llama-3-70b")
+    tp2 = estimate(gpu, model, cat.format("bf16"), Settings(2))
+    fp8 = estimate(gpu, model, cat.format("fp8"), Settings(1))
+    assert tp2.fits and fp8.fits and not estimate(gpu, model, cat.format("bf16")).fits
+    assert f"fits with --tp 2 ({tp2.budget.kv_tokens:,} KV tokens)" in " ".join(r.out.split())
+    assert f"or with --format fp8 ({fp8.budget.kv_tokens:,} KV tokens)" in " ".join(r.out.split())
+    j = cli(*args, "--json")
+    assert j.code == 3
+    doc = json.loads(j.out)
+    assert doc["decode_tok_s_total"] is None and doc["prefill_tok_s"] is None
+    assert doc["fits_with"] == [
+        {"tensor_parallel_size": 2, "format": "bf16", "kv_cache_tokens": tp2.budget.kv_tokens},
+        {"tensor_parallel_size": 1, "format": "fp8", "kv_cache_tokens": fp8.budget.kv_tokens},
+    ]
+    assert "Exit code 3" in " ".join(cli("estimate", "--help").out.split())
+
+
+def test_a_gpu_name_that_names_several_profiles_lists_them(cli):
+    """`--gpu A100` suggests the A100 variants, not the closer spelling A10G."""
+    r = cli("estimate", "--gpu", "A100", "--model", "llama-3-8b", "--format", "bf16")
+    assert r.code == 2
+    assert "did you mean one of 'A100-PCIE-80GB', 'A100-SXM4-40GB', 'A100-SXM4-80GB'?" in r.err
+    assert "A10G" not in r.err
 
 
 def test_unknown_profiles_name_the_fix(cli):

@@ -208,6 +208,21 @@ CASES = [
         15,
         ["unknown GPU type 'H100'"],
     ),
+    (
+        "misspelt-required-key",
+        bad("    max_context: 8192", "    max_contxt: 8192"),
+        14,
+        [
+            "models[0]: missing required key 'max_context'",
+            "(found 'max_contxt': did you mean 'max_context'?)",
+        ],
+    ),
+    (
+        "shortened-required-key",
+        bad("{type: RTX-4090, count: 1}", "{typ: RTX-4090, count: 1}"),
+        8,
+        ["nodes[1].gpus: missing required key 'type' (found 'typ': did you mean 'type'?)"],
+    ),
     ("nodes-not-list", "nodes: {a: 1}\n", 1, ["expected a list"]),
     ("empty-file", "", 1, ["must be a mapping"]),
 ]
@@ -274,3 +289,13 @@ def test_usage_error_exits_2(cli):
     r = cli("plan")
     assert r.code == 2
     assert r.out == "" and "Missing argument 'INVENTORY'" in r.err, r.err
+
+
+def test_a_misspelt_required_key_of_a_backends_file_is_named(cli, tmp_path):
+    """The backends file shares the inventory's error wording: `gpu:` for `gpu_type:`."""
+    inv = write(tmp_path, GOOD)
+    entry = "backends:\n  - url: http://127.0.0.1:9\n    model: llama-3-8b\n"
+    backends = write(tmp_path, entry + "    gpu: RTX-4090\n", "backends.yaml")
+    r = cli("calibrate", inv, "--backends", backends, "--state-dir", tmp_path / "state")
+    msg = assert_one_clear_line(r, backends, 4, ["backends[0]: missing required key 'gpu_type'"])
+    assert msg.endswith("(found 'gpu': did you mean 'gpu_type'?)"), msg

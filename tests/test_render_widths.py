@@ -18,6 +18,7 @@ import pytest
 from rich.console import Console, RenderableType
 
 from fleetctl.base.resources import examples
+from fleetctl.base.text import rate
 from fleetctl.fleet.inventory import Inventory, load_inventory
 from fleetctl.fleet.plan import Plan
 from fleetctl.model.catalog import load_catalog
@@ -69,7 +70,7 @@ def plan_numbers(plan: Plan) -> Iterator[str]:
         yield str(m.gpus)
         yield f"{m.capacity_rps:.2f}"
         if m.demand_rps:
-            yield f"{m.demand_rps:g}"
+            yield rate(m.demand_rps)
 
 
 def plan_cases(explain: bool) -> Iterator[Case]:
@@ -205,7 +206,7 @@ def simulate_cases() -> Iterator[Case]:
 def estimate_cases() -> Iterator[Case]:
     from fleetctl.cli.render import estimate_table
     from fleetctl.model.catalog import load_catalog
-    from fleetctl.model.estimate import Settings, Workload, estimate
+    from fleetctl.model.estimate import Settings, Workload, estimate, fits_instead
 
     cat = load_catalog()
     e = estimate(
@@ -225,9 +226,28 @@ def estimate_cases() -> Iterator[Case]:
         "0.6.3.post1",
     ]
     yield estimate_table(e), numbers
+    # One that does not fit: what its memory leaves, and what fits instead.
+    short = estimate(cat.gpu("A100-SXM4-80GB"), cat.model("llama-3-70b"), cat.format("bf16"))
+    instead = fits_instead(short, list(cat.formats.values()))
+    numbers = [f"{f.kv_cache_tokens:,}" for f in instead] + [f"{short.max_model_len:,}"]
+    yield estimate_table(short, instead), numbers
+
+
+def example_texts() -> dict[str, str]:
+    from fleetctl.base.resources import example_description
+
+    return {name: example_description(path) for name, path in examples().items()}
+
+
+def examples_cases() -> Iterator[Case]:
+    from fleetctl.cli.render import examples_table
+
+    texts = example_texts()
+    yield examples_table(texts), [n for text in texts.values() for n in numbers_in(text)]
 
 
 CASES: dict[str, Callable[[], Iterable[Case]]] = {
+    "examples": examples_cases,
     "estimate": estimate_cases,
     "plan": lambda: plan_cases(explain=False),
     "plan --explain": lambda: plan_cases(explain=True),
@@ -275,3 +295,21 @@ def test_the_compact_layouts_take_over_only_below_a_width() -> None:
     assert "KV tokens 486,208" in blocks
     [(sim, _)] = simulate_cases()
     assert tables(render_at(sim, 160)) == 1 and tables(render_at(sim, 100)) == 2
+
+
+def test_examples_fits_the_terminal_and_wraps_each_description_whole() -> None:
+    """`fleetctl examples` at COLUMNS=80: no line over 80, and each example's first sentence
+    is there in full (wrapped at word breaks), not cut at its file's first line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80"}
+    p = subprocess.run(
+        [sys.executable, "-m", "fleetctl", "examples"], capture_output=True, text=True, env=env
+    )
+    assert p.returncode == 0, p.stderr
+    assert max(len(line) for line in p.stdout.splitlines()) <= 80, p.stdout
+    flowed = " ".join(p.stdout.split())
+    for name, text in example_texts().items():
+        assert text.endswith(".") and f"example:{name} {text}" in flowed, (text, p.stdout)

@@ -260,11 +260,11 @@ def fleetctl(home: Path, *args: object) -> tuple[subprocess.CompletedProcess[str
     return p, time.monotonic() - start
 
 
-@pytest.mark.parametrize("command", ["probe", "health", "status", "apply"])
+@pytest.mark.parametrize("command", ["probe", "health", "status", "apply", "destroy"])
 def test_each_command_prints_one_line_per_broken_node(tmp_path, silent, garbage, refused, command):
     nodes = {"silent-1": silent.port, "garbage-1": garbage.port, "refused-1": refused}
     inv = inventory(tmp_path, nodes, model=command == "apply")
-    extra = ["--yes"] if command == "apply" else []
+    extra = ["--yes"] if command in ("apply", "destroy") else []
     p, took = fleetctl(tmp_path, command, inv, "--known-hosts", tmp_path / "known_hosts", *extra)
     both = p.stdout + p.stderr
     assert p.returncode == 1, both
@@ -282,6 +282,30 @@ def test_each_command_prints_one_line_per_broken_node(tmp_path, silent, garbage,
     assert took < CONNECT_TIMEOUT_S + 10, took
     if command in ("probe", "health", "status"):
         assert "could not " in both and " 3 of 3 nodes" in both, both
+
+
+@pytest.mark.parametrize("command", ["apply", "destroy"])
+def test_apply_and_destroy_print_each_failure_once_and_never_nothing_to_do(
+    tmp_path, refused, command
+):
+    """One line per failure with node, server and why (not a second one as it happens), and
+    a summary that counts what failed rather than saying there was nothing to do."""
+    with socket.socket() as other:  # a second refused port: each node its own address
+        other.bind(("127.0.0.1", 0))
+        ports = {"rtx-1": refused, "rtx-2": other.getsockname()[1]}
+        inv = inventory(tmp_path, ports, model=command == "apply")
+        args = (command, inv, "--known-hosts", tmp_path / "known_hosts", "--yes")
+        p, _ = fleetctl(tmp_path, *args)
+    assert p.returncode == 1, p.stdout + p.stderr
+    both = p.stdout + p.stderr
+    server = " llama-3-8b GPUs 0" if command == "apply" else ""
+    for node, port in ports.items():
+        hits = [ln for ln in both.splitlines() if f"127.0.0.1:{port}" in ln]
+        assert hits == [
+            f"failed {node}{server}: unreachable (127.0.0.1:{port}): connection refused: "
+            f"is sshd running there, on port {port}?"
+        ], both
+    assert f"{command}: 0 done; 2 failed." in both and "nothing to do" not in both, both
 
 
 def test_debug_shows_the_details(tmp_path, garbage):

@@ -158,7 +158,9 @@ def test_plan_workload_from_a_request_log_plans_for_the_traffic(cli, tmp_path):
     demand = {m["model"]: m["demand_rps"] for m in data["models"]}
     assert demand["llama-3.1-8b"] == pytest.approx(w["requests_per_s"], rel=1e-3)
     text = cli("plan", "example:seed-mixed-8b-16k", "--workload-from", logs)
-    assert text.code == 0 and "Workloads planned for" in text.out and "(4.00)" in text.out
+    assert (
+        text.code == 0 and "Workloads the plan was sized for" in text.out and "(4.00)" in text.out
+    )
 
 
 def test_plan_workload_from_a_trace_without_models_needs_one_model(cli):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -87,6 +88,35 @@ def test_nothing_running_yet_says_so_and_the_plan_gets_every_figure(cli, tmp_pat
     text = cli("plan", inv, "--what-if", trace(tmp_path))
     assert text.code == 0 and "What if: 300 requests" in text.out
     assert "nothing runs yet" in text.out
+
+
+def test_the_gate_labels_its_costs_and_names_a_request_log_folder_once(cli, tmp_path):
+    """route-serve's log folder is called `requests`: the title names it as a folder, not
+    "300 requests of requests"; every cost the gate shows says $/h or $ per million output
+    tokens, and the two per-million figures say what rate each is at."""
+    big = inventory(tmp_path, 2, name="big.yaml")
+    small = inventory(tmp_path, 1)
+    record_running(small, big)
+    folder = tmp_path / "requests"
+    folder.mkdir()
+    trace(tmp_path).rename(folder / "2026-12-01.jsonl")
+
+    def cells(row: str) -> list[str]:
+        return [c.strip() for c in row.split("\u2502") if c.strip()]
+
+    r = cli("apply", small, "--gate", folder, "--yes", "--force")
+    out = " ".join(r.out.split())
+    assert "What if: 300 requests from 'requests/', at the trace's own times" in out, r.out
+    assert "requests of requests" not in out
+    assert re.search(
+        r"Cost: \$\d+\.\d\d/h \(objective throughput\), \$\d+\.\d\d per million "
+        r"output tokens at the planned rate\.",
+        out,
+    ), r.out
+    rows = {cells(ln)[0]: cells(ln)[1:] for ln in r.out.splitlines() if ln.startswith("│cost")}
+    assert set(rows) == {"cost, $/h", "cost, $ per million output tokens on this trace"}, rows
+    assert all(c.startswith("$") for row in rows.values() for c in row[:2]), rows
+    assert "per hour" not in out and "per 1M" not in out
 
 
 def test_a_smaller_fleet_is_predicted_slower_and_the_gate_refuses_it(cli, tmp_path):

@@ -219,10 +219,10 @@ def _apply_node(
             agent = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s)
             return _converge(node, agent, want, book, opts, emit, port_base)
     except NodeError as e:
-        emit(node, _unreachable(e))
+        # Not emitted here: the report lists each failure once, after the node's progress.
+        why = _unreachable(e)
         if not want:
-            return [Outcome(node, "stop", "failed", detail=f"{e.kind}: {e.detail}")]
-        why = f"{e.kind}: {e.detail}"
+            return [Outcome(node, "stop", "failed", detail=why)]
         return [Outcome(node, "apply", "failed", d.model, d.gpu_indices, d.port, why) for d in want]
 
 
@@ -271,7 +271,6 @@ def _converge(
         try:
             sid, how = agent.start(d, opts.secrets, _now(), opts.supervisor)
         except StartError as e:
-            emit(node, f"[red]{e.kind}[/] {d.model} on GPUs {_gpus(d)}: {e.detail}")
             outcomes.append(_outcome(st, "failed", f"{e.kind}: {e.detail}"))
             refused.add(server_id(d))
             continue
@@ -368,23 +367,17 @@ def _wait(
         time.sleep(0.5)
     for sid, (st, why, _) in list(failed.items()):
         tail = agent.log_tail(sid, LOG_TAIL_LINES)
-        failed[sid] = (st, why, tail)
-        emit(node, f"[red]failed[/]: {sid}: {why}; the last lines of its log:\n{_indent(tail)}")
+        failed[sid] = (st, why, tail)  # the report prints it with its log's tail
     if failed:
         agent.stop(list(failed), opts.stop_timeout_s)
     return healthy, failed
 
 
 def _unreachable(e: NodeError) -> str:
-    """The node's one SSH failure line, after the node name that `emit` prints."""
-    from rich.markup import escape
-
-    where = f" ({escape(e.where)})" if e.where else ""
-    return f"[red]{e.kind}[/]{where}: {escape(e.detail)}"
-
-
-def _indent(text: str) -> str:
-    return "\n".join("    " + line for line in text.rstrip().splitlines())
+    """Why a node's servers failed when the node could not be reached: kind, address, what
+    to do (the report puts the node and each server before it)."""
+    where = f" ({e.where})" if e.where else ""
+    return f"{e.kind}{where}: {e.detail}"
 
 
 def _gpus(d: Deployment) -> str:
@@ -422,8 +415,7 @@ def destroy_fleet(
                 agent.stop(sids, opts.stop_timeout_s)
                 left = agent.inspect()
         except NodeError as e:
-            emit(name, _unreachable(e))
-            return [Outcome(name, "destroy", "failed", detail=f"{e.kind}: {e.detail}")]
+            return [Outcome(name, "destroy", "failed", detail=_unreachable(e))]
         if left:
             return [Outcome(name, "destroy", "failed", detail=f"still there: {left[0].sid}")]
         book.set_node(name, [])

@@ -80,3 +80,18 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str | None:
     lowered = {c.lower(): c for c in choices}
     hits = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
     return lowered[hits[0]] if hits else None
+
+
+def suggestion(word: str, choices: list[str] | tuple[str, ...], most: int = 4) -> str | None:
+    """ "did you mean ...?" for `word`: the names that contain it first (`A100` names every
+    A100 variant, where spelling closeness alone picks `A10G`), else the closest spelling."""
+    typed = word.strip().lower()
+    within = [c for c in choices if typed and typed in c.lower()] if len(typed) >= 2 else []
+    if len(within) == 1:
+        return f"did you mean '{within[0]}'?"
+    if within:
+        names = ", ".join(f"'{c}'" for c in sorted(within)[:most])
+        more = f" (and {len(within) - most} more)" if len(within) > most else ""
+        return f"did you mean one of {names}{more}?"
+    hint = did_you_mean(word, choices)
+    return f"did you mean '{hint}'?" if hint else None

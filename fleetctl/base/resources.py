@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent.parent  # fleetctl/, above base/
@@ -19,3 +20,19 @@ def examples() -> dict[str, Path]:
     """Bundled example inventories by name (file stem)."""
     folder = bundled("inventory")
     return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+_SENTENCE_END = re.compile(r"[.!?](?=\s|$)")
+
+
+def example_description(path: Path) -> str:
+    """An example's first sentence, from the comment block that opens its file: whole, over
+    as many comment lines as it runs, since a line's end is not a sentence's."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("# ").strip())
+    text = " ".join(x for x in lines if x)
+    end = _SENTENCE_END.search(text)
+    return text[: end.end()] if end else text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -38,10 +39,48 @@ def to_user_error(
     first = errors[0]
     loc: Path_ = (*prefix, *_clean_loc(first["loc"]))
     what, fix = describe(first, cls, loc)
+    misspelt = _misspelling_of(first, errors) if first["type"] == "missing" else None
+    if misspelt is not None:
+        # The misspelt key is the same mistake, and its line is the one to edit.
+        errors = [err for err in errors if err is not misspelt]
+        typo = _clean_loc(misspelt["loc"])[-1]
+        fix = f"found {shown(str(typo), 60)}: did you mean '{loc_field(first)}'?"
+        # Where: the misspelt key's line, under the path of the mapping that misses the key.
+        typo_at = src.at((*prefix, *_clean_loc(misspelt["loc"])))
+        where = dataclasses.replace(typo_at, path=src.at(loc[:-1]).path)
+    else:
+        where = src.at(loc)
     more = len(errors) - 1
     if more:
         fix = f"{fix}; {more} more problem{'s' if more > 1 else ''} after this one"
-    return UserError(what, src.at(loc), fix)
+    return UserError(what, where, fix)
+
+
+def loc_field(err: Any) -> str:
+    """The key an error is about: the last part of its location."""
+    loc = _clean_loc(err["loc"])
+    return str(loc[-1]) if loc else ""
+
+
+def _misspelling_of(missing: Any, errors: list[Any]) -> Any:
+    """The unknown key beside a missing required one that is a close spelling of it, if any:
+    pydantic reports the two apart, and the missing key alone would not say which was meant."""
+    parent = _clean_loc(missing["loc"])[:-1]
+    wanted = loc_field(missing)
+    for err in errors:
+        loc = _clean_loc(err["loc"])
+        extra = err["type"] == "extra_forbidden" and loc[:-1] == parent
+        if extra and _close(str(loc[-1]), wanted):
+            return err
+    return None
+
+
+def _close(typed: str, wanted: str) -> bool:
+    """`typed` reads as an attempt at `wanted`: a close spelling, or a shortening of it
+    (`gpu` for `gpu_type`, too short a part of it for difflib's ratio)."""
+    if did_you_mean(typed, [wanted]) is not None:
+        return True
+    return len(typed) >= 3 and wanted.lower().startswith(typed.lower())
 
 
 def _clean_loc(loc: tuple[Any, ...]) -> Path_:

@@ -314,15 +314,36 @@ def report(
         }
         print_json(doc)
     else:
-        counts: dict[str, int] = {}
-        for o in outcomes:
-            if o.status == "ok":
-                counts[o.action] = counts.get(o.action, 0) + 1
-        done = ", ".join(f"{n} {PAST[k]}" for k, n in sorted(counts.items())) or "nothing to do"
-        console.print(f"{what}: {done}; {len(failed)} failed. State serial {book.serial}.")
+        console.print(summary(what, outcomes, book.serial), highlight=False)
         for o in failed:
-            where = f" {o.model} GPUs {','.join(map(str, o.gpus))}" if o.model else ""
-            console.print(f"[red]failed[/] {o.node}{where}: {o.detail}", highlight=False)
+            print_failure(console, o)
         for line in lines:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
     return 1 if failed else 0
+
+
+def summary(what: str, outcomes: list[Outcome], serial: int) -> str:
+    """`apply: 2 started, 1 unchanged; 1 failed. State serial 7.`; "nothing to do" only when
+    nothing was to be done, not when everything failed."""
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        if o.status == "ok":
+            counts[o.action] = counts.get(o.action, 0) + 1
+    failed = sum(o.status == "failed" for o in outcomes)
+    done = ", ".join(f"{n} {PAST[k]}" for k, n in sorted(counts.items()))
+    if not done:
+        done = "0 done" if failed else "nothing to do"
+    return f"{what}: {done}; {failed} failed. State serial {serial}."
+
+
+def print_failure(console: Any, o: Outcome) -> None:
+    """One line per failed server (or node): node, server, why; then its log's last lines.
+    The only place a failure is printed: apply and destroy do not emit them as they happen."""
+    from rich.markup import escape
+
+    server = f" {o.model} GPUs {','.join(map(str, o.gpus))}" if o.model else ""
+    console.print(f"[red]failed[/] {escape(o.node + server)}: {escape(o.detail)}", highlight=False)
+    if o.log_tail.strip():
+        console.print("    the last lines of its log:", highlight=False)
+        tail = "\n".join("    " + line for line in o.log_tail.rstrip().splitlines())
+        console.print(tail, markup=False, highlight=False, soft_wrap=True)

@@ -54,8 +54,29 @@ def load(
     catalog = load_catalog(profiles)
     inv = load_inventory(example_path(inventory), catalog)
     if ssh:
+        refuse_bundled_example(inv.path)
         inv.check_ssh_files()
     return inv, catalog
+
+
+def refuse_bundled_example(path: Path) -> None:
+    """A command that connects refuses a bundled example before any connection: its hosts and
+    ssh settings are samples (some have no identity_file, so nothing else would stop it), and
+    its file sits inside the package, where an edit is lost on upgrade. A saved plan of one
+    names the bundled file, so the path is what is checked, not the example:NAME spelling."""
+    from fleetctl.base.errors import UserError
+    from fleetctl.base.resources import examples
+
+    name = next((n for n, p in examples().items() if p.resolve() == path.resolve()), None)
+    if name is None:
+        return
+    raise UserError(
+        f"{EXAMPLE_PREFIX}{name} is a bundled example: its hosts and ssh settings are samples, "
+        "so fleetctl does not connect to them",
+        None,
+        f"run `fleetctl examples copy {name}`, then edit the copy's hosts and ssh settings "
+        f"and use {name}.yaml instead",
+    )
 
 
 def state_dir(inv: Inventory, override: Path | None) -> StateDir:

@@ -71,20 +71,24 @@ def estimate(
     ),
     as_json: bool = JsonOpt,
 ) -> None:
-    """How much KV cache a model gets on a GPU group, and its decode and prefill speeds."""
-    from fleetctl.base.errors import UserError, did_you_mean, shown
+    """How much KV cache a model gets on a GPU group, and its decode and prefill speeds.
+
+    Exit code 3 when the model does not fit (vLLM would not start: its KV cache would not
+    hold one sequence of max_model_len), as `plan` exits 3 for a model it cannot place; the
+    answer then says which --tp, or which --format, fits instead."""
+    from fleetctl.base.errors import UserError, did_you_mean, shown, suggestion
     from fleetctl.model.catalog import load_catalog
-    from fleetctl.model.estimate import Settings, Workload
+    from fleetctl.model.estimate import Settings, Workload, fits_instead
     from fleetctl.model.estimate import estimate as run
 
     cat = load_catalog(profiles)
     found = cat.find_gpu(gpu)
     if found is None:
-        hint = did_you_mean(gpu, list(cat.gpus))
+        hint = suggestion(gpu, list(cat.gpus))
         raise UserError(
             f"no GPU profile named '{gpu}'",
             None,
-            (f"did you mean '{hint}'? " if hint else "")
+            (f"{hint} " if hint else "")
             + "add one under gpus/ in a --profiles folder (see `fleetctl profiles list`)",
         )
     if model not in cat.models and not any(k.lower() == model.lower() for k in cat.models):
@@ -134,9 +138,13 @@ def estimate(
         Workload(batch, context, prompt),
         calibration,
     )
+    instead = [] if result.fits else fits_instead(result, list(cat.formats.values()), calibration)
     if as_json:
-        print_json(result.to_json())
-        return
-    from fleetctl.cli.render import estimate_table
+        doc = result.to_json()
+        print_json(doc if result.fits else {**doc, "fits_with": [f.to_json() for f in instead]})
+    else:
+        from fleetctl.cli.render import estimate_table
 
-    common.console().print(estimate_table(result))
+        common.console().print(estimate_table(result, instead))
+    if not result.fits:
+        raise typer.Exit(3)

@@ -24,9 +24,11 @@ def examples(ctx: typer.Context, as_json: bool = JsonOpt) -> None:
     if as_json:
         print_json({name: str(path) for name, path in found.items()})
         return
-    for name, path in found.items():
-        first = path.read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
-        typer.echo(f"{EXAMPLE_PREFIX}{name:<22} {first}")
+    from fleetctl.base.resources import example_description
+    from fleetctl.cli.render import examples_table
+
+    texts = {name: example_description(path) for name, path in found.items()}
+    common.console().print(examples_table(texts), highlight=False)
 
 
 @examples_app.command("copy")

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group, RenderableType
 from rich.text import Text
 
 from fleetctl.base.names import natural_key
 from fleetctl.base.tables import Cell, Col, Records
-from fleetctl.base.text import plural
+from fleetctl.base.text import plural, rate
 from fleetctl.fleet.plan import Action, Deployment, Plan
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from fleetctl.fleet.health import Check
     from fleetctl.model.calibration import Figure, ServerReading
     from fleetctl.model.catalog import Catalog
-    from fleetctl.model.estimate import Estimate
+    from fleetctl.model.estimate import Estimate, Fit
 
 OP_STYLE = {"create": "green", "replace": "yellow", "delete": "red", "keep": "dim"}
 OP_MARK = {"create": "+", "replace": "~", "delete": "-", "keep": " "}
@@ -160,7 +160,7 @@ def model_table(plan: Plan) -> Records:
             str(s.replicas),
             str(s.gpus),
             f"{s.capacity_rps:.2f}",
-            f"{s.demand_rps:g}" if s.demand_rps else "-",
+            rate(s.demand_rps) if s.demand_rps else "-",
         ]
         if short:
             row.append(f"{s.shortfall_rps:.2f}" if s.shortfall_rps else "-")
@@ -249,12 +249,21 @@ def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
     for u in plan.unplaced:
         parts.append(Text(f"unplaced: {u.model}: {u.reason}", style="red"))
     for w in plan.warnings:
-        parts.append(Text(f"warning: {w}", style="yellow"))
+        if _is_calibration_note(w):  # measured figures used: worth knowing, nothing wrong
+            parts.append(Text(f"note: {w}"))
+        else:
+            parts.append(Text(f"warning: {w}", style="yellow"))
     line = cost_line(plan)
     if line:
         parts.append(Text(line))
     parts.append(summary_line(plan.actions))
     return Group(*parts)
+
+
+def _is_calibration_note(warning: str) -> bool:
+    """The plan's line saying whose figures were measured (fleetctl/planner/place.py:
+    `MODEL FORMAT TP=N on GPU: calibrated from ...`), which JSON keeps among its warnings."""
+    return ": calibrated from " in warning
 
 
 def split_lines(plan: Plan, explain: bool) -> list[str]:
@@ -297,8 +306,12 @@ def cost_line(plan: Plan) -> str | None:
             "their nodes, or in the GPU profile)"
         )
     per_m = plan.cost_per_million_output_tokens
-    tail = f", {_money(per_m)} per million output tokens" if per_m is not None else ""
-    return f"Cost: {_money(total)} per hour (objective {plan.objective}){tail}."
+    tail = (
+        f", ${_money(per_m)} per million output tokens at the planned rate"
+        if per_m is not None
+        else ""
+    )
+    return f"Cost: ${_money(total)}/h (objective {plan.objective}){tail}."
 
 
 def profiles_table(cat: Catalog) -> RenderableType:
@@ -384,6 +397,19 @@ FACTS_COLUMNS = [
 ]
 
 
+def examples_table(descriptions: Mapping[str, str]) -> RenderableType:
+    """`example:NAME` beside its description; the description wraps at word breaks to the
+    console's width (never cut), the name never wraps."""
+    from rich.table import Table
+
+    t = Table.grid(padding=(0, 0, 0, 2))
+    t.add_column(no_wrap=True)
+    t.add_column(overflow="fold")
+    for name, text in descriptions.items():
+        t.add_row(Text(f"example:{name}"), Text(text))  # Text: a `[...]` is not markup
+    return t
+
+
 def facts_table(facts: Facts) -> Records:
     """One row per probed node: reachability, GPUs, driver, CUDA, vLLM, interconnect."""
     rows: list[list[Cell]] = []
@@ -464,8 +490,9 @@ def status_table(
     return Records("Servers", cols, out)
 
 
-def estimate_table(e: Estimate) -> RenderableType:
-    """One estimate: where each GPU's memory goes, what the KV cache holds, and the speeds."""
+def estimate_table(e: Estimate, instead: Sequence[Fit] = ()) -> RenderableType:
+    """One estimate: where each GPU's memory goes, what the KV cache holds, and the speeds;
+    for one that does not fit, no speeds (it would not start) and what fits instead."""
     j = e.to_json()
     parts = j["reserved_parts_gib_per_gpu"]
     tp = j["tensor_parallel_size"]
@@ -476,6 +503,28 @@ def estimate_table(e: Estimate) -> RenderableType:
             f"{j['reserved_gib_per_gpu']:.2f} GiB (activations {parts['activation_peak']:.2f}, "
             f"non-torch {parts['non_torch']:.2f}, CUDA graphs {parts['cuda_graphs']:.2f})",
         ],
+        *(_estimate_figures(j) if e.fits else _estimate_short(e)),
+    ]
+    title = f"{j['model']} {j['format']} on {tp}x {j['gpu']}" + (
+        f", vLLM {j['vllm_version']}" if j["vllm_version"] else ""
+    )
+    verdict = (
+        "fits"
+        if j["fits"]
+        else f"does not fit: not one sequence of {j['settings']['max_model_len']:,}"
+        + _fits_with(e, instead)
+    )
+    return Records(
+        title,
+        [Col("figure", head=True), Col("value", numeric=True, left=True)],
+        rows,
+        caption=f"{verdict}; source: {j['source']['detail']}",
+    )
+
+
+def _estimate_figures(j: dict[str, Any]) -> list[list[str]]:
+    """The KV cache and the speeds of an estimate that fits."""
+    return [
         ["KV cache per GPU", f"{j['kv_cache_gib_per_gpu']:.2f} GiB"],
         ["KV cache", f"{j['kv_cache_tokens']:,} tokens"],
         [
@@ -489,20 +538,34 @@ def estimate_table(e: Estimate) -> RenderableType:
         ],
         [f"prefill, {j['prompt']:,} tokens alone", f"{j['prefill_tok_s']:,.0f} tok/s"],
     ]
-    title = f"{j['model']} {j['format']} on {tp}x {j['gpu']}" + (
-        f", vLLM {j['vllm_version']}" if j["vllm_version"] else ""
-    )
-    verdict = (
-        "fits"
-        if j["fits"]
-        else f"does not fit: not one sequence of {j['settings']['max_model_len']:,}"
-    )
-    return Records(
-        title,
-        [Col("figure", head=True), Col("value", numeric=True, left=True)],
-        rows,
-        caption=f"{verdict}; source: {j['source']['detail']}",
-    )
+
+
+def _estimate_short(e: Estimate) -> list[list[str]]:
+    """Where it does not fit: what the memory vLLM may use leaves for the KV cache, and no
+    speeds (a server that never starts has none)."""
+    from fleetctl.model.perf import GiB
+
+    b = e.budget
+    if b.kv_per_gpu <= 0:
+        taken = (b.weights + b.reserve) / GiB
+        kv = f"none: weights and reserve take {taken:.2f} of the {b.usable / GiB:.2f} GiB usable"
+    else:
+        kv = f"{b.kv_per_gpu / GiB:.2f} GiB, short of one sequence of {e.max_model_len:,}"
+    return [["KV cache per GPU", kv], ["decode and prefill", "n/a: vLLM would not start"]]
+
+
+def _fits_with(e: Estimate, instead: Sequence[Fit]) -> str:
+    """`; fits with --tp 2 (13,456 KV tokens), or with --format fp8 (...)`: the flag that
+    changes, figured by the same model; or that no larger TP nor lighter format fits."""
+    if not instead:
+        return "; no larger --tp (up to 8) nor lighter --format fits either"
+    ways = []
+    for f in instead:
+        flag = (
+            f"--format {f.format}" if f.format != e.fmt.name else f"--tp {f.tensor_parallel_size}"
+        )
+        ways.append(f"{flag} ({f.kv_cache_tokens:,} KV tokens)")
+    return "; fits with " + ", or with ".join(ways)
 
 
 def calibration_table(readings: Iterable[ServerReading]) -> Records:

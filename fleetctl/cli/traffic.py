@@ -148,7 +148,7 @@ def render_workloads(shown: dict[str, dict[str, Any]]) -> RenderableType:
             ]
         )
     return Records(
-        "Workloads planned for",
+        "Workloads the plan was sized for",
         [
             Col("model", head=True),
             Col("from"),

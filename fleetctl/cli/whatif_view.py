@@ -79,8 +79,8 @@ ROWS = [
     ("e2e p99", "e2e_p99_s", "s"),
     ("SLO attainment", "slo_attainment", "%"),
     ("GPUs", "gpus", "n"),
-    ("cost per hour", "cost_per_hour", "$"),
-    ("cost per 1M output tokens", "cost_per_million_output_tokens", "$"),
+    ("cost, $/h", "cost_per_hour", "$"),
+    ("cost, $ per million output tokens on this trace", "cost_per_million_output_tokens", "$"),
 ]
 
 
@@ -94,7 +94,7 @@ def _cell(v: float | int | None, unit: str) -> str:
     if unit == "%":
         return f"{v:.1%}"
     if unit == "$":
-        return f"{v:,.2f}"
+        return f"${v:,.2f}"
     return f"{v:,}"
 
 
@@ -116,8 +116,8 @@ def render(w: WhatIf, verdict: Verdict | None = None) -> RenderableType:
         for label, k, u in ROWS
     ]
     table = Records(
-        f"What if: {w.current.requests:,} requests of {w.trace.name}, at the trace's own times, "
-        f"routed {DEFAULT_POLICY}",
+        f"What if: {w.current.requests:,} requests from {_trace_name(w.trace)}, at the trace's "
+        f"own times, routed {DEFAULT_POLICY}",
         [
             Col("", head=True),
             Col("now", numeric=True),
@@ -138,6 +138,12 @@ def render(w: WhatIf, verdict: Verdict | None = None) -> RenderableType:
         else:
             parts += [Text(f"gate: refused: {r}", style="red") for r in verdict.reasons]
     return Group(*parts)
+
+
+def _trace_name(path: Path) -> str:
+    """The trace as a quoted name, a folder with its slash: route-serve's log folder is
+    called `requests`, and "197 requests of requests" read as a doubled word."""
+    return f"'{path.name}/'" if path.is_dir() else f"'{path.name}'"
 
 
 def gate_verdict(inv: Inventory, w: WhatIf) -> Verdict:

@@ -73,6 +73,11 @@ class Estimate:
     source: Source = field(default_factory=Source)
 
     @property
+    def fits(self) -> bool:
+        """vLLM starts: the KV cache holds one sequence of max_model_len."""
+        return self.budget.kv_tokens >= self.max_model_len
+
+    @property
     def max_concurrency_at_max_len(self) -> float:
         """vLLM's "Maximum concurrency for N tokens per request": KV tokens / max_model_len."""
         return self.budget.kv_tokens / self.max_model_len
@@ -105,7 +110,7 @@ class Estimate:
                 "kv_cache_dtype": s.kv_cache_dtype,
                 "enforce_eager": s.enforce_eager,
             },
-            "fits": b.kv_tokens >= self.max_model_len,
+            "fits": self.fits,
             "kv_cache_tokens": b.kv_tokens,
             "kv_cache_gib_per_gpu": _gib(max(0, b.kv_per_gpu)),
             "weights_gib_per_gpu": _gib(b.weights),
@@ -119,12 +124,20 @@ class Estimate:
             "batch": w.batch,
             "context": w.context,
             "prompt": w.prompt,
+            **self._speeds(),
+            "source": self.source.to_json(),
+        }
+
+    def _speeds(self) -> dict[str, float | None]:
+        """The speeds, or None where the model does not fit: a server that never starts
+        runs at no speed, and a figure would read as one it might."""
+        speeds: dict[str, float | None] = {
             "decode_tok_s_per_seq": round(self.decode_tok_s_per_seq, 2),
             "decode_tok_s_total": round(self.decode_tok_s_total, 2),
             "step_time_ms": round(self.decode_step_s * 1e3, 3),
             "prefill_tok_s": round(self.prefill_tok_s, 1),
-            "source": self.source.to_json(),
         }
+        return speeds if self.fits else dict.fromkeys(speeds)
 
 
 def _gib(n: float) -> float:
@@ -187,3 +200,69 @@ def estimate(
     return Estimate(
         gpu, model, fmt, settings, workload, max_len, tokens, seqs, budget, step, prefill, source
     )
+
+
+# The tensor-parallel sizes tried for a fit: one node's, as the planner tries them
+# (fleetctl/planner/candidates.py, TP_SIZES and tp_sizes, which this layer may not import).
+TP_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Settings that fit where the asked ones do not, and the KV tokens they leave."""
+
+    tensor_parallel_size: int
+    format: str
+    kv_cache_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "format": self.format,
+            "kv_cache_tokens": self.kv_cache_tokens,
+        }
+
+
+def fits_instead(
+    asked: Estimate,
+    formats: list[FormatProfile],
+    calibration: Calibration | None = None,
+) -> list[Fit]:
+    """For an estimate that does not fit, estimated by the same model: the smallest larger
+    TP that fits in its format, and, at its TP, the format with the most bytes per weight
+    (the least quantized) that fits. Empty when neither does."""
+    out = []
+    s = asked.settings
+    for tp in _tp_sizes(asked.model, s.tensor_parallel_size):
+        e = _again(asked, asked.fmt, replace(s, tensor_parallel_size=tp), calibration)
+        if e.fits:
+            out.append(Fit(tp, asked.fmt.name, e.budget.kv_tokens))
+            break
+    lighter = [
+        f
+        for f in formats
+        if f.weight_bytes_per_param < asked.fmt.weight_bytes_per_param and f.runs_on(asked.gpu)
+    ]
+    for f in sorted(lighter, key=lambda f: (-f.weight_bytes_per_param, f.name)):
+        e = _again(asked, f, s, calibration)
+        if e.fits:
+            out.append(Fit(s.tensor_parallel_size, f.name, e.budget.kv_tokens))
+            break
+    return out
+
+
+def _tp_sizes(model: ModelProfile, above: int) -> list[int]:
+    """TP sizes past `above` that vLLM accepts for the model (heads divide evenly)."""
+    return [
+        t
+        for t in TP_SIZES
+        if t > above
+        and model.num_attention_heads % t == 0
+        and (model.num_kv_heads % t == 0 or t % model.num_kv_heads == 0)
+    ]
+
+
+def _again(
+    asked: Estimate, fmt: FormatProfile, settings: Settings, calibration: Calibration | None
+) -> Estimate:
+    return estimate(asked.gpu, asked.model, fmt, settings, asked.workload, calibration)

@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from fleetctl.base.limits import SURGE_PORT_OFFSET
 from fleetctl.base.names import natural_key
-from fleetctl.base.text import plural
+from fleetctl.base.text import plural, rate
 from fleetctl.fleet.inventory import Inventory, Model
 from fleetctl.fleet.plan import (
     Deployment,
@@ -220,7 +220,7 @@ def warnings(
             out.append(
                 f"{s.model}: planned capacity {s.capacity_rps * target:.1f} req/s "
                 f"(at {target:.0%} utilization) covers {share:.0%} of the "
-                f"{s.demand_rps:g} req/s workload; add GPUs or lower the workload"
+                f"{rate(s.demand_rps)} req/s workload; add GPUs or lower the workload"
             )
     low = inv.spec.planner.warn_sequences_below
     groups: dict[tuple[str, str, str, int, int], list[str]] = defaultdict(list)
