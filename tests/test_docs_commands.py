@@ -17,7 +17,7 @@ import typer
 from fleetctl.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
-PAGES = sorted((REPO / "docs").rglob("*.md")) + [REPO / "README.md"]
+PAGES = [*sorted((REPO / "docs").rglob("*.md")), REPO / "README.md"]
 FENCE = re.compile(r"^```(?:sh|bash|console)[^\n]*\n(.*?)^```", re.S | re.M)
 
 
