@@ -39,6 +39,7 @@ def route_serve(
     kv_events: bool | None = ro.KvEvents,
     no_request_log: bool = ro.NoRequestLog,
     workers: int = ro.Workers,
+    drain_timeout: float = ro.DrainTimeout,
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
@@ -50,6 +51,7 @@ def route_serve(
     config = _daemon_config(
         api_key_file, backend_api_key_file, max_body_mb, upstream_timeout, upstream_client
     )
+    config.drain_timeout_s = drain_timeout
     inv, catalog = common.load(inventory, profiles)
     sdir = common.state_dir(inv, state_dir)
     _daemon_log()  # before the backends load: the log says which classes are calibrated

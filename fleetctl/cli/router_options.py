@@ -90,3 +90,12 @@ Workers: int = typer.Option(
     help="Processes serving the one listening port (SO_REUSEPORT); they share state "
     "through --session-store.",
 )
+DrainTimeout: float = typer.Option(
+    20.0,
+    "--drain-timeout",
+    min=0.0,
+    max=3600.0,
+    metavar="SECONDS",
+    help="On SIGTERM/SIGINT, how long requests in flight may take to finish before they are "
+    "cut (a second signal cuts them at once).",
+)

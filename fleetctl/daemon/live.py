@@ -308,6 +308,20 @@ class LiveState:
 
     # --- scraping ----------------------------------------------------------------------------
 
+    async def read_lengths(self) -> None:
+        """Each backend's /v1/models once, for those listed without a max_model_len, before
+        the router listens: until it is read, length does not filter, and a request no
+        server can take would reach one (vLLM's 400, not the router's). A server that does
+        not answer within the timeout is read at its first scrape, as before."""
+        unknown = [b for b in self.backends if not b.max_model_len]
+        if not unknown:
+            return
+        client = Client(self.timeout)
+        try:
+            await asyncio.gather(*(self.check_model(client, b) for b in unknown))
+        finally:
+            await client.close()
+
     async def run(self) -> None:
         """Scrape until cancelled; every GET goes through fleetctl.fleet.http's client."""
         client = Client(self.timeout)

@@ -48,6 +48,35 @@ PREFIX_CAPACITY = 1 << 20
 KV_KINDS = ("batches", "events", "malformed", "gaps", "replayed", "cleared")
 
 
+# What route-serve serves: an unserved path or method gets a JSON error that lists them.
+ROUTES = {
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+    "/v1/models": ("GET", "HEAD"),
+    "/health": ("GET", "HEAD"),
+    "/metrics": ("GET", "HEAD"),
+}
+
+
+async def unserved(request: web.Request) -> web.Response:
+    """404 for a path route-serve does not serve, 405 for a method it does not take on one it
+    does, in the error shape of its other answers (OpenAI's), not aiohttp's plain text."""
+    allowed = ROUTES.get(request.path)
+    if allowed is None:
+        listed = ", ".join(f"{m[0]} {p}" for p, m in ROUTES.items())
+        e = ClientError(
+            404,
+            f"{request.method} {request.path} is not served by fleetctl route-serve; it serves "
+            f"{listed}",
+            "not_found_error",
+        )
+        return error_response(e)
+    e = ClientError(405, f"{request.path} takes {' or '.join(allowed)}, not {request.method}")
+    resp = error_response(e)
+    resp.headers["Allow"] = ", ".join(allowed)
+    return resp
+
+
 def per_backend(total: int, backends: int) -> int:
     """A PrefixIndex's capacity (per backend) for `total` blocks over `backends` backends."""
     return max(1, total // max(1, backends))
@@ -100,6 +129,9 @@ class DaemonConfig:
     # After an early answer (408, 413), the unread rest of a body is read and dropped this
     # long, so that the client gets the answer rather than a reset; then the connection closes.
     linger_s: float = 2.0
+    # On SIGTERM or SIGINT, requests in flight get this long to finish before they are cut
+    # (a second signal cuts them at once); an idle router stops at once.
+    drain_timeout_s: float = 20.0
 
 
 @dataclass
@@ -203,6 +235,9 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
+        # Last, so it takes only what no route above does: a route rather than a middleware,
+        # which would cost every proxied request a call.
+        app.router.add_route("*", "/{path:.*}", unserved)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
@@ -233,6 +268,7 @@ class Router:
             if self.prefix_share is not None:
                 self._tasks.append(asyncio.create_task(self.prefix_share.run()))
         if self.live is not None:
+            await self.live.read_lengths()  # on_startup: before the port takes requests
             self._tasks.append(asyncio.create_task(self.live.run()))
         if self.kv_events and self.prefix is not None:
             await self._start_kv()

@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import stat
 import time
 from collections.abc import Callable
@@ -19,8 +20,10 @@ from urllib.parse import urlsplit
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
+from fleetctl.base import names
 from fleetctl.base.errors import Location, UserError
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
+from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
 from fleetctl.daemon.live import LiveState
 from fleetctl.daemon.proxy import SERVED_BY
 from fleetctl.daemon.relay import header_value
@@ -45,6 +48,7 @@ ACCESS_LOG_FORMAT = '%a "%r" %s %b %Tfs'
 MAX_LINE_BYTES = 8190  # the request target (aiohttp counts it without method and version)
 MAX_FIELD_BYTES = 8190  # one header's value (without its name)
 MAX_HEADERS = 128  # header lines per request
+LISTEN_FIX = "pick another with --listen, or stop the process that holds it"
 
 
 def served_by(b: Backend | None) -> tuple[str, str]:
@@ -285,10 +289,16 @@ def serve(
     """Serve until SIGTERM or SIGINT; with `workers` > 1, as that many processes on one
     listening port (SO_REUSEPORT: the kernel spreads connections over them), restarted if one
     dies. They share session pins, the aging window and the prefix index through the session
-    store, if the router has one; without, each worker keeps its own."""
+    store, if the router has one; without, each worker keeps its own. The port is bound
+    first, here: one taken is a UserError before anything else is printed."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]")
     if workers <= 1:
-        _serve_one(router, listen, reload, watch, reuse_port=False)
+        _serve_one(router, bind(host, int(port), False, LISTEN_FIX), reload, watch)
         return
+    # One socket per worker, all bound before any starts; a worker started again takes its
+    # predecessor's, so connections queued on it are not lost.
+    socks = [bind(host, int(port), True, LISTEN_FIX) for _ in range(workers)]
     if router.shared is None:
         log.warning(
             "--workers %d without --session-store: each worker keeps its own session pins, "
@@ -299,7 +309,11 @@ def serve(
 
     def child(worker: int) -> None:
         router.become_worker(worker)  # a replica of its own in the session store
-        _serve_one(router, listen, reload, watch, reuse_port=True)
+        for i, other in enumerate(socks):
+            if i != worker:
+                for s in other:
+                    s.close()
+        _serve_one(router, socks[worker], reload, watch)
 
     supervise(child, workers)
 
@@ -372,9 +386,8 @@ def supervise(child: Callable[[int], None], workers: int) -> None:
 
 
 def _serve_one(
-    router: Router, listen: str, reload: Reload, watch: StateDir | None, reuse_port: bool
+    router: Router, socks: list[socket.socket], reload: Reload, watch: StateDir | None
 ) -> None:
-    host, _, port = listen.rpartition(":")
     app = router.app()
 
     async def on_start(app: web.Application) -> None:
@@ -398,25 +411,40 @@ def _serve_one(
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     # `kill -USR1 PID` prints every thread's stack to the log, even with the event loop stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    host, port = socks[0].getsockname()[:2]
     log.info(
-        "fleetctl route-serve on http://%s:%s: %d backends, policy %s%s",
-        host.strip("[]"),
-        port,
+        "fleetctl route-serve on %s: %d backends, policy %s%s",
+        names.http_url(host, port),
         len(router.backends),
         router.policy.name,
         "" if router.worker is None else f" (worker {router.worker}, pid {os.getpid()})",
     )
-    web.run_app(
+    asyncio.run(_run(app, socks, router.config))
+
+
+async def _run(app: web.Application, socks: list[socket.socket], config: DaemonConfig) -> None:
+    """Serve `app` on `socks` until a signal; then drain (listen.py)."""
+    first, second = asyncio.Event(), asyncio.Event()
+    stop_signals(first, second)  # before the app starts: a signal during its start counts
+    runner = await start(
         app,
-        host=host.strip("[]"),
-        port=int(port),
-        backlog=4096,  # the default 128 overflowed at 1,000 concurrent streams (measured)
+        socks,
         access_log_class=AccessLog,
         access_log_format=ACCESS_LOG_FORMAT,
-        print=None,
-        reuse_port=reuse_port or None,
-        **server_options(router.config),
+        **server_options(config),
     )
+    try:
+        await first.wait()
+        log.info("stopping: %s", _draining(runner, config.drain_timeout_s))
+    finally:
+        await stop(runner, config.drain_timeout_s, second)
+
+
+def _draining(runner: web.AppRunner, drain_s: float) -> str:
+    n = busy(runner.server) if runner.server is not None else 0
+    if not n:
+        return "no request in flight"
+    return f"{n} requests in flight get up to {drain_s:g} s to finish (signal again to cut them)"
 
 
 def _reload(router: Router, reload: Reload) -> None:

@@ -9,7 +9,7 @@ import json
 import logging
 import os
 import random
-import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from fleetctl.base import names
-from fleetctl.base.errors import OperationError
+from fleetctl.daemon import listen
 from fleetctl.emulator import prompts as naming
 from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
@@ -32,6 +32,9 @@ log = logging.getLogger("fleetctl.emulator")
 ACCESS_LOG_FORMAT = '%a - "%r" %s'
 DIE_AFTER_CHUNKS = 3  # --die-mid-stream: chunks sent before the connection drops
 CRASH_DELAY_S = 0.05  # --crash-after: let the last response leave the socket first
+# On SIGTERM or SIGINT, requests in flight get this long to finish before they are cut: an
+# emulator is a test fixture, stopped to end a run, whose client should not wait on it.
+DRAIN_S = 0.25
 ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -493,35 +496,30 @@ def _describe(c: EmulatorConfig) -> str:
     )
 
 
-async def _serve(config: EmulatorConfig) -> None:
-    runner = web.AppRunner(
+async def _serve(config: EmulatorConfig, socks: list[socket.socket]) -> None:
+    first, second = asyncio.Event(), asyncio.Event()
+    listen.stop_signals(first, second)
+    runner = await listen.start(
         make_app(config),
+        socks,
         handler_cancellation=True,  # a client that disconnects cancels its request, as in vLLM
         access_log_format=ACCESS_LOG_FORMAT,
-        shutdown_timeout=1.0,
     )
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    try:
-        await site.start()
-    except OSError as e:
-        await runner.cleanup()
-        where = names.host_port(config.host, config.port)
-        raise OperationError(f"cannot listen on {where}: {e.strerror}") from e
     log.info(_describe(config))
     log.info("serving on %s", names.http_url(config.host, config.port))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down")
-    await runner.cleanup()
+    try:
+        await first.wait()
+        log.info("shutting down")
+    finally:
+        await listen.stop(runner, DRAIN_S, second)
 
 
 def serve(config: EmulatorConfig) -> None:
-    """Serve until SIGTERM or SIGINT (exit status 0), on uvloop when it is installed."""
-    _run(_serve(config))
+    """Serve until SIGTERM or SIGINT (exit status 0), on uvloop when it is installed. The
+    port is bound first: one taken is a UserError (exit code 2)."""
+    fix = "pick another with --port, or stop the process that holds it"
+    socks = listen.bind(config.host, config.port, False, fix)
+    _run(_serve(config, socks))
 
 
 def _run(main: Coroutine[Any, Any, None]) -> None:
