@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 from fleetctl.fleet.inventory import Model
 from fleetctl.model.perf import EnginePerf, max_sequences
@@ -35,9 +36,14 @@ from fleetctl.model.perf import EnginePerf, max_sequences
 # How much more the split must serve than colocated servers under `auto`: a split costs a
 # network hop per request, a second server's failure and GPUs that serve one phase only.
 GAIN = 1.2
-# A p99 objective held against mean-shape figures keeps this share as headroom (the planner's
-# SLO_HEADROOM: longer prompts and bursts).
+# A p99 TTFT objective held against a lone request's first token keeps this share as headroom
+# (the planner's SLO_HEADROOM: queueing, longer prompts and bursts).
 SLO_HEADROOM = 0.5
+# The TPOT objective is a p99: both arrangements are held to it at that quantile of what
+# varies per request (the prompts that stall a colocated request's steps, the batch a decode
+# server holds), not by a flat headroom on the mean that would charge the steady decode-only
+# server as much as the stalled colocated one.
+TPOT_QUANTILE = 0.99
 # Priors for moving a KV cache, not yet measured here: the share of the line rate a transfer
 # gets (NIXL over UCX; RDMA reaches nearly all of it, TCP less) and a fixed cost per transfer
 # (the side channel's handshake and the first bytes' latency).
@@ -121,12 +127,13 @@ def colocated(
     ctx = prompt + output / 2
 
     def tpot(rate: float) -> float | None:
-        """The decode token time at `rate`, or None where the server cannot keep up."""
+        """A request's TPOT at `rate` at the objective's quantile, or None where the server
+        cannot keep up."""
         busy = rate * t_prefill
         if busy >= 1:
             return None
         t = p.step_time(1, ctx) / (1 - busy)
-        for _ in range(60):  # the fixed point of TPOT = step(rate x output x TPOT) / (1 - busy)
+        for _ in range(60):  # the mean: the fixed point of T = step(rate x output x T) / (1 - busy)
             batch = rate * output * t
             if batch > most:
                 return None
@@ -134,14 +141,23 @@ def colocated(
             if abs(nxt - t) < 1e-9:
                 break
             t = nxt
-        return t
+        if tpot_s is None:
+            return t
+        # The tail: the prompts that arrive while a request decodes (Poisson over its
+        # output x T seconds) each stall its steps by their prefill, on a batch that is
+        # itself at its quantile.
+        batch = poisson_quantile(rate * output * t, TPOT_QUANTILE)
+        if batch > most:
+            return None
+        stalls = poisson_quantile(rate * output * t, TPOT_QUANTILE)
+        step = p.step_time(max(1, batch), max(1, batch) * ctx)
+        return step + stalls * t_prefill / output
 
-    limit = None if tpot_s is None else tpot_s * SLO_HEADROOM
     lo, hi = 0.0, 1.0 / t_prefill
     for _ in range(50):  # the largest rate whose TPOT holds
         mid = (lo + hi) / 2
         t = tpot(mid)
-        if t is not None and (limit is None or t <= limit):
+        if t is not None and (tpot_s is None or t <= tpot_s):
             lo = mid
         else:
             hi = mid
@@ -154,19 +170,37 @@ def prefill_rate(pool: Pool, prompt: int) -> float:
 
 
 def decode_rate(pool: Pool, prompt: int, output: int, tpot_s: float | None) -> float:
-    """Requests/s one decode-only server of `pool` generates: the largest batch its KV cache
-    (prompt and output of each) and the TPOT objective allow, no prompt stalling it."""
+    """Requests/s one decode-only server of `pool` generates: the largest mean batch whose
+    quantile (Poisson arrivals) fits its KV cache (prompt and output of each) and whose step
+    there meets the TPOT objective, no prompt stalling it."""
     p = pool.perf
     ctx = prompt + output / 2
     most = min(pool.max_num_seqs, max_sequences(pool.kv_tokens, prompt + output))
-    limit = None if tpot_s is None else tpot_s * SLO_HEADROOM
     best = 0.0
     for batch in range(1, most + 1):
-        step = p.step_time(batch, batch * ctx)
-        if limit is not None and step > limit:
+        high = min(most, poisson_quantile(batch, TPOT_QUANTILE)) if tpot_s is not None else batch
+        if tpot_s is not None and (
+            poisson_quantile(batch, TPOT_QUANTILE) > most or p.step_time(high, high * ctx) > tpot_s
+        ):
             break
-        best = max(best, batch / (output * step))
+        best = max(best, batch / (output * p.step_time(batch, batch * ctx)))
     return best
+
+
+def poisson_quantile(mean: float, q: float) -> int:
+    """The smallest k with P(N <= k) >= q for N ~ Poisson(mean): how many requests a server
+    holds, or how many prompts arrive in a span, at the objective's quantile."""
+    if mean <= 0:
+        return 0
+    if mean > 200:  # the normal approximation; exp(-mean) would underflow
+        return math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean))
+    k, term = 0, math.exp(-mean)
+    cdf = term
+    while cdf < q:
+        k += 1
+        term *= mean / k
+        cdf += term
+    return k
 
 
 def transfer_bytes(pool: Pool, prompt: int) -> float:
