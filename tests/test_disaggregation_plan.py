@@ -218,3 +218,45 @@ def test_the_diff_names_a_role_change(tmp_path, catalog):
     changed = [a for a in after.actions if a.op == "replace"]
     assert changed and all(a.detail.startswith("role both -> ") for a in changed)
     assert any("role both -> prefill" in a.detail for a in changed)
+
+
+def test_the_tpot_objective_is_held_at_its_tail_not_at_half_the_mean(catalog):
+    """A colocated server's TPOT objective (a p99) holds at the tail of the prompts that stall
+    a request's steps, not at half the objective on the mean: the rate it gives has a mean TPOT
+    past half the objective (the old rule's cap, which planned half what the simulator serves),
+    its tail within the objective, and a slightly higher rate breaks it."""
+    import math
+
+    from fleetctl.model.perf import EnginePerf, kv_budget
+    from fleetctl.planner.disaggregate import TPOT_QUANTILE, poisson_quantile
+
+    gpu, model, fmt = (
+        catalog.gpu("A100-SXM4-80GB"),
+        catalog.model("llama-3-8b"),
+        catalog.format("bf16"),
+    )
+    perf = EnginePerf(gpu, model, fmt)
+    kv = kv_budget(gpu, model, fmt, gpu_memory_utilization=0.9).kv_tokens
+    pool = Pool(0, "A100", 1, perf, kv, 256, Link(100, True))
+    prompt, output, objective = 1155, 211, 0.05  # the Azure conversation trace's mean request
+    t_prefill = perf.prefill_marginal(prompt)
+    ctx = prompt + output / 2
+
+    def mean_and_tail(rate: float) -> tuple[float, float]:
+        busy = rate * t_prefill
+        t = perf.step_time(1, ctx) / (1 - busy)
+        for _ in range(60):
+            batch = rate * output * t
+            t = perf.step_time(max(1, math.ceil(batch)), max(1.0, batch) * ctx) / (1 - busy)
+        high = poisson_quantile(rate * output * t, TPOT_QUANTILE)
+        tail = perf.step_time(high, high * ctx) + high * t_prefill / output
+        return t, tail
+
+    rate = colocated(pool, prompt, output, objective).rate
+    mean, tail = mean_and_tail(rate)
+    assert mean > objective / 2, (rate, mean)
+    assert tail <= objective * 1.01  # the fixed point here iterates a little differently
+    assert mean_and_tail(rate * 1.05)[1] > objective
+    # The quantile is Poisson's: P(N <= k) first reaches q at k.
+    assert [poisson_quantile(m, 0.99) for m in (0, 0.5, 4, 30)] == [0, 3, 9, 43]  # scipy.stats.poisson.ppf
+    assert poisson_quantile(1000, 0.99) == math.ceil(1000 + 2.3263 * math.sqrt(1000))
