@@ -34,8 +34,9 @@ def _cores() -> tuple[str, str]:
     return str(cpus[0]), str(cpus[-1])
 
 
-def start_server(env: Path, role: str, core: str) -> VllmProcess:
-    """One server of the pair on a free port, its side channel on another."""
+def start_server(env: Path, role: str, core: str, *flags: str) -> VllmProcess:
+    """One server of the pair on a free port, its side channel on another; `flags` are more
+    of `vllm serve`'s."""
     port, side = free_ports(2)
     kv = KvTransfer(
         role=role,  # type: ignore[arg-type]
@@ -47,15 +48,17 @@ def start_server(env: Path, role: str, core: str) -> VllmProcess:
         env,
         port,
         *kv.args(),
+        *flags,
         extra_env={**dict(kv.env("127.0.0.1", port)), "VLLM_CPU_OMP_THREADS_BIND": core},
     )
 
 
-def start_pair(env: Path) -> tuple[VllmProcess, VllmProcess]:
-    """The prefill server and the decode server, started (see `wait_healthy`)."""
+def start_pair(env: Path, *flags: str) -> tuple[VllmProcess, VllmProcess]:
+    """The prefill server and the decode server, started (see `wait_healthy`), both with
+    `flags`."""
     p_core, d_core = _cores()
-    prefill = start_server(env, "prefill", p_core)
-    return prefill, start_server(env, "decode", d_core)
+    prefill = start_server(env, "prefill", p_core, *flags)
+    return prefill, start_server(env, "decode", d_core, *flags)
 
 
 def counters(proc: VllmProcess) -> dict[str, float]:

@@ -97,6 +97,7 @@ class Outcome:
     dispatched: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    prefilled: float | None = None  # a split request: when its prefill server finished
     preemptions: int = 0
     rejected: str | None = None
     boosted: bool = False
@@ -376,6 +377,7 @@ class _Run:
             if self.prefilling.get(s.req) == i:  # the prompt is done: its KV goes to decode
                 del self.prefilling[s.req]
                 release(b, self.requests[s.req])
+                self.outcomes[s.req].prefilled = s.finished_at
                 self.to_decode(s.req, i, now)
                 continue
             o = self.outcomes[s.req]
