@@ -258,5 +258,10 @@ def test_the_tpot_objective_is_held_at_its_tail_not_at_half_the_mean(catalog):
     assert tail <= objective * 1.01  # the fixed point here iterates a little differently
     assert mean_and_tail(rate * 1.05)[1] > objective
     # The quantile is Poisson's: P(N <= k) first reaches q at k.
-    assert [poisson_quantile(m, 0.99) for m in (0, 0.5, 4, 30)] == [0, 3, 9, 43]  # scipy.stats.poisson.ppf
+    assert [poisson_quantile(m, 0.99) for m in (0, 0.5, 4, 30)] == [
+        0,
+        3,
+        9,
+        43,
+    ]  # scipy.stats.poisson.ppf
     assert poisson_quantile(1000, 0.99) == math.ceil(1000 + 2.3263 * math.sqrt(1000))
