@@ -8,6 +8,7 @@ inventory's fields (from its pydantic models, the ones `validate` checks against
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -119,8 +120,11 @@ def _type(prop: dict[str, Any]) -> str:
 
 
 def _default(prop: dict[str, Any]) -> str:
-    value = prop.get("default")
-    return "null" if value is None else str(value).replace("|", "\\|")
+    """The default as YAML writes it; a field built empty when left out (a list, a mapping)
+    has none in the schema."""
+    if "default" not in prop:
+        return "empty"
+    return json.dumps(prop["default"]).replace("|", "\\|")
 
 
 def _bounds(prop: dict[str, Any]) -> str:
