@@ -58,6 +58,7 @@ from sim_fidelity import (  # noqa: E402
     TRACE,
     TTFT,
     bucketed,
+    closed_loops,
     connector,
     delta,
     draw,
@@ -65,7 +66,6 @@ from sim_fidelity import (  # noqa: E402
     prompt_ids,
     quantile,
     scrape,
-    timed_scrape,
     token_body,
 )
 
@@ -77,7 +77,7 @@ from fleetctl.sim.fleet import Server, simulate  # noqa: E402
 from fleetctl.sim.workload import WorkItem  # noqa: E402
 from fleetctl.vllm.metrics import Scrape, parse_metrics  # noqa: E402
 from harness.commands import route_serve_cmd  # noqa: E402
-from harness.load import exchange, open_loop  # noqa: E402
+from harness.load import open_loop  # noqa: E402
 from harness.pd_pair import start_pair  # noqa: E402
 from harness.procs import Proc, free_port  # noqa: E402
 from harness.ready import wait_status  # noqa: E402
@@ -105,43 +105,6 @@ def inventory(work: Path, env: Path) -> Path:
         f"    max_context: {MAX_MODEL_LEN}\n"
     )
     return path
-
-
-async def drive(
-    router: str, servers: list[str], pairs: list[tuple[int, int]], seed: int
-) -> list[list[Scrape]]:
-    """Closed loops through the router over `pairs` while each server's /metrics is read
-    every second: the scrapes per server."""
-    rng = random.Random(seed)
-    pages: list[list[Scrape]] = [[] for _ in servers]
-    async with aiohttp.ClientSession(connector=connector()) as session:
-        done = asyncio.Event()
-
-        async def reader() -> None:
-            while True:
-                for k, url in enumerate(servers):
-                    pages[k].append(await timed_scrape(session, url))
-                if done.is_set():
-                    return
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(done.wait(), 1.0)
-
-        task = asyncio.create_task(reader())
-        queue = list(pairs)
-        per_level = max(1, len(queue) // len(CALIBRATION_CONCURRENCY))
-        for conc in CALIBRATION_CONCURRENCY:
-            level = [queue.pop() for _ in range(min(per_level, len(queue)))]
-
-            async def worker(level: list[tuple[int, int]] = level) -> None:
-                while level:
-                    prompt, output = level.pop()
-                    body = token_body(prompt_ids(prompt, rng), output)
-                    await exchange(session, router + "/v1/completions", body, stream=False)
-
-            await asyncio.gather(*(worker() for _ in range(conc)))
-        done.set()
-        await task
-    return pages
 
 
 def calibrated(prior: EnginePerf, url: str, pages: list[Scrape]) -> tuple[EnginePerf, int, str]:
@@ -254,12 +217,19 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         with contextlib.suppress(PermissionError):
             os.nice(-10)  # the load generator's sends are the simulation's arrivals
         urls = [prefill.url, decode.url]
+        calib = draw(args.calibration_requests, args.seed + 1, TRACE)
+        failures: list[str] = []
         pages = asyncio.run(
-            drive(url, urls, draw(args.calibration_requests, args.seed + 1, TRACE), args.seed)
+            closed_loops(url, urls, calib, args.seed, CALIBRATION_CONCURRENCY, failures)
         )
         p_perf, p_kv, p_fit = calibrated(prior, prefill.url, pages[0])
         d_perf, d_kv, d_fit = calibrated(prior, decode.url, pages[1])
-        out["calibration"] = {"prefill": p_fit, "decode": d_fit, "kv_tokens": [p_kv, d_kv]}
+        out["calibration"] = {
+            "prefill": p_fit,
+            "decode": d_fit,
+            "kv_tokens": [p_kv, d_kv],
+            "failures": failures,
+        }
         servers = [
             Server("p", "p", "CPU-TEST", MODEL, "bf16", p_perf, p_kv, MAX_NUM_SEQS,
                    MAX_NUM_BATCHED_TOKENS, MAX_MODEL_LEN, block_size=CPU_BLOCK,

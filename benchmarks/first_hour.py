@@ -13,13 +13,9 @@ included.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import http.server
-import json
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -30,38 +26,11 @@ if str(REPO) not in sys.path:  # run as a script: the repository's packages
 from harness import tutorial  # noqa: E402
 from harness.results import header, out_dir  # noqa: E402
 
-SLICE = REPO / "tests" / "data" / "azure_conv_slice.csv"
-
 
 def timed(cmd: list[str], cwd: Path) -> float:
     started = time.monotonic()
     subprocess.run(cmd, cwd=cwd, check=True, capture_output=True)
     return time.monotonic() - started
-
-
-def serve_slice(root: Path) -> tuple[http.server.ThreadingHTTPServer, Path]:
-    """The Azure slice from 127.0.0.1, and a trace registry that points there."""
-    data = SLICE.read_bytes()
-    (root / SLICE.name).write_bytes(data)
-
-    class Quiet(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kw):  # type: ignore[no-untyped-def]
-            super().__init__(*args, directory=str(root), **kw)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    registry = root / "registry.json"
-    entry = {
-        "name": "azure-conv-2023",
-        "url": f"http://127.0.0.1:{server.server_address[1]}/{SLICE.name}",
-        "size": len(data),
-        "sha256": hashlib.sha256(data).hexdigest(),
-    }
-    registry.write_text(json.dumps([entry]))
-    return server, registry
 
 
 def main() -> None:
@@ -76,17 +45,12 @@ def main() -> None:
         clone = base / "fleetctl"
         venv_s = timed([sys.executable, "-m", "venv", ".venv"], clone)
         install_s = timed([str(clone / ".venv/bin/pip"), "install", "-q", "."], clone)
-        server, registry = serve_slice(base)
         work = base / "work"
         work.mkdir()
-        env = {
-            "PATH": f"{clone / '.venv/bin'}:/usr/bin:/bin",
-            "FLEETCTL_TRACE_REGISTRY": str(registry),
-            "FLEETCTL_CACHE": str(base / "cache"),
-        }
-        before = time.monotonic() - started
-        took = tutorial.run(work, out, env, page=clone / "docs" / "tutorial.md")
-        server.shutdown()
+        with tutorial.trace_mirror(base / "mirror") as mirror:
+            env = {"PATH": f"{clone / '.venv/bin'}:/usr/bin:/bin", **mirror}
+            before = time.monotonic() - started
+            took = tutorial.run(work, out, env, page=clone / "docs" / "tutorial.md")
     routed = before + took["first_routed_s"]
     lines = [
         *header(__file__, time.monotonic() - started),

@@ -177,23 +177,40 @@ async def calibrate(
     """Closed loops at rising concurrency over `pairs` (not streamed, as the replay sends
     them) while scraping /metrics every SCRAPE_EVERY_S; (scrapes, seconds). A request that fails is
     added to `failures`."""
-    rng = random.Random(seed)
-    scrapes: list[Scrape] = []
     started = time.monotonic()
+    pages = await closed_loops(url, [url], pairs, seed, CALIBRATION_CONCURRENCY, failures)
+    return pages[0], time.monotonic() - started
+
+
+async def closed_loops(
+    url: str,
+    servers: list[str],
+    pairs: list[tuple[int, int]],
+    seed: int,
+    levels: tuple[int, ...],
+    failures: list[str],
+) -> list[list[Scrape]]:
+    """Closed loops to `url` at each concurrency of `levels` in turn, an equal share of
+    `pairs` each, while every server's /metrics is read every SCRAPE_EVERY_S (and once more at
+    the end): the pages per server. A request that fails is added to `failures`."""
+    rng = random.Random(seed)
+    pages: list[list[Scrape]] = [[] for _ in servers]
     async with aiohttp.ClientSession(connector=connector()) as session:
         done = asyncio.Event()
 
         async def scraper() -> None:
-            while not done.is_set():
-                scrapes.append(await timed_scrape(session, url))
+            while True:
+                for k, server in enumerate(servers):
+                    pages[k].append(await timed_scrape(session, server))
+                if done.is_set():
+                    return
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(done.wait(), SCRAPE_EVERY_S)
-            scrapes.append(await timed_scrape(session, url))
 
         task = asyncio.create_task(scraper())
         queue = list(pairs)
-        per_level = max(1, len(queue) // len(CALIBRATION_CONCURRENCY))
-        for conc in CALIBRATION_CONCURRENCY:
+        per_level = max(1, len(queue) // len(levels))
+        for conc in levels:
             level = [queue.pop() for _ in range(min(per_level, len(queue)))]
 
             async def worker(level: list[tuple[int, int]] = level) -> None:
@@ -207,7 +224,7 @@ async def calibrate(
             await asyncio.gather(*(worker() for _ in range(conc)))
         done.set()
         await task
-    return scrapes, time.monotonic() - started
+    return pages
 
 
 async def replay(

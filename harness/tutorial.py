@@ -7,14 +7,20 @@ How the page is read:
   (`--port N`, `--listen HOST:N`) the next command waits until that port answers;
 - a ```text block after a shell block lists lines its output must hold, whitespace aside,
   any number standing for any number and `...` for anything;
-- the page's ports (8080, 8101, 8102) are replaced by free ones.
+- the page's ports (8080, 8101, 8102) are replaced by free ones;
+- `fleetctl traces get` downloads from `trace_mirror`, on 127.0.0.1, never the network.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import http.server
+import json
 import os
 import re
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,6 +31,7 @@ from .ready import first_answer
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "tutorial.md"
+SLICE = REPO / "tests" / "data" / "azure_conv_slice.csv"  # source: tests/data/README.md
 PAGE_PORTS = (8080, 8101, 8102)
 FENCE = re.compile(r"^```(\w*)([^\n]*)\n(.*?)^```", re.S | re.M)
 NUMBER = re.compile(r"\d[\d,.]*")
@@ -96,6 +103,38 @@ def pattern(line: str) -> re.Pattern[str]:
 def holds(output: str, line: str) -> bool:
     """Whether `output` has the page's `line` (see `pattern`)."""
     return pattern(line).search(" ".join(output.split())) is not None
+
+
+@contextlib.contextmanager
+def trace_mirror(root: Path) -> Iterator[dict[str, str]]:
+    """The Azure slice served from 127.0.0.1 as `azure-conv-2023`: the environment that points
+    `fleetctl traces` there (a registry entry with the slice's size and checksum) and at a
+    cache of its own under `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    data = SLICE.read_bytes()
+    (root / SLICE.name).write_bytes(data)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kw):  # type: ignore[no-untyped-def]
+            super().__init__(*args, directory=str(root), **kw)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    entry = {
+        "name": "azure-conv-2023",
+        "url": f"http://127.0.0.1:{server.server_address[1]}/{SLICE.name}",
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    registry = root / "registry.json"
+    registry.write_text(json.dumps([entry]))
+    try:
+        yield {"FLEETCTL_TRACE_REGISTRY": str(registry), "FLEETCTL_CACHE": str(root / "cache")}
+    finally:
+        server.shutdown()
 
 
 def run(

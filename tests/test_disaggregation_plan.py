@@ -162,10 +162,8 @@ def test_the_side_channel_ports_must_fit_and_not_collide(cli, tmp_path):
     assert "replacement server ports" in r.err
 
 
-def test_the_pools_rates_follow_the_model(catalog):
-    """Prefill-only servers take prompts at their compute speed, decode-only ones at the
-    batch their KV cache holds, and a colocated server within a TPOT objective less than
-    either: each prompt it takes stalls its decodes."""
+def a100_pool(catalog) -> Pool:  # type: ignore[no-untyped-def]
+    """One A100 80GB server of Llama-3 8B in BF16 on a 100 Gb RDMA network."""
     from fleetctl.model.perf import EnginePerf, kv_budget
 
     gpu, model, fmt = (
@@ -173,9 +171,16 @@ def test_the_pools_rates_follow_the_model(catalog):
         catalog.model("llama-3-8b"),
         catalog.format("bf16"),
     )
-    perf = EnginePerf(gpu, model, fmt)
     kv = kv_budget(gpu, model, fmt, gpu_memory_utilization=0.9).kv_tokens
-    pool = Pool(0, "A100", 1, perf, kv, 256, Link(100, True))
+    return Pool(0, "A100", 1, EnginePerf(gpu, model, fmt), kv, 256, Link(100, True))
+
+
+def test_the_pools_rates_follow_the_model(catalog):
+    """Prefill-only servers take prompts at their compute speed, decode-only ones at the
+    batch their KV cache holds, and a colocated server within a TPOT objective less than
+    either: each prompt it takes stalls its decodes."""
+    pool = a100_pool(catalog)
+    perf = pool.perf
     assert prefill_rate(pool, 3000) < prefill_rate(pool, 1000)
     assert decode_rate(pool, 1000, 300, 0.05) < decode_rate(pool, 1000, 300, None)
     small = Pool(0, "A100", 1, perf, 20_000, 256, Link(100, True))
@@ -227,17 +232,10 @@ def test_the_tpot_objective_is_held_at_its_tail_not_at_half_the_mean(catalog):
     its tail within the objective, and a slightly higher rate breaks it."""
     import math
 
-    from fleetctl.model.perf import EnginePerf, kv_budget
     from fleetctl.planner.disaggregate import TPOT_QUANTILE, poisson_quantile
 
-    gpu, model, fmt = (
-        catalog.gpu("A100-SXM4-80GB"),
-        catalog.model("llama-3-8b"),
-        catalog.format("bf16"),
-    )
-    perf = EnginePerf(gpu, model, fmt)
-    kv = kv_budget(gpu, model, fmt, gpu_memory_utilization=0.9).kv_tokens
-    pool = Pool(0, "A100", 1, perf, kv, 256, Link(100, True))
+    pool = a100_pool(catalog)
+    perf = pool.perf
     prompt, output, objective = 1155, 211, 0.05  # the Azure conversation trace's mean request
     t_prefill = perf.prefill_marginal(prompt)
     ctx = prompt + output / 2

@@ -47,27 +47,37 @@ def inline() -> list[tuple[str, str]]:
     return out
 
 
-def options_of(path: list[str]) -> tuple[set[str], bool]:
-    """The options the command at `path` takes, and whether it takes others too."""
-    cmd = typer.main.get_command(app)
+ROOT = typer.main.get_command(app)  # the click tree `fleetctl --help` prints
+
+
+def command_at(path: list[str]):  # type: ignore[no-untyped-def]
+    """The command `fleetctl PATH...`."""
+    cmd = ROOT
     for name in path:
         cmd = cmd.commands[name]  # type: ignore[attr-defined]
+    return cmd
+
+
+def options_of(path: list[str]) -> tuple[set[str], bool]:
+    """The options the command at `path` takes, and whether it takes others too."""
     if path == ["emulate"]:
         from fleetctl.emulator.args import _parser
 
         flags = {s for a in _parser()._actions for s in a.option_strings}
         return flags, True  # `vllm serve` flags are accepted (ignored with a warning)
-    flags = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")}
+    params = command_at(path).params
+    flags = {o for p in params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")}
     return flags | {"--help", "--debug"}, False
 
 
-def command_path(words: list[str]) -> list[str]:
-    """The subcommand names at the start of `words` (`traces get`, `profiles show`)."""
-    cmd = typer.main.get_command(app)
+def command_path(words: list[str], strict: bool = True) -> list[str]:
+    """The subcommand names at the start of `words` (`traces get`, `profiles show`); with
+    `strict`, a word where a subcommand must stand has to name one."""
+    cmd = ROOT
     path: list[str] = []
     for w in words:
         subs = getattr(cmd, "commands", None)
-        if not subs:
+        if not subs or (not strict and w not in subs):
             break
         assert w in subs, f"no command `fleetctl {' '.join([*path, w])}`"
         path.append(w)
@@ -85,20 +95,11 @@ def test_inline_command_names_real_options(page: str, span: str) -> None:
     """A span in prose or a table (`fleetctl plan INVENTORY [--json] ...`): its command
     exists and every --flag it names is that command's."""
     words = [w for w in re.split(r"[\s\[\]()|]+", span)[1:] if w]
-    cmd = typer.main.get_command(app)
-    path: list[str] = []
-    for w in words:
-        subs = getattr(cmd, "commands", None)
-        if not subs or w not in subs:
-            break
-        path.append(w)
-        cmd = subs[w]
+    path = command_path(words, strict=False)
     known, open_ended = options_of(path)
     # `profiles list | show NAME | import-hf-config ... --name X`: alternatives share a span
     parent = path[:-1]
-    siblings = typer.main.get_command(app)
-    for name in parent:
-        siblings = siblings.commands[name]  # type: ignore[attr-defined]
+    siblings = command_at(parent)
     for w in words:
         if parent and w != path[-1] and w in getattr(siblings, "commands", {}):
             known |= options_of([*parent, w])[0]

@@ -145,13 +145,12 @@ def colocated(
             return t
         # The tail: the prompts that arrive while a request decodes (Poisson over its
         # output x T seconds) each stall its steps by their prefill, on a batch that is
-        # itself at its quantile.
-        batch = poisson_quantile(rate * output * t, TPOT_QUANTILE)
-        if batch > most:
+        # itself at its quantile. Both count the arrivals over one decode (Little), so one
+        # quantile serves for both.
+        high = poisson_quantile(rate * output * t, TPOT_QUANTILE)
+        if high > most:
             return None
-        stalls = poisson_quantile(rate * output * t, TPOT_QUANTILE)
-        step = p.step_time(max(1, batch), max(1, batch) * ctx)
-        return step + stalls * t_prefill / output
+        return p.step_time(max(1, high), max(1, high) * ctx) + high * t_prefill / output
 
     lo, hi = 0.0, 1.0 / t_prefill
     for _ in range(50):  # the largest rate whose TPOT holds
@@ -178,11 +177,10 @@ def decode_rate(pool: Pool, prompt: int, output: int, tpot_s: float | None) -> f
     most = min(pool.max_num_seqs, max_sequences(pool.kv_tokens, prompt + output))
     best = 0.0
     for batch in range(1, most + 1):
-        high = min(most, poisson_quantile(batch, TPOT_QUANTILE)) if tpot_s is not None else batch
-        if tpot_s is not None and (
-            poisson_quantile(batch, TPOT_QUANTILE) > most or p.step_time(high, high * ctx) > tpot_s
-        ):
-            break
+        if tpot_s is not None:
+            high = poisson_quantile(batch, TPOT_QUANTILE)
+            if high > most or p.step_time(high, high * ctx) > tpot_s:
+                break
         best = max(best, batch / (output * p.step_time(batch, batch * ctx)))
     return best
 
