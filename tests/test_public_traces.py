@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -14,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from fleetctl.base.public_traces import BUILTIN, CACHE_ENV, REGISTRY_ENV
+from harness.procs import Proc
 from tests.conftest import REPO
 
 SLICE = REPO / "tests" / "data" / "azure_conv_slice.csv"
@@ -26,17 +31,29 @@ SHARED_NAMES = {
 
 
 class Server:
-    """A folder served on 127.0.0.1, and the paths asked for."""
+    """A folder served on 127.0.0.1, and the paths asked for. `/stall/NAME` sends the first
+    half of NAME and then holds the connection until `release` is set: a download caught
+    mid-way."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.asked: list[str] = []
+        self.release = threading.Event()
         server = self
 
         class Handler(SimpleHTTPRequestHandler):
             def do_GET(self) -> None:
                 server.asked.append(self.path)
-                super().do_GET()
+                if not self.path.startswith("/stall/"):
+                    super().do_GET()
+                    return
+                body = (server.folder / self.path.removeprefix("/stall/")).read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                server.release.wait(120)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -56,6 +73,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
     try:
         yield s
     finally:
+        s.release.set()
         s.httpd.shutdown()
         s.httpd.server_close()
 
@@ -94,7 +112,8 @@ def cache(tmp_path: Path, server: Server, monkeypatch: pytest.MonkeyPatch) -> Pa
 
 
 def cached_files(cache: Path) -> list[str]:
-    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+    """The cache's files but its lock (which writers share while they write)."""
+    return sorted(p.name for p in cache.iterdir() if p.name != ".lock") if cache.exists() else []
 
 
 def one_line_error(r) -> str:
@@ -239,3 +258,78 @@ def test_a_broken_registry_file_is_one_line(cli, cache, tmp_path, monkeypatch):
     assert "unknown field 'colour'" in one_line_error(cli("traces", "list"))
     bad.write_text(json.dumps([{"name": "x", "url": "http://127.0.0.1/x"}]))
     assert "a new trace needs" in one_line_error(cli("traces", "list"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("name", "./../../escaped3"), ("name", "../escaped"), ("file", "../../escaped.csv")],
+)
+def test_a_registry_name_that_leaves_the_cache_is_refused(
+    cli, cache, server, tmp_path, monkeypatch, field, value
+):
+    """A name or file name from the registry becomes a path in the cache: one that is not a
+    plain name is refused, naming the registry entry, before anything is downloaded or
+    written (the old code wrote `./../../escaped3` beside the cache, exit 0)."""
+    body = SLICE.read_bytes()
+    entry = {"name": "evil", "file": "evil.csv", "url": server.url + "/slice.csv"}
+    entry |= {"size": len(body), "sha256": sha(body), field: value}
+    registry = tmp_path / "evil.json"
+    registry.write_text(json.dumps({"traces": [entry]}))
+    monkeypatch.setenv(REGISTRY_ENV, str(registry))
+    before = sorted(tmp_path.rglob("*"))
+    for args in (("traces", "get", entry["name"]), ("traces", "list")):
+        err = one_line_error(cli(*args))
+        assert f"{registry}: traces[0].{field}: " in err and "not a valid name" in err, err
+    assert sorted(tmp_path.rglob("*")) == before
+    assert server.asked == []
+
+
+def stalled_download(cache: Path, server: Server, tmp_path: Path) -> tuple[Proc, Path]:
+    """`fleetctl traces get` in a process of its own, caught mid-download: its partial file is
+    in the cache and the server holds the rest back."""
+    body = SLICE.read_bytes()
+    entry = {"name": "slow", "file": "slow.csv", "url": server.url + "/stall/slice.csv"}
+    entry |= {"size": len(body), "sha256": sha(body)}
+    registry = tmp_path / "slow.json"
+    registry.write_text(json.dumps({"traces": [entry]}))
+    env = {REGISTRY_ENV: str(registry), CACHE_ENV: os.environ[CACHE_ENV]}
+    cmd = [sys.executable, "-m", "fleetctl", "traces", "get", "slow"]
+    before = set(cache.glob(".*.part"))
+    proc = Proc(f"traces-get-{len(server.asked)}", cmd, tmp_path, env=env, own_group=False)
+    end = time.monotonic() + 60
+    while not (parts := list(set(cache.glob(".*.part")) - before)):
+        assert proc.alive(), proc.tail()
+        assert time.monotonic() < end, "no partial file appeared"
+        time.sleep(0.02)
+    return proc, parts[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_download_stopped_by_a_signal_leaves_no_partial_file(cache, server, tmp_path, sig):
+    proc, part = stalled_download(cache, server, tmp_path)
+    proc.proc.send_signal(sig)
+    assert proc.proc.wait(60) in (128 + sig, 130), proc.tail()
+    assert "Traceback" not in proc.tail(), proc.tail()
+    assert not part.exists() and cached_files(cache) == [], cached_files(cache)
+
+
+def test_a_partial_file_of_a_killed_download_is_removed_by_the_next_run(
+    cli, cache, server, tmp_path
+):
+    """SIGKILL runs nothing in the process, so its partial file stays until the next command
+    that uses the cache finds its writer gone; a live writer's is left alone."""
+    proc, part = stalled_download(cache, server, tmp_path)
+    proc.proc.kill()
+    proc.proc.wait(60)
+    assert part.exists()  # nothing can run in a process killed so
+    live, live_part = stalled_download(cache, server, tmp_path)
+    try:
+        assert not part.exists()  # the second download's start removed the dead one's
+        assert cli("traces", "list").code == 0
+        assert live_part.exists()  # its writer is alive
+    finally:
+        live.proc.kill()
+        live.proc.wait(60)
+    r = cli("traces", "get", "azure-conv-2023")
+    assert r.code == 0, r.err
+    assert cached_files(cache) == ["azure-conv-2023.csv"]

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from fleetctl.base.errors import Location, UserError, did_you_mean, shown
+from fleetctl.base import names as check
+from fleetctl.base.errors import Location, UserError, did_you_mean, shown, what_and_fix
 
 # A JSON file of entries that replace built-in ones by name (any subset of their fields) or add
 # new ones (name, file, url, size and sha256 at least): a mirror's URLs, or a test's server.
@@ -113,12 +117,29 @@ def registry() -> dict[str, PublicTrace]:
         unknown = sorted(set(entry) - names)
         if unknown:
             raise UserError(f"unknown field {shown(unknown[0])}", at, f"use {sorted(names)}")
+        _check_path_parts(entry, path, i)
         try:
             base = known.get(entry["name"])
             known[entry["name"]] = replace(base, **entry) if base else PublicTrace(**entry)
         except TypeError:
             raise UserError("a new trace needs name, file, url, size and sha256", at, fix) from None
     return known
+
+
+def _check_path_parts(entry: dict[str, object], path: str, i: int) -> None:
+    """The name and the upstream file name make the cached file's name, so each must be a
+    name by the inventory's grammar: no separator, no '..', nothing that leaves the cache."""
+    for key in ("name", "file"):
+        if key not in entry:
+            continue
+        value = entry[key]
+        try:
+            if not isinstance(value, str):
+                raise ValueError(f"trace {key} {shown(value)} is not text | write a name")
+            check.name(value, f"trace {key}")
+        except ValueError as e:
+            what, fix = what_and_fix(e)
+            raise UserError(what, Location(path, path=f"traces[{i}].{key}"), fix) from None
 
 
 def cache_dir() -> Path:
@@ -130,7 +151,73 @@ def cache_dir() -> Path:
 
 
 def cached_path(trace: PublicTrace) -> Path:
-    return cache_dir() / trace.cache_name
+    folder = cache_dir()
+    path = folder / trace.cache_name
+    if path.parent != folder or trace.cache_name in (".", ".."):
+        # Every entry's names were checked when the registry was read; this keeps a trace
+        # made some other way from writing outside the cache too.
+        raise UserError(
+            f"trace {shown(trace.name)} would be cached outside the cache",
+            Location(str(folder)),
+            "name traces with letters, digits, '.', '_' and '-'",
+        )
+    return path
+
+
+# A download writes `.{cache name}.{pid}.{random}.part` beside its final path and renames it in
+# when its checksum matches. Each writer holds the cache's lock file shared while it writes, so
+# the first command that gets it exclusively knows every partial file there is a dead writer's
+# (SIGKILL, a power cut: nothing runs in the process to remove its own).
+_LOCK = ".lock"
+_PART = ".part"
+
+
+def partial_prefix(trace: PublicTrace) -> str:
+    """The start of a partial file's name for this process (mkstemp adds the rest)."""
+    return f".{trace.cache_name}.{os.getpid()}."
+
+
+@contextlib.contextmanager
+def cache_writer() -> Iterator[Path]:
+    """The cache folder, made and held for writing partial files: the dead writers' are
+    removed first, and this process's own are removed on the way out, however it goes
+    (an exception, or a signal turned into one)."""
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        _remove_dead_partials(fd, folder)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield folder
+    finally:
+        own = str(os.getpid())
+        for part in folder.glob(f".*{_PART}"):
+            if part.name.split(".")[-3:-2] == [own]:
+                part.unlink(missing_ok=True)
+        os.close(fd)  # releases the lock
+
+
+def clean_partials() -> None:
+    """Remove partial files left by dead writers, if the cache exists and is ours to write."""
+    folder = cache_dir()
+    try:
+        fd = os.open(folder / _LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return  # no cache yet, or a shared one this user only reads
+    try:
+        _remove_dead_partials(fd, folder)
+    finally:
+        os.close(fd)
+
+
+def _remove_dead_partials(fd: int, folder: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # a download is running; the next command after it cleans up
+    for part in folder.glob(f".*{_PART}"):
+        with contextlib.suppress(OSError):
+            part.unlink()
 
 
 def is_cached(trace: PublicTrace) -> bool:

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from fleetctl.base.errors import Location, UserError
 from fleetctl.base.progress import progress
-from fleetctl.base.public_traces import CACHE_ENV, PublicTrace, cached_path, is_cached
+from fleetctl.base.public_traces import (
+    CACHE_ENV,
+    PublicTrace,
+    cache_writer,
+    cached_path,
+    is_cached,
+    partial_prefix,
+)
 
 CHUNK = 1 << 20
 TIMEOUT_S = 60  # per read: a stalled server fails rather than hangs
@@ -88,27 +98,44 @@ def _install(trace: PublicTrace, chunks: Iterator[bytes], origin: str, show: boo
     it into place only if size and sha256 match, so a half-written or wrong file never counts
     as cached. Read errors are the caller's (its `chunks` raise them as UserErrors)."""
     final = cached_path(trace)
-    tmp = None
     try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{trace.cache_name}.", suffix=".part")
-        with os.fdopen(fd, "wb") as out:
-            done, digest = _write(trace, chunks, out, show)
-            out.flush()
-            os.fsync(out.fileno())
-        _check(trace, done, digest, origin)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from its other users
-        os.replace(tmp, final)
+        # The writer removes its partial file on the way out, a signal included (a killed
+        # one's is removed by the next writer).
+        with cache_writer() as folder, _signals_exit():
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=partial_prefix(trace), suffix=".part")
+            with os.fdopen(fd, "wb") as out:
+                done, digest = _write(trace, chunks, out, show)
+                out.flush()
+                os.fsync(out.fileno())
+            _check(trace, done, digest, origin)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from its other users
+            os.replace(tmp, final)
     except OSError as e:
         raise UserError(
             f"cannot write the trace cache: {e.strerror or e}",
             Location(str(final.parent)),
             f"free some space or fix its permissions, or set {CACHE_ENV} to another folder",
         ) from None
-    finally:
-        if tmp is not None and os.path.exists(tmp):
-            os.unlink(tmp)
     return final
+
+
+@contextlib.contextmanager
+def _signals_exit() -> Iterator[None]:
+    """SIGTERM and SIGHUP end the process by an exception (exit status 128 + the signal), so
+    that cleanups on the way out run: their default action ends it with none run."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; a signal still ends the process
+        return
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {sig: signal.signal(sig, leave) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def _write(

@@ -14,6 +14,7 @@ from fleetctl.base.public_traces import (
     PublicTrace,
     cache_dir,
     cached_path,
+    clean_partials,
     find,
     is_cached,
     registry,
@@ -38,6 +39,7 @@ def traces_list(as_json: bool = JsonOpt) -> None:
     --what-if, apply --gate) once `fleetctl traces get NAME` has cached it.
     """
     known = registry()
+    clean_partials()
     if as_json:
         print_json(
             {
