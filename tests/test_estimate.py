@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fleetctl.model.catalog import load_catalog
 from fleetctl.model.estimate import Settings, Workload, estimate
 from fleetctl.model.perf import kv_budget
@@ -128,6 +130,24 @@ def test_a_gpu_name_that_names_several_profiles_lists_them(cli):
     assert r.code == 2
     assert "did you mean one of 'A100-PCIE-80GB', 'A100-SXM4-40GB', 'A100-SXM4-80GB'?" in r.err
     assert "A10G" not in r.err
+
+
+@pytest.mark.parametrize(
+    ("option", "typed", "meant"),
+    [
+        ("--gpu", "H100", "one of 'H100-PCIE-80GB', 'H100-SXM-80GB'"),
+        ("--gpu", "H100-80GB", "one of 'H100-PCIE-80GB', 'H100-SXM-80GB'"),
+        ("--gpu", "4090", "'RTX-4090'"),
+        ("--gpu", "A10", "'A10G'"),
+        ("--format", "int4", "one of 'awq-int4', 'gptq-int4'"),
+        ("--format", "gptq", "'gptq-int4'"),
+    ],
+)
+def test_a_name_is_suggested_by_its_family_before_its_spelling(cli, option, typed, meant):
+    """`H100` means an H100, not the closer spelling H200; `int4` an int4 format, not int8."""
+    args = {"--gpu": "RTX-4090", "--model": "llama-3-8b", "--format": "bf16", option: typed}
+    r = cli("estimate", *[w for pair in args.items() for w in pair])
+    assert r.code == 2 and f"did you mean {meant}?" in r.err, r.err
 
 
 def test_unknown_profiles_name_the_fix(cli):

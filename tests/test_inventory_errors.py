@@ -115,6 +115,21 @@ CASES = [
         ["unknown GPU type 'RTX-4009'", "did you mean 'RTX-4090'"],
     ),
     (
+        "gpu-family-before-spelling",
+        bad("type: RTX-4090", "type: A100"),
+        8,
+        [
+            "unknown GPU type 'A100'",
+            "did you mean one of 'A100-PCIE-80GB', 'A100-SXM4-40GB', 'A100-SXM4-80GB'?",
+        ],
+    ),
+    (
+        "gpu-family-h100",
+        bad("type: RTX-4090", "type: H100"),
+        8,
+        ["unknown GPU type 'H100'", "did you mean one of 'H100-PCIE-80GB', 'H100-SXM-80GB'?"],
+    ),
+    (
         "unknown-model-profile",
         bad("profile: llama-3-8b", "profile: llama3-8b"),
         11,
@@ -125,6 +140,12 @@ CASES = [
         bad("bf16: {source", "bf61: {source"),
         13,
         ["unknown quantization format 'bf61'", "did you mean 'bf16'"],
+    ),
+    (
+        "format-family-before-spelling",
+        bad("bf16: {source", "int4: {source"),
+        13,
+        ["unknown quantization format 'int4'", "did you mean one of 'awq-int4', 'gptq-int4'?"],
     ),
     (
         "variant-no-source",

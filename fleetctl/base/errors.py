@@ -83,15 +83,32 @@ def did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str | None:
 
 
 def suggestion(word: str, choices: list[str] | tuple[str, ...], most: int = 4) -> str | None:
-    """ "did you mean ...?" for `word`: the names that contain it first (`A100` names every
-    A100 variant, where spelling closeness alone picks `A10G`), else the closest spelling."""
-    typed = word.strip().lower()
-    within = [c for c in choices if typed and typed in c.lower()] if len(typed) >= 2 else []
-    if len(within) == 1:
-        return f"did you mean '{within[0]}'?"
-    if within:
-        names = ", ".join(f"'{c}'" for c in sorted(within)[:most])
-        more = f" (and {len(within) - most} more)" if len(within) > most else ""
+    """ "did you mean ...?" for a profile's name: its family first, then the closest spelling.
+    Spelling alone picks `A10G` for `A100`, `H200` for `H100` and `int8` for `int4`; a name's
+    parts (`A100`, `SXM4`, `80GB`, `gptq`, `int4`) say what was meant. The family is every name
+    holding the typed word's first part (`A100`: the A100s; `int4`: awq-int4 and gptq-int4);
+    when each typed part is one of the family's, those sharing the most are named, else the
+    closest spelling within the family (`RTX-4009`: RTX-4090, not every RTX)."""
+    typed = _parts(word)
+    family = {c: set(p) for c in choices if typed and typed[0] in (p := _parts(c))}
+    if family and len(word) <= 100:
+        understood = set(typed) <= set().union(*family.values())
+        hint = None if understood else did_you_mean(word, list(family))
+        best = max(len(set(typed) & p) for p in family.values())
+        named = (
+            [hint] if hint else sorted(c for c, p in family.items() if len(set(typed) & p) == best)
+        )
+        if len(named) == 1:
+            return f"did you mean '{named[0]}'?"
+        names = ", ".join(f"'{c}'" for c in named[:most])
+        more = f" (and {len(named) - most} more)" if len(named) > most else ""
         return f"did you mean one of {names}{more}?"
     hint = did_you_mean(word, choices)
     return f"did you mean '{hint}'?" if hint else None
+
+
+def _parts(name: str) -> list[str]:
+    """A name's parts, lowercased: `A100-SXM4-80GB` is a100, sxm4, 80gb."""
+    import re
+
+    return [p for p in re.split(r"[^a-z0-9]+", name.lower()) if p]

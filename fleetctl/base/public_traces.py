@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from fleetctl.base import names as check
-from fleetctl.base.errors import Location, UserError, did_you_mean, shown, what_and_fix
+from fleetctl.base.errors import Location, UserError, shown, suggestion, what_and_fix
 
 # A JSON file of entries that replace built-in ones by name (any subset of their fields) or add
 # new ones (name, file, url, size and sha256 at least): a mirror's URLs, or a test's server.
@@ -234,9 +234,9 @@ def find(name: str) -> PublicTrace:
     known = registry()
     if name in known:
         return known[name]
-    hint = did_you_mean(name, list(known))
+    hint = suggestion(name, list(known))
     see = "see `fleetctl traces list`"
-    fix = f"did you mean {hint!r}? {see}" if hint else see
+    fix = f"{hint} {see}" if hint else see
     raise UserError(f"no public trace named {shown(name)}", None, fix)
 
 

@@ -76,7 +76,7 @@ def estimate(
     Exit code 3 when the model does not fit (vLLM would not start: its KV cache would not
     hold one sequence of max_model_len), as `plan` exits 3 for a model it cannot place; the
     answer then says which --tp, or which --format, fits instead."""
-    from fleetctl.base.errors import UserError, did_you_mean, shown, suggestion
+    from fleetctl.base.errors import UserError, shown, suggestion
     from fleetctl.model.catalog import load_catalog
     from fleetctl.model.estimate import Settings, Workload, fits_instead
     from fleetctl.model.estimate import estimate as run
@@ -92,11 +92,11 @@ def estimate(
             + "add one under gpus/ in a --profiles folder (see `fleetctl profiles list`)",
         )
     if model not in cat.models and not any(k.lower() == model.lower() for k in cat.models):
-        hint = did_you_mean(model, list(cat.models))
+        hint = suggestion(model, list(cat.models))
         raise UserError(
             f"no model profile named '{model}'",
             None,
-            (f"did you mean '{hint}'? " if hint else "")
+            (f"{hint} " if hint else "")
             + "make one with `fleetctl profiles import-hf-config config.json --name NAME`, "
             "then pass --profiles",
         )

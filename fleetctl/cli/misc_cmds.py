@@ -82,7 +82,7 @@ def profiles_show(
     ),
 ) -> None:
     """Show one profile (GPU, model or format) by name or alias, as JSON."""
-    from fleetctl.base.errors import UserError, did_you_mean
+    from fleetctl.base.errors import UserError, suggestion
     from fleetctl.model.catalog import load_catalog
 
     cat = load_catalog(profiles)
@@ -93,12 +93,8 @@ def profiles_show(
             if found:
                 break
     if found is None:
-        hint = did_you_mean(name, [*cat.gpus, *cat.models, *cat.formats])
-        raise UserError(
-            f"no profile named '{name}'",
-            None,
-            f"did you mean '{hint}'?" if hint else "see `fleetctl profiles list`",
-        )
+        hint = suggestion(name, [*cat.gpus, *cat.models, *cat.formats])
+        raise UserError(f"no profile named '{name}'", None, hint or "see `fleetctl profiles list`")
     print_json(found.model_dump())
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from fleetctl.base.errors import Location, UserError, did_you_mean, shown
+from fleetctl.base.errors import Location, UserError, shown, suggestion
 from fleetctl.base.resources import bundled
 from fleetctl.base.validation import Strict, validate
 from fleetctl.base.yamlsrc import load_yaml
@@ -291,9 +291,9 @@ def _norm(name: str) -> str:
 
 
 def _unknown(kind: str, name: str, known: list[str], where: Location | None, fix: str) -> UserError:
-    hint = did_you_mean(name, known)
+    hint = suggestion(name, known)
     if hint:
-        return UserError(f"unknown {kind} '{name}'", where, f"did you mean '{hint}'?")
+        return UserError(f"unknown {kind} '{name}'", where, hint)
     listed = ", ".join(sorted(known))
     return UserError(f"unknown {kind} '{name}'", where, f"use {fix}: {listed}")
 
