@@ -148,6 +148,30 @@ CASES = [
         ["unknown quantization format 'int4'", "did you mean one of 'awq-int4', 'gptq-int4'?"],
     ),
     (
+        "slo-key-in-another-unit",
+        bad("    workload:", "    slo: {ttft_p99_ms: 500}\n    workload:"),
+        15,
+        [
+            "models[0].slo.ttft_p99_ms: unknown key 'ttft_p99_ms'",
+            "did you mean 'ttft_p99_s' (seconds, not milliseconds)?",
+        ],
+    ),
+    (
+        "slo-key-in-another-unit-tpot",
+        bad("    workload:", "    slo:\n      tpot_p99_s: 0.05\n    workload:"),
+        16,
+        [
+            "models[0].slo.tpot_p99_s: unknown key 'tpot_p99_s'",
+            "did you mean 'tpot_p99_ms' (milliseconds, not seconds)?",
+        ],
+    ),
+    (
+        "slo-key-without-its-unit",
+        bad("    workload:", "    slo: {ttft_p99: 0.5}\n    workload:"),
+        15,
+        ["unknown key 'ttft_p99'", "did you mean 'ttft_p99_s' (seconds)?"],
+    ),
+    (
         "variant-no-source",
         bad("bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}", "bf16:"),
         13,

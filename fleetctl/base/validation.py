@@ -44,7 +44,8 @@ def to_user_error(
         # The misspelt key is the same mistake, and its line is the one to edit.
         errors = [err for err in errors if err is not misspelt]
         typo = _clean_loc(misspelt["loc"])[-1]
-        fix = f"found {shown(str(typo), 60)}: did you mean '{loc_field(first)}'?"
+        note = _unit_note(str(typo), loc_field(first))
+        fix = f"found {shown(str(typo), 60)}: did you mean '{loc_field(first)}'{note}?"
         # Where: the misspelt key's line, under the path of the mapping that misses the key.
         typo_at = src.at((*prefix, *_clean_loc(misspelt["loc"])))
         where = dataclasses.replace(typo_at, path=src.at(loc[:-1]).path)
@@ -83,6 +84,20 @@ def _close(typed: str, wanted: str) -> bool:
     return len(typed) >= 3 and wanted.lower().startswith(typed.lower())
 
 
+# A key's last part names its unit; a suggestion in another unit says so, since the value
+# written beside `ttft_p99_ms: 500` is 500 seconds once the key alone is corrected.
+_UNITS = {"s": "seconds", "ms": "milliseconds", "us": "microseconds"}
+
+
+def _unit_note(typed: str, hint: str) -> str:
+    """` (seconds)` or ` (seconds, not milliseconds)` when `hint`'s unit is not `typed`'s."""
+    unit = _UNITS.get(hint.rpartition("_")[2])
+    was = _UNITS.get(typed.rpartition("_")[2].lower())
+    if unit is None or unit == was:
+        return ""
+    return f" ({unit}, not {was})" if was else f" ({unit})"
+
+
 def _clean_loc(loc: tuple[Any, ...]) -> Path_:
     # Pydantic adds tagged-union and function-validator names to loc; keep only real keys.
     return tuple(
@@ -99,7 +114,7 @@ def describe(err: Any, cls: type[BaseModel], loc: Path_) -> tuple[str, str]:
         known = _known_keys(cls, loc[:-1])
         hint = did_you_mean(field, known) if known else None
         fix = (
-            f"did you mean '{hint}'?"
+            f"did you mean '{hint}'{_unit_note(field, hint)}?"
             if hint
             else (f"known keys: {', '.join(sorted(known))}" if known else "remove it")
         )
