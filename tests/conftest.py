@@ -87,3 +87,17 @@ def write(tmp_path: Path, text: str, name: str = "inventory.yaml") -> Path:
     p = tmp_path / name
     p.write_text(text)
     return p
+
+
+def record_the_plan_as_applied(inv, serial: int = 1, servers: bool = True) -> None:
+    """state.json beside `inv` as apply would leave it having started the plan (or, without
+    `servers`, having destroyed it)."""
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.fleet.state import State
+    from fleetctl.fleet.statedir import StateDir
+    from fleetctl.model.catalog import load_catalog
+    from fleetctl.planner import plan_fleet
+
+    loaded = load_inventory(inv, load_catalog())
+    deployments = plan_fleet(loaded).deployments if servers else ()
+    StateDir(inv.parent / ".fleetctl").save_state(State(serial, deployments))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from tests.conftest import REPO, write
+from tests.conftest import REPO, record_the_plan_as_applied, write
 
 DEPLOYMENT_KEYS = {
     "node",
@@ -430,6 +430,52 @@ def test_help_has_readable_metavars(cli):
         assert "list[" not in text and "<path>" not in text and "<float>" not in text, text
 
 
+ONE_MODEL = (
+    "models:\n  - {name: m, profile: llama-3-8b, max_context: 4096,\n"
+    "     variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}}\n"
+)
+
+
+@pytest.mark.parametrize("recorded", ["no state.json", "destroyed"])
+def test_status_of_a_fleet_never_applied_answers_from_state_without_ssh(
+    cli, tmp_path, monkeypatch, recorded
+):
+    """Nothing recorded, nothing to check: status says so at once and exits 0, where it used
+    to spend the connect timeout on every node. The node is a loopback port that listens and
+    is never accepted from, so a connection would wait in its backlog: none may."""
+    import socket
+    import time
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with socket.socket() as node:
+        node.bind(("127.0.0.1", 0))
+        node.listen(8)
+        inv = write(
+            tmp_path,
+            "ssh: {connect_timeout_s: 3}\n"
+            "apply: {secrets: [VLLM_API_KEY]}\n"
+            "nodes:\n"
+            f"  - {{name: n1, host: 127.0.0.1, port: {node.getsockname()[1]}, "
+            "gpus: {type: RTX-4090, count: 1}}\n" + ONE_MODEL,
+        )
+        if recorded == "destroyed":
+            record_the_plan_as_applied(inv, serial=2, servers=False)
+        start = time.monotonic()
+        r = cli("status", inv, "--known-hosts", tmp_path / "kh")
+        took = time.monotonic() - start
+        j = cli("status", inv, "--known-hosts", tmp_path / "kh", "--json")
+        node.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            node.accept()  # nothing connected
+    assert r.code == 0, r.out + r.err
+    text = " ".join(r.out.split())
+    assert "Nothing applied" in text and "no node was contacted" in text, text
+    assert f"Run `fleetctl apply {inv}` to start the plan" in text and took < 3, (text, took)
+    doc = json.loads(j.out)
+    assert j.code == 0 and doc["ok"] is True and doc["servers"] == [] and doc["nodes"] == 0
+    assert doc["applied"] is False and doc["serial"] == (2 if recorded == "destroyed" else 0)
+
+
 def test_status_and_destroy_ask_only_for_the_secrets_they_use(cli, tmp_path, monkeypatch):
     """HF_TOKEN is for starting servers: status and destroy go on without it (and reach the
     node or not: exit 1 here, on a loopback port nothing listens on), never exit 2 for it."""
@@ -445,8 +491,9 @@ def test_status_and_destroy_ask_only_for_the_secrets_they_use(cli, tmp_path, mon
         "apply: {secrets: [HF_TOKEN]}\n"
         "nodes:\n"
         f"  - {{name: rtx-1, host: 127.0.0.1, port: {port}, gpus: {{type: RTX-4090, count: 1}}}}\n"
-        "models: []\n",
+        + ONE_MODEL,
     )
+    record_the_plan_as_applied(inv)  # status asks the nodes only about servers recorded
     r = cli("apply", inv, "--yes", "--known-hosts", tmp_path / "kh")
     assert r.code == 2 and "the secret HF_TOKEN has no value" in r.err
     r = cli("status", inv, "--known-hosts", tmp_path / "kh")

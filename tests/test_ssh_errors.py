@@ -16,7 +16,7 @@ import pytest
 
 from fleetctl.fleet import ssh
 from fleetctl.fleet.ssh import NodeError, SshOptions, SshSession, Target
-from tests.conftest import REPO
+from tests.conftest import REPO, record_the_plan_as_applied
 
 CONNECT_TIMEOUT_S = 2
 NOISE = ("Traceback", "Exception (client)", "paramiko", "Error reading SSH protocol banner")
@@ -263,7 +263,9 @@ def fleetctl(home: Path, *args: object) -> tuple[subprocess.CompletedProcess[str
 @pytest.mark.parametrize("command", ["probe", "health", "status", "apply", "destroy"])
 def test_each_command_prints_one_line_per_broken_node(tmp_path, silent, garbage, refused, command):
     nodes = {"silent-1": silent.port, "garbage-1": garbage.port, "refused-1": refused}
-    inv = inventory(tmp_path, nodes, model=command == "apply")
+    inv = inventory(tmp_path, nodes, model=command in ("apply", "status"))
+    if command == "status":  # status asks the nodes only about servers recorded
+        record_the_plan_as_applied(inv)
     extra = ["--yes"] if command in ("apply", "destroy") else []
     p, took = fleetctl(tmp_path, command, inv, "--known-hosts", tmp_path / "known_hosts", *extra)
     both = p.stdout + p.stderr
@@ -316,11 +318,12 @@ def test_debug_shows_the_details(tmp_path, garbage):
 
 
 def test_status_of_a_fleet_it_could_not_reach_is_not_ok(tmp_path, refused, silent):
-    inv = inventory(tmp_path, {"rtx-1": refused, "rtx-2": silent.port})
+    inv = inventory(tmp_path, {"rtx-1": refused, "rtx-2": silent.port}, model=True)
+    record_the_plan_as_applied(inv)  # status asks the nodes only about servers recorded
     p, _ = fleetctl(tmp_path, "status", inv, "--known-hosts", tmp_path / "known_hosts", "--json")
     assert p.returncode == 1, p.stdout + p.stderr
     doc = json.loads(p.stdout)
-    assert doc["ok"] is False and doc["servers"] == []
+    assert doc["ok"] is False and {s["condition"] for s in doc["servers"]} == {"unreachable"}
     assert [u["node"] for u in doc["unreachable"]] == ["rtx-1", "rtx-2"]
     assert [u["kind"] for u in doc["unreachable"]] == ["unreachable", "timeout"]
 

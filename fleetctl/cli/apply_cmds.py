@@ -161,6 +161,9 @@ def status(
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
     sdir = common.state_dir(inv, state_dir)
     state = sdir.load_state()
+    if not state.deployments:
+        _nothing_recorded(inventory, sdir.state_path, state, as_json)
+        return
     engines = server_engines(inv, state, sdir.load_calibration())
     # The servers' /v1/models takes the API key when they have one; no other secret is used.
     opts = options(inv, c, secrets_file, needs=("VLLM_API_KEY",))
@@ -194,6 +197,23 @@ def status(
         console.print(f"{plural(len(rows), 'server')}, state serial {summary['serial']}.")
     if not good:
         raise typer.Exit(1)
+
+
+def _nothing_recorded(inventory: str, path: Path, state: State, as_json: bool) -> None:
+    """Status checks what apply recorded: with nothing recorded there is nothing to ask a node,
+    and asking every node of a fleet never applied spent its connect timeout on each."""
+    if as_json:
+        print_json(
+            {"ok": True, "applied": False, "serial": state.serial, "servers": [], "nodes": 0}
+            | {"unreachable": []}
+        )
+        return
+    since = "yet" if state.serial == 0 else f"(state serial {state.serial}: destroyed)"
+    common.console().print(
+        f"Nothing applied {since}: {path} records no servers, so no node was contacted. "
+        f"Run `fleetctl apply {inventory}` to start the plan.",
+        markup=False,
+    )
 
 
 def server_engines(
