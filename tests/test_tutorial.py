@@ -11,6 +11,7 @@ is measured (benchmarks/first_hour.py), not tested.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,39 @@ def test_the_page_has_its_steps() -> None:
     found = tutorial.steps(tutorial.PAGE.read_text())
     assert len(found) >= 8, "the tutorial lost its steps"
     assert any(s.expect for s in found)
+
+
+def test_the_page_names_its_one_network_step() -> None:
+    """The page promised "no network" while step 8 downloaded a trace: the introduction names
+    each step that downloads, and that step says how to do without (`--from FILE`)."""
+    page = tutorial.PAGE.read_text()
+    intro = page.split("\n## 1.")[0]
+    sections = re.split(r"^## (?=\d+\. )", page, flags=re.M)[1:]
+    downloading = [
+        sec
+        for sec in sections
+        if re.search(r"traces get \S+$", sec, re.M)  # not --from
+    ]
+    assert downloading, "the page no longer downloads: drop this test's premise"
+    for sec in downloading:
+        number = sec.split(".")[0]
+        assert f"step {number}" in intro and "network" in intro, intro
+        prose = re.sub(r"^```.*?^```", "", sec, flags=re.S | re.M)
+        assert "--from FILE" in prose, sec
+
+
+def test_every_server_the_page_starts_logs_to_a_file() -> None:
+    """The emulators' and the router's access logs (several lines a second each) would bury
+    the page's own output in the reader's terminal: each goes to a file."""
+    started = [
+        cmd
+        for step in tutorial.steps(tutorial.PAGE.read_text())
+        for cmd in tutorial.commands(step.script)
+        if cmd.rstrip().endswith("&") and re.search(r"fleetctl (emulate|route-serve)", cmd)
+    ]
+    assert len(started) == 3, started
+    for cmd in started:
+        assert re.search(r"> ?\S+\.log 2>&1 &$", cmd.rstrip()), cmd
 
 
 @pytest.fixture
