@@ -330,6 +330,38 @@ def test_vllm_args_pin_the_plan(catalog):
 
 
 @pytest.mark.parametrize(
+    ("planner", "pinned"),
+    [
+        ("", {"A100-SXM4-80GB": 2048, "RTX-4090": 2048, "H100-SXM-80GB": 8192}),
+        (
+            "planner: {max_num_batched_tokens: 4096}\n",
+            {"A100-SXM4-80GB": 4096, "RTX-4090": 4096, "H100-SXM-80GB": 4096},
+        ),
+    ],
+)
+def test_max_num_batched_tokens_is_vllms_default_unless_the_planner_sets_it(
+    tmp_path, catalog, planner, pinned
+):
+    """What the inventory reference and the schema say: unset, each server gets vLLM 0.32's
+    own default for its GPU (2048 below 70 GiB and on Ampere, 8192 on an H100); set, every
+    server gets it (vLLM's flag is refused in vllm_args, naming this field)."""
+    text = (
+        "nodes:\n"
+        "  - {name: a100-1, host: 10.0.1.1, gpus: {type: A100-SXM4-80GB}}\n"
+        "  - {name: rtx-1, host: 10.0.1.2, gpus: {type: RTX-4090}}\n"
+        "  - {name: h100-1, host: 10.0.1.3, gpus: {type: H100-SXM-80GB}}\n"
+        "models:\n  - {name: m, profile: llama-3-8b, max_context: 4096, min_replicas: 3,\n"
+        "     variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}}\n"
+    )
+    plan = plan_text(tmp_path, catalog, planner + text)
+    got = {}
+    for d in plan.deployments:
+        args = list(d.vllm_args)
+        got[d.gpu_type] = int(args[args.index("--max-num-batched-tokens") + 1])
+    assert got == pinned
+
+
+@pytest.mark.parametrize(
     ("gpus", "sizes", "count"),
     [(1, [1], 1), (2, [1, 2], 2), (8, [1, 2, 4, 8], 10), (6, [1, 2, 4], 6)],
 )

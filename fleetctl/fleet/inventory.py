@@ -269,7 +269,14 @@ class PlannerSpec(Strict):
     # Every port a plan may use, the surge port (+1000) of the last GPU included, must be
     # at most 65535: checked against the largest node in _check_ports.
     port_base: int = Field(8000, ge=1024, le=65535 - SURGE_PORT_OFFSET)
-    max_num_batched_tokens: int = Field(8192, ge=256, le=MAX_TOKENS)
+    # The tokens a step carries (vLLM's --max-num-batched-tokens) on every server.
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=256,
+        le=MAX_TOKENS,
+        description="null: the vLLM release's default for each GPU (vllm/release.py; with "
+        "0.32, 2048 on an A100 or RTX 4090, 8192 on an H100)",
+    )
     enforce_eager: bool = False
     # throughput: share spare GPUs out among the models; cost: the cheapest GPUs that meet
     # every workload (needs every node's price). `plan --objective` overrides it.

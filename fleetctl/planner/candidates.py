@@ -167,6 +167,7 @@ def evaluate(
     version = inv.spec.apply.vllm_version
     max_len = max_len or model.spec.max_context
     tokens, seqs = vllm_batch_defaults(cls.gpu, version, max_len)
+    tokens = planner.max_num_batched_tokens or tokens
     budget = kv_budget(
         cls.gpu,
         model.profile,
