@@ -1,30 +1,67 @@
-"""MkDocs hook: pages generated from the code itself, so they cannot drift from it.
+"""Reference pages generated from the code itself, committed, and checked so they cannot drift.
 
-A page holds a marker line and the build replaces it: `<!-- generated: cli -->` with every
-command's `--help` (from the typer app), `<!-- generated: inventory-schema -->` with the
-inventory's fields (from its pydantic models, the ones `validate` checks against),
-`<!-- generated: traces -->` with the public traces `fleetctl traces` knows.
+A page holds a region per generated part, between `<!-- generated: NAME -->` and
+`<!-- end generated: NAME -->`: `cli` is every command's `--help` (from the typer app),
+`inventory-schema` the inventory's fields (from its pydantic models, the ones `validate`
+checks against), `traces` the public traces `fleetctl traces` knows. The regions are
+committed so the pages read whole in the repository; `python docs/hooks/generated.py`
+rewrites them from the code, `--check` says which differ (tests/test_docs_reference.py runs
+it), and as an MkDocs hook it fills them again at every build.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import typer
 
 WIDTH = 100
+DOCS = Path(__file__).resolve().parent.parent
+REGION = re.compile(r"<!-- generated: ([\w-]+) -->(?:\n.*?<!-- end generated: \1 -->)?", re.S)
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:
-    if "<!-- generated: cli -->" in markdown:
-        markdown = markdown.replace("<!-- generated: cli -->", cli_reference())
-    if "<!-- generated: inventory-schema -->" in markdown:
-        markdown = markdown.replace("<!-- generated: inventory-schema -->", inventory_schema())
-    if "<!-- generated: traces -->" in markdown:
-        markdown = markdown.replace("<!-- generated: traces -->", traces_table())
-    return markdown
+    return fill(markdown)
+
+
+def fill(markdown: str) -> str:
+    """`markdown` with each generated region holding what the code gives now."""
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group(1)
+        return f"<!-- generated: {name} -->\n{PARTS[name]()}\n<!-- end generated: {name} -->"
+
+    return REGION.sub(one, markdown)
+
+
+def pages() -> list[Path]:
+    """The docs pages that hold a generated region."""
+    return [p for p in sorted(DOCS.rglob("*.md")) if REGION.search(p.read_text(encoding="utf-8"))]
+
+
+def main(argv: list[str]) -> int:
+    """Rewrite the pages' generated regions; with --check, only name the pages that differ."""
+    check = "--check" in argv
+    stale = []
+    for page in pages():
+        text = page.read_text(encoding="utf-8")
+        fresh = fill(text)
+        if fresh != text:
+            stale.append(page)
+            if not check:
+                page.write_text(fresh, encoding="utf-8")
+    for page in stale:
+        verb = "differs from the code" if check else "rewritten"
+        print(f"{page.relative_to(DOCS.parent)}: {verb}", file=sys.stderr)
+    if check and stale:
+        print("run `python docs/hooks/generated.py` and commit the pages", file=sys.stderr)
+    return 1 if check and stale else 0
 
 
 def traces_table() -> str:
@@ -92,7 +129,8 @@ def inventory_schema() -> str:
         required = set(spec.get("required", []))
         for field, prop in spec.get("properties", {}).items():
             need = "required" if field in required else f"`{_default(prop)}`"
-            out.append(f"| `{field}` | {_type(prop)} | {need} | {_bounds(prop)} |")
+            bounds = "; ".join(b for b in (_bounds(prop), prop.get("description", "")) if b)
+            out.append(f"| `{field}` | {_type(prop)} | {need} | {bounds} |")
         out.append("")
     return "\n".join(out)
 
@@ -144,3 +182,14 @@ def _bounds(prop: dict[str, Any]) -> str:
     for sub in prop.get("anyOf", []):
         found += [b for b in [_bounds(sub)] if b]
     return ", ".join(found)
+
+
+PARTS: dict[str, Callable[[], str]] = {
+    "cli": cli_reference,
+    "inventory-schema": inventory_schema,
+    "traces": traces_table,
+}
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(DOCS.parent))  # this checkout's fleetctl, not an installed one
+    sys.exit(main(sys.argv[1:]))

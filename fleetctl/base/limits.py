@@ -35,6 +35,7 @@ MAX_MODELS = 1_000
 MAX_NAME = 63  # node, label and variant names: one DNS label
 MAX_MODEL_NAME = 128
 MAX_HOST = 253  # a DNS name
+MAX_USER = 64  # a login name
 MAX_TEXT = 4096  # any other string field (paths, sources, env values, vllm_args items)
 SHOWN = 80  # characters of a bad value quoted back in an error
 

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from fleetctl.base.errors import shown, what_and_fix
-from fleetctl.base.limits import MAX_HOST, MAX_MODEL_NAME, MAX_NAME, MAX_TEXT
+from fleetctl.base.limits import MAX_HOST, MAX_MODEL_NAME, MAX_NAME, MAX_TEXT, MAX_USER
 
 _NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?")
 # Served model names keep ':' and '/' ("meta-llama/Llama-3.1-8B-Instruct" is what clients send).
@@ -106,7 +106,7 @@ def host(value: str) -> str:
 
 def user(value: str) -> str:
     """A login name on the node."""
-    if len(value) > 64 or not _USER.fullmatch(value):
+    if len(value) > MAX_USER or not _USER.fullmatch(value):
         raise ValueError(
             f"user {shown(value)} is not a login name | use letters, digits, '.', '_' and '-'"
         )

@@ -21,6 +21,7 @@ from fleetctl.base.errors import UserError, shown, what_and_fix
 from fleetctl.base.limits import (
     MAX_CONNECT_TIMEOUT_S,
     MAX_GPUS,
+    MAX_HOST,
     MAX_MODEL_NAME,
     MAX_MODELS,
     MAX_NAME,
@@ -30,6 +31,7 @@ from fleetctl.base.limits import (
     MAX_REPLICAS,
     MAX_TIMEOUT_S,
     MAX_TOKENS,
+    MAX_USER,
     SURGE_PORT_OFFSET,
 )
 from fleetctl.base.text import plural
@@ -58,7 +60,13 @@ def _variant(key: str) -> str:
     return names.name(key, "variant")
 
 
-User = Annotated[str, AfterValidator(names.user)]
+def _schema_max(length: int, description: str | None = None) -> Any:
+    """The longest value a validator of base/names.py takes, as the schema (and so the
+    generated reference) shows it: the schema alone would say the bound of any text."""
+    return Field(json_schema_extra={"maxLength": length}, description=description)
+
+
+User = Annotated[str, AfterValidator(names.user), _schema_max(MAX_USER)]
 Labels = dict[
     Annotated[str, AfterValidator(lambda v: names.name(v, "label"))],
     Annotated[str, AfterValidator(lambda v: names.name(v, "label value"))],
@@ -93,8 +101,11 @@ class NetworkSpec(Strict):
 
 
 class NodeSpec(Strict):
-    name: str = Field(min_length=1)  # a name or a range, checked once expanded
-    host: str | None = None
+    # A name or a range, checked once expanded; a host likewise.
+    name: Annotated[
+        str, Field(min_length=1), _schema_max(MAX_NAME, "each name once a range is expanded")
+    ]
+    host: Annotated[str, _schema_max(MAX_HOST)] | None = None
     port: int | None = Field(None, ge=1, le=65535)
     user: User | None = None
     gpus: GpuSpec
@@ -157,7 +168,7 @@ def _on_off(value: Any) -> Any:
 
 
 class ModelSpec(Strict):
-    name: Annotated[str, AfterValidator(names.model_name)]
+    name: Annotated[str, AfterValidator(names.model_name), _schema_max(MAX_MODEL_NAME)]
     profile: str = Field(min_length=1, max_length=MAX_MODEL_NAME)
     variants: dict[Annotated[str, AfterValidator(_variant)], VariantSpec | None] = Field(
         min_length=1
