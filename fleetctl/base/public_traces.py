@@ -184,7 +184,8 @@ def cache_writer() -> Iterator[Path]:
     (an exception, or a signal turned into one)."""
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / _LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    # Read-only: flock needs no write access, so one user's lock file serves all of a shared cache.
+    fd = os.open(folder / _LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         _remove_dead_partials(fd, folder)
         fcntl.flock(fd, fcntl.LOCK_SH)
@@ -201,9 +202,9 @@ def clean_partials() -> None:
     """Remove partial files left by dead writers, if the cache exists and is ours to write."""
     folder = cache_dir()
     try:
-        fd = os.open(folder / _LOCK, os.O_RDWR | os.O_CLOEXEC)
+        fd = os.open(folder / _LOCK, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return  # no cache yet, or a shared one this user only reads
+        return  # no cache yet
     try:
         _remove_dead_partials(fd, folder)
     finally:

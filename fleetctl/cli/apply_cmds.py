@@ -182,7 +182,7 @@ def status(
                     "perf": engine.figures() if engine else None,
                 }
             )
-        print_json({"ok": good, **summary, "servers": servers})
+        print_json({"ok": good, "applied": True, **summary, "servers": servers})
     else:
         from fleetctl.base.text import plural
         from fleetctl.cli.render import status_table
