@@ -139,6 +139,7 @@ def test_a_gpu_name_that_names_several_profiles_lists_them(cli):
         ("--gpu", "H100-80GB", "one of 'H100-PCIE-80GB', 'H100-SXM-80GB'"),
         ("--gpu", "4090", "'RTX-4090'"),
         ("--gpu", "A10", "'A10G'"),
+        ("--gpu", "NVIDIA A100", "one of 'A100-PCIE-80GB', 'A100-SXM4-40GB', 'A100-SXM4-80GB'"),
         ("--format", "int4", "one of 'awq-int4', 'gptq-int4'"),
         ("--format", "gptq", "'gptq-int4'"),
     ],

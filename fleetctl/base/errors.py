@@ -86,12 +86,15 @@ def suggestion(word: str, choices: list[str] | tuple[str, ...], most: int = 4) -
     """ "did you mean ...?" for a profile's name: its family first, then the closest spelling.
     Spelling alone picks `A10G` for `A100`, `H200` for `H100` and `int8` for `int4`; a name's
     parts (`A100`, `SXM4`, `80GB`, `gptq`, `int4`) say what was meant. The family is every name
-    holding the typed word's first part (`A100`: the A100s; `int4`: awq-int4 and gptq-int4);
-    when each typed part is one of the family's, those sharing the most are named, else the
-    closest spelling within the family (`RTX-4009`: RTX-4090, not every RTX)."""
-    typed = _parts(word)
-    family = {c: set(p) for c in choices if typed and typed[0] in (p := _parts(c))}
-    if family and len(word) <= 100:
+    holding the first typed part that any name holds (`A100`: the A100s; `int4`: awq-int4 and
+    gptq-int4; `NVIDIA A100`: the A100s); when each typed part is one of the family's, those
+    sharing the most are named, else the closest spelling within the family (`RTX-4009`:
+    RTX-4090, not every RTX), else the family."""
+    typed = _parts(word) if len(word) <= 100 else []  # nothing that long is a name's typo
+    parts = {c: set(_parts(c)) for c in choices}
+    key = next((p for p in typed if any(p in ps for ps in parts.values())), None)
+    family = {c: ps for c, ps in parts.items() if key in ps}
+    if family:
         understood = set(typed) <= set().union(*family.values())
         hint = None if understood else did_you_mean(word, list(family))
         best = max(len(set(typed) & p) for p in family.values())
