@@ -37,6 +37,7 @@ from fleetctl.routing.prefix import PrefixIndex
 from fleetctl.routing.registry import make_policy, policy_class
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
 from fleetctl.routing.scheduler import Aging, Scheduler
+from fleetctl.routing.sessions import SESSIONS_MAX, SessionTable
 from fleetctl.routing.types import Backend, OutputEstimator, Request
 
 log = logging.getLogger("fleetctl.router")
@@ -92,19 +93,20 @@ def routing_core(
     kv_events: bool = False,
     shared: RedisShared | None = None,
     seed: int = 0,
+    max_sessions: int = SESSIONS_MAX,
 ) -> Scheduler:
     """The scheduler and the policy `policy` for `backends` servers, each built with what it
     needs: a prefix index of `prefix_capacity` blocks when the policy reads one and keeps
-    none of its own (fed by placements, or by the servers' KV events), and with `shared`,
-    the session pins and the TTFT window every replica keeps in Redis."""
+    none of its own (fed by placements, or by the servers' KV events), session pins for the
+    `max_sessions` sessions used last, and with `shared`, the session pins (bounded by its
+    own table) and the TTFT window every replica keeps in Redis."""
     declared = policy_class(policy)
     prefix = None
     if declared.reads_prefix and not declared.own_index and prefix_capacity > 0:
         prefix = SharedIndex(per_backend(prefix_capacity, backends), learn=not kv_events)
     aging = aging or Aging()
-    chosen = make_policy(
-        policy, seed, config, prefix, shared.sessions if shared is not None else None
-    )
+    sessions = shared.sessions if shared is not None else SessionTable(max_sessions)
+    chosen = make_policy(policy, seed, config, prefix, sessions)
     window = shared.ttft_window(aging.window_s) if shared is not None else None
     return Scheduler(chosen, aging, ttft_window=window)
 
@@ -535,6 +537,9 @@ class Router:
         if self.prefix is not None:
             for b in self.backends:
                 self.metrics.prefix_blocks.set(b.name, value=self.prefix.size(b.name))
+        sessions = getattr(self.policy, "sessions", None)
+        if isinstance(sessions, SessionTable):
+            self.metrics.session_pins.set(value=len(sessions.pins))
         if self.prefix_share is not None:
             share = self.prefix_share
             for direction, n in (

@@ -36,6 +36,7 @@ from fleetctl.model.catalog import Catalog
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
+from fleetctl.routing.sessions import SESSIONS_MAX
 from fleetctl.routing.types import Backend, OutputEstimator
 
 log = logging.getLogger("fleetctl.router")
@@ -127,6 +128,7 @@ def build_router(
     kv_events: dict[str, str | KvEndpoint] | None = None,
     use_kv_events: bool | None = None,
     request_log: bool | None = None,
+    max_sessions: int = SESSIONS_MAX,
 ) -> Router:
     """The daemon for an inventory. `prefix_capacity` bounds the prefix index (blocks over
     all backends, least recently used first out; 0: no index) that Router gives a policy
@@ -136,7 +138,8 @@ def build_router(
     `use_kv_events` (None: the inventory's router.prefix_cache.kv_events) takes them from
     the flags `fleetctl apply` started each server with (kv_sources). `request_log` (None: the
     inventory's router.request_log.enabled) keeps the log of finished requests in the state
-    folder's requests/ (daemon/request_log.py)."""
+    folder's requests/ (daemon/request_log.py). `max_sessions` bounds the session pins held in
+    memory (least recently used first out)."""
     if policy not in policy_names():
         raise UserError(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
@@ -166,7 +169,7 @@ def build_router(
             )
         from fleetctl.daemon.shared import RedisShared
 
-        shared = RedisShared(session_store)
+        shared = RedisShared(session_store, max_sessions=max_sessions)
     routing = RoutingConfig.of(inv)
     sched = routing_core(
         policy,
@@ -176,6 +179,7 @@ def build_router(
         prefix_capacity=prefix_capacity,
         kv_events=bool(kv_events),
         shared=shared,
+        max_sessions=max_sessions,
     )
     # A variant whose source is a local folder lends the router its tokenizer.
     local = {
