@@ -91,10 +91,13 @@ def stop_signals(on_first: asyncio.Event, on_second: asyncio.Event) -> None:
 
 
 async def start(
-    app: web.Application, socks: list[socket.socket], **runner_options: Any
+    app: web.Application,
+    socks: list[socket.socket],
+    runner_class: type[web.AppRunner] = web.AppRunner,
+    **runner_options: Any,
 ) -> web.AppRunner:
     """`app` served on `socks` (its on_startup hooks run before the first request)."""
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CUT_S, **runner_options)
+    runner = runner_class(app, handle_signals=False, shutdown_timeout=CUT_S, **runner_options)
     await runner.setup()
     for s in socks:
         await web.SockSite(runner, s, backlog=BACKLOG).start()

@@ -23,6 +23,7 @@ from aiohttp.abc import AbstractAccessLogger
 from fleetctl.base import names
 from fleetctl.base.errors import Location, UserError
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
+from fleetctl.daemon.intake import JsonErrorRunner
 from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
 from fleetctl.daemon.live import LiveState
 from fleetctl.daemon.proxy import SERVED_BY
@@ -433,6 +434,7 @@ async def _run(app: web.Application, socks: list[socket.socket], config: DaemonC
     runner = await start(
         app,
         socks,
+        JsonErrorRunner,
         access_log_class=AccessLog,
         access_log_format=ACCESS_LOG_FORMAT,
         **server_options(config),
