@@ -16,6 +16,7 @@ import errno
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -104,15 +105,23 @@ async def start(
     return runner
 
 
-async def stop(runner: web.AppRunner, drain_s: float, cut: asyncio.Event) -> None:
+async def stop(
+    runner: web.AppRunner,
+    drain_s: float,
+    cut: asyncio.Event,
+    on_cut: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """Stop accepting, close idle connections, wait up to `drain_s` (or until `cut` is set)
-    for requests in flight, then cut the rest and run the app's cleanup."""
+    for requests in flight, then cut the rest (`on_cut` first, which may end them in words
+    their clients understand) and run the app's cleanup."""
     for site in list(runner.sites):
         await site.stop()
     server = runner.server
     if server is not None:
         server.pre_shutdown()  # idle keep-alive connections close now; busy ones after
         await _drained(server, drain_s, cut)
+        if on_cut is not None and busy(server):
+            await on_cut()
     await runner.cleanup()
 
 

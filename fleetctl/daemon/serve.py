@@ -27,7 +27,7 @@ from fleetctl.daemon.intake import JsonErrorRunner
 from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
 from fleetctl.daemon.live import LiveState
 from fleetctl.daemon.proxy import SERVED_BY
-from fleetctl.daemon.relay import header_value
+from fleetctl.daemon.relay import CUT, header_value
 from fleetctl.daemon.request_log import MB, RequestLog
 from fleetctl.daemon.router import PREFIX_CAPACITY, DaemonConfig, Router, routing_core
 from fleetctl.daemon.tokens import TokenCounter
@@ -67,7 +67,8 @@ def _where(url: str, node_class: str) -> tuple[str, str]:
 class AccessLog(AbstractAccessLogger):
     """The line aiohttp's AccessLogger writes for ACCESS_LOG_FORMAT, and where it went, e.g.
     `127.0.0.1 "POST /v1/completions HTTP/1.1" 200 512 0.001234s backend=rtx-3:8000
-    class=RTX-4090/awq-int4` (`-` for a request no backend saw), built by one format string
+    class=RTX-4090/awq-int4` (`-` for a request no backend saw; ` cut` ends the line of a
+    request cut at the drain's end), built by one format string
     instead of a list of per-field methods and an `extra` dict nobody reads (the handler's
     format is the message alone). It runs once per request."""
 
@@ -75,7 +76,7 @@ class AccessLog(AbstractAccessLogger):
         v = request.version
         backend, node_class = served_by(request.get(SERVED_BY))
         self.logger.info(
-            '%s "%s %s HTTP/%d.%d" %d %d %06fs backend=%s class=%s',
+            '%s "%s %s HTTP/%d.%d" %d %d %06fs backend=%s class=%s%s',
             request.remote or "-",
             request.method,
             request.path_qs,
@@ -86,6 +87,7 @@ class AccessLog(AbstractAccessLogger):
             time,
             backend,
             node_class,
+            " cut" if request.get(CUT) else "",
         )
 
     @property
@@ -424,11 +426,13 @@ def _serve_one(
         router.policy.name,
         "" if router.worker is None else f" (worker {router.worker}, pid {os.getpid()})",
     )
-    asyncio.run(_run(app, socks, router.config))
+    asyncio.run(_run(app, socks, router))
 
 
-async def _run(app: web.Application, socks: list[socket.socket], config: DaemonConfig) -> None:
-    """Serve `app` on `socks` until a signal; then drain (listen.py)."""
+async def _run(app: web.Application, socks: list[socket.socket], router: Router) -> None:
+    """Serve `app` on `socks` until a signal; then drain (listen.py), and cut what is left
+    (Router.cut)."""
+    config = router.config
     first, second = asyncio.Event(), asyncio.Event()
     stop_signals(first, second)  # before the app starts: a signal during its start counts
     runner = await start(
@@ -443,7 +447,7 @@ async def _run(app: web.Application, socks: list[socket.socket], config: DaemonC
         await first.wait()
         log.info("stopping: %s", _draining(runner, config.drain_timeout_s))
     finally:
-        await stop(runner, config.drain_timeout_s, second)
+        await stop(runner, config.drain_timeout_s, second, router.cut)
 
 
 def _draining(runner: web.AppRunner, drain_s: float) -> str:
