@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from harness.procs import status_kb
 from tests.procs import NAME, Emulator, http_request
-from tests.test_route_serve import Router, entry
+from tests.test_route_serve import Router, entry, redis_url  # noqa: F401 (a fixture)
 
 MB = 1_000_000  # under the emulated server's own 1 MiB body limit, as vLLM has none
 KEYS = 1_000  # distinct sessions of each kind
@@ -78,6 +78,32 @@ def test_max_sessions_bounds_the_pins_least_recently_used_first_out(tmp_path):
         for i in range(120):
             assert r.complete(headers={"X-Session-ID": f"s{i}"})[0] == 200
         assert _pins(r) == 50
+    finally:
+        if r is not None:
+            r.stop()
+        emu.stop()
+
+
+def test_a_long_session_id_is_a_short_redis_key_that_expires(tmp_path, redis_url):  # noqa: F811
+    import redis
+
+    emu = Emulator(tmp_path)
+    r = None
+    try:
+        emu.wait_healthy()
+        backends = [entry(emu, "rtx-1", "RTX-4090")]
+        r = Router(tmp_path, backends, "--session-store", redis_url, name="stored")
+        assert r.complete(user="u" * MB)[0] == 200
+        assert r.complete(headers={"X-Session-ID": "h" * HEADER_BYTES})[0] == 200
+        db = redis.Redis.from_url(redis_url)
+        try:  # a new pin reaches Redis before its whole answer does
+            keys = list(db.scan_iter(match="fleetctl:*:session:*"))
+            assert len(keys) == 2, keys
+            for key in keys:
+                assert len(key) < 100 and len(db.get(key) or b"") < 200, key[:200]
+                assert 0 < db.ttl(key) <= 24 * 3600, key[:200]
+        finally:
+            db.close()
     finally:
         if r is not None:
             r.stop()
