@@ -71,6 +71,17 @@ RETRY_S = 0.5  # while Redis is away, how often to try again
 TTFT_POINTS = 16  # quantiles kept per replica per second of TTFT samples
 TTFT_BUFFER = 4096  # samples kept per second for them (a uniform sample past that)
 STAMP = 29  # a version's characters: 20 digits, ':', the replica id
+# What happens to pins, counted (fleetctl_session_store_pins_total, telemetry.py says each).
+PIN_EVENTS = (
+    "written",
+    "applied",
+    "conflicts",
+    "read",
+    "read_timeout",
+    "write_timeout",
+    "dropped",
+    "restored",
+)
 
 # Keep, per session, the pin with the highest version; publish those kept, in one message (a
 # JSON list of `KEY\nSTAMP\nclass\nnode`). KEYS: the sessions' keys; ARGV: the TTL, the
@@ -265,19 +276,7 @@ class RedisShared:
         self.since = time.monotonic()
         self.epoch = 0  # +1 at each recovery
         self.outages = self.errors = 0
-        self.counts = dict.fromkeys(
-            (
-                "written",
-                "applied",
-                "conflicts",
-                "read",
-                "read_timeout",
-                "write_timeout",
-                "dropped",
-                "restored",
-            ),
-            0,
-        )
+        self.counts = dict.fromkeys(PIN_EVENTS, 0)
         self.sessions = SharedSessions(self, max_sessions)
         self.pending: OrderedDict[str, tuple[Pin, str]] = OrderedDict()
         self._reads: dict[str, list[asyncio.Future[bool]]] = {}  # reads asked, their waiters
