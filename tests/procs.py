@@ -15,6 +15,7 @@ import openai
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetctl.daemon.intake import JsonErrorRunner
 from harness.commands import emulate_cmd
 from harness.procs import Proc, free_port, stop_process
 from harness.ready import first_answer, http_request, wait_status
@@ -52,7 +53,7 @@ class RouterThread:
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
-        self.runner = web.AppRunner(self.router.app(), **self._options)
+        self.runner = JsonErrorRunner(self.router.app(), **self._options)
         self.loop.run_until_complete(self.runner.setup())
         self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
         ready.set()

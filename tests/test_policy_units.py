@@ -518,6 +518,15 @@ def test_placed_pins_a_session_and_moves_the_pin_with_its_node():
     assert list(ha.sessions.pins) == ["s"]
 
 
+def test_the_session_table_keeps_the_sessions_used_last():
+    table = SessionTable(capacity=2)
+    table.set("a", Pin("A/bf16", "a1"))
+    table.set("b", Pin("B/bf16", "b1"))
+    assert table.get("a") == Pin("A/bf16", "a1")  # a used: b is now the oldest
+    table.set("c", Pin("C/bf16", "c1"))
+    assert list(table.pins) == ["a", "c"] and table.get("b") is None
+
+
 class CountingSessions(SessionTable):
     """A session table that counts writes (the shared one sends each to Redis, stamped)."""
 

@@ -36,6 +36,7 @@ MORE = {
     "ttft_s",
     "e2e_s",
     "status",
+    "outcome",
     "format",
 }
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetctl.routing.sessions import session_key
 from harness.replicas import (
     Drive,
     Redis,
@@ -307,8 +308,10 @@ def test_the_issue_load_loses_no_pin(
     first = {t.session: t.node_class for t in turns if t.turn == 0}
     last = {t.session: t.node_class for t in sorted(turns, key=lambda t: t.turn)}
     stored = {}
-    for key in db.scan_iter(match="fleetctl:default:session:load-*", count=1000):
-        stored[int(key.decode().rsplit("-", 1)[1])] = db.get(key).decode().split("\n")[1]
+    named = {session_key(f"load-{s}"): s for s in first}  # Redis holds digests of the ids
+    for key in db.scan_iter(match="fleetctl:default:session:*", count=1000):
+        s = named[key.decode().rsplit(":", 1)[1]]
+        stored[s] = db.get(key).decode().split("\n")[1]
     db.close()
     assert len(first) >= 12_000  # 48,000 turns, 4 a session (the last ones cut short)
     assert (

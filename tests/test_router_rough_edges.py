@@ -4,6 +4,7 @@ for every server, paths the router does not serve, and stopping on SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import signal
 import socket
@@ -20,7 +21,7 @@ from harness.commands import emulate_cmd
 from harness.procs import free_port
 from tests.conftest import REPO
 from tests.procs import NAME, SCALE, SOURCE, Emulator, http_request
-from tests.test_route_serve import CAPTURE, INVENTORY
+from tests.test_route_serve import CAPTURE, INVENTORY, Router, _router_state, _wait_for, entry
 
 LENGTH = 1024  # the stand-in's max_model_len
 MODELS_DELAY_S = 0.5  # under route-serve's 1 s scrape timeout
@@ -312,7 +313,8 @@ def test_route_serve_cuts_a_stream_in_flight_on_a_second_sigint(tmp_path, standi
         s = _stream(r.port)
         code, took = _sigint_exit(r.proc, r.port)
         assert code == 0 and took < EXIT_BOUND_S, (code, took, r.log.read_text())
-        assert b"[DONE]" not in _rest(s)
+        rest = _rest(s)
+        assert b'"text": "b"' not in rest and b'"code": 503' in rest, rest  # cut, and told
     finally:
         r.stop()
 
@@ -323,6 +325,52 @@ def test_route_serve_cuts_a_stream_in_flight_after_its_drain_timeout(tmp_path, s
         s = _stream(r.port)
         code, took = _sigint_exit(r.proc)
         assert code == 0 and took < EXIT_BOUND_S, (code, took, r.log.read_text())
-        assert b"[DONE]" not in _rest(s)
+        rest = _rest(s)
+        assert b'"text": "b"' not in rest and b'"code": 503' in rest, rest  # cut, and told
     finally:
         r.stop()
+
+
+def test_requests_cut_by_the_drain_are_told_why_and_logged_as_they_were(tmp_path):
+    """Before, a stream cut at the drain's end stopped without an error event or its last
+    chunk (curl: exit 18), a whole answer not begun got no reply at all, and both were
+    logged `status 499, output_length 0` however many tokens had reached the client."""
+    emu = Emulator(tmp_path, "--time-scale", "1")  # 4000 tokens: ~85 s, past the test
+    r = None
+    try:
+        emu.wait_healthy()
+        r = Router(tmp_path, [entry(emu, "rtx-1", "RTX-4090")], "--drain-timeout", "0.3")
+        body = {"model": NAME, "prompt": "hi", "max_tokens": 4000}
+        streamed = http.client.HTTPConnection("127.0.0.1", r.port, timeout=30)
+        streamed.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+        resp = streamed.getresponse()
+        got = b""
+        while got.count(b"data: {") < 20:  # tokens reach the client
+            got += resp.readline()
+        whole: list[tuple[int, bytes]] = []
+        waiter = threading.Thread(
+            target=lambda: whole.append(r.request("POST", "/v1/completions", body)[::2])
+        )
+        waiter.start()
+        _wait_for(lambda: _router_state(r)[0] == 2, "both requests at the backend")
+        r.proc.send_signal(signal.SIGTERM)
+        got += resp.read()  # the last chunk comes: the stream ends cleanly
+        streamed.close()
+        waiter.join(30)
+        assert r.proc.wait(30) == 0, r.log.read_text()
+        error = b'data: {"error": {"message": "route-serve stopped before the answer ended'
+        events = got.split(b"\n\n")
+        assert events[-3].startswith(error) and events[-2:] == [b"data: [DONE]", b""], got[-400:]
+        assert json.loads(events[-3][6:])["error"]["code"] == 503
+        sent = got.count(b'"choices"')  # the emulator's events: one token each
+        (status, answer) = whole[0]
+        assert status == 503 and json.loads(answer)["error"]["code"] == 503, answer
+        (log,) = (tmp_path / ".fleetctl" / "requests").glob("*.jsonl")
+        rows = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [(x["status"], x["outcome"]) for x in rows] == [(503, "cut_by_drain")] * 2, rows
+        assert sorted(x["output_length"] for x in rows) == [0, sent], (rows, sent)
+        assert r.log.read_text().count(" cut\n") == 2  # the access log says so too
+    finally:
+        if r is not None:
+            r.stop()
+        emu.stop()

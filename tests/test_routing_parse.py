@@ -15,6 +15,7 @@ from fleetctl.routing.request import (
     parse_request,
     shown,
 )
+from fleetctl.routing.sessions import session_key
 from fleetctl.routing.types import Decision
 
 MODELS = {"llama-3-8b": frozenset({"bf16", "gptq-int4"})}
@@ -43,7 +44,12 @@ def test_a_completion_becomes_a_request_with_its_hints():
         7,
         3,
     )
-    assert (req.session, req.precision, req.strict, req.arrival) == ("u1", "int4", True, 5.0)
+    assert (req.session, req.precision, req.strict, req.arrival) == (
+        session_key("u1"),
+        "int4",
+        True,
+        5.0,
+    )
     assert req.prompt_chars == 2 and req.exclude == frozenset()
 
 
@@ -55,7 +61,15 @@ def test_without_max_tokens_the_expected_output_stands_in():
 
 def test_the_session_header_wins_over_the_body_user():
     p = parse({"model": "llama-3-8b", "prompt": "x", "user": "body"}, {"X-Session-ID": "hdr"})
-    assert p.session == "hdr"
+    assert p.session == session_key("hdr")
+
+
+def test_a_session_is_kept_as_a_fixed_size_digest_whatever_its_length():
+    short = parse({"model": "llama-3-8b", "prompt": "x", "user": "a"}).session
+    long = parse({"model": "llama-3-8b", "prompt": "x", "user": "a" * 2**20}).session
+    surrogate = parse(b'{"model": "llama-3-8b", "prompt": "x", "user": "\\ud800"}').session
+    assert short and long and surrogate
+    assert len(short) == len(long) == len(surrogate) == 32 and short != long
 
 
 @pytest.mark.parametrize(
@@ -306,8 +320,8 @@ def test_max_tokens_bounds_and_max_completion_tokens_first():
 def test_session_from_header_else_body_user_and_empty_is_none():
     body = {"model": "llama-3-8b", "prompt": "x"}
     assert parse(body).session is None
-    assert parse({**body, "user": "u"}).session == "u"
-    assert parse({**body, "user": "u"}, {"X-Session-ID": ""}).session == "u"
+    assert parse({**body, "user": "u"}).session == session_key("u")
+    assert parse({**body, "user": "u"}, {"X-Session-ID": ""}).session == session_key("u")
     assert parse({**body, "user": ""}).session is None
     e = refused({**body, "user": ["u"]})
     assert (e.status, e.param, e.message) == (400, "user", "'user' must be a string")

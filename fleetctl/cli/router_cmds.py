@@ -36,6 +36,7 @@ def route_serve(
     skip_calibration: bool = ro.SkipCalibration,
     no_online_fit: bool = ro.NoOnlineFit,
     prefix_capacity: int | None = ro.PrefixCapacity,
+    max_sessions: int = ro.MaxSessions,
     kv_events: bool | None = ro.KvEvents,
     no_request_log: bool = ro.NoRequestLog,
     workers: int = ro.Workers,
@@ -69,6 +70,7 @@ def route_serve(
         prefix_capacity=PREFIX_CAPACITY if prefix_capacity is None else prefix_capacity,
         use_kv_events=kv_events,
         request_log=False if no_request_log else None,
+        max_sessions=max_sessions,
     )
 
     def reload():  # type: ignore[no-untyped-def]

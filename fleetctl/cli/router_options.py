@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from fleetctl.cli.options import no_calibration
+from fleetctl.routing.sessions import SESSIONS_MAX
 
 Listen: str | None = typer.Option(
     None,
@@ -68,6 +69,15 @@ PrefixCapacity: int | None = typer.Option(
     max=1 << 30,
     metavar="BLOCKS",
     help="Blocks the prefix index holds over all backends (default 1048576; 0: none).",
+)
+MaxSessions: int = typer.Option(
+    SESSIONS_MAX,
+    "--max-sessions",
+    min=1,
+    max=100_000_000,
+    metavar="N",
+    help="Session pins held in memory, the least recently used forgotten first (a "
+    "forgotten session's next turn is routed afresh; ~260 bytes a pin).",
 )
 KvEvents: bool | None = typer.Option(
     None,

@@ -1,4 +1,5 @@
-"""Request intake: the API key, the body within its limits, then the pure parse to a Request."""
+"""Request intake: protocol errors, the API key, the body within its limits, then the pure parse
+to a Request."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
+from fleetctl.base.limits import SHOWN
+from fleetctl.daemon.relay import header_value
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.routing.request import ClientError, Parsed, parse_request
 from fleetctl.routing.types import Backend, OutputEstimator, Request
@@ -21,6 +25,64 @@ def error_response(e: ClientError) -> web.Response:
     if e.status == 408:  # the rest of the body may still come: drop the connection
         resp.force_close()
     return resp
+
+
+class JsonErrors(web.RequestHandler):
+    """A connection whose protocol errors (a request aiohttp's HTTP parser refuses: a header
+    too long, too many, an unknown method, Content-Length beside Transfer-Encoding) are
+    answered in the OpenAI error shape, with the status that fits, as every other answer of
+    route-serve is. aiohttp writes those answers in handle_error, before any route or
+    middleware sees the request."""
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises once output began
+        resp = error_response(protocol_error(status, exc))
+        resp.force_close()  # what follows on the connection cannot be framed
+        return resp
+
+
+def protocol_error(status: int, exc: BaseException | None) -> ClientError:
+    """What aiohttp's parser refused (`exc`, answered `status` by aiohttp), as a ClientError.
+    The message is ours: aiohttp's quotes the client's bytes."""
+    if status >= 500 or not isinstance(exc, HttpProcessingError):
+        return ClientError(500, "internal error", "server_error")
+    line = exc.args[0] if exc.args else b""
+    if isinstance(exc, LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 else "its limit of"
+        # A header line starts with its name, which never holds "/": this is the target.
+        if isinstance(line, bytes | bytearray) and line[:1] == b"/":
+            return ClientError(414, f"request target over {limit} bytes")
+        return ClientError(431, f"request header over {limit} bytes")
+    first = exc.message.splitlines()[0].rstrip(":") if exc.message else type(exc).__name__
+    if first.startswith("Too many headers"):
+        return ClientError(431, "too many request header lines")
+    if isinstance(exc, BadHttpMethod) and "HTTPS" not in first:  # TLS to a plain port: 400
+        return ClientError(501, "unknown HTTP method")
+    return ClientError(400, f"malformed HTTP request: {header_value(first)[:SHOWN]}")
+
+
+class JsonErrorServer(web.Server):
+    """aiohttp's low-level server, with JsonErrors connections."""
+
+    def __call__(self) -> web.RequestHandler:
+        return JsonErrors(self, loop=self._loop, **self._kwargs)
+
+
+class JsonErrorRunner(web.AppRunner):
+    """An AppRunner whose connections are JsonErrors. aiohttp takes the connection class from
+    Server.__call__ alone, so the server it builds becomes a JsonErrorServer (the same
+    object, one method more)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = JsonErrorServer
+        return server
 
 
 def authorize(api_key: str | None, request: web.Request) -> None:

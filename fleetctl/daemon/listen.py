@@ -16,6 +16,7 @@ import errno
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -91,25 +92,36 @@ def stop_signals(on_first: asyncio.Event, on_second: asyncio.Event) -> None:
 
 
 async def start(
-    app: web.Application, socks: list[socket.socket], **runner_options: Any
+    app: web.Application,
+    socks: list[socket.socket],
+    runner_class: type[web.AppRunner] = web.AppRunner,
+    **runner_options: Any,
 ) -> web.AppRunner:
     """`app` served on `socks` (its on_startup hooks run before the first request)."""
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=CUT_S, **runner_options)
+    runner = runner_class(app, handle_signals=False, shutdown_timeout=CUT_S, **runner_options)
     await runner.setup()
     for s in socks:
         await web.SockSite(runner, s, backlog=BACKLOG).start()
     return runner
 
 
-async def stop(runner: web.AppRunner, drain_s: float, cut: asyncio.Event) -> None:
+async def stop(
+    runner: web.AppRunner,
+    drain_s: float,
+    cut: asyncio.Event,
+    on_cut: Callable[[], Awaitable[None]] | None = None,
+) -> None:
     """Stop accepting, close idle connections, wait up to `drain_s` (or until `cut` is set)
-    for requests in flight, then cut the rest and run the app's cleanup."""
+    for requests in flight, then cut the rest (`on_cut` first, which may end them in words
+    their clients understand) and run the app's cleanup."""
     for site in list(runner.sites):
         await site.stop()
     server = runner.server
     if server is not None:
         server.pre_shutdown()  # idle keep-alive connections close now; busy ones after
         await _drained(server, drain_s, cut)
+        if on_cut is not None and busy(server):
+            await on_cut()
     await runner.cleanup()
 
 

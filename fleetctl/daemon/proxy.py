@@ -85,7 +85,7 @@ class Lease:
         self.held = True
         self.ttft: float | None = None  # from arrival to the first byte
         self.output: int | None = None  # output tokens, as reported or counted
-        self.ended = ""  # "done", "failed" or "abandoned"
+        self.ended = ""  # "done", "failed", "abandoned" or "cut"
 
     def first(self) -> None:
         """The first byte of the answer arrived: the prompt is no longer pending prefill."""
@@ -144,6 +144,13 @@ class Lease:
         """The client left, or a bug: not the backend's fault."""
         if self._release():
             self.ended = "abandoned"
+
+    def cut(self, streamed: int) -> None:
+        """route-serve cut the answer at its drain's end, after `streamed` output tokens
+        reached the client: not the backend's fault."""
+        if self._release():
+            self.ended = "cut"
+            self.output = streamed
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ Neither function handles a failure: an upstream error rises to the proxy's one h
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -28,6 +29,12 @@ HOP_HEADERS = {
 }
 
 
+# Set on a request that route-serve cuts at the end of its drain (serve.py): its handler is
+# then cancelled, and the request ends as cut rather than as a client that left.
+CUT = web.RequestKey("fleetctl_cut", bool)
+CUT_MESSAGE = "route-serve stopped before the answer ended (cut at the end of its drain)"
+CUT_ERROR = {"message": CUT_MESSAGE, "type": "server_error", "param": None, "code": 503}
+
 # The usage a stream ends with under stream_options.include_usage (or on every event with
 # continuous_usage_stats): a key, never text, since JSON escapes the quotes inside a string.
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
@@ -44,6 +51,8 @@ class Outcome(Protocol):
 
     def done(self, answer: dict[str, Any] | None, streamed: int | None = None) -> None: ...
 
+    def cut(self, streamed: int) -> None: ...
+
 
 def parse_answer(body: bytes) -> dict[str, Any] | None:
     """A 200 answer's JSON object, or None when it is not one (a broken backend). Parsed
@@ -56,12 +65,12 @@ def parse_answer(body: bytes) -> dict[str, Any] | None:
     return answer if isinstance(answer, dict) else None
 
 
-def streamed_tokens(tail: bytes, token_events: int) -> int:
+def streamed_tokens(tail: bytes, token_events: int, least: int = 1) -> int:
     """A stream's output tokens: the usage its last two chunks state (the usage event comes
-    last, before `data: [DONE]`), else its token events; at least 1 (the proxy divides by
-    it)."""
+    last, before `data: [DONE]`), else its token events; at least `least` (the proxy
+    divides by a whole stream's)."""
     stated = COMPLETION_TOKENS.findall(tail)
-    return max(1, int(stated[-1]) if stated else token_events)
+    return max(least, int(stated[-1]) if stated else token_events)
 
 
 def header_value(value: str) -> str:
@@ -120,9 +129,6 @@ class Stream:
         chunk = await read()
         outcome.first()
         out = web.StreamResponse(status=up.status, headers=answer_headers(up, b, extra))
-        await out.prepare(request)
-        self.out = out
-        write = out.write
         events = 0
         # Not tokens: a chat stream's opening event (the role alone) and the usage event of
         # stream_options.include_usage (no choices). vLLM sends about one event per token else
@@ -131,27 +137,46 @@ class Stream:
         # (tests/data/vllm-0.32.0-cpu-answers). Where the stream states its usage, that wins.
         not_tokens = 1 if request.path.endswith("/chat/completions") else 0
         before = b""
-        while chunk:
-            events += chunk.count(b"data: {")
-            not_tokens += chunk.count(b'"choices":[]')
-            await write(chunk)  # as it arrives: no buffering
-            before, self.last = self.last, chunk
-            chunk = await read()
-        await out.write_eof()
+        try:
+            await out.prepare(request)
+            self.out = out
+            write = out.write
+            while chunk:
+                events += chunk.count(b"data: {")
+                not_tokens += chunk.count(b'"choices":[]')
+                await write(chunk)  # as it arrives: no buffering
+                before, self.last = self.last, chunk
+                chunk = await read()
+            await out.write_eof()
+        except asyncio.CancelledError:
+            if not (request.get(CUT) and out.prepared):
+                raise
+            # Cut at the drain's end: the client learns why, and the log what it got.
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()
+            self.out = out
+            outcome.cut(streamed_tokens(before + self.last, events - not_tokens, least=0))
+            await self._end(CUT_ERROR, done=True)
+            return out
         outcome.done(None, streamed=streamed_tokens(before + self.last, events - not_tokens))
         return out
 
     async def end_with_error(self, e: BaseException) -> None:
         """The backend died mid-stream: end the client's stream with an error event."""
-        assert self.out is not None
         err = {
-            "error": {
-                "message": f"backend failed mid-stream ({type(e).__name__})",
-                "type": "server_error",
-                "code": 502,
-            }
+            "message": f"backend failed mid-stream ({type(e).__name__})",
+            "type": "server_error",
+            "code": 502,
         }
+        await self._end(err)
+
+    async def _end(self, err: dict[str, Any], done: bool = False) -> None:
+        """End the client's stream with an error event (and `data: [DONE]`, as vLLM ends a
+        stream after its own error event)."""
+        assert self.out is not None
         # A blank line first ends an event the backend left half-written.
         sep = b"" if self.last.endswith(b"\n\n") else b"\n\n"
-        await self.out.write(sep + b"data: " + json.dumps(err).encode() + b"\n\n")
+        event = sep + b"data: " + json.dumps({"error": err}).encode() + b"\n\n"
+        await self.out.write(event + (b"data: [DONE]\n\n" if done else b""))
         await self.out.write_eof()

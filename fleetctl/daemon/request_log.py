@@ -5,7 +5,9 @@ Each line is a Mooncake trace row (`timestamp` ms since the Unix epoch, `input_l
 (fleetctl/sim/workload.py `load_trace`): `block_tokens` (the tokens each hash covers), `model`,
 `max_tokens`, `session`, `priority`, `precision`, `backend` (host:port, without any
 user:password), `class`, `ttft_s`, `e2e_s` (from arrival, queueing included), `status` (HTTP;
-499: the client left; 502: the backend failed, mid-stream too) and `format`.
+499: the client left; 502: the backend failed, mid-stream too; 503 with `outcome`
+`cut_by_drain`: route-serve stopped before the answer ended, `output_length` then counting the
+tokens its client got), `outcome` (null, or `cut_by_drain`) and `format`.
 
 Privacy: no prompt or completion text is ever written. The session id and the prompt's block
 hashes are keyed with a secret made on first use (`.key`, 0600, in the folder): the hashes
@@ -49,6 +51,9 @@ from fleetctl.routing.types import Backend, Request
 log = logging.getLogger("fleetctl.router")
 
 LOG_FORMAT = 1
+# A line's `outcome` when route-serve stopped before the answer ended (its drain timed out,
+# or a second signal): `status` 503, `output_length` the tokens its client got.
+CUT_BY_DRAIN = "cut_by_drain"
 KEY_FILE = ".key"
 KEY_BYTES = 32
 HASH_BITS = 53  # exact in every JSON reader (IEEE doubles)
@@ -178,8 +183,10 @@ class RequestLog:
         e2e_s: float,
         status: int,
         output_tokens: int | None,
+        outcome: str | None = None,
     ) -> None:
-        """One finished request; `arrival` in seconds since the Unix epoch."""
+        """One finished request; `arrival` in seconds since the Unix epoch; `outcome` None,
+        or CUT_BY_DRAIN."""
         blocks = req.blocks
         session = req.session
         ids: list[int] = []
@@ -204,6 +211,7 @@ class RequestLog:
             "ttft_s": round(ttft_s, 6) if ttft_s is not None else None,
             "e2e_s": round(e2e_s, 6),
             "status": status,
+            "outcome": outcome,
             "format": LOG_FORMAT,
         }
         self._lines.append(ENCODE(row))

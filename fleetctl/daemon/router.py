@@ -26,7 +26,8 @@ from fleetctl.daemon.intake import Intake, authorize, error_response
 from fleetctl.daemon.live import LiveState, cancel
 from fleetctl.daemon.prefix_share import PrefixShare, SharedIndex
 from fleetctl.daemon.proxy import LAST_ATTEMPT, SERVED_BY, Hooks, Proxy
-from fleetctl.daemon.request_log import RequestLog
+from fleetctl.daemon.relay import CUT, CUT_MESSAGE
+from fleetctl.daemon.request_log import CUT_BY_DRAIN, RequestLog
 from fleetctl.daemon.shared import RedisShared
 from fleetctl.daemon.telemetry import Counter, Gauge, RouterMetrics
 from fleetctl.daemon.tokens import TokenCounter
@@ -37,6 +38,7 @@ from fleetctl.routing.prefix import PrefixIndex
 from fleetctl.routing.registry import make_policy, policy_class
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
 from fleetctl.routing.scheduler import Aging, Scheduler
+from fleetctl.routing.sessions import SESSIONS_MAX, SessionTable
 from fleetctl.routing.types import Backend, OutputEstimator, Request
 
 log = logging.getLogger("fleetctl.router")
@@ -44,6 +46,8 @@ log = logging.getLogger("fleetctl.router")
 # Blocks the prefix index holds, over all backends: ~1M blocks of ~16 tokens (benchmarks/
 # prefix_index.py measures its memory).
 PREFIX_CAPACITY = 1 << 20
+# At the drain's end, how long the requests cut get to write their last bytes and log lines.
+CUT_WAIT_S = 1.0
 # The KV event subscriber's counts (SourceStats fields) exported on /metrics.
 KV_KINDS = ("batches", "events", "malformed", "gaps", "replayed", "cleared")
 
@@ -92,19 +96,20 @@ def routing_core(
     kv_events: bool = False,
     shared: RedisShared | None = None,
     seed: int = 0,
+    max_sessions: int = SESSIONS_MAX,
 ) -> Scheduler:
     """The scheduler and the policy `policy` for `backends` servers, each built with what it
     needs: a prefix index of `prefix_capacity` blocks when the policy reads one and keeps
-    none of its own (fed by placements, or by the servers' KV events), and with `shared`,
-    the session pins and the TTFT window every replica keeps in Redis."""
+    none of its own (fed by placements, or by the servers' KV events), session pins for the
+    `max_sessions` sessions used last, and with `shared`, the session pins (bounded by its
+    own table) and the TTFT window every replica keeps in Redis."""
     declared = policy_class(policy)
     prefix = None
     if declared.reads_prefix and not declared.own_index and prefix_capacity > 0:
         prefix = SharedIndex(per_backend(prefix_capacity, backends), learn=not kv_events)
     aging = aging or Aging()
-    chosen = make_policy(
-        policy, seed, config, prefix, shared.sessions if shared is not None else None
-    )
+    sessions = shared.sessions if shared is not None else SessionTable(max_sessions)
+    chosen = make_policy(policy, seed, config, prefix, sessions)
     window = shared.ttft_window(aging.window_s) if shared is not None else None
     return Scheduler(chosen, aging, ttft_window=window)
 
@@ -177,6 +182,7 @@ class Router:
     _kv_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one (re)subscription at once
     _proxy: Proxy | None = None  # built at start, with its upstream connection pool
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _inflight: dict[asyncio.Task[Any], web.Request] = field(default_factory=dict)
     intake: Intake = field(init=False)
     admission: Admission = field(init=False)
 
@@ -412,6 +418,39 @@ class Router:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._inflight[task] = request  # until it ends: the drain's end cuts what is left
+        try:
+            return await self._answer(request, chat)
+        finally:
+            del self._inflight[task]
+
+    async def cut(self) -> None:
+        """The drain is over: end each request still in flight as cut (CUT): a stream with an
+        error event, an answer not begun with a 503; each logged with what reached its client.
+        Waits CUT_WAIT_S at most for them to end."""
+        for task, request in self._inflight.items():
+            request[CUT] = True
+            task.cancel()
+        if self._inflight:
+            await asyncio.wait(list(self._inflight), timeout=CUT_WAIT_S)
+
+    def _cut(
+        self, request: web.Request, req: Request | None, arrival: float, started: float
+    ) -> web.Response | None:
+        """A request cut before its answer began: the 503 its client gets (None once bytes
+        went out: nothing can be answered then), and its log line."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()
+        if req is not None:
+            self._finished(request, req, arrival, started, 503, CUT_BY_DRAIN)
+        if request.writer is not None and request.writer.output_size > 0:
+            return None
+        return error_response(ClientError(503, CUT_MESSAGE, "server_error"))
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         started = time.monotonic()
         arrival = time.time()
         shared = self.shared
@@ -430,6 +469,10 @@ class Router:
                 self._finished(request, req, arrival, started, e.status)
             return error_response(e)
         except BaseException:
+            if request.get(CUT):
+                if cut := self._cut(request, req, arrival, started):
+                    return cut
+                raise
             if req is not None:  # the client left while its request waited for room
                 self._finished(request, req, arrival, started, 499)
             raise
@@ -445,13 +488,23 @@ class Router:
             if shared is not None and req.session and not out.prepared:
                 await shared.settled(req.session)  # a new pin reaches Redis before the answer
         except BaseException:
+            if request.get(CUT):
+                if cut := self._cut(request, req, arrival, started):
+                    return cut
+                raise
             self._finished(request, req, arrival, started, 499)  # the client left (or a bug)
             raise
         self._finished(request, req, arrival, started, out.status)
         return out
 
     def _finished(
-        self, request: web.Request, req: Request, arrival: float, started: float, status: int
+        self,
+        request: web.Request,
+        req: Request,
+        arrival: float,
+        started: float,
+        status: int,
+        outcome: str | None = None,
     ) -> None:
         """A request ended: its line in the request log, if one is kept."""
         if self.request_log is None:
@@ -462,6 +515,8 @@ class Router:
             ttft, output = attempt.ttft, attempt.output
             if attempt.ended == "failed" and status < 400:
                 status = 502  # the backend failed mid-stream: the client got an error event
+            if attempt.ended == "cut":  # cut mid-stream: the client got a 503 error event
+                status, outcome = 503, CUT_BY_DRAIN
         try:
             self.request_log.record(
                 req,
@@ -471,6 +526,7 @@ class Router:
                 time.monotonic() - started,
                 status,
                 output,
+                outcome,
             )
         except Exception as e:  # a request never fails for its log line
             log.warning("request log: %s", type(e).__name__)
@@ -535,6 +591,9 @@ class Router:
         if self.prefix is not None:
             for b in self.backends:
                 self.metrics.prefix_blocks.set(b.name, value=self.prefix.size(b.name))
+        sessions = getattr(self.policy, "sessions", None)
+        if isinstance(sessions, SessionTable):
+            self.metrics.session_pins.set(value=len(sessions.pins))
         if self.prefix_share is not None:
             share = self.prefix_share
             for direction, n in (

@@ -23,10 +23,11 @@ from aiohttp.abc import AbstractAccessLogger
 from fleetctl.base import names
 from fleetctl.base.errors import Location, UserError
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
+from fleetctl.daemon.intake import JsonErrorRunner
 from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
 from fleetctl.daemon.live import LiveState
 from fleetctl.daemon.proxy import SERVED_BY
-from fleetctl.daemon.relay import header_value
+from fleetctl.daemon.relay import CUT, header_value
 from fleetctl.daemon.request_log import MB, RequestLog
 from fleetctl.daemon.router import PREFIX_CAPACITY, DaemonConfig, Router, routing_core
 from fleetctl.daemon.tokens import TokenCounter
@@ -36,6 +37,7 @@ from fleetctl.model.catalog import Catalog
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
+from fleetctl.routing.sessions import SESSIONS_MAX
 from fleetctl.routing.types import Backend, OutputEstimator
 
 log = logging.getLogger("fleetctl.router")
@@ -65,7 +67,8 @@ def _where(url: str, node_class: str) -> tuple[str, str]:
 class AccessLog(AbstractAccessLogger):
     """The line aiohttp's AccessLogger writes for ACCESS_LOG_FORMAT, and where it went, e.g.
     `127.0.0.1 "POST /v1/completions HTTP/1.1" 200 512 0.001234s backend=rtx-3:8000
-    class=RTX-4090/awq-int4` (`-` for a request no backend saw), built by one format string
+    class=RTX-4090/awq-int4` (`-` for a request no backend saw; ` cut` ends the line of a
+    request cut at the drain's end), built by one format string
     instead of a list of per-field methods and an `extra` dict nobody reads (the handler's
     format is the message alone). It runs once per request."""
 
@@ -73,7 +76,7 @@ class AccessLog(AbstractAccessLogger):
         v = request.version
         backend, node_class = served_by(request.get(SERVED_BY))
         self.logger.info(
-            '%s "%s %s HTTP/%d.%d" %d %d %06fs backend=%s class=%s',
+            '%s "%s %s HTTP/%d.%d" %d %d %06fs backend=%s class=%s%s',
             request.remote or "-",
             request.method,
             request.path_qs,
@@ -84,6 +87,7 @@ class AccessLog(AbstractAccessLogger):
             time,
             backend,
             node_class,
+            " cut" if request.get(CUT) else "",
         )
 
     @property
@@ -127,6 +131,7 @@ def build_router(
     kv_events: dict[str, str | KvEndpoint] | None = None,
     use_kv_events: bool | None = None,
     request_log: bool | None = None,
+    max_sessions: int = SESSIONS_MAX,
 ) -> Router:
     """The daemon for an inventory. `prefix_capacity` bounds the prefix index (blocks over
     all backends, least recently used first out; 0: no index) that Router gives a policy
@@ -136,7 +141,8 @@ def build_router(
     `use_kv_events` (None: the inventory's router.prefix_cache.kv_events) takes them from
     the flags `fleetctl apply` started each server with (kv_sources). `request_log` (None: the
     inventory's router.request_log.enabled) keeps the log of finished requests in the state
-    folder's requests/ (daemon/request_log.py)."""
+    folder's requests/ (daemon/request_log.py). `max_sessions` bounds the session pins held in
+    memory (least recently used first out)."""
     if policy not in policy_names():
         raise UserError(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
@@ -166,7 +172,7 @@ def build_router(
             )
         from fleetctl.daemon.shared import RedisShared
 
-        shared = RedisShared(session_store)
+        shared = RedisShared(session_store, max_sessions=max_sessions)
     routing = RoutingConfig.of(inv)
     sched = routing_core(
         policy,
@@ -176,6 +182,7 @@ def build_router(
         prefix_capacity=prefix_capacity,
         kv_events=bool(kv_events),
         shared=shared,
+        max_sessions=max_sessions,
     )
     # A variant whose source is a local folder lends the router its tokenizer.
     local = {
@@ -419,16 +426,19 @@ def _serve_one(
         router.policy.name,
         "" if router.worker is None else f" (worker {router.worker}, pid {os.getpid()})",
     )
-    asyncio.run(_run(app, socks, router.config))
+    asyncio.run(_run(app, socks, router))
 
 
-async def _run(app: web.Application, socks: list[socket.socket], config: DaemonConfig) -> None:
-    """Serve `app` on `socks` until a signal; then drain (listen.py)."""
+async def _run(app: web.Application, socks: list[socket.socket], router: Router) -> None:
+    """Serve `app` on `socks` until a signal; then drain (listen.py), and cut what is left
+    (Router.cut)."""
+    config = router.config
     first, second = asyncio.Event(), asyncio.Event()
     stop_signals(first, second)  # before the app starts: a signal during its start counts
     runner = await start(
         app,
         socks,
+        JsonErrorRunner,
         access_log_class=AccessLog,
         access_log_format=ACCESS_LOG_FORMAT,
         **server_options(config),
@@ -437,7 +447,7 @@ async def _run(app: web.Application, socks: list[socket.socket], config: DaemonC
         await first.wait()
         log.info("stopping: %s", _draining(runner, config.drain_timeout_s))
     finally:
-        await stop(runner, config.drain_timeout_s, second)
+        await stop(runner, config.drain_timeout_s, second, router.cut)
 
 
 def _draining(runner: web.AppRunner, drain_s: float) -> str:

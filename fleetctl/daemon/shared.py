@@ -3,14 +3,14 @@ median TTFT over it), and what each replica's prefix index learns.
 
 Nothing a request does waits on Redis beyond READ_WAIT_S, and most requests cost no round trip:
 
-- Session pins live in each replica's memory (SharedSessions, at most SESSIONS_MAX, least
-  recently used first out). A pin is decided locally by the policy, then queued; one writer
-  task sends the queue BATCH pins per round trip through a Lua script that keeps, per session,
-  the pin with the highest version (last writer wins) and publishes each accepted one on the
-  pins channel. Every replica applies what that channel carries to its memory, so a turn that
-  reaches another replica finds its pin there. A session this replica has not seen costs one
-  read (MGET, batched with the other requests' reads); the request waits for it at most
-  READ_WAIT_S, then goes on without.
+- Session pins live in each replica's memory (SharedSessions, at most route-serve's
+  --max-sessions, least recently used first out). A pin is decided locally by the policy,
+  then queued; one writer task sends the queue BATCH pins per round trip through a Lua script
+  that keeps, per session, the pin with the highest version (last writer wins) and publishes
+  each accepted one on the pins channel. Every replica applies what that channel carries to
+  its memory, so a turn that reaches another replica finds its pin there. A session this
+  replica has not seen costs one read (MGET, batched with the other requests' reads); the
+  request waits for it at most READ_WAIT_S, then goes on without.
 - A version is the writer's wall clock in microseconds (never below the last it issued or
   saw) and its 8-character replica id: `00001733091234567890:ab12cd34`. Versions compare as
   strings, so the Lua script, the subscribers and a replica reconciling all agree which pin
@@ -20,10 +20,11 @@ Nothing a request does waits on Redis beyond READ_WAIT_S, and most requests cost
   merges every replica's keys once a second into the weighted median the scheduler ages by.
 - The prefix index's updates travel on a pub/sub channel (fleetctl/daemon/prefix_share.py).
 
-In Redis: a pin is a string key `fleetctl:NS:session:ID` (~60 bytes plus the id and class
-names) that expires SESSION_TTL_S after its last write; a replica's TTFT summaries are one
-key (`ttft:ID`, ~6 KB for a 30 s window) that expires window + 10 s after its last write,
-listed in the sorted set `ttft:replicas`; pub/sub messages are not stored (Redis bounds each
+In Redis: a pin is a string key `fleetctl:NS:session:ID`, ID the session's 32-character
+digest (routing/sessions.py session_key), ~90 bytes plus the class and node names, that
+expires SESSION_TTL_S after its last write; a replica's TTFT summaries are one key
+(`ttft:ID`, ~6 KB for a 30 s window) that expires window + 10 s after its last write, listed
+in the sorted set `ttft:replicas`; pub/sub messages are not stored (Redis bounds each
 subscriber's backlog by its client-output-buffer-limit for pubsub: 32 MB by default).
 
 When Redis fails, every replica goes on with its own state: pins it decides are queued (at
@@ -56,13 +57,12 @@ from typing import Any
 
 from fleetctl.base.errors import UserError
 from fleetctl.routing.scheduler import RollingMedian
-from fleetctl.routing.sessions import Pin, SessionTable
+from fleetctl.routing.sessions import SESSIONS_MAX, Pin, SessionTable
 
 log = logging.getLogger("fleetctl.router")
 
 PREFIX = "fleetctl:"
 SESSION_TTL_S = 24 * 3600  # a pin in Redis expires this long after its last write
-SESSIONS_MAX = 500_000  # pins one replica keeps in memory (~200 bytes each)
 PENDING_MAX = 200_000  # pins waiting to be written (while Redis is away)
 READ_WAIT_S = 0.05  # the longest a request waits for a pin read
 BATCH = 512  # pins per write or read round trip
@@ -71,6 +71,17 @@ RETRY_S = 0.5  # while Redis is away, how often to try again
 TTFT_POINTS = 16  # quantiles kept per replica per second of TTFT samples
 TTFT_BUFFER = 4096  # samples kept per second for them (a uniform sample past that)
 STAMP = 29  # a version's characters: 20 digits, ':', the replica id
+# What happens to pins, counted (fleetctl_session_store_pins_total, telemetry.py says each).
+PIN_EVENTS = (
+    "written",
+    "applied",
+    "conflicts",
+    "read",
+    "read_timeout",
+    "write_timeout",
+    "dropped",
+    "restored",
+)
 
 # Keep, per session, the pin with the highest version; publish those kept, in one message (a
 # JSON list of `KEY\nSTAMP\nclass\nnode`). KEYS: the sessions' keys; ARGV: the TTL, the
@@ -128,11 +139,9 @@ class SharedSessions(SessionTable):
     placing a session's turn) queues the pin for Redis; `adopt` takes another replica's."""
 
     def __init__(self, store: RedisShared, capacity: int = SESSIONS_MAX):
-        super().__init__(OrderedDict())
-        self.pins: OrderedDict[str, Pin] = self.pins
+        super().__init__(capacity)
         self.known: dict[str, Known] = {}
         self.store = store
-        self.capacity = capacity
 
     def set(self, session: str, pin: Pin) -> None:
         stamp = self.store.stamp()
@@ -155,13 +164,12 @@ class SharedSessions(SessionTable):
         if session in self.pins:
             self.pins.move_to_end(session)
 
-    def _put(self, session: str, pin: Pin, stamp: str) -> None:
-        self.pins[session] = pin
-        self.pins.move_to_end(session)
+    def _put(self, session: str, pin: Pin, stamp: str = "") -> None:
         self.known[session] = Known(stamp, self.store.epoch)
-        while len(self.pins) > self.capacity:
-            old, _ = self.pins.popitem(last=False)
-            self.known.pop(old, None)
+        super()._put(session, pin)
+
+    def forget(self, session: str) -> None:
+        self.known.pop(session, None)
 
 
 class SharedMedian(RollingMedian):
@@ -226,7 +234,13 @@ def weighted_median(points: list[tuple[float, float]]) -> float | None:
 class RedisShared:
     """Session pins, the TTFT window and the prefix channel in Redis (`redis://host:port/db`)."""
 
-    def __init__(self, url: str, namespace: str = "default", pool: int = POOL):
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "default",
+        pool: int = POOL,
+        max_sessions: int = SESSIONS_MAX,
+    ):
         try:
             import redis.asyncio as redis
         except ImportError:
@@ -262,20 +276,8 @@ class RedisShared:
         self.since = time.monotonic()
         self.epoch = 0  # +1 at each recovery
         self.outages = self.errors = 0
-        self.counts = dict.fromkeys(
-            (
-                "written",
-                "applied",
-                "conflicts",
-                "read",
-                "read_timeout",
-                "write_timeout",
-                "dropped",
-                "restored",
-            ),
-            0,
-        )
-        self.sessions = SharedSessions(self)
+        self.counts = dict.fromkeys(PIN_EVENTS, 0)
+        self.sessions = SharedSessions(self, max_sessions)
         self.pending: OrderedDict[str, tuple[Pin, str]] = OrderedDict()
         self._reads: dict[str, list[asyncio.Future[bool]]] = {}  # reads asked, their waiters
         self._acks: dict[str, list[asyncio.Future[bool]]] = {}  # answers waiting for a write

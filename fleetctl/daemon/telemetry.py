@@ -169,6 +169,11 @@ class RouterMetrics:
             "Prompt blocks the router's prefix index believes a backend holds.",
             ("backend",),
         )
+        self.session_pins = Gauge(
+            "fleetctl_session_pins",
+            "Session pins the router holds in memory: at most route-serve's --max-sessions, the "
+            "least recently used forgotten first.",
+        )
         self.prefix_updates = Counter(
             "fleetctl_prefix_share_updates_total",
             "Prefix-index updates shared with the other replicas through the session store: "
@@ -256,6 +261,7 @@ class RouterMetrics:
             self.prefill,
             self.speed,
             self.prefix_blocks,
+            self.session_pins,
             self.prefix_updates,
         ):
             lines.extend(m.render())

@@ -9,6 +9,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fleetctl.routing.sessions import session_key
 from fleetctl.routing.types import PRECISION_FAMILIES, Request, precision_matches
 
 MAX_JSON_DEPTH = 64  # nested arrays and objects in a request body
@@ -208,5 +209,5 @@ def parse_request(
         parse_priority(headers.get("X-Priority"), body.get("priority"), priority_classes),
         precision,
         strict,
-        session or None,
+        session_key(session) if session else None,  # a digest: bounded whatever its length
     )
