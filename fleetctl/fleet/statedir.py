@@ -78,13 +78,13 @@ class StateDir:
         """The recorded state, or an empty one when nothing was applied yet."""
         where = self.state_path
         try:
-            raw = json.loads(where.read_text(encoding="utf-8"))
+            text = where.read_bytes()
         except FileNotFoundError:
             return State()
-        except (OSError, ValueError) as e:
+        except OSError as e:
             raise OperationError(f"{where}: cannot read the state file: {e}") from None
         try:
-            return State.from_json(raw)
+            return State.from_json(documents.read(text))
         except DocumentError as e:
             raise UserError(
                 f"the state file is not usable: {e}",
@@ -101,14 +101,14 @@ class StateDir:
         """Facts from `path` (--facts: must exist), else the saved ones, else None."""
         where = path or self.facts_path
         try:
-            raw = json.loads(where.read_text(encoding="utf-8"))
+            raw = documents.read(where.read_bytes())
         except FileNotFoundError:
             if path is None:
                 return None
             raise UserError(
                 "no such facts file", Location(str(where)), "run `fleetctl probe` first"
             ) from None
-        except (OSError, ValueError) as e:
+        except (OSError, DocumentError) as e:
             raise UserError(
                 f"cannot read facts: {e}", Location(str(where)), "re-run `fleetctl probe`"
             ) from None
@@ -152,10 +152,10 @@ class StateDir:
         """The saved calibration, or an empty one when none was made yet."""
         where = self.calibration_path
         try:
-            raw = json.loads(where.read_text(encoding="utf-8"))
+            raw = documents.read(where.read_bytes())
         except FileNotFoundError:
             return Calibration()
-        except (OSError, ValueError) as e:
+        except (OSError, DocumentError) as e:
             raise UserError(
                 f"cannot read the calibration: {e}",
                 Location(str(where)),
