@@ -134,12 +134,24 @@ class StateDir:
     # --- health: what the last check concluded ----------------------------------------------
 
     def load_health(self) -> HealthRecord:
-        """The last health record; none yet (or unreadable) means every node is equivalent."""
+        """The last health record; none yet means every node is equivalent. A damaged one, or
+        one of a format this release does not read, is refused: read as "none", it would
+        silently merge the nodes it found different back into their class."""
+        where = self.health_path
         try:
-            text = self.health_path.read_text(encoding="utf-8")
-            return documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,))
-        except (OSError, DocumentError):
+            text = where.read_bytes()
+        except FileNotFoundError:
             return HealthRecord()
+        except OSError as e:
+            raise OperationError(f"{where}: cannot read the health record: {e}") from None
+        try:
+            return documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,))
+        except DocumentError as e:
+            raise UserError(
+                f"the health record is not usable: {e}",
+                Location(str(where)),
+                "run `fleetctl health` to write it again",
+            ) from None
 
     def save_health(self, record: HealthRecord) -> None:
         write_atomic(
