@@ -102,10 +102,27 @@ def test_the_good_state_still_reads(cli, applied, tmp_path):
     [
         ("facts.json", _nested(100_000), ["cannot read facts", "nested deeper"]),
         ("facts.json", '{"format": true, "nodes": {}}', ["format: expected a whole number"]),
+        (
+            "facts.json",
+            '{"format": 2, "nodes": {"rtx-1": {"gpus": [{"index": -1}]}}}',
+            ["nodes.rtx-1.gpus[0].index: input should be greater than or equal to 0"],
+        ),
+        (
+            "facts.json",
+            '{"format": 2, "nodes": {"rtx-1": {"gpus": [{"index": 0, "memory_total_mib": -8}]}}}',
+            ["nodes.rtx-1.gpus[0].memory_total_mib"],
+        ),
         ("calibration.json", _nested(100_000), ["cannot read the calibration", "nested"]),
         ("calibration.json", '{"format": true}', ["format: expected a whole number"]),
     ],
-    ids=["facts-deep", "facts-format-true", "calibration-deep", "calibration-format-true"],
+    ids=[
+        "facts-deep",
+        "facts-format-true",
+        "facts-gpu-index",
+        "facts-memory",
+        "calibration-deep",
+        "calibration-format-true",
+    ],
 )
 def test_every_state_folder_document_is_read_the_same_way(
     cli, applied, tmp_path, name, text, words
