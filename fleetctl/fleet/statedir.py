@@ -97,7 +97,10 @@ class StateDir:
         except FileNotFoundError:
             return State()
         except OSError as e:
-            raise OperationError(f"{where}: cannot read the state file: {e}") from None
+            raise OperationError(
+                f"{where}: cannot read the state file: {e.strerror or e} (check that it is a "
+                "file this user can read)"
+            ) from None
         try:
             return State.from_json(documents.read(text))
         except DocumentError as e:
@@ -160,7 +163,10 @@ class StateDir:
         except FileNotFoundError:
             return HealthRecord()
         except OSError as e:
-            raise OperationError(f"{where}: cannot read the health record: {e}") from None
+            raise OperationError(
+                f"{where}: cannot read the health record: {e.strerror or e} (check that it is "
+                "a file this user can read)"
+            ) from None
         try:
             return documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,))
         except DocumentError as e:
