@@ -80,6 +80,14 @@ def _start(inv: Path, state_dir: Path, log: Path) -> Router:
             time.sleep(0.05)
 
 
+def _put(path: Path, text: str) -> None:
+    """Write `text` in one step (a rename), so the watch never sees half of it: each write is
+    one change, and one failed reload."""
+    tmp = path.with_name(f".{path.name}.new")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def _failures(r: Router) -> list[str]:
     return [line for line in r.log.read_text().splitlines() if FAILED in line]
 
@@ -108,9 +116,9 @@ def test_a_bad_state_or_health_file_keeps_the_last_good_backends(emus, tmp_path)
     plain = f"{two.gpu_type}/{two.variant}"
     try:
         assert _backend_count(r) == 1 and _classes(r) == {own}
-        # A write cut short: refused in one line naming the file and what to do.
+        # A file cut short (as a write that ran out of disk leaves it): refused in one line naming the file and what to do.
         good = sdir.state_path.read_text()
-        sdir.state_path.write_text(good[: len(good) // 2])
+        _put(sdir.state_path, good[: len(good) // 2])
         _wait_for(lambda: len(_failures(r)) == 1, "the failed reload's line")
         (line,) = _failures(r)
         assert f"{sdir.state_path}: the state file is not usable: not JSON" in line
@@ -136,7 +144,7 @@ def test_a_bad_state_or_health_file_keeps_the_last_good_backends(emus, tmp_path)
         _wait_for(lambda: _backend_count(r) == 2, "the reload of the mended state")
         assert _classes(r) == {own, plain}
         # A health record of another format is refused too, and its last good one kept.
-        sdir.health_path.write_text(json.dumps({"format": 2, "equivalent": {}}))
+        _put(sdir.health_path, json.dumps({"format": 2, "equivalent": {}}))
         _wait_for(lambda: len(_failures(r)) == 4, "the refused health record's line")
         line = _failures(r)[-1]
         assert f"{sdir.health_path}: the health record is not usable: format 2" in line, line
