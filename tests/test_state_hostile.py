@@ -47,6 +47,11 @@ CASES = [
     ("gpu-64", lambda d: _with(d, 0, gpu_indices=[0, 64]), ["deployments[0].gpu_indices[1]"]),
     ("no-gpus", lambda d: _with(d, 0, gpu_indices=[]), ["deployments[0].gpu_indices"]),
     (
+        "gpu-twice",
+        lambda d: _with(d, 0, gpu_indices=[1, 1]),
+        ["deployments[0]: gpu_indices [1, 1]"],
+    ),
+    (
         "host-shell",
         lambda d: _with(d, 0, host="10.0.1.11; rm -rf /"),
         ["deployments[0].host", "is not a hostname"],

@@ -332,6 +332,8 @@ class DeploymentRecord:
     def __post_init__(self) -> None:
         if "--host" not in self.vllm_args or "--port" not in self.vllm_args:
             raise ValueError("vllm_args has no --host or --port")
+        if len(set(self.gpu_indices)) != len(self.gpu_indices):
+            raise ValueError(f"gpu_indices {list(self.gpu_indices)} name a GPU twice")
 
 
 @dataclass(frozen=True, kw_only=True)
