@@ -136,3 +136,15 @@ def test_every_state_folder_document_is_read_the_same_way(
     (tmp_path / name).write_text(text)
     r = cli("plan", inv, "--state-dir", tmp_path)
     assert_one_clear_line(r, tmp_path / name, None, words)
+
+
+def test_an_oversized_state_file_is_refused_unread(cli, applied, tmp_path):
+    """A state file past 64 MiB is refused after reading one byte past the bound, whatever
+    it holds (here a good document padded with spaces, which JSON allows)."""
+    inv, _ = applied
+    state = tmp_path / "state.json"
+    with state.open("w") as f:
+        f.write('{"format": 1}')
+        f.write(" " * 64 * 2**20)  # the documented bound, written out
+    r = cli("plan", inv, "--state-dir", tmp_path)
+    assert_one_clear_line(r, state, None, ["the state file is not usable: larger than 64 MiB"])

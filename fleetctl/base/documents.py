@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
 from fleetctl.base.errors import shown
-from fleetctl.base.limits import MAX_JSON_DEPTH
+from fleetctl.base.limits import MAX_DOCUMENT_BYTES, MAX_JSON_DEPTH
 
 T = TypeVar("T")
 # A key shown as it is in a field's path (`nodes.rtx-1.gpus`); any other is quoted.
@@ -55,10 +56,20 @@ def load(
     return _validate(text, schema)
 
 
+def read_file(path: Path) -> bytes:
+    """A document file's bytes, at most one past MAX_DOCUMENT_BYTES (`read` refuses those):
+    a huge file is never read whole. OSError as reading raises it."""
+    with path.open("rb") as f:
+        return f.read(MAX_DOCUMENT_BYTES + 1)
+
+
 def read(text: str | bytes) -> object:
-    """The JSON value `text` holds; DocumentError for malformed JSON or one nested deeper than
-    MAX_JSON_DEPTH. Every state document is read through here, so none reaches a recursive
-    parser, dumper or validator that a hostile file could drive into a RecursionError."""
+    """The JSON value `text` holds; DocumentError for one over MAX_DOCUMENT_BYTES, malformed
+    JSON or one nested deeper than MAX_JSON_DEPTH. Every state document is read through here,
+    so none reaches a recursive parser, dumper or validator that a hostile file could drive
+    into a RecursionError."""
+    if len(text) > MAX_DOCUMENT_BYTES:
+        raise DocumentError(f"larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
     try:
         raw = json.loads(text)
     except RecursionError:  # json's C scanner gives up near 1,000 levels

@@ -30,6 +30,8 @@ MAX_YAML_DEPTH = 64
 # Nesting of a state folder's JSON documents (state, facts, health, calibration): theirs is under
 # ten levels; deeper is a damaged or hostile file, refused before anything recurses over it.
 MAX_JSON_DEPTH = 64
+# ... and their size: a calibration of a thousand classes is under 10 MB.
+MAX_DOCUMENT_BYTES = 64 * 2**20
 # GPUs one node may declare (`gpus.count`), so its GPU indices run from 0 to 63.
 MAX_GPUS_PER_NODE = 64
 # Nodes and GPUs after range expansion; checked before anything is expanded.

@@ -93,7 +93,7 @@ class StateDir:
         """The recorded state, or an empty one when nothing was applied yet."""
         where = self.state_path
         try:
-            text = where.read_bytes()
+            text = documents.read_file(where)
         except FileNotFoundError:
             return State()
         except OSError as e:
@@ -120,7 +120,7 @@ class StateDir:
         """Facts from `path` (--facts: must exist), else the saved ones, else None."""
         where = path or self.facts_path
         try:
-            raw = documents.read(where.read_bytes())
+            raw = documents.read(documents.read_file(where))
         except FileNotFoundError:
             if path is None:
                 return None
@@ -159,7 +159,7 @@ class StateDir:
         silently merge the nodes it found different back into their class."""
         where = self.health_path
         try:
-            text = where.read_bytes()
+            text = documents.read_file(where)
         except FileNotFoundError:
             return HealthRecord()
         except OSError as e:
@@ -187,7 +187,7 @@ class StateDir:
         """The saved calibration, or an empty one when none was made yet."""
         where = self.calibration_path
         try:
-            raw = documents.read(where.read_bytes())
+            raw = documents.read(documents.read_file(where))
         except FileNotFoundError:
             return Calibration()
         except (OSError, DocumentError) as e:
