@@ -484,11 +484,12 @@ def test_missing_identity_file_is_named_before_any_connection(cli, tmp_path, com
     [
         ("host", "10.9.9.9", "is not in the inventory"),
         ("vllm_args", ["serve", "x", "--host", "h", "--port", "1", "--a\nb"], "control character"),
-        ("env", {"X; touch /tmp/x; Y": "1"}, "environment differs"),
-        ("port", 70000, "is not 1..65535"),
+        ("env", {"X; touch /tmp/x; Y": "1"}, "environment variable name 'X; touch"),
+        ("env", {"X": "1"}, "environment differs"),
+        ("port", 70000, "port: input should be less than or equal to 65535"),
         ("source", "someone/else", "with its source is not in the inventory"),
-        ("gpu_indices", [64], "are not GPU indices"),
-        ("gpu_indices", [], "are not GPU indices"),
+        ("gpu_indices", [64], "gpu_indices[0]: input should be less than 64"),
+        ("gpu_indices", [], "gpu_indices: tuple should have at least 1 item"),
     ],
 )
 def test_an_edited_plan_file_is_refused_before_any_connection(cli, tmp_path, field, value, words):

@@ -59,21 +59,24 @@ def record_startups(
     timed = [(o, d) for o, d in timed if d is not None]
     if not timed:
         return 0
-    cal = sdir.load_calibration()
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    for o, d in timed:
-        assert o.startup_s is not None and d is not None
-        s = d.server
-        key = Key(
-            s.gpu_type,
-            profile_of.get(s.model, s.model),
-            s.variant,
-            s.tensor_parallel_size,
-            inv.spec.apply.vllm_version,
-            s.max_model_len,
-        )
-        cal = record_startup(cal, key, o.startup_s, now, o.phases, f"{o.node}:{o.port}")
-    sdir.save_calibration(cal)
+
+    def add(cal: Calibration) -> Calibration:
+        for o, d in timed:
+            assert o.startup_s is not None and d is not None
+            s = d.server
+            key = Key(
+                s.gpu_type,
+                profile_of.get(s.model, s.model),
+                s.variant,
+                s.tensor_parallel_size,
+                inv.spec.apply.vllm_version,
+                s.max_model_len,
+            )
+            cal = record_startup(cal, key, o.startup_s, now, o.phases, f"{o.node}:{o.port}")
+        return cal
+
+    sdir.update_calibration(add)
     return len(timed)
 
 

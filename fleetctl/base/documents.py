@@ -12,11 +12,18 @@ some without a new format number; a change of meaning gets one.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import TypeAdapter, ValidationError
 
+from fleetctl.base.errors import shown
+from fleetctl.base.limits import MAX_DOCUMENT_BYTES, MAX_JSON_DEPTH
+
 T = TypeVar("T")
+# A key shown as it is in a field's path (`nodes.rtx-1.gpus`); any other is quoted.
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
 
 
 class DocumentError(ValueError):
@@ -44,12 +51,49 @@ def load(
     """The document `text` holds, as `schema`; DocumentError for malformed JSON, a format this
     release does not read (`reads`; `default_format` for files from before the key existed),
     or a field of the wrong type (its path, e.g. `deployments[2].port`)."""
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise DocumentError(f"not JSON: {e}") from None
+    raw = read(text)
     _check_format(raw, reads, default_format)
     return _validate(text, schema)
+
+
+def read_file(path: Path) -> bytes:
+    """A document file's bytes, at most one past MAX_DOCUMENT_BYTES (`read` refuses those):
+    a huge file is never read whole. OSError as reading raises it."""
+    with path.open("rb") as f:
+        return f.read(MAX_DOCUMENT_BYTES + 1)
+
+
+def read(text: str | bytes) -> object:
+    """The JSON value `text` holds; DocumentError for one over MAX_DOCUMENT_BYTES, malformed
+    JSON or one nested deeper than MAX_JSON_DEPTH. Every state document is read through here,
+    so none reaches a recursive parser, dumper or validator that a hostile file could drive
+    into a RecursionError."""
+    if len(text) > MAX_DOCUMENT_BYTES:
+        raise DocumentError(f"larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
+    try:
+        raw = json.loads(text)
+    except RecursionError:  # json's C scanner gives up near 1,000 levels
+        raise DocumentError(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as e:
+        raise DocumentError(f"not JSON: {e}") from None
+    _check_depth(raw)
+    return raw
+
+
+def _check_depth(raw: object) -> None:
+    # Iterative: the check must not itself recurse once per level.
+    todo: list[tuple[object, int]] = [(raw, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, dict):
+            items: Any = value.values()
+        elif isinstance(value, list):
+            items = value
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise DocumentError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        todo.extend((v, depth + 1) for v in items)
 
 
 def parse(
@@ -64,6 +108,14 @@ def _check_format(raw: object, reads: tuple[int, ...], default_format: int | Non
     if not isinstance(raw, dict):
         raise DocumentError("not a JSON object")
     fmt = raw.get("format", default_format)
+    if fmt is None:
+        raise DocumentError(f"format: missing (this one reads {', '.join(map(str, reads))})")
+    if isinstance(fmt, bool) or not isinstance(fmt, int):
+        # `true == 1` in Python: a boolean is never a format number.
+        raise DocumentError(
+            f"format: expected a whole number, got {_json_kind(fmt)} "
+            f"(this one reads {', '.join(map(str, reads))})"
+        )
     if fmt not in reads:
         newer = isinstance(fmt, int) and fmt > max(reads)
         raise DocumentError(
@@ -107,13 +159,20 @@ def first_error(e: ValidationError) -> str:
     for part in err["loc"]:
         if isinstance(part, int):
             where += f"[{part}]"
+        elif part == "[key]":  # pydantic's mark after a mapping key it refused
+            continue
+        elif not _PLAIN_KEY.fullmatch(str(part)):  # a key from the file: quoted, cut
+            where += f"[{shown(str(part), 40)}]"
         else:
             where += f".{part}" if where else str(part)
     what = err["msg"][:1].lower() + err["msg"][1:]
     if err["type"] == "missing":
         return f"{where}: missing"
-    if err["type"] == "value_error":  # a __post_init__ check: its own words
-        return f"{where or 'document'}: {what.removeprefix('value error, ')}"
+    if err["type"] == "value_error":  # a __post_init__ check or a name's grammar: its words
+        # A grammar's "what | how to fix" (base/names.py): the fix is for an inventory; the
+        # reader of a document gives its own.
+        said = what.removeprefix("value error, ").partition(" | ")[0]
+        return f"{where or 'document'}: {said}"
     return f"{where or 'document'}: {what}, got {_json_kind(err.get('input'))}"
 
 

@@ -27,6 +27,13 @@ MAX_FILE_BYTES = _env_int("FLEETCTL_MAX_INVENTORY_BYTES", 2**20)
 # "billion laughs" documents, which are tiny on disk and exponential once expanded.
 MAX_YAML_VALUES = 150_000
 MAX_YAML_DEPTH = 64
+# Nesting of a state folder's JSON documents (state, facts, health, calibration): theirs is under
+# ten levels; deeper is a damaged or hostile file, refused before anything recurses over it.
+MAX_JSON_DEPTH = 64
+# ... and their size: a calibration of a thousand classes is under 10 MB.
+MAX_DOCUMENT_BYTES = 64 * 2**20
+# GPUs one node may declare (`gpus.count`), so its GPU indices run from 0 to 63.
+MAX_GPUS_PER_NODE = 64
 # Nodes and GPUs after range expansion; checked before anything is expanded.
 MAX_NODES = _env_int("FLEETCTL_MAX_NODES", 10_000)
 MAX_GPUS = 8 * MAX_NODES

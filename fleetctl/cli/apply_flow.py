@@ -15,7 +15,6 @@ from fleetctl.base import documents
 from fleetctl.base.documents import DocumentError
 from fleetctl.base.errors import Location, UserError, shown
 from fleetctl.base.jsonout import print_json
-from fleetctl.base.names import control_char
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import PLAN_FORMAT, Deployment, Plan, SavedPlan
@@ -82,8 +81,9 @@ def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
 
 def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) -> None:
     """A saved plan is a file anyone could have edited: each server in it must be one the
-    inventory could have planned (its node, host, GPUs, model and source), its arguments and
-    environment must pass the inventory's own checks, before anything reaches a node."""
+    inventory could have planned (its node, host, model, source and environment), before
+    anything reaches a node. Its ports, GPU indices, names and arguments were checked as it
+    was read (DeploymentRecord's schema)."""
     nodes = {n.name: n for n in inv.nodes}
     models = {m.name: m for m in inv.models}
     for i, d in enumerate(deployments):
@@ -94,12 +94,6 @@ def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) 
             problem = f"node {shown(d.node)} at {shown(d.host)} is not in the inventory"
         elif model is None or d.server.source not in {v.source for v in model.variants}:
             problem = f"model {shown(d.model)} with its source is not in the inventory"
-        elif not d.gpu_indices or not all(0 <= g < 64 for g in d.gpu_indices):
-            problem = f"GPUs {shown(list(d.gpu_indices))} are not GPU indices"
-        elif not 0 < d.port <= 65535:
-            problem = f"port {d.port} is not 1..65535"
-        elif any(control_char(a) for a in d.vllm_args):
-            problem = "an argument holds a control character"
         elif dict(d.server.env) != dict(model.spec.env):
             problem = "its environment differs from the inventory's"
         if problem:

@@ -79,32 +79,39 @@ def refresh(
     readings = asyncio.run(_read_all(targets, window_s, interval_s, on_progress))
     if need_traffic:
         readings = [_idle(r, window_s) for r in readings]
-    before = sdir.load_calibration()
     now = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     groups: dict[Key, list[tuple[Backend, ServerReading]]] = {}
     for b, r in zip(targets, readings, strict=True):
         if r.key is not None:
             groups.setdefault(r.key, []).append((b, r))
-    fresh = []
-    for key, members in groups.items():
-        perf = next((b.perf for b, _ in members if b.perf is not None), None)
-        fresh.append(
-            entry_for(
-                key,
-                [r.url for _, r in members],
-                [s for _, r in members for s in r.samples],
-                [r.kv_tokens for _, r in members if r.kv_tokens is not None],
-                now,
-                before.get(key),
-                perf,
-                members[0][0].kv_tokens,
-                members[0][1].gpu_memory_utilization,
-            )
-        )
-    after = before.merged(fresh) if fresh else before
-    if fresh:
-        sdir.save_calibration(after)
+    fresh: list[Entry] = []
+
+    def merge(before: Calibration) -> Calibration:
+        # Under the state folder's write lock: the entries each extend the one saved now, not
+        # one read before the window (another calibrate may have saved since).
+        fresh[:] = [_entry(key, members, now, before) for key, members in groups.items()]
+        return before.merged(fresh) if fresh else before
+
+    after = sdir.update_calibration(merge) if groups else sdir.load_calibration()
     return Refreshed(readings, fresh, after, str(sdir.calibration_path))
+
+
+def _entry(
+    key: Key, members: list[tuple[Backend, ServerReading]], now: str, before: Calibration
+) -> Entry:
+    """The entry a group of servers of one key measured, over the one saved before."""
+    perf = next((b.perf for b, _ in members if b.perf is not None), None)
+    return entry_for(
+        key,
+        [r.url for _, r in members],
+        [s for _, r in members for s in r.samples],
+        [r.kv_tokens for _, r in members if r.kv_tokens is not None],
+        now,
+        before.get(key),
+        perf,
+        members[0][0].kv_tokens,
+        members[0][1].gpu_memory_utilization,
+    )
 
 
 def refresh_running(inv: Inventory, catalog: Catalog, sdir: StateDir) -> Refreshed:

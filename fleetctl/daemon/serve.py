@@ -21,7 +21,7 @@ from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
 from fleetctl.base import names
-from fleetctl.base.errors import Location, UserError
+from fleetctl.base.errors import FleetError, Location, UserError
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
 from fleetctl.daemon.intake import JsonErrorRunner
 from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
@@ -458,29 +458,40 @@ def _draining(runner: web.AppRunner, drain_s: float) -> str:
 
 
 def _reload(router: Router, reload: Reload) -> None:
+    """Load the backends again; one that fails keeps the last good ones and says why in one
+    line, each time, so a daemon never stops following its files or dies of a bad one."""
     try:
         fresh = reload()
-    except UserError as e:
-        log.error("reload failed, keeping the old backends: %s", e)
+    except FleetError as e:
+        log.error("reload failed, keeping the last good backends: %s", e)
+        return
+    except Exception as e:  # a bug must not take the signal handler or the watch down
+        log.error("reload failed, keeping the last good backends: internal error: %r", e)
         return
     router.replace_backends(fresh)
     log.info("reloaded: %d backends", len(fresh))
 
 
 async def _watch(router: Router, reload: Reload, state_dir: StateDir) -> None:
-    """Reload when `fleetctl apply` rewrites state.json."""
-    path = state_dir.state_path
+    """Reload when `fleetctl apply` rewrites state.json or `fleetctl health` health.json.
+    A change is a new modification time, size or file (an atomic write is a new inode); a
+    reload that failed is tried again at the file's next change, not every second."""
+    paths = (state_dir.state_path, state_dir.health_path)
 
-    def mtime() -> float:
-        try:
-            return path.stat().st_mtime
-        except OSError:
-            return 0.0
+    def stamp() -> tuple[tuple[int, int, int], ...]:
+        out = []
+        for path in paths:
+            try:
+                st = path.stat()
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append((0, 0, 0))
+        return tuple(out)
 
-    seen = mtime()
+    seen = stamp()
     while True:
         await asyncio.sleep(1.0)
-        now = mtime()
+        now = stamp()
         if now != seen:
             seen = now
             _reload(router, reload)

@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field
 
 from fleetctl.base import documents
+from fleetctl.base.limits import MAX_GPUS_PER_NODE
 from fleetctl.fleet.inventory import Inventory, NetworkSpec
 from fleetctl.model.catalog import Catalog
 
@@ -26,13 +27,19 @@ class GpuProcess:
     process_name: str | None = None  # NVML gives no name; nvidia-smi does
 
 
+# What a probe can find: GPU indices a node may have, no negative size. A facts file out of
+# these bounds was edited, and is refused rather than planned on.
+_GpuIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
+_Mib = Annotated[int, Field(ge=0)]
+
+
 @dataclass(frozen=True)
 class GpuFacts:
-    index: int | None
+    index: _GpuIndex | None
     name: str | None = None
     uuid: str | None = None
-    memory_total_mib: int | None = None
-    memory_used_mib: int | None = None
+    memory_total_mib: _Mib | None = None
+    memory_used_mib: _Mib | None = None
     compute_cap: str | None = None
     ecc_uncorrected_volatile: int | None = None
     retired_pages_pending: bool | None = None

@@ -21,6 +21,7 @@ from fleetctl.base.errors import UserError, shown, what_and_fix
 from fleetctl.base.limits import (
     MAX_CONNECT_TIMEOUT_S,
     MAX_GPUS,
+    MAX_GPUS_PER_NODE,
     MAX_HOST,
     MAX_MODEL_NAME,
     MAX_MODELS,
@@ -90,7 +91,7 @@ class SshSpec(Strict):
 
 class GpuSpec(Strict):
     type: str = Field(min_length=1, max_length=MAX_NAME * 2)
-    count: int = Field(1, ge=1, le=64)
+    count: int = Field(1, ge=1, le=MAX_GPUS_PER_NODE)
 
 
 class NetworkSpec(Strict):

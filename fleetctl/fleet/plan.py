@@ -6,12 +6,16 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field
 
 # A replacement that fits beside the server it replaces starts on the slot's other port
 # (port +/- SURGE_PORT_OFFSET), so both run until the new one is healthy (apply/steps.py);
 # base/limits.py holds it because validation checks every such port exists.
-from fleetctl.base import documents
+from fleetctl.base import documents, names
+from fleetctl.base.errors import shown
+from fleetctl.base.limits import MAX_GPUS_PER_NODE
 from fleetctl.base.names import http_url
 from fleetctl.fleet.prices import per_million_tokens, total
 
@@ -267,33 +271,57 @@ class Deployment:
         return cls.of(documents.parse_part(raw, DeploymentRecord))
 
 
+def _text(value: str) -> str:
+    """A word of a command line or an environment value: no control character, so none
+    reaches the node's shell or unit file from an edited file."""
+    bad = names.control_char(value)
+    if bad is not None:
+        raise ValueError(f"{shown(value)} holds the control character {ord(bad):#04x}")
+    return value
+
+
+# A file's fields checked with the inventory's own grammars (base/names.py): a saved plan or
+# state.json is a file anyone could have edited, and what it names reaches SSH, a shell and URLs.
+_Node = Annotated[str, AfterValidator(names.name)]
+_Host = Annotated[str, AfterValidator(names.host)]
+_Model = Annotated[str, AfterValidator(names.model_name)]
+_Variant = Annotated[str, AfterValidator(lambda v: names.name(v, "variant"))]
+_Source = Annotated[str, AfterValidator(names.source)]
+_EnvKey = Annotated[str, AfterValidator(names.env_key)]
+_Text = Annotated[str, AfterValidator(_text)]
+_Port = Annotated[int, Field(ge=1, le=65535)]
+_GpuIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS_PER_NODE)]
+_Count = Annotated[int, Field(ge=1)]
+_Size = Annotated[int, Field(ge=0)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeploymentRecord:
     """One deployment as `plan --json`, a saved plan and state.json hold it: its server's
     fields inline, its whole `vllm serve` command line and environment, and their hash."""
 
-    node: str
-    host: str
-    gpu_type: str
-    gpu_indices: tuple[int, ...]
-    model: str
-    variant: str
+    node: _Node
+    host: _Host
+    gpu_type: _Text
+    gpu_indices: Annotated[tuple[_GpuIndex, ...], Field(min_length=1)]
+    model: _Model
+    variant: _Variant
     role: Role = "both"  # absent from plans and state written before disaggregated serving
-    source: str
-    tensor_parallel_size: int
-    max_model_len: int
+    source: _Source
+    tensor_parallel_size: _Count
+    max_model_len: _Count
     max_model_len_reason: str = ""
     gpu_memory_utilization: float
-    kv_cache_dtype: str
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    kv_budget_bytes: int
-    kv_budget_tokens: int
-    max_sequences_at_max_len: int
-    weights_bytes: int
-    port: int
-    vllm_args: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
+    kv_cache_dtype: _Text
+    max_num_batched_tokens: _Count
+    max_num_seqs: _Count
+    kv_budget_bytes: _Size
+    kv_budget_tokens: _Size
+    max_sequences_at_max_len: _Size
+    weights_bytes: _Size
+    port: _Port
+    vllm_args: tuple[_Text, ...]
+    env: dict[_EnvKey, _Text] = field(default_factory=dict)
     predicted_decode_tok_s: float
     capacity_rps: float
     cost_per_hour: float | None = None  # absent from state written before fleetctl knew prices
@@ -304,6 +332,8 @@ class DeploymentRecord:
     def __post_init__(self) -> None:
         if "--host" not in self.vllm_args or "--port" not in self.vllm_args:
             raise ValueError("vllm_args has no --host or --port")
+        if len(set(self.gpu_indices)) != len(self.gpu_indices):
+            raise ValueError(f"gpu_indices {list(self.gpu_indices)} name a GPU twice")
 
 
 @dataclass(frozen=True, kw_only=True)

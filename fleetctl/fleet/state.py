@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from fleetctl.base import documents
 from fleetctl.fleet.plan import Deployment, DeploymentRecord
@@ -24,6 +26,17 @@ class State:
     def from_json(cls, raw: object) -> State:
         """Raises DocumentError naming the field that is wrong, or a format it does not read."""
         f = documents.parse(raw, StateFile, reads=(STATE_FORMAT,), default_format=STATE_FORMAT)
+        # A slot (node, GPUs) holds one server; every reader keys deployments by it, so a
+        # second record of one would be merged into the first without a word.
+        first: dict[tuple[str, tuple[int, ...]], int] = {}
+        for i, r in enumerate(f.deployments):
+            j = first.setdefault((r.node, r.gpu_indices), i)
+            if j != i:
+                gpus = ",".join(map(str, r.gpu_indices))
+                raise documents.DocumentError(
+                    f"deployments[{i}]: node {r.node} GPUs {gpus} is recorded twice "
+                    f"(first at deployments[{j}])"
+                )
         return cls(f.serial, tuple(Deployment.of(r) for r in f.deployments))
 
 
@@ -31,5 +44,5 @@ class State:
 class StateFile:
     """state.json: the serial apply counts up, and each deployment's record."""
 
-    serial: int = 0
+    serial: Annotated[int, Field(ge=0)] = 0
     deployments: tuple[DeploymentRecord, ...] = ()

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +25,9 @@ from fleetctl.model.calibration import Calibration, CalibrationError
 
 STATE_DIR_NAME = ".fleetctl"
 HEALTH_FORMAT = 1
+# How long a writer waits for another's read-modify-write of a file here: each holds the
+# write lock for one read, merge and atomic write (milliseconds); longer is a stuck process.
+WRITE_LOCK_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,13 @@ class StateDir:
 
     @property
     def lock_path(self) -> Path:
+        """apply's and destroy's lock, held for the whole run (fleetctl/apply/lock.py)."""
         return self.root / "state.lock"
+
+    @property
+    def write_lock_path(self) -> Path:
+        """The lock every writer of a file here holds around its read-modify-write."""
+        return self.root / "write.lock"
 
     @property
     def requests_path(self) -> Path:
@@ -78,13 +93,16 @@ class StateDir:
         """The recorded state, or an empty one when nothing was applied yet."""
         where = self.state_path
         try:
-            raw = json.loads(where.read_text(encoding="utf-8"))
+            text = documents.read_file(where)
         except FileNotFoundError:
             return State()
-        except (OSError, ValueError) as e:
-            raise OperationError(f"{where}: cannot read the state file: {e}") from None
+        except OSError as e:
+            raise OperationError(
+                f"{where}: cannot read the state file: {e.strerror or e} (check that it is a "
+                "file this user can read)"
+            ) from None
         try:
-            return State.from_json(raw)
+            return State.from_json(documents.read(text))
         except DocumentError as e:
             raise UserError(
                 f"the state file is not usable: {e}",
@@ -93,7 +111,8 @@ class StateDir:
             ) from None
 
     def save_state(self, state: State) -> None:
-        write_atomic(self.state_path, json.dumps(state.to_json(), indent=2) + "\n")
+        with self.write_lock():
+            write_atomic(self.state_path, json.dumps(state.to_json(), indent=2) + "\n")
 
     # --- facts: what probe found ------------------------------------------------------------
 
@@ -101,14 +120,14 @@ class StateDir:
         """Facts from `path` (--facts: must exist), else the saved ones, else None."""
         where = path or self.facts_path
         try:
-            raw = json.loads(where.read_text(encoding="utf-8"))
+            raw = documents.read(documents.read_file(where))
         except FileNotFoundError:
             if path is None:
                 return None
             raise UserError(
                 "no such facts file", Location(str(where)), "run `fleetctl probe` first"
             ) from None
-        except (OSError, ValueError) as e:
+        except (OSError, DocumentError) as e:
             raise UserError(
                 f"cannot read facts: {e}", Location(str(where)), "re-run `fleetctl probe`"
             ) from None
@@ -129,22 +148,38 @@ class StateDir:
             return None
 
     def save_facts(self, facts: Facts) -> None:
-        write_atomic(self.facts_path, json.dumps(facts.to_json(), indent=2) + "\n")
+        with self.write_lock():
+            write_atomic(self.facts_path, json.dumps(facts.to_json(), indent=2) + "\n")
 
     # --- health: what the last check concluded ----------------------------------------------
 
     def load_health(self) -> HealthRecord:
-        """The last health record; none yet (or unreadable) means every node is equivalent."""
+        """The last health record; none yet means every node is equivalent. A damaged one, or
+        one of a format this release does not read, is refused: read as "none", it would
+        silently merge the nodes it found different back into their class."""
+        where = self.health_path
         try:
-            text = self.health_path.read_text(encoding="utf-8")
-            return documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,))
-        except (OSError, DocumentError):
+            text = documents.read_file(where)
+        except FileNotFoundError:
             return HealthRecord()
+        except OSError as e:
+            raise OperationError(
+                f"{where}: cannot read the health record: {e.strerror or e} (check that it is "
+                "a file this user can read)"
+            ) from None
+        try:
+            return documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,))
+        except DocumentError as e:
+            raise UserError(
+                f"the health record is not usable: {e}",
+                Location(str(where)),
+                "run `fleetctl health` to write it again",
+            ) from None
 
     def save_health(self, record: HealthRecord) -> None:
-        write_atomic(
-            self.health_path, json.dumps(documents.dump(record, HEALTH_FORMAT), indent=2) + "\n"
-        )
+        with self.write_lock():
+            text = json.dumps(documents.dump(record, HEALTH_FORMAT), indent=2) + "\n"
+            write_atomic(self.health_path, text)
 
     # --- calibration: what the live servers measured ----------------------------------------
 
@@ -152,10 +187,10 @@ class StateDir:
         """The saved calibration, or an empty one when none was made yet."""
         where = self.calibration_path
         try:
-            raw = json.loads(where.read_text(encoding="utf-8"))
+            raw = documents.read(documents.read_file(where))
         except FileNotFoundError:
             return Calibration()
-        except (OSError, ValueError) as e:
+        except (OSError, DocumentError) as e:
             raise UserError(
                 f"cannot read the calibration: {e}",
                 Location(str(where)),
@@ -170,8 +205,87 @@ class StateDir:
                 "run `fleetctl calibrate` again to write it, or pass --no-calibration",
             ) from None
 
+    def update_calibration(self, change: Callable[[Calibration], Calibration]) -> Calibration:
+        """Read the calibration, apply `change` and save what it returns (when it changed
+        anything), all under the write lock: two writers measuring at once (calibrate, apply,
+        health) each add to the other's file instead of writing over it. Returns it."""
+        with self.write_lock():
+            before = self.load_calibration()
+            after = change(before)
+            if after != before:
+                text = json.dumps(after.to_json(), indent=1) + "\n"
+                write_atomic(self.calibration_path, text)
+            return after
+
     def save_calibration(self, calibration: Calibration) -> None:
-        write_atomic(self.calibration_path, json.dumps(calibration.to_json(), indent=1) + "\n")
+        """Write `calibration` over the file: for a writer that read nothing from it."""
+        self.update_calibration(lambda _: calibration)
+
+    # --- the write lock ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def write_lock(self) -> Iterator[None]:
+        """Hold the folder's write lock (an flock on `write.lock`, dropped by the kernel when
+        its process dies). Re-entrant within a process; threads of one process take turns."""
+        path = self.write_lock_path
+        with _WRITERS:
+            if path in _HELD:
+                yield
+                return
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                _flock(fd, path)
+                _HELD.add(path)
+                try:
+                    yield
+                finally:
+                    _HELD.discard(path)
+                    os.ftruncate(fd, 0)
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
+
+
+# The write locks this process holds, and the guard that lets one thread of it at a time in.
+_HELD: set[Path] = set()
+_WRITERS = threading.RLock()
+
+
+def _flock(fd: int, path: Path) -> None:
+    """Take the flock on `fd`, saying once on stderr who is waited for; OperationError after
+    WRITE_LOCK_WAIT_S."""
+    end = time.monotonic() + WRITE_LOCK_WAIT_S
+    said = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            holder = _holder(fd)
+            if time.monotonic() > end:
+                raise OperationError(
+                    f"{path}: {holder} has held the state folder's write lock for over "
+                    f"{WRITE_LOCK_WAIT_S:g} s; if it is stuck, stop it and run this again"
+                ) from None
+            if not said:
+                sys.stderr.write(f"{path}: waiting for {holder} to finish writing\n")
+                sys.stderr.flush()
+                said = True
+            time.sleep(0.05)
+    os.ftruncate(fd, 0)
+    me = {"pid": os.getpid(), "command": " ".join(sys.argv[1:2])}
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+
+
+def _holder(fd: int) -> str:
+    try:
+        doc = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        doc = None
+    if not isinstance(doc, dict):
+        return "another process"
+    return f"pid {doc.get('pid', '?')} (`fleetctl {str(doc.get('command', '?'))[:40]}`)"
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
