@@ -95,6 +95,7 @@ class PdStub:
         self.mode = "ok"
         self.metrics_status = 200
         self.bodies: list[dict] = []
+        self.on_request: Callable[[], None] = lambda: None  # called as each one arrives
         self._ready = threading.Event()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self._run, daemon=True).start()
@@ -128,6 +129,7 @@ class PdStub:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = json.loads(await request.read())
         self.bodies.append(body)
+        self.on_request()
         params = body.get("kv_transfer_params")
         mode = self.mode
         try:
@@ -358,6 +360,26 @@ def test_a_failed_prefill_is_never_retried_on_a_decode_server(pd, fault):
             assert d.bodies[0]["max_tokens"] == 4
         else:
             assert json.loads(body)["error"]["code"] == 503
+    finally:
+        router.stop()
+
+
+def test_a_failed_prefill_with_no_server_left_is_a_clear_503(pd):
+    tmp, p, d = pd
+    p.mode = "hang"
+
+    def decode_server_fails() -> None:  # its /metrics fails from now: ejected within 0.75 s
+        d.metrics_status = 500
+
+    p.on_request = decode_server_fails
+    entries = [stub_entry(p, "rtx-1", RTX, "prefill"), stub_entry(d, "a100-1", A100, "decode")]
+    router = Router(tmp, entries, "--upstream-timeout", "3", name="none-left")
+    try:
+        status, headers, body = router.complete(max_tokens=4)
+        err = json.loads(body)["error"]
+        assert status == 503 and err["code"] == 503 and err["type"] == "server_error", body
+        assert "every prefill server tried failed" in err["message"]
+        assert d.bodies == [] and prefill_backend(headers) is None
     finally:
         router.stop()
 
