@@ -37,8 +37,7 @@ def authorize(api_key: str | None, request: web.Request) -> None:
 @dataclass
 class Intake:
     """What a client's request becomes before it is queued: its bytes (forwarded as received,
-    but for the fields only the router sets),
-    its parsed fields, and the Request routing sees."""
+    less the fields only the router sets), its parsed fields, and the Request routing sees."""
 
     # The limits are DaemonConfig's (daemon.py), passed in.
     api_key: str | None
