@@ -59,6 +59,20 @@ def test_without_max_tokens_the_expected_output_stands_in():
     assert p.request(1, 0, default_output=99, arrival=0.0).output_tokens == 99
 
 
+def test_the_fields_only_the_router_sets_are_dropped_at_the_door():
+    evil = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 4444}
+    body = {"model": "llama-3-8b", "prompt": "x", "kv_transfer_params": evil}
+    body |= {"ec_transfer_params": evil, "vllm_xargs": {"kv_transfer_params": "x", "k": 1}}
+    p = parse(body)
+    assert p.stripped
+    assert p.body == {"model": "llama-3-8b", "prompt": "x", "vllm_xargs": {"k": 1}}
+    for one in ({"kv_transfer_params": None}, {"vllm_xargs": {"ec_transfer_params": 1}}):
+        assert parse({"model": "llama-3-8b", "prompt": "x", **one}).stripped
+    # Nothing of theirs: the body as received, forwarded byte for byte.
+    plain = parse({"model": "llama-3-8b", "prompt": "x", "vllm_xargs": ["kv_transfer_params"]})
+    assert not plain.stripped and plain.body["vllm_xargs"] == ["kv_transfer_params"]
+
+
 def test_the_session_header_wins_over_the_body_user():
     p = parse({"model": "llama-3-8b", "prompt": "x", "user": "body"}, {"X-Session-ID": "hdr"})
     assert p.session == session_key("hdr")

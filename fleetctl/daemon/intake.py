@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -97,8 +98,8 @@ def authorize(api_key: str | None, request: web.Request) -> None:
 
 @dataclass
 class Intake:
-    """What a client's request becomes before it is queued: its bytes (forwarded as received),
-    its parsed fields, and the Request routing sees."""
+    """What a client's request becomes before it is queued: its bytes (forwarded as received,
+    less the fields only the router sets), its parsed fields, and the Request routing sees."""
 
     # The limits are DaemonConfig's (daemon.py), passed in.
     api_key: str | None
@@ -142,6 +143,8 @@ class Intake:
             self.priority_classes,
             self.max_json_depth,
         )
+        if p.stripped:  # the router's own fields dropped: every path forwards these bytes
+            raw = json.dumps(p.body, ensure_ascii=False).encode()
         m = await self.tokens.measure(p.model, p.body, chat, self.blocks)
         req = p.request(m.tokens, m.chars, self.estimator.estimate(p.model), time.monotonic())
         req.max_tokens = p.max_tokens  # the length filter needs what the client asked for

@@ -21,7 +21,13 @@ from fleetctl.daemon.admission import Admission
 from fleetctl.daemon.backends import body_for, host_port, served_name
 from fleetctl.daemon.intake import error_response
 from fleetctl.daemon.live import LiveState
-from fleetctl.daemon.relay import BackendFailed, Stream, header_value, relay_whole
+from fleetctl.daemon.relay import (
+    BackendFailed,
+    Stream,
+    header_value,
+    relay_whole,
+    without_owned,
+)
 from fleetctl.daemon.telemetry import RouterMetrics
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.daemon.transport import Answer, Transport
@@ -70,6 +76,7 @@ class Lease:
         "hooks",
         "output",
         "prefilled",
+        "reached",
         "req",
         "started",
         "ttft",
@@ -86,6 +93,7 @@ class Lease:
         self.ttft: float | None = None  # from arrival to the first byte
         self.output: int | None = None  # output tokens, as reported or counted
         self.ended = ""  # "done", "failed", "abandoned" or "cut"
+        self.reached = True  # whether the backend may have received the request
 
     def first(self) -> None:
         """The first byte of the answer arrived: the prompt is no longer pending prefill."""
@@ -173,6 +181,7 @@ class Proxy:
     max_retries: int = 2
     api_key: str | None = None  # the router's own: when set, the client's header is not passed
     backend_api_key: str | None = None  # sent to backends instead of the client's header
+    held: disagg.Held = field(default_factory=disagg.Held)  # KV left on prefill servers
 
     async def serve(
         self,
@@ -183,8 +192,10 @@ class Proxy:
         decision: Decision,
         chat: bool,
         started: float,
+        tried: list[Backend] | None = None,
     ) -> web.StreamResponse:
-        """Answer a placed request; a failure before the first byte is retried elsewhere."""
+        """Answer a placed request; a failure before the first byte is retried elsewhere.
+        `tried`: servers that failed it already (a split request's prefill servers)."""
         if decision.kind == PREFILL:
             return await self.split(request, raw, parsed, req, decision, chat, started)
         metrics = self.hooks.metrics
@@ -192,7 +203,7 @@ class Proxy:
         headers = self._headers(request)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         label = decision.label
-        tried: list[Backend] = []
+        tried = list(tried or ())
         backend = decision.backend
         while backend is not None:
             tried.append(backend)
@@ -204,7 +215,8 @@ class Proxy:
             # Failed before any byte reached the client: try another backend.
             if len(tried) > self.max_retries:
                 break
-            backend = await self._retry(req, tried)
+            again = await self._place_again(req, tried)
+            backend = again.backend if again is not None else None
             if backend is not None:
                 metrics.retries.inc(req.model)
                 label = "retry"
@@ -223,42 +235,82 @@ class Proxy:
         chat: bool,
         started: float,
     ) -> web.StreamResponse:
-        """A disaggregated request: its prompt on the prefill server placed (another if it
-        fails), then its answer from a decode server that pulls the KV cache; a decode server
-        that fails before the first byte is replaced by another that prefills the prompt
-        itself. The client sees one answer, or one error."""
+        """A disaggregated request: its prompt on the prefill server placed (another prefill
+        server if it fails), then its answer from a decode server that pulls the KV cache; a
+        decode server that fails before the first byte is replaced by another. With no
+        prefill server left, or a body the two phases cannot serve (disagg.splittable), the
+        request is served whole where the scheduler places it, with no transfer parameters.
+        The client sees one answer, or one error."""
         metrics = self.hooks.metrics
         headers = {**self._headers(request), "X-Request-Id": disagg.request_id()}
         path = "/v1/chat/completions" if chat else "/v1/completions"
         tried: list[Backend] = []
-        prefill = decision.backend
+        prefill: Decision | None = decision
         done: Prefilled | web.Response | None = None
-        while prefill is not None:
-            tried.append(prefill)
-            done = await self._prefill(prefill, parsed.body, req, path, headers)
-            if done is not None:
+        if not disagg.splittable(parsed.body):
+            # Never sent: give the prefill server its room back, decode it whole instead.
+            assert decision.backend is not None
+            release(decision.backend, req, first_token_seen=False)
+            self.hooks.admission.wake()
+            return await self._decode(request, parsed, req, path, headers, started, None)
+        while prefill is not None and prefill.backend is not None:
+            if prefill.kind != PREFILL:
+                # No prefill server left: the scheduler placed it whole (on a decode server).
+                return await self.serve(request, raw, parsed, req, prefill, chat, started, tried)
+            tried.append(prefill.backend)
+            done = await self._prefill(prefill.backend, parsed.body, req, path, headers)
+            if done is not None or len(tried) > self.max_retries:
                 break
-            if len(tried) > self.max_retries:
-                break
-            prefill = await self._retry(req, tried)
+            prefill = await self._place_again(req, tried)
             if prefill is not None:
                 metrics.retries.inc(req.model)
         if isinstance(done, web.Response):  # the client's mistake: its answer, as vLLM gave it
             request[SERVED_BY] = tried[-1]
             metrics.requests.inc(req.model, tried[-1].node_class, decision.label, str(done.status))
             return done
-        if done is None:
+        if done is None and len(tried) > self.max_retries:
             metrics.requests.inc(req.model, tried[-1].node_class, decision.label, "502")
             return error_response(
                 ClientError(502, "every prefill server tried failed", "server_error")
             )
-        extra = {"X-Fleet-Prefill-Backend": header_value(host_port(done.backend))}
-        params = done.params
+        if done is None:  # none left to try, and no other server may serve it whole
+            metrics.requests.inc(req.model, tried[-1].node_class, decision.label, "503")
+            why = prefill.reason if prefill is not None and prefill.reason else ""
+            return error_response(
+                ClientError(
+                    503,
+                    "every prefill server tried failed and no server is left to serve the "
+                    f"request{': ' + why if why else ''}; try again later",
+                    "server_error",
+                )
+            )
+        return await self._decode(request, parsed, req, path, headers, started, done)
+
+    async def _decode(
+        self,
+        request: web.Request,
+        parsed: Parsed,
+        req: Request,
+        path: str,
+        headers: dict[str, str],
+        started: float,
+        done: Prefilled | None,
+    ) -> web.StreamResponse:
+        """The answer from a decode server: pulling the prompt's KV cache from the prefill
+        server `done` names, or prefilling the prompt itself (no `done`, or after a decode
+        server that received the parameters failed: the blocks it may have pulled are gone)."""
+        metrics = self.hooks.metrics
+        extra = {}
+        if done is not None:
+            extra["X-Fleet-Prefill-Backend"] = header_value(host_port(done.backend))
+        params = done.params if done is not None else None
         stream = bool(parsed.body.get("stream"))
         decoders: list[Backend] = []
+        status = 502
         for _ in range(self.max_retries + 1):
             d = self._decode_server(req, decoders, params is not None)
             if d is None:
+                status = 503 if not decoders else 502
                 break
             decoders.append(d)
             request[SERVED_BY] = d
@@ -269,9 +321,22 @@ class Proxy:
             if out is not None:
                 metrics.requests.inc(req.model, d.node_class, "decode", str(out.status))
                 return out
-            params = None  # the failed server's pulled KV is gone: the next one prefills
-        last = decoders[-1] if decoders else tried[-1]
-        metrics.requests.inc(req.model, last.node_class, "decode", "502")
+            lease = request[LAST_ATTEMPT]
+            if params is not None and not lease.reached:
+                continue  # it never got the parameters: the next one pulls the blocks
+            if params is not None and done is not None:
+                # It got them and failed: vLLM's decode server frees the prefill server's
+                # blocks when it pulled them or aborts (a dropped connection), but one that
+                # failed without a word (its engine dead) leaves them to the lease.
+                self.held.hold(done.backend.name)
+            params = None
+        if params is not None and done is not None:
+            self.held.hold(done.backend.name)  # no decode server received them at all
+        last = decoders[-1] if decoders else done.backend if done is not None else None
+        metrics.requests.inc(req.model, last.node_class if last else "", "decode", str(status))
+        if status == 503:
+            why = f"no decode server can serve {req.model} now; try again later"
+            return error_response(ClientError(503, why, "server_error"))
         return error_response(
             ClientError(502, "every decode server tried failed before answering", "server_error")
         )
@@ -292,7 +357,9 @@ class Proxy:
                 raise BackendFailed(f"status {up.status}")
             first = True
             if up.status != 200:
-                return web.Response(body=data, status=up.status, content_type="application/json")
+                return web.Response(
+                    body=without_owned(data), status=up.status, content_type="application/json"
+                )
             if live is not None:
                 live.succeeded(b)
             return Prefilled(b, disagg.transfer_params(data))
@@ -322,9 +389,10 @@ class Proxy:
             b.pending_prefill += req.prefill_tokens
         return b
 
-    async def _retry(self, req: Request, tried: list[Backend]) -> Backend | None:
+    async def _place_again(self, req: Request, tried: list[Backend]) -> Decision | None:
         """A retry is a normal scheduler entry: the same priority and arrival (it keeps its
-        place in line), minus the backends that failed, and it waits for room like any other."""
+        place in line), minus the backends that failed, and it waits for room like any other.
+        For a split model it is a prefill server while one is left, else a whole placement."""
         req.exclude = frozenset(b.name for b in tried)
         if not self.hooks.admission.could_serve(req):
             return None  # no backend left to try: do not wait in line for nothing
@@ -332,7 +400,7 @@ class Proxy:
             decision = await self.hooks.admission.place(req)
         except ClientError:  # no room in time: the client gets the 502
             return None
-        return decision.backend
+        return decision
 
     def _headers(self, request: web.Request) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
@@ -378,6 +446,7 @@ class Proxy:
                     return await relay_whole(up, b, lease, extra)
                 return await relay.relay(request, up, b, lease, extra)
         except FAILURES as e:
+            lease.reached = not isinstance(e, Unreached)
             lease.failed(str(e) or type(e).__name__)
             if relay is None or relay.out is None:
                 return None  # nothing reached the client yet: retry elsewhere
@@ -390,6 +459,10 @@ class Proxy:
             raise
 
 
+class Unreached(BackendFailed):
+    """The backend refused the connection: it cannot have received the request."""
+
+
 async def _post(upstream: Transport, url: str, raw: bytes, headers: dict[str, str]) -> Answer:
     """A connection that cannot be made is the backend failing, like a bad answer; an OSError
     later on is the client's connection, so it is told apart here."""
@@ -398,4 +471,7 @@ async def _post(upstream: Transport, url: str, raw: bytes, headers: dict[str, st
     except TimeoutError:
         raise
     except OSError as e:
+        refused = (e, getattr(e, "os_error", None), e.__cause__)
+        if any(isinstance(x, ConnectionRefusedError) for x in refused):
+            raise Unreached(f"cannot connect: {type(e).__name__}") from e
         raise BackendFailed(f"cannot connect: {type(e).__name__}") from e

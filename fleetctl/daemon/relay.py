@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from fleetctl.daemon.transport import Answer
+from fleetctl.routing.request import ROUTER_OWNED
 from fleetctl.routing.types import Backend
 
 log = logging.getLogger("fleetctl.router")
@@ -38,6 +39,41 @@ CUT_ERROR = {"message": CUT_MESSAGE, "type": "server_error", "param": None, "cod
 # The usage a stream ends with under stream_options.include_usage (or on every event with
 # continuous_usage_stats): a key, never text, since JSON escapes the quotes inside a string.
 COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
+
+
+# A server's own transfer details (engine id, side channel host and port, block ids) are never
+# the client's to read: matched as bytes first, so an answer without them costs one scan
+# (every field ROUTER_OWNED names ends so).
+_OWNED = b'_transfer_params"'
+assert all(f'{k}"'.endswith(_OWNED.decode()) for k in ROUTER_OWNED)
+_EVENT = re.compile(rb"^data: (\{.*\})(?=\r?$)", re.MULTILINE)
+
+
+def owned(data: bytes) -> bool:
+    """Whether `data` may hold a field only the router sets (ROUTER_OWNED)."""
+    return _OWNED in data
+
+
+def without_owned(data: bytes, answer: dict[str, Any] | None = None) -> bytes:
+    """A JSON answer without the fields only the router sets; as it was when it has none, or
+    only nulls (vLLM writes `"kv_transfer_params": null` into every whole answer), or is not
+    a JSON object (the caller judges that). `answer`: `data` already parsed."""
+    if not owned(data):
+        return data
+    if answer is None:
+        answer = parse_answer(data)
+    if answer is None or all(answer.get(k) is None for k in ROUTER_OWNED):
+        return data
+    return json.dumps({k: v for k, v in answer.items() if k not in ROUTER_OWNED}).encode()
+
+
+def events_without_owned(chunk: bytes) -> bytes:
+    """SSE events without the fields only the router sets. vLLM puts none in a stream's
+    events (a prefill is never streamed, and the door drops a client's request for them),
+    so this is a second line: a field cut across two reads is not seen."""
+    if not owned(chunk):
+        return chunk
+    return _EVENT.sub(lambda m: b"data: " + without_owned(m.group(1)), chunk)
 
 
 class BackendFailed(Exception):
@@ -101,7 +137,8 @@ async def relay_whole(
         log.warning("backend %s answered 200 with a body that is not a JSON object", b.name)
         raise BackendFailed("a 200 answer that is not a JSON object")
     outcome.first()
-    out = web.Response(body=data, status=up.status, headers=answer_headers(up, b, extra))
+    body = without_owned(data, answer)
+    out = web.Response(body=body, status=up.status, headers=answer_headers(up, b, extra))
     outcome.done(answer)
     return out
 
@@ -144,7 +181,7 @@ class Stream:
             while chunk:
                 events += chunk.count(b"data: {")
                 not_tokens += chunk.count(b'"choices":[]')
-                await write(chunk)  # as it arrives: no buffering
+                await write(events_without_owned(chunk))  # as it arrives: no buffering
                 before, self.last = self.last, chunk
                 chunk = await read()
             await out.write_eof()

@@ -588,6 +588,10 @@ class Router:
                 age = now - state.scraped_at if state.scraped_at else float("inf")
                 self.metrics.scrape_age.set(b.name, value=age)
                 self.metrics.ejections.values[(b.name,)] = float(state.ejections)
+        if self._proxy is not None:  # a series per prefill server that may hold any
+            held = self._proxy.held.counts()
+            for name in {*held, *(k[0] for k in self.metrics.kv_held.values)}:
+                self.metrics.kv_held.set(name, value=held.get(name, 0))
         if self.prefix is not None:
             for b in self.backends:
                 self.metrics.prefix_blocks.set(b.name, value=self.prefix.size(b.name))

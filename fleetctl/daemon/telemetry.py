@@ -174,6 +174,13 @@ class RouterMetrics:
             "Session pins the router holds in memory: at most route-serve's --max-sessions, the "
             "least recently used forgotten first.",
         )
+        self.kv_held = Gauge(
+            "fleetctl_prefill_kv_held",
+            "Prompts whose KV cache a prefill server may still hold for a decode server that "
+            "failed after receiving where to pull it from: freed by the server when its lease "
+            "ends (vLLM's kv_lease_duration, 30 s by default), when this drops.",
+            ("backend",),
+        )
         self.prefix_updates = Counter(
             "fleetctl_prefix_share_updates_total",
             "Prefix-index updates shared with the other replicas through the session store: "
@@ -262,6 +269,7 @@ class RouterMetrics:
             self.speed,
             self.prefix_blocks,
             self.session_pins,
+            self.kv_held,
             self.prefix_updates,
         ):
             lines.extend(m.render())

@@ -24,7 +24,14 @@ from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
 from fleetctl.emulator.driver import Driver, Job, Update
 from fleetctl.emulator.kv_publisher import KvEventPublisher
-from fleetctl.emulator.kv_transfer import answer_params, remote_prefill, wants_remote_decode
+from fleetctl.emulator.kv_transfer import (
+    NOTIFY_PATH,
+    HeldBlocks,
+    answer_params,
+    notify_prefill_server,
+    remote_prefill,
+    wants_remote_decode,
+)
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
 
 log = logging.getLogger("fleetctl.emulator")
@@ -55,6 +62,7 @@ class State:
     streams: int = 0
     completed: int = 0
     hung: bool = False
+    held: HeldBlocks = field(default_factory=HeldBlocks)  # KV kept for decode servers
 
     @property
     def loading(self) -> bool:
@@ -97,6 +105,7 @@ def make_app(config: EmulatorConfig) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post(NOTIFY_PATH, _notified)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
     app.on_response_prepare.append(_server_header)
@@ -247,9 +256,36 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         state.cache,
         state.config.time_scale,
     )
+    if state.config.kv_transfer is not None:
+        text += _held_metrics(state.held)
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
+
+
+def _held_metrics(held: HeldBlocks) -> str:
+    """The emulator's own gauges (vLLM has none): what it holds for decode servers."""
+    requests, blocks = held.count()
+    return (
+        "# HELP fleetctl_emulator_kv_held_requests Requests whose KV blocks this prefill "
+        "server keeps for a decode server.\n"
+        "# TYPE fleetctl_emulator_kv_held_requests gauge\n"
+        f"fleetctl_emulator_kv_held_requests {requests}\n"
+        "# HELP fleetctl_emulator_kv_held_blocks KV blocks this prefill server keeps for "
+        "decode servers.\n"
+        "# TYPE fleetctl_emulator_kv_held_blocks gauge\n"
+        f"fleetctl_emulator_kv_held_blocks {blocks}\n"
+    )
+
+
+async def _notified(request: web.Request) -> web.StreamResponse:
+    """The side channel: a decode server is done with a request's blocks."""
+    try:
+        rid = (await request.json())["remote_request_id"]
+    except (ValueError, KeyError, TypeError):
+        raise proto.bad_request("a notification names remote_request_id") from None
+    freed = request.app[STATE].held.free(str(rid))
+    return _json({"freed": freed})
 
 
 # --- completions -----------------------------------------------------------------------------
@@ -362,12 +398,15 @@ async def _kv_transfer(body: dict[str, Any], plan: Plan, c: EmulatorConfig) -> t
         raise proto.bad_request(str(e), "kv_transfer_params") from None
     if remote is None:
         return 0, wants_remote_decode(params)
-    if len(plan.prompts) != 1:
-        raise proto.bad_request("kv_transfer_params goes with one prompt", "kv_transfer_params")
-    prompt = plan.prompts[0]
-    perf = c.perf
-    seconds = c.kv_transfer.link.seconds(perf.kv_token_bytes * perf.tp * prompt)
-    await asyncio.sleep(seconds / c.time_scale)  # the blocks cross the network
+    try:
+        if len(plan.prompts) != 1:
+            raise proto.bad_request("kv_transfer_params goes with one prompt", "kv_transfer_params")
+        prompt = plan.prompts[0]
+        perf = c.perf
+        seconds = c.kv_transfer.link.seconds(perf.kv_token_bytes * perf.tp * prompt)
+        await asyncio.sleep(seconds / c.time_scale)  # the blocks cross the network
+    finally:  # pulled, refused or aborted: the prefill server may free them
+        notify_prefill_server(remote)
     return max(0, prompt - 1), False
 
 
@@ -378,6 +417,7 @@ def _producer_params(
     prompt = plan.prompts[0]
     blocks = -(-prompt // c.block_size)
     rid = request.headers.get("X-Request-Id") or "emulated"
+    request.app[STATE].held.hold(f"cmpl-{rid}-0", blocks, c.kv_transfer.lease_s)
     return answer_params(c.kv_transfer, f"cmpl-{rid}-0", blocks, prompt, jobs[0].seq.cached)
 
 

@@ -17,19 +17,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from fleetctl.routing.policy import Pool
+from fleetctl.routing.policy import Pool, is_split
 from fleetctl.routing.prefix import PrefixView
-from fleetctl.routing.types import Backend, Decision, Request
+from fleetctl.routing.types import DECODE, PREFILL, Backend, Decision, Request
 
-PREFILL, DECODE = "prefill", "decode"
+__all__ = ["DECODE", "PREFILL", "choose_decode", "choose_prefill", "in_role", "is_split"]
 # Past this share of its memory bandwidth a server's decode steps slow (the router's
 # bandwidth_saturation default; policy.py's saturation term, applied to decode alone).
 SATURATION = 0.85
-
-
-def is_split(backends: Sequence[Backend]) -> bool:
-    """Whether these servers (a request's eligible ones) serve it in two phases."""
-    return any(b.role == PREFILL for b in backends) and any(b.role == DECODE for b in backends)
 
 
 def in_role(pool: Pool, role: str) -> Pool:

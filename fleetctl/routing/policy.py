@@ -23,7 +23,14 @@ from fleetctl.routing.goodput import (
 )
 from fleetctl.routing.prefix import NoPrefix, PrefixView
 from fleetctl.routing.sessions import Pin, SessionTable
-from fleetctl.routing.types import Backend, Decision, Request, precision_matches
+from fleetctl.routing.types import (
+    DECODE,
+    PREFILL,
+    Backend,
+    Decision,
+    Request,
+    precision_matches,
+)
 
 
 @dataclass
@@ -53,6 +60,12 @@ class RoutingConfig:
         spec = inv.spec.router
         slos = {m.name: slo for m in inv.models if (slo := Slo.of(m.spec.slo)) is not None}
         return cls(spec.long_context_tokens, spec.bandwidth_saturation, slo=slos)
+
+
+def is_split(backends: Sequence[Backend]) -> bool:
+    """Whether these servers (a request's eligible ones) serve it in two phases
+    (routing/phases.py)."""
+    return any(b.role == PREFILL for b in backends) and any(b.role == DECODE for b in backends)
 
 
 class Pool(list[Backend]):
@@ -105,6 +118,9 @@ class Policy:
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         raise NotImplementedError
+
+    def decoding(self, req: Request, backend: Backend) -> None:
+        """Told which server decodes a request a prefill server prefilled (for sessions)."""
 
     def placed(self, req: Request, backend: Backend, decision: Decision | None = None) -> None:
         """Told where a request went (for sessions and the prefix index), with the decision
@@ -221,7 +237,13 @@ class HardwareAware(Policy):
             if req.strict:
                 found = found.narrowed(match)
         pin = self.sessions.get(req.session) if req.session else None
-        if pin is not None:
+        if pin is not None and is_split(found):
+            # A split model's session keeps the class that decodes its turns (its answers
+            # come from there), and every prefill server: it stays split.
+            keep = [b for b in found if b.role != DECODE or b.node_class == pin.node_class]
+            if any(b.role == DECODE for b in keep):
+                found = found.narrowed(keep)
+        elif pin is not None:
             same = [b for b in found if b.node_class == pin.node_class]
             found = found.narrowed(same or found)
         return found, ""
@@ -390,6 +412,14 @@ class HardwareAware(Policy):
         work = float(req.prefill_tokens)
         exclusive = decision is not None and decision.exclusive
         self._work[backend.node_class] = (e + (work if exclusive else 0.0), t + work)
+        if backend.role != PREFILL:  # a prompt's server alone answers nothing: not pinned
+            self._pin(req, backend)
+
+    def decoding(self, req: Request, backend: Backend) -> None:
+        self._pin(req, backend)
+
+    def _pin(self, req: Request, backend: Backend) -> None:
+        """The session's turns stay on the class (and node) that answered this one."""
         if req.session is None:
             return
         pin = self.sessions.get(req.session)

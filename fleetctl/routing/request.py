@@ -17,6 +17,12 @@ PRIORITY_CLASSES = 10  # X-Priority 0 (most urgent) to 9
 MAX_TOKENS = 2**31 - 1  # a larger max_tokens only inflates the router's reservations
 _PRIORITY = re.compile(r"[0-9]{1,9}")  # ASCII digits: int() also takes "٣", "+3" and "1_0"
 _HINT = re.compile(r"[a-z0-9][a-z0-9-]{0,31}")
+# Body fields that steer a vLLM server's KV (or encoder cache) connector: where it pulls a
+# cache from (a host and port of the cluster network) or whether it keeps one for another
+# server. Only the router sets them (daemon/disagg.py), so a client's are dropped at the
+# door, whatever path the request takes. vLLM 0.32 also reads them from `vllm_xargs`, which
+# it passes on as the request's extra_args (entrypoints/openai/*/protocol.py).
+ROUTER_OWNED = ("kv_transfer_params", "ec_transfer_params")
 
 
 class ClientError(Exception):
@@ -55,6 +61,9 @@ class Parsed:
     precision: str | None
     strict: bool
     session: str | None
+    # Whether fields only the router may set (ROUTER_OWNED) were dropped from `body`: its
+    # bytes are then written again rather than forwarded as received.
+    stripped: bool = False
 
     def request(
         self, prompt_tokens: int, prompt_chars: int, default_output: int, arrival: float
@@ -167,6 +176,19 @@ def parse_precision(
     return hint, mode == "strict"
 
 
+def drop_router_owned(body: dict[str, Any]) -> bool:
+    """Drop the fields only the router sets (ROUTER_OWNED), at the top and in `vllm_xargs`;
+    whether there were any."""
+    found = False
+    xargs = body.get("vllm_xargs")
+    for doc in (body, xargs) if isinstance(xargs, dict) else (body,):
+        for key in ROUTER_OWNED:
+            if key in doc:
+                del doc[key]
+                found = True
+    return found
+
+
 def parse_request(
     raw: bytes,
     headers: Mapping[str, str],
@@ -177,8 +199,10 @@ def parse_request(
     max_depth: int = MAX_JSON_DEPTH,
 ) -> Parsed:
     """The one place a request's body and hints are checked. `models` maps each served model
-    to the formats it runs. Raises ClientError, and nothing else, for any input."""
+    to the formats it runs. Raises ClientError, and nothing else, for any input. Fields only
+    the router may set (ROUTER_OWNED) are dropped from the body."""
     body = parse_body(raw, max_depth)
+    stripped = drop_router_owned(body)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ClientError(400, "missing 'model'", param="model")
@@ -210,4 +234,5 @@ def parse_request(
         precision,
         strict,
         session_key(session) if session else None,  # a digest: bounded whatever its length
+        stripped,
     )

@@ -260,6 +260,7 @@ class Scheduler:
         if decision is not None and decision.backend is not None:
             decision.backend.outstanding += 1
             decision.backend.reserved_tokens += req.total_tokens
+            self.policy.decoding(req, decision.backend)
         return decision
 
 

@@ -8,6 +8,8 @@ from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.prefix import PromptBlocks
 
 # Precision hints name a format or a family of formats.
+# A disaggregated model's two phases: a Backend's role (else "both") and a Decision's kind.
+PREFILL, DECODE = "prefill", "decode"
 PRECISION_FAMILIES = {
     "int4": ("gptq-int4", "awq-int4"),
     "int8": ("int8",),
