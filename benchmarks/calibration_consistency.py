@@ -3,11 +3,14 @@ calibrated class, beside the node's truth and the GPU's physical ceiling.
 
     python benchmarks/calibration_consistency.py [--out DIR]
 
-Two real emulators on loopback, each calibrated by `fleetctl calibrate` under live traffic:
+Three real emulators on loopback, each calibrated by `fleetctl calibrate` under live traffic:
 - skewed: an RTX 4090 whose truth is 30% less speed and 15% less KV cache than its profile
   (`--truth-speed 0.7 --truth-kv 0.85`), 10 clients ramping up;
 - own profile: a new user's case, an emulator of its own profile at 3-7 concurrent
-  requests, where a fit stretched to batch 1 once printed 112.7 tok/s past the roofline.
+  requests, where a fit stretched to batch 1 once printed 112.7 tok/s past the roofline;
+- mixed prefill: the skewed node's speed under heavier prefill, six clients sending distinct
+  400-700-token prompts (no prefix-cache hits) for 48-112 tokens each, where the prompt
+  chunks computed beside the decodes were once read as slow decoding (18% below the truth).
 
 Then estimate (batch 1, 8 and 32), plan --json, simulate --json and status's engines read the
 one calibration file. The report gives each command's decode tok/s per sequence at those
@@ -59,24 +62,37 @@ models:
     gpu_memory_utilization: {UTILIZATION}
     workload: {{requests_per_s: 1, mean_prompt_tokens: 500, mean_output_tokens: 64}}
 """
-CASES = {  # name: (truth speed, truth KV, clients, the window's seconds)
-    "skewed (0.7x speed, 0.85x KV)": (0.7, 0.85, 10, 8.0),
-    "own profile, 3-7 concurrent": (1.0, 1.0, 5, 6.0),
-}
+Traffic = tuple[tuple[int, int] | None, tuple[int, int]]  # prompt tokens (None: text), output
+TEXT: Traffic = (None, (20, 200))
+CASES: dict[str, tuple[float, float, int, float, Traffic]] = {
+    # name: (truth speed, truth KV, clients, the window's seconds, traffic)
+    "skewed (0.7x speed, 0.85x KV)": (0.7, 0.85, 10, 8.0, TEXT),
+    "own profile, 3-7 concurrent": (1.0, 1.0, 5, 6.0, TEXT),
+    "mixed prefill (0.7x speed, 400-700-token prompts, 6 concurrent)": (
+        0.7, 1.0, 6, 8.0, ((400, 700), (48, 112)),
+    ),
+}  # fmt: skip
 
 
 class Load:
     """Clients sending completions of mixed lengths, one more joining per finished request,
-    so the calibration's windows see different batch sizes."""
+    so the calibration's windows see different batch sizes. Prompts are text sharing its
+    prefix, or, with a range of prompt tokens, distinct token ids that the prefix cache never
+    holds."""
 
-    def __init__(self, port: int, clients: int) -> None:
+    def __init__(self, port: int, clients: int, traffic: Traffic = TEXT) -> None:
         self.port, self.stop, self.done = port, threading.Event(), 0
+        self.traffic = traffic
         self.threads = [threading.Thread(target=self.run, args=(k,)) for k in range(clients)]
 
     def run(self, k: int) -> None:
         rng = random.Random(k)
         while not self.stop.is_set():
-            prompt, tokens = "hi " * rng.randint(50, 400), rng.randint(20, 200)
+            prompts, outputs = self.traffic
+            prompt: str | list[int] = "hi " * rng.randint(50, 400)
+            if prompts is not None:
+                prompt = [rng.randrange(100, 30_000) for _ in range(rng.randint(*prompts))]
+            tokens = rng.randint(*outputs)
             body = {"model": NAME, "prompt": prompt, "max_tokens": tokens}
             status, _, _ = http_request(self.port, "POST", "/v1/completions", body, None, 120)
             if status != 200:
@@ -106,7 +122,9 @@ def fleetctl(*args: object) -> str:
     return done.stdout
 
 
-def run_case(work: Path, speed: float, kv: float, clients: int, window: float) -> dict[str, Any]:
+def run_case(
+    work: Path, speed: float, kv: float, clients: int, window: float, traffic: Traffic
+) -> dict[str, Any]:
     port = free_port()
     flags = ["--truth-speed", str(speed), "--truth-kv", str(kv)]
     cmd = emulate_cmd(port, "RTX-4090", NAME, SOURCE, NAME, SCALE, *flags)
@@ -117,7 +135,7 @@ def run_case(work: Path, speed: float, kv: float, clients: int, window: float) -
     backends.write_text(json.dumps({"backends": [{**entry, "model": NAME}]}))
     try:
         wait_status(port, "/health", emu, 200, 60)
-        with Load(port, clients):
+        with Load(port, clients, traffic):
             fleetctl("calibrate", inv, "--backends", backends, "--state-dir", state,
                      "--window", window, "--interval", 0.25)  # fmt: skip
     finally:
@@ -224,10 +242,10 @@ def main() -> None:
     out = out_dir(args.out)
     started = time.monotonic()
     results = {}
-    for case, (speed, kv, clients, window) in CASES.items():
+    for case, (speed, kv, clients, window, traffic) in CASES.items():
         print(f"{case}: calibrating under {clients} clients", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            results[case] = run_case(Path(tmp), speed, kv, clients, window)
+            results[case] = run_case(Path(tmp), speed, kv, clients, window, traffic)
     lines = report(results, time.monotonic() - started)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "results.json").write_text(json.dumps({"machine": machine(), **results}, indent=1))

@@ -475,10 +475,21 @@ def test_no_figure_runs_faster_than_the_gpus_peaks(catalog, perf):
 
 class Load:
     """Clients sending completions of mixed lengths; more of them as it goes, so the windows
-    see different batch sizes."""
+    see different batch sizes. With `prompt_tokens`, each prompt is that many distinct token
+    ids (a range drawn from), so none hits the prefix cache: every prompt token is prefilled
+    in a step beside the decodes."""
 
-    def __init__(self, port: int, clients: int, model: str = NAME, scale: int = 1):
+    def __init__(
+        self,
+        port: int,
+        clients: int,
+        model: str = NAME,
+        scale: int = 1,
+        prompt_tokens: tuple[int, int] | None = None,
+        output_tokens: tuple[int, int] = (20, 200),
+    ):
         self.port, self.model, self.scale = port, model, scale
+        self.prompt_tokens, self.output_tokens = prompt_tokens, output_tokens
         self.stop = threading.Event()
         self.done = 0
         self.failed: list[int] = []
@@ -487,10 +498,15 @@ class Load:
     def run(self, k: int) -> None:
         rng = random.Random(k)
         while not self.stop.is_set():
+            prompt: str | list[int] = "hi " * (rng.randint(50, 400) // self.scale)
+            if self.prompt_tokens is not None:
+                prompt = [
+                    rng.randrange(100, 30_000) for _ in range(rng.randint(*self.prompt_tokens))
+                ]
             body = {
                 "model": self.model,
-                "prompt": "hi " * (rng.randint(50, 400) // self.scale),
-                "max_tokens": rng.randint(20, 200) // self.scale,
+                "prompt": prompt,
+                "max_tokens": rng.randint(*self.output_tokens) // self.scale,
             }
             status, _, _ = http_request(self.port, "POST", "/v1/completions", body, None, 120)
             if status != 200:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import time
 
@@ -98,3 +99,49 @@ def test_route_serve_learns_each_backends_speed_online(pair, catalog, caplog):
         line.startswith(f"{where(slow)}: measured speed 0.") and "x the model's over" in line
         for line in lines
     ), lines
+
+
+def _mixed_load(emu: Emulator, stop: threading.Event, k: int) -> None:
+    """Distinct 400-700-token prompts (no prefix-cache hits) for 48-112 tokens each."""
+    rng = random.Random(k)
+    while not stop.is_set():
+        prompt = [rng.randrange(100, 30_000) for _ in range(rng.randint(400, 700))]
+        body = {"model": NAME, "prompt": prompt, "max_tokens": rng.randint(48, 112)}
+        emu.request("POST", "/v1/completions", body, timeout=30)
+
+
+def test_the_online_fit_tells_prefill_beside_the_decodes_from_decode_speed(tmp_path, catalog):
+    """The same fit as `calibrate`'s: a backend at 0.7x its profile under whole prompts beside
+    the decodes, six at a time, is learned at 0.7x within 15% (the prompts read as slow
+    decoding once made it 0.56x)."""
+    emu = Emulator(tmp_path, "--truth-speed", "0.7")
+    model = EnginePerf(catalog.gpu("RTX-4090"), catalog.model(NAME), catalog.format("bf16"))
+    backend = Backend(emu.base, "rtx-1", "RTX-4090", NAME, "bf16", 10_000, perf=model)
+    live = LiveState([backend])
+    stop = threading.Event()
+    load = [
+        threading.Thread(target=_mixed_load, args=(emu, stop, k), daemon=True) for k in range(6)
+    ]
+
+    async def learn() -> None:
+        task = asyncio.create_task(live.run())
+        deadline = time.monotonic() + 60
+        try:
+            while live.state(backend).fit is None or len(live.state(backend).samples) < 30:
+                assert time.monotonic() < deadline, (live.state(backend).fit,)
+                await asyncio.sleep(0.1)
+        finally:
+            task.cancel()
+
+    try:
+        emu.wait_healthy()
+        for t in load:
+            t.start()
+        asyncio.run(learn())
+    finally:
+        stop.set()
+        for t in load:
+            t.join(timeout=30)
+        emu.stop()
+    fit = live.state(backend).fit
+    assert fit is not None and fit.speed == pytest.approx(0.7, rel=0.15), fit

@@ -12,7 +12,7 @@ from fleetctl.model.calibration.figures import Figure, mean_context
 from fleetctl.model.calibration.fit import StepModel
 from fleetctl.model.calibration.rules import IMPLAUSIBLE_RATIO
 from fleetctl.model.calibration.store import Calibration, Entry
-from fleetctl.model.perf import BLOCK_SIZE, EnginePerf, cuda_total
+from fleetctl.model.perf import BLOCK_SIZE, EnginePerf, cuda_total, vllm_batch_defaults
 
 # How far past a GPU's peak a measured term may be and still be a noisy reading of a GPU near
 # its peak (then capped at the peak), rather than a broken measurement (refused).
@@ -83,14 +83,16 @@ class Measured:
 def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
     """The speed (what `EnginePerf.speed` scales: the GPU's work, not the host's) at which the
     model's steps take as long as the measured ones: each decode window's mean step beside the
-    model's step at that window's batch, context and prompt tokens per step (a window's mean
-    step carries the prefill chunks run beside its decodes), weighted by its tokens. None
-    unless the step fit is trusted, or when the measured steps are no longer than what no GPU
-    speed shortens (nothing left to scale) or the speed is 10x off the model's."""
+    model's mean step at that window's batch, context and prompt tokens per step (a window's
+    mean step carries the prefill chunks run beside its decodes, `_window_step`), weighted by
+    its tokens. None unless the step fit is trusted, or when the measured steps are no longer
+    than what no GPU speed shortens (nothing left to scale) or the speed is 10x off the
+    model's."""
     decoding = [s for s in entry.samples if s.tokens > 0]
     if entry.step is None or not entry.step_trusted or not decoding:
         return None
     ctx = mean_context(entry.samples)
+    chunk = prefill_chunk(entry, perf)
     # Windows of one batch and chunk have one model step: each shape is stepped once. (This
     # runs in route-serve's online fit, every few scrapes of every backend.)
     shapes: dict[tuple[int, int], float] = {}
@@ -102,7 +104,7 @@ def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
 
     def model(speed: float) -> float:
         at = replace(perf, speed=speed)
-        return sum(w * _window_step(at, b, c, ctx) for (b, c), w in shapes.items()) / total
+        return sum(w * _window_step(at, b, c, ctx, chunk) for (b, c), w in shapes.items()) / total
 
     # The model's step falls as the speed rises, down to what no GPU speed shortens (the host's
     # fixed cost, and the launches an eager step waits on). A measured step near that floor
@@ -125,12 +127,43 @@ def speed_factor(entry: Entry, perf: EnginePerf) -> float | None:
     return math.sqrt(lo * hi)
 
 
-def _window_step(perf: EnginePerf, batch: int, chunk: int, ctx: float) -> float:
-    """The model's mean step for a window of `batch` decodes at `ctx` tokens each, and its
-    prompt tokens per step (`chunk`) as one chunk beside them."""
-    kv = batch * ctx + chunk
-    pairs = batch * ctx + chunk * chunk / 2
-    return perf.step_time(batch + chunk, kv, pairs, seqs=batch + (1 if chunk else 0))
+def prefill_chunk(entry: Entry, perf: EnginePerf) -> int | None:
+    """The prompt tokens a step that prefills computes beside its decodes: the mean prompt the
+    entry's finished requests computed (vLLM V1 schedules a waiting prompt whole where the
+    step's token budget allows), at most the release's default budget. None when no request
+    finished."""
+    requests = sum(s.requests for s in entry.samples)
+    tokens = sum(s.prefill_tokens for s in entry.samples)
+    if not requests or not tokens:
+        return None
+    max_len = entry.key.max_model_len or perf.model.max_context
+    budget, _ = vllm_batch_defaults(perf.gpu, perf.vllm_version, max_len)
+    return max(1, min(round(tokens / requests), budget))
+
+
+def _window_step(
+    perf: EnginePerf, batch: int, per_step: float, ctx: float, chunk: int | None
+) -> float:
+    """The model's mean step over a window of `batch` decodes at `ctx` tokens each that
+    computed `per_step` prompt tokens a step on average. Those come as whole chunks of `chunk`
+    tokens in some of the steps, not as a sliver in each: a step with a 550-token chunk is
+    compute-bound where a decode step reads the weights, so spreading the chunk over the
+    window's steps hid most of its cost (a 4090 at 0.7x its profile under 400-700-token
+    prompts read 0.56x). Without a chunk (no request finished), every step carries
+    `per_step`."""
+    decode = perf.step_time(batch, batch * ctx)
+    if per_step <= 0:
+        return decode
+    # A window that prefilled more than a chunk a step prefilled in every step.
+    size = per_step if chunk is None else max(per_step, chunk)
+    mixed = perf.step_time(
+        round(batch + size),
+        batch * ctx + size,
+        batch * ctx + size * size / 2,
+        seqs=batch + 1,
+    )
+    share = per_step / size
+    return (1.0 - share) * decode + share * mixed
 
 
 def engine_fit(entry: Entry, perf: EnginePerf) -> EngineFit | None:
