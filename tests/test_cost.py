@@ -184,20 +184,19 @@ def test_a_tpot_slo_caps_capacity_and_an_impossible_ttft_places_nothing(tmp_path
     rtx = {d.gpu_type: d.capacity_rps for d in base.deployments}
     capped = {d.gpu_type: d.capacity_rps for d in tight.deployments}
     assert capped["A100-SXM4-80GB"] < rtx["A100-SXM4-80GB"]
-    # README: capped at the largest batch whose decode step (the same perf model, the mean
-    # request: 1500 + 300 / 2 tokens of context) stays within half the TPOT objective, 20 ms.
+    # Capped at the rate whose p99 TPOT (the same perf model, the mean request, prefill
+    # interference counted: planner/disaggregate.py) stays within the objective, 40 ms.
     from fleetctl.model.perf import EnginePerf
+    from fleetctl.planner.disaggregate import Pool, colocated
 
     a100 = next(d for d in tight.deployments if d.gpu_type == "A100-SXM4-80GB")
     perf = EnginePerf(
         catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3-8b"), catalog.format("bf16"), 1
     )
-    ctx = 1500 + 300 / 2
-    batch = max(b for b in range(1, 257) if perf.step_time(b, b * ctx) <= 0.040 / 2)
-    assert batch < 256  # the cap binds below max_num_seqs
-    assert a100.capacity_rps == pytest.approx(
-        perf.capacity_rps(1500, 300, a100.server.kv_budget_tokens, batch)
-    )
+    kv = a100.server.kv_budget_tokens
+    pool = Pool(0, "", 1, perf, kv, a100.server.max_num_seqs, None)
+    held = colocated(pool, 1500, 300, 0.040).rate
+    assert 0 < a100.capacity_rps <= held < perf.capacity_rps(1500, 300, kv, 256)
     never = plan_fleet(
         inventory(tmp_path, catalog, FLEET + "    slo: {ttft_p99_s: 0.001}\n"), objective="cost"
     )

@@ -172,7 +172,25 @@ def model_table(plan: Plan) -> Records:
         row += [str(sum(s.gpus for s in plan.models)), "", ""] + [""] * short
         row += [_money(plan.cost_per_hour), _money(plan.cost_per_million_output_tokens)]
         rows.append(row)
-    return Records("Capacity", cols, rows)
+    return Records("Capacity", cols, rows, caption=_capacity_basis(plan))
+
+
+def _capacity_basis(plan: Plan) -> str | None:
+    """What the capacity column is, per kind of figure in it (planner/queueing.py)."""
+    said = {
+        "goodput": "goodput: the rate at which 99% of requests meet the SLO, on the "
+        "workload's lengths and bursts",
+        "saturation": "saturation: the mean request's throughput (no SLO)",
+        "split": "prefill and decode pools' rate within the SLO",
+    }
+    parts = []
+    for basis in ("goodput", "saturation", "split"):
+        names = [s.model for s in plan.models if s.capacity_basis == basis and s.replicas]
+        if names:
+            assumed = sorted({a for s in plan.models if s.model in names for a in s.assumed})
+            note = f" (assumed: {', '.join(assumed)})" if assumed and basis == "goodput" else ""
+            parts.append(f"{said[basis]}{note}: {', '.join(names)}")
+    return "; ".join(parts) or None
 
 
 def _money(x: float | None) -> str:

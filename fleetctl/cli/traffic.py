@@ -67,6 +67,14 @@ def workload_spec(derived: Derived, buckets: list[Bucket]) -> WorkloadSpec:
         requests_per_s=min(MAX_RATE, max(derived.requests_per_s, 1e-6)),
         mean_prompt_tokens=derived.mean_prompt_tokens,
         mean_output_tokens=derived.mean_output_tokens,
+        prompt_tokens_p50=derived.prompt_quantiles[0],
+        prompt_tokens_p90=derived.prompt_quantiles[1],
+        prompt_tokens_p99=derived.prompt_quantiles[2],
+        max_prompt_tokens=derived.max_prompt_tokens,
+        output_tokens_p50=derived.output_quantiles[0],
+        output_tokens_p90=derived.output_quantiles[1],
+        output_tokens_p99=derived.output_quantiles[2],
+        burstiness=derived.burstiness,
         buckets=tuple(
             BucketSpec(
                 share=b.share,

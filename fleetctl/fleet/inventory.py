@@ -135,12 +135,55 @@ class BucketSpec(Strict):
 
 
 class WorkloadSpec(Strict):
+    """A model's expected traffic: its peak rate and mean lengths; optionally its length
+    quantiles and the arrivals' burstiness (variance over mean of the request count in
+    windows holding 100 requests on average; 1: Poisson), which the planner's capacity is
+    judged on. Unset, every request is taken as the mean shape and arrivals as Poisson."""
+
     requests_per_s: float = Field(gt=0, le=MAX_RATE)
     mean_prompt_tokens: int = Field(gt=0, le=MAX_TOKENS)
     mean_output_tokens: int = Field(gt=0, le=MAX_TOKENS)
     # Length slices (Melange's request sizes): the cost objective sizes each on the GPUs
     # that carry it cheapest. Empty: one mean request shape, as always.
     buckets: tuple[BucketSpec, ...] = Field((), max_length=8)
+    # The length distribution and the arrivals' burstiness the planner's capacity is judged
+    # on (planner/queueing.py); `plan --workload-from` derives them. Unset: every request
+    # the mean shape, and Poisson arrivals (the plan says it assumed so).
+    prompt_tokens_p50: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    prompt_tokens_p90: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    prompt_tokens_p99: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    max_prompt_tokens: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    output_tokens_p50: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    output_tokens_p90: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    output_tokens_p99: int | None = Field(None, gt=0, le=MAX_TOKENS)
+    # Variance over mean of the request count in windows that hold 100 requests on average:
+    # 1 for Poisson arrivals, more for traffic that comes in bursts.
+    burstiness: float | None = Field(None, ge=0, le=1e6)
+
+    @field_validator(
+        "prompt_tokens_p90",
+        "prompt_tokens_p99",
+        "max_prompt_tokens",
+        "output_tokens_p90",
+        "output_tokens_p99",
+    )
+    @classmethod
+    def _quantiles_rise(cls, v: int | None, info: ValidationInfo) -> int | None:
+        name = info.field_name or ""
+        kind = "output" if name.startswith("output") else "prompt"
+        order = [f"{kind}_tokens_p50", f"{kind}_tokens_p90", f"{kind}_tokens_p99"]
+        if kind == "prompt":
+            order.append("max_prompt_tokens")
+        for lower in reversed(order[: order.index(name)]):
+            below = info.data.get(lower)
+            if v is not None and below is not None:
+                if v < below:
+                    raise ValueError(
+                        f"{name} {v} is below {lower} {below} | a higher quantile is "
+                        "never shorter: check the figures"
+                    )
+                break
+        return v
 
     @field_validator("buckets")
     @classmethod

@@ -439,6 +439,12 @@ class ModelSummary:
     # Where the planner weighed prefill/decode pools against colocated servers; None where
     # it did not (disaggregation off, or auto with no network known).
     disaggregation: Disaggregation | None = None
+    # What capacity_rps is: "goodput" (the rate at which the servers meet the SLO's share on
+    # the workload's lengths and bursts), "saturation" (no SLO: the mean request's
+    # throughput) or "split" (prefill and decode pools, planner/disaggregate.py); and what
+    # the workload left to assume (Poisson arrivals, the mean length).
+    capacity_basis: str = "saturation"
+    assumed: tuple[str, ...] = ()
 
     @property
     def cost_per_million_output_tokens(self) -> float | None:

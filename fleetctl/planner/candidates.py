@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from fleetctl.base.names import natural_key
@@ -19,6 +20,8 @@ from fleetctl.model.perf import (
     max_sequences,
     vllm_batch_defaults,
 )
+from fleetctl.planner.disaggregate import Pool, colocated
+from fleetctl.planner.queueing import TPOT_QUANTILES, Group, goodput, traffic_of
 
 TP_SIZES = (1, 2, 4, 8)
 # Mean request shape assumed when a model has no workload: a chat turn.
@@ -73,7 +76,9 @@ class Candidate:
     max_num_seqs: int
     gpu_memory_utilization: float
     sequences_at_max_len: int
-    capacity_rps: float  # at saturation for the model's mean request
+    # Per server, requests/s: with an SLO, its share of the goodput of all the servers of it
+    # the class could hold (planner/queueing.py); without, saturation for the mean request.
+    capacity_rps: float
     decode_tok_s: float  # one request, short context
     # Where measured figures replaced the model's (KV tokens, speed): the calibration's entry.
     calibrated: str | None = None
@@ -88,6 +93,9 @@ class Candidate:
     # The engine as measured where the calibration has its class (the figures plan --json
     # shows per deployment); None only for candidates built by hand.
     engine: Calibrated | None = None
+    # Per server, (requests/s, share of requests over the TPOT objective there): the rates
+    # at which its TPOT quantiles reach the objective (planner/disaggregate.py); () without.
+    tpot_rates: tuple[tuple[float, float], ...] = ()
 
     @property
     def option(self) -> tuple[str, str, int]:
@@ -205,6 +213,18 @@ def evaluate(
     seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
     capacity = shape_capacity(perf, model, prompt, output, budget.kv_tokens, seqs, seq_at_max)
+    traffic = traffic_of(model, (prompt, output))
+    tpot = tpot_rates(perf, model, prompt, output, budget.kv_tokens, seqs)
+    if capacity > 0 and model.spec.slo is not None:
+        most = cls.size * (cls.gpu_count // tp)
+        if model.spec.max_replicas is not None:
+            most = min(most, model.spec.max_replicas)
+        group = Group(max(1, most), perf, budget.kv_tokens, seqs, max_len, tpot)
+        # Its share of what all such servers serve within the SLO, on the shapes it takes
+        # (the longer ones are another class's to carry); where none holds, the old
+        # mean-shape figure keeps the candidate weighable, and the model's capacity says 0.
+        each = goodput([group], traffic.within(max_len), *objectives(model))
+        capacity = each / group.servers or capacity
     w = model.spec.workload
     per_bucket = tuple(
         0.0
@@ -238,7 +258,45 @@ def evaluate(
         f"{max_len} = max_context",
         per_bucket,
         engine,
+        tpot,
     )
+
+
+def objectives(model: Model) -> tuple[float | None, float | None]:
+    """The model's TTFT and TPOT objectives in seconds (None: none)."""
+    slo = model.spec.slo
+    if slo is None:
+        return None, None
+    return slo.ttft_p99_s, None if slo.tpot_p99_ms is None else slo.tpot_p99_ms / 1000
+
+
+def tpot_rates(
+    perf: EnginePerf, model: Model, prompt: int, output: int, kv_tokens: int, seqs: int
+) -> tuple[tuple[float, float], ...]:
+    """Per server, the requests/s at which each TPOT quantile reaches the model's objective
+    (Poisson arrivals of the mean shape, prefill interference counted), with the share of
+    requests over it there; () without a TPOT objective."""
+    slo = model.spec.slo
+    if slo is None or slo.tpot_p99_ms is None:
+        return ()
+    pool = Pool(0, "", 1, perf, kv_tokens, seqs, None)
+    return tuple(
+        (colocated(pool, prompt, output, slo.tpot_p99_ms / 1000, quantile=q).rate, 1 - q)
+        for q in TPOT_QUANTILES
+    )
+
+
+def model_goodput(model: Model, placed: Sequence[tuple[Candidate, int]]) -> float | None:
+    """Requests/s the model's placed servers (candidate, count) serve within its SLO's
+    share, on its workload's lengths and bursts, the long prompts only where they fit;
+    None without an SLO (the capacity is then saturation's)."""
+    if model.spec.slo is None or not placed:
+        return None
+    groups = [
+        Group(n, k.perf, k.budget.kv_tokens, k.max_num_seqs, k.max_model_len, k.tpot_rates)
+        for k, n in placed
+    ]
+    return goodput(groups, traffic_of(model, request_shape(model)), *objectives(model))
 
 
 def shape_capacity(

@@ -113,11 +113,16 @@ class Choice:
 
 
 def colocated(
-    pool: Pool, prompt: int, output: int, tpot_s: float | None, ttft_s: float | None = None
+    pool: Pool,
+    prompt: int,
+    output: int,
+    tpot_s: float | None,
+    ttft_s: float | None = None,
+    quantile: float = TPOT_QUANTILE,
 ) -> Figures:
     """One colocated server of `pool`: its rate within the TPOT objective `tpot_s` (None:
-    saturation), prefill interference counted, and none where even a request alone misses
-    the TTFT objective `ttft_s`; TTFT and TPOT at light load."""
+    saturation) at its `quantile`, prefill interference counted, and none where even a
+    request alone misses the TTFT objective `ttft_s`; TTFT and TPOT at light load."""
     p = pool.perf
     t_prefill = p.prefill_marginal(prompt)
     most = min(pool.max_num_seqs, max_sequences(pool.kv_tokens, prompt + output))
@@ -147,7 +152,7 @@ def colocated(
         # output x T seconds) each stall its steps by their prefill, on a batch that is
         # itself at its quantile. Both count the arrivals over one decode (Little), so one
         # quantile serves for both.
-        high = poisson_quantile(rate * output * t, TPOT_QUANTILE)
+        high = poisson_quantile(rate * output * t, quantile)
         if high > most:
             return None
         return p.step_time(max(1, high), max(1, high) * ctx) + high * t_prefill / output
@@ -160,6 +165,8 @@ def colocated(
             lo = mid
         else:
             hi = mid
+        if hi - lo < 1e-6 * hi:
+            break
     return Figures(lo, light.ttft_s, light.tpot_s)
 
 

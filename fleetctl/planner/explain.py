@@ -24,6 +24,7 @@ from fleetctl.planner.candidates import (
     why_not,
 )
 from fleetctl.planner.expand import Placement
+from fleetctl.planner.queueing import SLO_SHARE, traffic_of
 
 
 def _gb(n: float) -> str:
@@ -86,17 +87,23 @@ def reasons(
             f"{fmt.kernel_efficiency_on(gpu.architecture, k.perf.vllm_version):.2f} "
             f"on {gpu.architecture}"
         )
+    basis = "at saturation"
     if m.spec.slo is not None:
         prompt, output = request_shape(m)
         full = k.perf.capacity_rps(prompt, output, k.budget.kv_tokens, k.max_num_seqs)
-        if k.capacity_rps < full:
-            out.append(
-                f"slo: {k.capacity_rps:.2f} req/s, not {full:.2f} at saturation: the batch is "
-                "capped where a decode step stays within half of tpot_p99_ms"
-            )
+        traffic = traffic_of(m, (prompt, output))
+        on = (
+            "the workload's length quantiles" if not traffic.assumed else "; ".join(traffic.assumed)
+        )
+        out.append(
+            f"slo: {k.capacity_rps:.2f} req/s a server within it ({SLO_SHARE:.0%} of requests "
+            f"within both objectives; {on}; burstiness {traffic.burstiness:.3g}), not "
+            f"{full:.2f} at saturation"
+        )
+        basis = "within the SLO"
     per_gpu_rps = k.capacity_rps / k.tp
     out.append(
-        f"on {gpu.name}: {per_gpu_rps:.2f} req/s per GPU at saturation, "
+        f"on {gpu.name}: {per_gpu_rps:.2f} req/s per GPU {basis}, "
         f"single-request decode {k.decode_tok_s:.0f} tok/s ({k.perf.bound_regime(1)}-bound)"
     )
     best_elsewhere: dict[str, Candidate] = {}

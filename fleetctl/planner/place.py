@@ -31,6 +31,7 @@ from fleetctl.planner.candidates import (
     Candidate,
     NodeClass,
     candidates,
+    model_goodput,
     node_classes,
     prune_dominated,
     request_shape,
@@ -38,6 +39,7 @@ from fleetctl.planner.candidates import (
 from fleetctl.planner.diff import diff
 from fleetctl.planner.expand import Placement, expand
 from fleetctl.planner.optimize import Solution, demand, solve
+from fleetctl.planner.queueing import traffic_of
 from fleetctl.planner.roles import assign_roles
 
 
@@ -64,10 +66,17 @@ def plan_fleet(
         for k, n in zip(feasible, current, strict=True)
     ]
     warn_below = inv.spec.planner.warn_sequences_below
-    sol = solve(
-        classes, feasible, inv.models, target, current, warn_below, objective, headroom, stay
-    )
-    placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
+    for _ in range(POOL_ROUNDS):
+        sol = solve(
+            classes, feasible, inv.models, target, current, warn_below, objective, headroom, stay
+        )
+        placements = expand(classes, feasible, sol.counts, sol.shapes, state.deployments)
+        if objective != "cost":  # every GPU in use: the pooled figure only reports
+            break
+        scaled = _pooled(inv, feasible, placements)
+        if scaled is None:
+            break
+        feasible = scaled
     used = list({id(p.cand): p.cand for p in placements}.values())
     servers = _servers(inv, feasible, placements, sol)
     deployments = _deployments(inv, state, placements, servers)
@@ -78,6 +87,9 @@ def plan_fleet(
     by_model: dict[str, list[Deployment]] = defaultdict(list)
     for d in deployments:
         by_model[d.model].append(d)
+    counts: dict[int, int] = defaultdict(int)
+    for p in placements:
+        counts[id(p.cand)] += 1
     summaries = tuple(
         _summary(
             m,
@@ -85,6 +97,7 @@ def plan_fleet(
             target,
             _bucket_uses(m, feasible, sol.bucket_shares, (headroom or {}).get(m.name, 1.0)),
             split.get(m.name),
+            model_goodput(m, [(k, counts[id(k)]) for k in used if k.model is m]),
         )
         for m in inv.models
     )
@@ -100,6 +113,37 @@ def plan_fleet(
         solver=sol.info,
         objective=objective,
     )
+
+
+# A candidate's capacity is its share of the goodput of as many such servers as its class
+# holds; fewer pool less well. The cost objective, which runs few, solves again with each
+# model's candidates scaled to what the servers it chose serve together, at most this often.
+POOL_ROUNDS = 3
+
+
+def _pooled(
+    inv: Inventory, feasible: list[Candidate], placements: list[Placement]
+) -> list[Candidate] | None:
+    """The candidates with each model's capacity scaled to its placed servers' goodput over
+    the sum of their per-server figures, where that falls short by over 1%; None if none."""
+    counts: dict[int, int] = defaultdict(int)
+    for p in placements:
+        counts[id(p.cand)] += 1
+    scale: dict[str, float] = {}
+    for m in inv.models:
+        placed = [(k, counts[id(k)]) for k in feasible if k.model is m and counts[id(k)]]
+        pooled = model_goodput(m, placed)
+        believed = sum(k.capacity_rps * n for k, n in placed)
+        if pooled is not None and believed > 0 and pooled < 0.99 * believed:
+            scale[m.name] = max(pooled, 0.01 * believed) / believed
+    if not scale:
+        return None
+    return [
+        dataclasses.replace(k, capacity_rps=k.capacity_rps * scale[k.model.name])
+        if k.model.name in scale
+        else k
+        for k in feasible
+    ]
 
 
 def _feasible(
@@ -272,12 +316,18 @@ def _summary(
     target: float,
     buckets: tuple[BucketUse, ...] = (),
     split: Disaggregation | None = None,
+    within_slo: float | None = None,
 ) -> ModelSummary:
-    """Capacity against workload, and the price of a model's GPUs per output token. A split
-    model's capacity is its pools' together (the least of prefill, network and decode)."""
+    """Capacity against workload, and the price of a model's GPUs per output token. With an
+    SLO, the capacity is `within_slo`, the placed servers' goodput (planner/queueing.py);
+    without, their saturation throughput. A split model's capacity is its pools' together
+    (the least of prefill, network and decode)."""
     capacity = sum(d.capacity_rps for d in placed)
+    basis = "saturation" if m.spec.slo is None else "goodput"
+    if within_slo is not None:
+        capacity = within_slo
     if split is not None and split.chosen and split.split_rps is not None:
-        capacity = split.split_rps
+        capacity, basis = split.split_rps, "split"
     d = demand(m)
     served = capacity * target if d is None else min(d, capacity * target)
     short = None if d is None else max(0.0, d - capacity * target)
@@ -296,6 +346,8 @@ def _summary(
         served * request_shape(m)[1],
         buckets,
         split,
+        basis,
+        traffic_of(m, request_shape(m)).assumed,
     )
 
 

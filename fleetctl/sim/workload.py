@@ -394,8 +394,26 @@ class Derived:
     p95_prompt_tokens: int
     long_share: float  # prompt + output over the router's long_context_tokens
     session_share: float  # requests that carry a session
+    # The length distribution and the arrivals' burstiness the planner's capacity is judged
+    # on (WorkloadSpec's fields of the same names).
+    prompt_quantiles: tuple[int, int, int] = (0, 0, 0)  # p50, p90, p99
+    max_prompt_tokens: int = 0
+    output_quantiles: tuple[int, int, int] = (0, 0, 0)
+    burstiness: float = 1.0
 
     def to_json(self) -> dict[str, object]:
+        quantiles = {
+            **{
+                f"prompt_tokens_p{q}": v
+                for q, v in zip(QUANTILES, self.prompt_quantiles, strict=True)
+            },
+            "max_prompt_tokens": self.max_prompt_tokens,
+            **{
+                f"output_tokens_p{q}": v
+                for q, v in zip(QUANTILES, self.output_quantiles, strict=True)
+            },
+            "burstiness": round(self.burstiness, 3),
+        }
         return {
             "requests": self.requests,
             "requests_per_s": round(self.requests_per_s, 4),
@@ -404,6 +422,7 @@ class Derived:
             "p95_prompt_tokens": self.p95_prompt_tokens,
             "long_share": round(self.long_share, 4),
             "session_share": round(self.session_share, 4),
+            **quantiles,
         }
 
 
@@ -434,15 +453,50 @@ def derive_workload(items: list[WorkItem], long_tokens: int) -> Derived | None:
         peak = ranked[min(len(ranked) - 1, len(ranked) * PEAK_PERCENTILE // 100)]
         rate = max(peak, (n - 1) / span)  # a peak never below the mean
     prompts = sorted(w.prompt for w in items)
+    outputs = sorted(w.output for w in items)
     return Derived(
         n,
         rate,
         round(sum(prompts) / n),
-        max(1, round(sum(w.output for w in items) / n)),
+        max(1, round(sum(outputs) / n)),
         prompts[min(n - 1, n * 95 // 100)],
         sum(1 for w in items if w.prompt + w.output > long_tokens) / n,
         sum(1 for w in items if w.session) / n,
+        _quantiles(prompts),
+        prompts[-1],
+        _quantiles([max(1, x) for x in outputs]),
+        burstiness([w.arrival for w in items]),
     )
+
+
+QUANTILES = (50, 90, 99)
+# Burstiness counts arrivals in windows that hold this many requests on average (the
+# planner's BURST_WINDOW): a span that scales with the rate, so replaying a trace faster or
+# slower leaves it unchanged.
+BURST_WINDOW = 100
+
+
+def _quantiles(ordered: list[int]) -> tuple[int, int, int]:
+    n = len(ordered)
+    p50, p90, p99 = (ordered[min(n - 1, n * q // 100)] for q in QUANTILES)
+    return p50, p90, p99
+
+
+def burstiness(arrivals: list[float]) -> float:
+    """Variance over mean of the arrival count in windows holding BURST_WINDOW requests on
+    average (1 for Poisson arrivals; Azure's code trace: about 136); 1 where the traffic
+    holds fewer than three windows."""
+    n = len(arrivals)
+    span = arrivals[-1] - arrivals[0] if n else 0.0
+    windows = int(n // BURST_WINDOW)
+    if span <= 0 or windows < 3:
+        return 1.0
+    width = span / windows
+    counts = [0] * windows
+    for t in arrivals:
+        counts[min(windows - 1, int((t - arrivals[0]) / width))] += 1
+    mean = n / windows
+    return sum((c - mean) ** 2 for c in counts) / windows / mean
 
 
 @dataclass(frozen=True)
