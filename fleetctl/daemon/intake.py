@@ -10,7 +10,7 @@ import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from fleetctl.base.limits import SHOWN
@@ -66,6 +66,21 @@ def protocol_error(status: int, exc: BaseException | None) -> ClientError:
     if isinstance(exc, BadHttpMethod) and "HTTPS" not in first:  # TLS to a plain port: 400
         return ClientError(501, "unknown HTTP method")
     return ClientError(400, f"malformed HTTP request: {header_value(first)[:SHOWN]}")
+
+
+async def expect(request: web.Request) -> web.StreamResponse | None:
+    """Every route's Expect handling: `100-continue` answered as aiohttp's own handler does,
+    any other expectation refused in the OpenAI error shape (aiohttp's refusal, 417 in plain
+    text, is written before any route or middleware could shape it)."""
+    if request.version != HttpVersion11:
+        return None  # HTTP/1.0 knows no Expect: the body comes anyway
+    if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
+        resp = error_response(ClientError(417, "unsupported Expect header: only 100-continue"))
+        resp.force_close()  # the client may or may not send the body it held back
+        return resp
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the answer's own bytes start after this interim line
+    return None
 
 
 class JsonErrorServer(web.Server):
