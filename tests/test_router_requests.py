@@ -272,8 +272,11 @@ PROTOCOL_ERRORS = {
         400,
     ),
     "tls-hello": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 400),
-    # Refused by aiohttp's routing, not its parser, but as plain text all the same.
+    # Refused by aiohttp past its parser but before any route, as plain text all the same: an
+    # expectation other than 100-continue, targets no route can match (not a path).
     "expect-other-than-100-continue": (HEAD + b"Expect: 200-ok\r\nContent-Length: 2", 417),
+    "asterisk-form-target": (b"OPTIONS * HTTP/1.1\r\nHost: x", 404),
+    "authority-form-target": (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: x", 404),
 }
 
 

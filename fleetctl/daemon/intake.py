@@ -4,13 +4,14 @@ to a Request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from aiohttp import HttpVersion11, hdrs, web
+from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from fleetctl.base.limits import SHOWN
@@ -68,21 +69,6 @@ def protocol_error(status: int, exc: BaseException | None) -> ClientError:
     return ClientError(400, f"malformed HTTP request: {header_value(first)[:SHOWN]}")
 
 
-async def expect(request: web.Request) -> web.StreamResponse | None:
-    """Every route's Expect handling: `100-continue` answered as aiohttp's own handler does,
-    any other expectation refused in the OpenAI error shape (aiohttp's refusal, 417 in plain
-    text, is written before any route or middleware could shape it)."""
-    if request.version != HttpVersion11:
-        return None  # HTTP/1.0 knows no Expect: the body comes anyway
-    if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
-        resp = error_response(ClientError(417, "unsupported Expect header: only 100-continue"))
-        resp.force_close()  # the client may or may not send the body it held back
-        return resp
-    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-    request.writer.output_size = 0  # the answer's own bytes start after this interim line
-    return None
-
-
 class JsonErrorServer(web.Server):
     """aiohttp's low-level server, with JsonErrors connections."""
 
@@ -98,7 +84,27 @@ class JsonErrorRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer
+        server.request_handler = functools.partial(json_refusals, server.request_handler)
         return server
+
+
+async def json_refusals(
+    handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], request: web.BaseRequest
+) -> web.StreamResponse:
+    """The application's `handler`, with what aiohttp raises past its parser but outside any
+    route (aiohttp writes it as plain text) in the OpenAI error shape: a target no route can
+    match, not being a path (`OPTIONS *`, `CONNECT host:port`), or an Expect header other than
+    100-continue. route-serve's own handlers return their errors, so nothing else comes here;
+    a request that goes well pays one await for it."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        what = "request target not served by fleetctl route-serve" if e.status == 404 else e.reason
+        resp = error_response(ClientError(e.status, what))
+        resp.force_close()  # a body the client may still send cannot be framed as a request
+        return resp
 
 
 def authorize(api_key: str | None, request: web.Request) -> None:

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from fleetctl.daemon.admission import Admission
 from fleetctl.daemon.backends import KvEndpoint
-from fleetctl.daemon.intake import Intake, authorize, error_response, expect
+from fleetctl.daemon.intake import Intake, authorize, error_response
 from fleetctl.daemon.live import LiveState, cancel
 from fleetctl.daemon.prefix_share import PrefixShare, SharedIndex
 from fleetctl.daemon.proxy import LAST_ATTEMPT, SERVED_BY, Hooks, Proxy
@@ -238,15 +238,14 @@ class Router:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        add = app.router.add_route
-        add("POST", "/v1/completions", self.completions, expect_handler=expect)
-        add("POST", "/v1/chat/completions", self.chat_completions, expect_handler=expect)
-        add("GET", "/v1/models", self.models, expect_handler=expect)
-        add("GET", "/health", self.health, expect_handler=expect)
-        add("GET", "/metrics", self.prometheus, expect_handler=expect)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
         # Last, so it takes only what no route above does: a route rather than a middleware,
         # which would cost every proxied request a call.
-        add("*", "/{path:.*}", unserved, expect_handler=expect)
+        app.router.add_route("*", "/{path:.*}", unserved)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app
