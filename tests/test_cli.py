@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -324,6 +325,23 @@ def test_a_rate_is_shown_to_two_decimals(cli, tmp_path):
     assert r.code == 0, r.err
     (row,) = [ln for ln in r.out.splitlines() if cells(ln)[:1] == ["llama-3-8b"]]
     assert cells(row)[4] == "2.65" and "2.65395" not in r.out, row
+
+
+def test_facts_named_on_the_command_line_may_come_through_a_pipe(tmp_path):
+    """State files are read only when regular (a FIFO there would stop route-serve), but a
+    path the user names, such as `--facts <(ssh host cat facts.json)`, may be a pipe."""
+    import threading
+
+    from fleetctl.fleet.statedir import StateDir
+
+    facts = {"format": 1, "nodes": {"rtx-1": {"gpus": [{"index": 0, "name": "NVIDIA L40S"}]}}}
+    fifo = tmp_path / "facts.pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=(json.dumps(facts),))
+    writer.start()
+    got = StateDir(tmp_path / ".fleetctl").load_facts(fifo)
+    writer.join(10)
+    assert got is not None and list(got.nodes) == ["rtx-1"]
 
 
 def test_a_facts_file_that_is_not_usable_is_refused_with_where_and_why(cli, tmp_path):

@@ -69,6 +69,50 @@ def test_a_thousand_distinct_1mb_session_keys_keep_route_serve_within_64mb(tmp_p
         emu.stop()
 
 
+PROMPT_CHARS = 32_000  # ~500 blocks, near the emulated model's context (40,000 are refused)
+
+
+def _prompt(port: int, i: int) -> int:
+    """One completion of a prompt no other shares from its first block on."""
+    prompt = (f"{i:08d} " * (PROMPT_CHARS // 9 + 1))[:PROMPT_CHARS]
+    body = json.dumps({"model": NAME, "prompt": prompt, "max_tokens": 1}).encode()
+    return http_request(port, "POST", "/v1/completions", body, {}, 60)[0]
+
+
+def _index_blocks(r: Router) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in r.metrics().splitlines()
+        if line.startswith("fleetctl_prefix_index_blocks{")
+    )
+
+
+def test_a_thousand_distinct_long_prompts_keep_route_serve_within_64mb(tmp_path):
+    """The prefix index is keyed by clients' prompts too (a 1 MB prompt is refused as over the
+    context, so the longest a client may send are used). Before, its default of 1,048,576
+    blocks (~150 bytes each) let these prompts grow route-serve by ~75 MB, and more of them
+    by ~150 MB; the default now fills at ~40 MB."""
+    from fleetctl.daemon.router import PREFIX_CAPACITY
+
+    emu = Emulator(tmp_path)
+    r = None
+    try:
+        emu.wait_healthy()
+        r = Router(tmp_path, [entry(emu, "rtx-1", "RTX-4090")])
+        with ThreadPoolExecutor(POOL) as pool:
+            assert set(pool.map(lambda i: _prompt(r.port, i), range(-WARM, 0))) == {200}
+            idle = status_kb(r.proc.pid, "VmRSS")
+            assert set(pool.map(lambda i: _prompt(r.port, i), range(KEYS))) == {200}
+        grown = status_kb(r.proc.pid, "VmRSS") - idle
+        print(f"idle {idle // 1024} MB, grown {grown // 1024} MB")
+        assert grown < BOUND_KB, f"route-serve grew {grown // 1024} MB over its idle size"
+        assert _index_blocks(r) == PREFIX_CAPACITY  # full: its bound, not the traffic, stopped it
+    finally:
+        if r is not None:
+            r.stop()
+        emu.stop()
+
+
 def test_max_sessions_bounds_the_pins_least_recently_used_first_out(tmp_path):
     emu = Emulator(tmp_path)
     r = None

@@ -272,6 +272,11 @@ PROTOCOL_ERRORS = {
         400,
     ),
     "tls-hello": (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 400),
+    # Refused by aiohttp past its parser but before any route, as plain text all the same: an
+    # expectation other than 100-continue, targets no route can match (not a path).
+    "expect-other-than-100-continue": (HEAD + b"Expect: 200-ok\r\nContent-Length: 2", 417),
+    "asterisk-form-target": (b"OPTIONS * HTTP/1.1\r\nHost: x", 404),
+    "authority-form-target": (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: x", 404),
 }
 
 
@@ -287,6 +292,23 @@ def test_protocol_errors_are_openai_shaped_json(router, case):
     assert err["code"] == status and err["type"] == "invalid_request_error", err
     assert "aaaa" not in err["message"] and len(err["message"]) < 120, err  # no echo
     assert router.request("GET", "/health")[0] in (200, 503)  # and it still serves
+
+
+def test_expect_100_continue_is_answered_before_the_body_is_sent(router):
+    """route-serve handles Expect itself (to refuse other expectations as JSON): the interim
+    100 still comes first, and the body sent after it is served."""
+    body = json.dumps(completion()).encode()
+    head = HEAD + b"Expect: 100-continue\r\nConnection: close\r\n"
+    with socket.create_connection(("127.0.0.1", router.port), timeout=20) as s:
+        s.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body))
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(65536)
+        assert got == b"HTTP/1.1 100 Continue\r\n\r\n", got
+        s.sendall(body)
+        while chunk := s.recv(65536):
+            got += chunk
+    assert got.split(b"\r\n\r\n", 1)[1].startswith(b"HTTP/1.1 200 "), got[:300]
 
 
 def test_values_written_into_headers_cannot_split_them():

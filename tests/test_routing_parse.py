@@ -96,6 +96,10 @@ def test_a_session_is_kept_as_a_fixed_size_digest_whatever_its_length():
         ({"model": "llama-3-8b"}, None, 400, "prompt", "missing 'prompt'"),
         ({"model": "llama-3-8b", "prompt": "x", "max_tokens": 0}, None, 400, "max_tokens", "1 to"),
         ({"model": "llama-3-8b", "prompt": "x", "user": 5}, None, 400, "user", "'user'"),
+        # vLLM reads "false" (and "0", "no", "off") as false, Python's bool() as true: the
+        # router relayed a whole answer as a stream, past the whole answer's checks.
+        ({"model": "llama-3-8b", "prompt": "x", "stream": "false"}, None, 400, "stream", "true or"),
+        ({"model": "llama-3-8b", "prompt": "x", "stream": 1}, None, 400, "stream", "true or"),
         ({"model": "llama-3-8b", "prompt": "x"}, {"X-Priority": "10"}, 400, "priority", "0 (most"),
         (
             {"model": "llama-3-8b", "prompt": "x"},

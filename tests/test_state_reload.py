@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.procs import Emulator, free_port
+from tests.procs import NAME, Emulator, free_port
 from tests.test_route_serve import INVENTORY, Router, _backend_count, _wait_for
 
 FAILED = "reload failed, keeping the last good backends: "
@@ -158,6 +159,38 @@ def test_a_bad_state_or_health_file_keeps_the_last_good_backends(emus, tmp_path)
     assert "Traceback" not in text and "Exception" not in text, text
 
 
+def test_a_state_file_that_is_not_a_regular_file_never_stops_the_router(emus, tmp_path):
+    """A FIFO in state.json's place: opening it waits for a writer, and route-serve reloads
+    in its event loop, so before it stopped answering anything. A device (/dev/zero) was read
+    for 64 MiB before being refused. Both are refused at once, in one line each, and the last
+    good backends go on serving."""
+    from fleetctl.fleet.state import State
+    from fleetctl.fleet.statedir import StateDir
+
+    inv = _inventory(tmp_path)
+    one, _ = _deployments(inv, emus)
+    sdir = StateDir(tmp_path / ".fleetctl")
+    sdir.save_state(State(1, (one,)))
+    r = _start(inv, sdir.root, tmp_path / "router.log")
+    try:
+        fifo = sdir.root / "fifo"
+        os.mkfifo(fifo)
+        fifo.replace(sdir.state_path)
+        _wait_for(lambda: len(_failures(r)) == 1, "the FIFO's line", timeout=20)
+        assert "cannot read the state file: not a regular file" in _failures(r)[-1]
+        assert r.complete()[0] == 200
+        zero = sdir.root / "zero"
+        zero.symlink_to("/dev/zero")
+        zero.replace(sdir.state_path)
+        _wait_for(lambda: len(_failures(r)) == 2, "the device's line", timeout=20)
+        assert "cannot read the state file: not a regular file" in _failures(r)[-1]
+        assert _backend_count(r) == 1 and r.complete()[0] == 200
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(30) == 0, r.log.read_text()
+    finally:
+        r.stop()
+
+
 @pytest.mark.parametrize(
     ("name", "text", "words"),
     [
@@ -182,4 +215,27 @@ def test_route_serve_refuses_a_bad_file_at_start(tmp_path, name, text, words):
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0] and name in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_route_serve_refuses_a_request_log_key_that_is_not_a_regular_file(tmp_path):
+    """The request log's key read through the same door as the state files: a FIFO there
+    kept route-serve from ever listening, a device (/dev/zero) was read without end."""
+    inv = _inventory(tmp_path)
+    requests = tmp_path / ".fleetctl" / "requests"
+    requests.mkdir(parents=True)
+    os.mkfifo(requests / ".key", 0o600)
+    backends = tmp_path / "backends.json"
+    entry = {"url": "http://127.0.0.1:9", "node": "rtx-1", "gpu_type": "RTX-4090", "model": NAME}
+    backends.write_text(json.dumps({"backends": [entry]}))
+    cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv), "--backends", str(backends)]
+    r = subprocess.run(
+        [*cmd, "--listen", f"127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=30,  # only stops the hang it had
+    )
+    assert r.returncode == 2, r.stderr
+    assert "cannot keep the request log: not a regular file" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr

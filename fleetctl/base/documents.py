@@ -11,8 +11,11 @@ some without a new format number; a change of meaning gets one.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -56,11 +59,20 @@ def load(
     return _validate(text, schema)
 
 
-def read_file(path: Path) -> bytes:
-    """A document file's bytes, at most one past MAX_DOCUMENT_BYTES (`read` refuses those):
-    a huge file is never read whole. OSError as reading raises it."""
-    with path.open("rb") as f:
-        return f.read(MAX_DOCUMENT_BYTES + 1)
+def read_file(path: Path, limit: int = MAX_DOCUMENT_BYTES, named: bool = False) -> bytes:
+    """A document file's bytes, at most one past `limit` (`read` refuses those): a huge file
+    is never read whole. OSError as reading raises it, and for anything but a regular file:
+    opening a FIFO waits for a writer and a device never ends, which would stop a daemon that
+    reads in its event loop (route-serve's reload). `named`: a path the user gave on the
+    command line, which may be a pipe (`--facts <(...)`), read as it comes."""
+    if named:
+        with path.open("rb") as f:
+            return f.read(limit + 1)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return f.read(limit + 1)
 
 
 def read(text: str | bytes) -> object:

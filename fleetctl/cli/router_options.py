@@ -68,7 +68,7 @@ PrefixCapacity: int | None = typer.Option(
     min=0,
     max=1 << 30,
     metavar="BLOCKS",
-    help="Blocks the prefix index holds over all backends (default 1048576; 0: none).",
+    help="Blocks the prefix index holds over all backends (default 262144; 0: none).",
 )
 MaxSessions: int = typer.Option(
     SESSIONS_MAX,

@@ -4,10 +4,11 @@ to a Request."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -83,7 +84,27 @@ class JsonErrorRunner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = JsonErrorServer
+        server.request_handler = functools.partial(json_refusals, server.request_handler)
         return server
+
+
+async def json_refusals(
+    handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]], request: web.BaseRequest
+) -> web.StreamResponse:
+    """The application's `handler`, with what aiohttp raises past its parser but outside any
+    route (aiohttp writes it as plain text) in the OpenAI error shape: a target no route can
+    match, not being a path (`OPTIONS *`, `CONNECT host:port`), or an Expect header other than
+    100-continue. route-serve's own handlers return their errors, so nothing else comes here;
+    a request that goes well pays one await for it."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        what = "request target not served by fleetctl route-serve" if e.status == 404 else e.reason
+        resp = error_response(ClientError(e.status, what))
+        resp.force_close()  # a body the client may still send cannot be framed as a request
+        return resp
 
 
 def authorize(api_key: str | None, request: web.Request) -> None:

@@ -45,6 +45,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from fleetctl.base import documents
 from fleetctl.routing.blocks import BLOCK_TOKENS
 from fleetctl.routing.types import Backend, Request
 
@@ -89,7 +90,7 @@ def load_key(folder: Path) -> bytes:
         finally:
             os.close(fd)
     for _ in range(50):  # another replica may be writing it this very moment
-        key = path.read_bytes()
+        key = documents.read_file(path, KEY_BYTES)  # a regular file, read no further
         if len(key) >= KEY_BYTES:
             break
         time.sleep(0.01)

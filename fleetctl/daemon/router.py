@@ -43,9 +43,11 @@ from fleetctl.routing.types import Backend, OutputEstimator, Request
 
 log = logging.getLogger("fleetctl.router")
 
-# Blocks the prefix index holds, over all backends: ~1M blocks of ~16 tokens (benchmarks/
-# prefix_index.py measures its memory).
-PREFIX_CAPACITY = 1 << 20
+# Blocks the prefix index holds, over all backends: 262,144 blocks of ~16 tokens, 4M tokens
+# of KV cache. The index is keyed by clients' prompts, and a block costs ~150 bytes
+# (benchmarks/prefix_index.py): so filled by distinct prompts it stays near 40 MB, where the
+# earlier 1M blocks grew route-serve by ~150 MB. A larger fleet raises --prefix-capacity.
+PREFIX_CAPACITY = 1 << 18
 # At the drain's end, how long the requests cut get to write their last bytes and log lines.
 CUT_WAIT_S = 1.0
 # The KV event subscriber's counts (SourceStats fields) exported on /metrics.

@@ -120,7 +120,7 @@ class StateDir:
         """Facts from `path` (--facts: must exist), else the saved ones, else None."""
         where = path or self.facts_path
         try:
-            raw = documents.read(documents.read_file(where))
+            raw = documents.read(documents.read_file(where, named=path is not None))
         except FileNotFoundError:
             if path is None:
                 return None

@@ -220,6 +220,10 @@ def parse_request(
         raise ClientError(
             400, f"'max_tokens' must be an integer from 1 to {MAX_TOKENS}", param="max_tokens"
         )
+    # The router relays by it (a stream or a whole answer), so it must read it as vLLM does:
+    # vLLM takes "false" for false, where bool() takes any non-empty string for true.
+    if body.get("stream") is not None and type(body["stream"]) is not bool:
+        raise ClientError(400, "'stream' must be true or false", param="stream")
     session = headers.get("X-Session-ID") or body.get("user")
     if session is not None and not isinstance(session, str):
         raise ClientError(400, "'user' must be a string", param="user")
