@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import stat
 import time
 from pathlib import Path
@@ -339,6 +340,28 @@ def test_a_failing_disk_drops_lines_without_failing_requests(tmp_path):
     blocker.rmdir()
     fill(log, 1)
     assert log.written == 1 and len(lines(folder)) == 1
+
+
+def test_a_link_or_fifo_planted_in_the_folder_is_never_written_through(tmp_path):
+    """Before, the day's file was opened through a planted link: the target outside the
+    folder was appended to and made 0600."""
+    clock = Clock()
+    folder = tmp_path / "r"
+    folder.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep\n")
+    outside.chmod(0o644)
+    day = time.strftime("%Y-%m-%d", time.gmtime(clock.t))
+    (folder / file_name(day, 0)).symlink_to(outside)
+    log = RequestLog(folder, flush_lines=1, clock=clock)
+    fill(log, 2)
+    assert outside.read_text() == "keep\n" and stat.S_IMODE(outside.stat().st_mode) == 0o644
+    assert log.dropped == 2 and log.written == 0
+    (folder / file_name(day, 0)).unlink()
+    os.mkfifo(folder / file_name(day, 0))  # no reader: an open that waited would hang here
+    fill(log, 1)
+    assert log.dropped == 3 and log.written == 0
+    log.close()
 
 
 def test_an_unwritable_state_folder_is_a_user_error(tmp_path):

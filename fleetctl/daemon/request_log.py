@@ -265,10 +265,16 @@ class RequestLog:
 
     def _open(self) -> None:
         path = self.folder / file_name(self._day, self._n)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        # Never through a link, and only into a regular file: a link planted in the folder
+        # would otherwise be appended to and made 0600 wherever it points.
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+        fd = os.open(path, flags | os.O_NONBLOCK, 0o600)
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, f"{path.name} is not a regular file")
             os.fchmod(fd, 0o600)
-            self._size = os.fstat(fd).st_size
+            self._size = st.st_size
         except OSError:
             os.close(fd)
             raise
