@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -18,6 +20,10 @@ from fleetctl.cli.options import (
     ProfilesOpt,
     StateDirOpt,
 )
+
+if TYPE_CHECKING:
+    from fleetctl.fleet.plan import Plan
+    from fleetctl.routing.goodput import Slo
 
 
 @app.command()
@@ -113,13 +119,15 @@ def plan(
     result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
     from fleetctl.apply.warmup import for_plan
 
+    calibration = None if no_calibration else sdir.load_calibration()
     # Warm-up: the start-ups apply measured (the calibration), else estimated from weights.
-    disruption = for_plan(
-        inv, result.deployments, state, None if no_calibration else sdir.load_calibration()
-    )
+    disruption = for_plan(inv, result.deployments, state, calibration)
+    from fleetctl.fleet.slo import plan_slos
+
+    # Every model has an SLO, stated or derived.
+    slos = plan_slos(inv, result.deployments, calibration)
     compared = None
     if what_if is not None and traffic is not None:
-        calibration = sdir.load_calibration() if not no_calibration else None
         compared = whatif.compare(
             inv, state.deployments, result.deployments, what_if, traffic, calibration, not as_json
         )
@@ -134,6 +142,7 @@ def plan(
         if compared is not None:
             data["what_if"] = compared.to_json()
         data["disruption"] = disruption.to_json()
+        data["slo"] = {name: slo.to_json() for name, slo in slos.items()}
         print_json(data)
     else:
         from fleetctl.cli.render import render_plan
@@ -144,6 +153,8 @@ def plan(
 
             console.print(render_workloads(workloads))
         console.print(render_plan(result, explain))
+        for line in slo_lines(result, slos):
+            console.print(line, highlight=False)
         if disruption.line():
             console.print(disruption.line(), highlight=False)
         if compared is not None:
@@ -151,6 +162,17 @@ def plan(
         if out is not None:
             console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")
     common.exit_if_incomplete(result)
+
+
+def slo_lines(plan: Plan, slos: Mapping[str, Slo]) -> list[str]:
+    """Per model its SLO: stated, or derived and from what."""
+    lines = []
+    for s in plan.models:
+        slo = slos.get(s.model)
+        if slo is not None:
+            basis = f"derived: {slo.basis}" if slo.derived else "stated in the inventory"
+            lines.append(f"SLO of {s.model}: {slo.share * 100:.4g}% within {slo.text()} ({basis})")
+    return lines
 
 
 @app.command()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,6 +66,9 @@ def run_simulate(
             raise UserError(f"{flag} must be a positive number, got {value:g}", None, "see --help")
     objectives = parse_slo(slo) if slo is not None else None
     target = _target_model(inv, model)
+    stated = inv.model(target).spec.slo
+    if objectives is not None and stated is not None:  # --slo replaces the objectives alone
+        objectives = dataclasses.replace(objectives, share=stated.share)
     if window is not None and trace is None:
         raise UserError("--window cuts a trace", None, "give --trace, or leave --window out")
     cut = parse_window(window) if window is not None else None
@@ -317,6 +321,8 @@ def goodput_line(result: Comparison, summaries: dict[str, dict[str, float | int]
     line = f"Goodput: {winner} served {share:.1%} of requests within {slo.text()}"
     if others:
         line += f" (next: {others[0][1]} {others[0][0]:.1%})"
+    if slo.derived:
+        line += f"; the SLO is derived ({slo.basis}), as none is stated"
     return line + "."
 
 

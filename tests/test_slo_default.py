@@ -1,0 +1,98 @@
+"""Every model has an SLO (stated, or derived from its servers), a plan's capacity is the
+goodput rate the simulator finds at it, and simulate names why it refused requests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fleetctl.base.resources import examples
+from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.slo import (
+    LONG_PROMPT_FACTOR,
+    MODERATE_BATCH,
+    TPOT_FACTOR,
+    TTFT_FACTOR,
+    plan_slos,
+)
+from fleetctl.planner import plan_fleet
+from fleetctl.routing.policy import RoutingConfig
+from fleetctl.sim.fleet import servers_from_plan
+
+DATA = Path(__file__).parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
+SLICE = DATA / "azure_conv_slice.csv"
+
+
+def test_a_model_with_no_stated_slo_gets_one_its_slowest_class_meets_idle(catalog):
+    """The seed fleet states no SLO: the default is twice the RTX 4090's (the slower class's)
+    idle prefill of a 4x-mean prompt and twice its decode step at batch 16, rounded up;
+    every class meets both idle, and the A100 with room to spare."""
+    inv = load_inventory(examples()["seed-mixed-8b"], catalog)
+    assert inv.models[0].spec.slo is None
+    plan = plan_fleet(inv)
+    slo = plan_slos(inv, plan.deployments)["llama-3-8b"]
+    assert slo.derived and slo.source == "derived" and slo.share == 0.99
+    assert (slo.ttft_s, slo.tpot_s) == (2.4, 0.052)
+    assert "RTX-4090's idle prefill of 6,000 tokens" in slo.basis
+    long = int(LONG_PROMPT_FACTOR * 1500)
+    by_gpu = {s.gpu_type: s.perf for s in servers_from_plan(plan.deployments, inv)}
+    rtx, a100 = by_gpu["RTX-4090"], by_gpu["A100-SXM4-80GB"]
+    step = rtx.step_time(MODERATE_BATCH, MODERATE_BATCH * (1500 + 150))
+    ttft, tpot = TTFT_FACTOR * rtx.prefill_time(long), TPOT_FACTOR * step
+    assert ttft <= slo.ttft_s < ttft * 1.05 and tpot <= slo.tpot_s < tpot * 1.05
+    assert a100.prefill_time(long) < rtx.prefill_time(long)
+    # The router's config derives the same from the servers it is given, none without them.
+    engines = [(s.model, s.perf, s.max_model_len) for s in servers_from_plan(plan.deployments, inv)]
+    assert RoutingConfig.of(inv, engines).slo["llama-3-8b"] == slo
+    assert RoutingConfig.of(inv).slo == {}
+
+
+def _with_slo(tmp_path: Path, slo: str) -> Path:
+    text = (ROOT / "inventory" / "seed-mixed-8b.yaml").read_text()
+    text = text.replace("    max_context: 8192", f"    max_context: 8192\n    slo: {slo}")
+    path = tmp_path / "slo.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_plan_prints_and_writes_each_models_slo_stated_or_derived(cli, tmp_path):
+    r = cli("plan", "example:seed-mixed-8b")
+    assert r.code == 0, r.err
+    assert "SLO of llama-3-8b: 99% within TTFT <= 2.4 s and TPOT <= 52 ms (derived: " in r.out
+    data = json.loads(cli("plan", "example:seed-mixed-8b", "--json").out)
+    slo = data["slo"]["llama-3-8b"]
+    assert (slo["ttft_p99_s"], slo["tpot_p99_ms"], slo["share"]) == (2.4, 52.0, 0.99)
+    assert slo["source"] == "derived" and "RTX-4090" in slo["basis"]
+    # A stated one is printed as stated, its share with it; a share without objectives keeps
+    # the derived objectives.
+    stated = _with_slo(tmp_path, "{ttft_p99_s: 2, tpot_p99_ms: 60, share: 0.9}")
+    r = cli("plan", stated)
+    assert "SLO of llama-3-8b: 90% within TTFT <= 2 s and TPOT <= 60 ms (stated in" in r.out
+    share_only = _with_slo(tmp_path, "{share: 0.95}")
+    slo = json.loads(cli("plan", share_only, "--json").out)["slo"]["llama-3-8b"]
+    assert (slo["ttft_p99_s"], slo["share"], slo["source"]) == (2.4, 0.95, "derived")
+
+
+@pytest.mark.parametrize("bad", ["1.5", "0", "-0.1", "x"])
+def test_an_slo_share_outside_0_to_1_is_one_line(cli, tmp_path, bad):
+    r = cli("validate", _with_slo(tmp_path, f"{{ttft_p99_s: 2, share: {bad}}}"))
+    assert r.code == 2, r.out
+    assert "share" in r.err and "Traceback" not in r.err and len(r.err.strip().splitlines()) == 1
+
+
+def test_simulate_without_a_stated_slo_judges_and_routes_by_the_derived_one(cli):
+    """The trace's mean prompt (928 tokens in the slice) sets the long prompt the TTFT
+    objective is drawn from; each policy's attainment is counted against it and the goodput
+    line says it was derived."""
+    r = cli("simulate", "example:seed-mixed-8b", "--trace", SLICE, "--load", "0.9", "--json")
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    assert data["slo"]["source"] == "derived" and data["slo"]["ttft_p99_s"] == 1.4
+    assert data["goodput_winner"] in data["policies"]
+    for figures in data["policies"].values():
+        assert 0 < figures["slo_attainment"] <= 1
+    text = cli("simulate", "example:seed-mixed-8b", "--trace", SLICE, "--load", "0.9").out
+    assert "within TTFT <= 1.4 s and TPOT <= 48 ms" in text and "the SLO is derived" in text
