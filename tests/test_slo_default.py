@@ -96,3 +96,22 @@ def test_simulate_without_a_stated_slo_judges_and_routes_by_the_derived_one(cli)
         assert 0 < figures["slo_attainment"] <= 1
     text = cli("simulate", "example:seed-mixed-8b", "--trace", SLICE, "--load", "0.9").out
     assert "within TTFT <= 1.4 s and TPOT <= 48 ms" in text and "the SLO is derived" in text
+
+
+def test_simulate_names_why_it_rejected_each_request(cli):
+    """Prompts longer than any server's context, and strict int4 hints on a BF16-only fleet,
+    are refused; the JSON counts each reason, the table says them."""
+    spec = (
+        "rate=4,duration=30,prompt=500,output=50,long_share=0.3,long_prompt=12000,"
+        "max_context=20000,precision=int4:0.2;strict"
+    )
+    args = ("simulate", "example:seed-mixed-8b", "--workload", spec, "--policies", "hardware-aware")
+    r = cli(*args, "--json")
+    assert r.code == 0, r.err
+    figures = json.loads(r.out)["policies"]["hardware-aware"]
+    reasons = figures["rejected_reasons"]
+    assert set(reasons) == {"context too long for every server", "no server of that precision"}
+    assert sum(reasons.values()) == figures["rejected"] > 0
+    text = cli(*args).out
+    assert "Rejected by hardware-aware: " in text
+    assert f"{reasons['context too long for every server']:,} context too long for every" in text

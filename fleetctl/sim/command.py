@@ -20,7 +20,7 @@ from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.compare import Comparison, compare
-from fleetctl.sim.fleet import Server
+from fleetctl.sim.fleet import Server, rejected_reasons
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
 
 
@@ -300,8 +300,19 @@ def render(result: Comparison) -> RenderableType:
         "SLO met = served within both objectives",
         parts=[_LATENCY, _OUTCOMES],
     )
-    lines = [goodput_line(result, summaries), *tradeoffs(summaries)]
+    lines = [goodput_line(result, summaries), *rejection_lines(result), *tradeoffs(summaries)]
     return Group(table, *(Text(line) for line in lines))
+
+
+def rejection_lines(result: Comparison) -> list[str]:
+    """Per policy that refused requests, how many for each reason."""
+    lines = []
+    for name, r in result.results.items():
+        counts = rejected_reasons(r.outcomes)
+        if counts:
+            why = ", ".join(f"{n:,} {kind}" for kind, n in counts.items())
+            lines.append(f"Rejected by {name}: {why}.")
+    return lines
 
 
 def goodput_line(result: Comparison, summaries: dict[str, dict[str, float | int]]) -> str:

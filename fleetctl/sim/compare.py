@@ -15,6 +15,7 @@ from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.fleet import (
     Server,
     SimResult,
+    rejected_reasons,
     servers_from_plan,
     simulate,
 )
@@ -61,7 +62,10 @@ class Comparison:
             "slo": None if self.slo is None else self.slo.to_json(),
             "goodput_winner": self.goodput_winner(),
             "policies": {
-                name: {k: _clean(v) for k, v in r.summary().items()}
+                name: {
+                    **{k: _clean(v) for k, v in r.summary().items()},
+                    "rejected_reasons": rejected_reasons(r.outcomes),
+                }
                 for name, r in self.results.items()
             },
         }
