@@ -62,10 +62,14 @@ def test_plan_prints_and_writes_each_models_slo_stated_or_derived(cli, tmp_path)
     r = cli("plan", "example:seed-mixed-8b")
     assert r.code == 0, r.err
     assert "SLO of llama-3-8b: 99% within TTFT <= 2.4 s and TPOT <= 52 ms (derived: " in r.out
+    assert "is analytic, not replayed" in r.out
     data = json.loads(cli("plan", "example:seed-mixed-8b", "--json").out)
     slo = data["slo"]["llama-3-8b"]
     assert (slo["ttft_p99_s"], slo["tpot_p99_ms"], slo["share"]) == (2.4, 52.0, 0.99)
     assert slo["source"] == "derived" and "RTX-4090" in slo["basis"]
+    check = data["capacity_check"]["llama-3-8b"]
+    assert check["checked"] == "analytic" and check["goodput_rps"] is None
+    assert check["analytic_rps"] == data["models"][0]["capacity_rps"]
     # A stated one is printed as stated, its share with it; a share without objectives keeps
     # the derived objectives.
     stated = _with_slo(tmp_path, "{ttft_p99_s: 2, tpot_p99_ms: 60, share: 0.9}")
@@ -96,6 +100,52 @@ def test_simulate_without_a_stated_slo_judges_and_routes_by_the_derived_one(cli)
         assert 0 < figures["slo_attainment"] <= 1
     text = cli("simulate", "example:seed-mixed-8b", "--trace", SLICE, "--load", "0.9").out
     assert "within TTFT <= 1.4 s and TPOT <= 48 ms" in text and "the SLO is derived" in text
+
+
+def test_simulate_capacity_finds_the_rate_the_slo_holds_at_and_not_a_quarter_above(cli):
+    """`simulate --capacity` bisects the rate: replayed at the rate it found, hardware-aware
+    serves the SLO's share within both objectives; at 1.25x that rate it does not."""
+
+    def simulate(*extra):
+        r = cli("simulate", "example:seed-mixed-8b", "--trace", SLICE, "--json", *extra)
+        assert r.code == 0, r.err
+        return json.loads(r.out)
+
+    found = simulate("--capacity")["capacity"]
+    assert found["policy"] == "hardware-aware" and found["requests"] == 400
+    assert found["slo"]["source"] == "derived" and found["tolerance"] == 0.05
+    rate = found["goodput_rps"]
+    assert 0 < rate < found["analytic_rps"]
+    assert found["missed_at_rps"] <= rate * 1.05 + 1e-3
+    assert simulate("--capacity") == {"capacity": found}  # deterministic
+    share = found["slo"]["share"]
+    for at, meets in ((rate, True), (1.25 * rate, False)):
+        run = simulate("--rate", f"{at}", "--policies", "hardware-aware")
+        assert run["slo"] == found["slo"]
+        assert (run["policies"]["hardware-aware"]["slo_attainment"] >= share) is meets, at
+    r = cli("simulate", "example:seed-mixed-8b", "--trace", SLICE, "--capacity", "--rate", "3")
+    assert r.code == 2 and "--capacity searches the rate itself" in r.err
+
+
+def test_plan_from_a_trace_prints_the_capacity_the_simulator_found(cli):
+    r = cli("plan", "example:seed-mixed-8b", "--workload-from", SLICE, "--json")
+    assert r.code == 0, r.err
+    data = json.loads(r.out)
+    check = data["capacity_check"]["llama-3-8b"]
+    assert check["checked"] == "replayed" and check["trace"] == str(SLICE)
+    assert check["analytic_rps"] == data["models"][0]["capacity_rps"]
+    replay = check["replay"]
+    assert check["goodput_rps"] == replay["goodput_rps"] > 0
+    assert replay["slo"] == data["slo"]["llama-3-8b"]
+    met = [t for t in replay["tried"] if t["attainment"] >= replay["slo"]["share"]]
+    assert max(t["rate_rps"] for t in met) == replay["goodput_rps"]
+    text = cli("plan", "example:seed-mixed-8b", "--workload-from", SLICE).out
+    line = (
+        "llama-3-8b: capacity checked by the simulator on azure_conv_slice.csv (first 400 "
+        f"requests, hardware-aware): {replay['goodput_rps']:.3g} req/s with 99% within TTFT"
+    )
+    assert line in text
+    assert "analytic, not replayed" not in text
 
 
 def test_simulate_names_why_it_rejected_each_request(cli):

@@ -16,9 +16,12 @@ from fleetctl.base.progress import progress
 from fleetctl.base.tables import Cell, Col, Records
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.plan import Plan
+from fleetctl.model.calibration import Calibration
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
+from fleetctl.sim.capacity import MAX_STEPS, POLICY, Capacity, goodput_rate
 from fleetctl.sim.compare import Comparison, compare
 from fleetctl.sim.fleet import Server, rejected_reasons
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
@@ -41,11 +44,13 @@ def run_simulate(
     *,
     rate: float | None = None,
     slo: str | None = None,
+    capacity: bool = False,
 ) -> tuple[dict[str, Any], RenderableType]:
     """Simulate `inv`'s plan under each policy; with `calibrated`, the state folder's
     calibration gives the servers of its classes their measured KV and speed, and says so.
     `rate` (requests/s) or `load` (share of capacity) rescales the arrivals; `slo`
-    (`TTFT_S,TPOT_MS`) replaces the model's objectives for the run."""
+    (`TTFT_S,TPOT_MS`) replaces the model's objectives for the run. With `capacity`, the
+    rate is searched instead: the plan's goodput rate on the traffic (sim/capacity.py)."""
     from fleetctl.fleet.statedir import StateDir
     from fleetctl.planner import plan_fleet
 
@@ -61,6 +66,10 @@ def run_simulate(
         raise UserError("give exactly one of --workload and --trace", None, "see --help")
     if load is not None and rate is not None:
         raise UserError("give at most one of --load and --rate", None, "drop one of them")
+    if capacity and (load is not None or rate is not None):
+        raise UserError(
+            "--capacity searches the rate itself", None, "drop --load and --rate, or --capacity"
+        )
     for flag, value in (("--load", load), ("--rate", rate)):
         if value is not None and not (0 < value < math.inf):
             raise UserError(f"{flag} must be a positive number, got {value:g}", None, "see --help")
@@ -86,6 +95,14 @@ def run_simulate(
         )
     spec = inv.spec.router.aging
     aging = Aging(spec.factor, spec.window_s, spec.enabled and not no_aging)
+    if capacity:
+        found = search_capacity(
+            inv, plan, target, items, names, seed, aging, calibration, objectives, show_progress
+        )
+        source = trace.name if trace is not None else f"synthetic {workload}"
+        line = f"{found.line(source)}. At saturation, for the mean request: "
+        line += f"{found.analytic_rps:.3g} req/s."
+        return {"capacity": found.to_json()}, Text(line)
     with progress("simulating", len(names), enabled=show_progress) as bar:
         result = compare(
             inv,
@@ -114,6 +131,36 @@ def run_simulate(
         data["plot"] = str(plot)
         parts.append(Text(f"Wrote the latency plot to {plot}"))
     return data, Group(*parts)
+
+
+def search_capacity(
+    inv: Inventory,
+    plan: Plan,
+    model: str,
+    items: list[WorkItem],
+    policies: Sequence[str],
+    seed: int,
+    aging: Aging | None,
+    calibration: Calibration | None,
+    slo: Slo | None,
+    show_progress: bool,
+) -> Capacity:
+    """The goodput rate of `plan` for `model` on `items`, with hardware-aware when it is
+    among `policies`, else the first of them (`simulate --capacity`)."""
+    policy = POLICY if POLICY in policies else policies[0]
+    with progress(f"searching {model}'s goodput rate", MAX_STEPS, enabled=show_progress) as bar:
+        return goodput_rate(
+            inv,
+            plan,
+            model,
+            items,
+            policy=policy,
+            seed=seed,
+            calibration=calibration,
+            slo=slo,
+            aging=aging,
+            progress=bar.update,
+        )
 
 
 def class_figures(servers: Sequence[Server]) -> dict[str, Any]:
