@@ -113,6 +113,7 @@ def test_simulate_capacity_finds_the_rate_the_slo_holds_at_and_not_a_quarter_abo
 
     found = simulate("--capacity")["capacity"]
     assert found["policy"] == "hardware-aware" and found["requests"] == 400
+    assert found["windows"] == 1
     assert found["slo"]["source"] == "derived" and found["tolerance"] == 0.05
     rate = found["goodput_rps"]
     assert 0 < rate < found["analytic_rps"]
@@ -141,7 +142,7 @@ def test_plan_from_a_trace_prints_the_capacity_the_simulator_found(cli):
     assert max(t["rate_rps"] for t in met) == replay["goodput_rps"]
     text = cli("plan", "example:seed-mixed-8b", "--workload-from", SLICE).out
     line = (
-        "llama-3-8b: capacity checked by the simulator on azure_conv_slice.csv (first 400 "
+        "llama-3-8b: capacity checked by the simulator on azure_conv_slice.csv (all 400 "
         f"requests, hardware-aware): {replay['goodput_rps']:.3g} req/s with 99% within TTFT"
     )
     assert line in text
@@ -165,3 +166,28 @@ def test_simulate_names_why_it_rejected_each_request(cli):
     text = cli(*args).out
     assert "Rejected by hardware-aware: " in text
     assert f"{reasons['context too long for every server']:,} context too long for every" in text
+
+
+def test_a_long_trace_is_replayed_in_windows_spread_over_it(catalog):
+    """Past WINDOWS x WINDOW_REQUESTS requests, the search replays one window from the start
+    of each equal part, rebased to 0 and renumbered (the simulator indexes by id), and pools
+    their attainment; the rate it reports is the whole trace's, time-scaled."""
+    from fleetctl.sim.capacity import goodput_rate, windows
+    from fleetctl.sim.workload import load_trace
+
+    items = load_trace(SLICE, "llama-3-8b")
+    parts = windows(items, 4, 50)
+    assert [len(p) for p in parts] == [50] * 4
+    for k, part in enumerate(parts):
+        assert [w.id for w in part] == list(range(50)) and part[0].arrival == 0
+        first = items[k * 100]
+        assert part[-1].arrival == items[k * 100 + 49].arrival - first.arrival
+        assert (part[7].prompt, part[7].output) == (
+            items[k * 100 + 7].prompt,
+            items[k * 100 + 7].output,
+        )
+    assert windows(items, 4, 100) == [items]
+    inv = load_inventory(examples()["seed-mixed-8b"], catalog)
+    found = goodput_rate(inv, plan_fleet(inv), "llama-3-8b", items, window=50)
+    assert (found.requests, found.windows) == (200, 4)
+    assert found.rate_rps > 0 and found.attainment >= found.slo.share

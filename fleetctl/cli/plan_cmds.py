@@ -287,7 +287,8 @@ def simulate(
         "--capacity",
         help="Search the plan's goodput rate instead: the highest rate (the traffic's "
         "arrivals time-scaled) at which hardware-aware serves the SLO's share of requests "
-        "within both objectives; bisected to within 5%, on the first 2,000 requests.",
+        "within both objectives; bisected to within 5%, replaying the traffic whole, or "
+        "four windows of 1,000 requests spread over it.",
     ),
 ) -> None:
     """Replay a workload over the planned fleet with each policy; compare goodput, TTFT, TPOT."""
