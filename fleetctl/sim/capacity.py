@@ -9,10 +9,11 @@ the SLO names is served within both objectives (the simulator's `slo_attainment`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from fleetctl.base.progress import progress
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Plan
 from fleetctl.model.calibration import Calibration
@@ -167,37 +168,43 @@ def goodput_rate(
             met += float(c.results[policy].summary()["slo_attainment"]) * len(part)
         return met / replayed
 
-    # Start at half the saturation figure and take the saturation figure itself as missed
-    # until a rate within the tolerance of it meets the SLO: at saturation the queues grow
-    # without bound, and replaying an overloaded fleet is the slowest run (4 s of the seed
-    # fleet's 2,000 Azure requests at 49 req/s, against 1-2 s at 25-35).
     top = analytic if analytic > 0 else max(1.0, mean_rate)
+    tried = search(attained, top, objectives.share, tolerance, steps)
+    return Capacity(model, objectives, policy, replayed, analytic, tried, tolerance, len(parts))
+
+
+def search(
+    attained: Callable[[float], float], top: float, share: float, tolerance: float, steps: int
+) -> list[tuple[float, float]]:
+    """The rates tried and their attainment, bisecting for the highest rate whose attainment
+    is at least `share`, `top` being the saturation figure.
+
+    Start at half of `top`, and take `top` itself as missed until a rate within the tolerance
+    of it meets the SLO: at saturation the queues grow without bound, and replaying an
+    overloaded fleet is the slowest run (4 s of the seed fleet's 2,000 Azure requests at 49
+    req/s, against 1-2 s at 25-35)."""
     rate = top / 2
-    share = attained(rate)
-    out = Capacity(
-        model, objectives, policy, replayed, analytic, [(rate, share)], tolerance, len(parts)
-    )
-    lo, hi = (rate, top) if share >= objectives.share else (0.0, rate)
-    while len(out.tried) < steps:
+    got = attained(rate)
+    tried = [(rate, got)]
+    lo, hi = (rate, top) if got >= share else (0.0, rate)
+    while len(tried) < steps:
         if lo == 0.0:  # nothing met yet: halve, or quarter when far off (bursty traffic)
-            rate = hi / (4 if share < objectives.share - 0.25 else 2)
+            rate = hi / (4 if got < share - 0.25 else 2)
         elif hi / lo <= 1 + tolerance:
-            if hi != top or any(r == top for r, _ in out.tried):
+            if hi != top or any(r == top for r, _ in tried):
                 break
             rate = top  # met within the tolerance of saturation: try it, then beyond
         elif hi == math.inf:
             rate = lo * 2
         else:
             rate = math.sqrt(lo * hi)
-        share = attained(rate)
-        out.tried.append((rate, share))
-        if share >= objectives.share:
-            lo = rate
-            if rate >= top:
-                hi = math.inf
+        got = attained(rate)
+        tried.append((rate, got))
+        if got >= share:
+            lo, hi = rate, (math.inf if rate >= top else hi)
         else:
             hi = rate
-    return out
+    return tried
 
 
 def windows(items: list[WorkItem], parts: int, each: int) -> list[list[WorkItem]]:
@@ -220,6 +227,36 @@ def _rate(items: list[WorkItem]) -> float:
     return len(items) / items[-1].arrival if len(items) > 1 and items[-1].arrival > 0 else 0.0
 
 
+def search_capacity(
+    inv: Inventory,
+    plan: Plan,
+    model: str,
+    items: list[WorkItem],
+    policies: Sequence[str],
+    seed: int,
+    aging: Aging | None,
+    calibration: Calibration | None,
+    slo: Slo | None,
+    show_progress: bool,
+) -> Capacity:
+    """The goodput rate of `plan` for `model` on `items`, with hardware-aware when it is
+    among `policies`, else the first of them (`simulate --capacity`)."""
+    policy = POLICY if POLICY in policies else policies[0]
+    with progress(f"searching {model}'s goodput rate", MAX_STEPS, enabled=show_progress) as bar:
+        return goodput_rate(
+            inv,
+            plan,
+            model,
+            items,
+            policy=policy,
+            seed=seed,
+            calibration=calibration,
+            slo=slo,
+            aging=aging,
+            progress=bar.update,
+        )
+
+
 def check_plan(
     inv: Inventory,
     plan: Plan,
@@ -231,8 +268,6 @@ def check_plan(
     """Each placed model's goodput rate on the traffic at `traffic` (a trace or request log)
     by its SLO in `slos`, as `simulate --capacity` finds it: what `plan --workload-from`
     prints as the model's capacity."""
-    from fleetctl.base.progress import progress
-
     out: dict[str, Capacity] = {}
     placed = {d.model for d in plan.deployments}
     for m in inv.models:

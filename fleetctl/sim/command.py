@@ -16,12 +16,10 @@ from fleetctl.base.progress import progress
 from fleetctl.base.tables import Cell, Col, Records
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
-from fleetctl.fleet.plan import Plan
-from fleetctl.model.calibration import Calibration
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
-from fleetctl.sim.capacity import MAX_STEPS, POLICY, Capacity, goodput_rate
+from fleetctl.sim.capacity import search_capacity
 from fleetctl.sim.compare import Comparison, compare
 from fleetctl.sim.fleet import Server, rejected_reasons
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
@@ -131,36 +129,6 @@ def run_simulate(
         data["plot"] = str(plot)
         parts.append(Text(f"Wrote the latency plot to {plot}"))
     return data, Group(*parts)
-
-
-def search_capacity(
-    inv: Inventory,
-    plan: Plan,
-    model: str,
-    items: list[WorkItem],
-    policies: Sequence[str],
-    seed: int,
-    aging: Aging | None,
-    calibration: Calibration | None,
-    slo: Slo | None,
-    show_progress: bool,
-) -> Capacity:
-    """The goodput rate of `plan` for `model` on `items`, with hardware-aware when it is
-    among `policies`, else the first of them (`simulate --capacity`)."""
-    policy = POLICY if POLICY in policies else policies[0]
-    with progress(f"searching {model}'s goodput rate", MAX_STEPS, enabled=show_progress) as bar:
-        return goodput_rate(
-            inv,
-            plan,
-            model,
-            items,
-            policy=policy,
-            seed=seed,
-            calibration=calibration,
-            slo=slo,
-            aging=aging,
-            progress=bar.update,
-        )
 
 
 def class_figures(servers: Sequence[Server]) -> dict[str, Any]:
