@@ -191,3 +191,24 @@ def test_a_long_trace_is_replayed_in_windows_spread_over_it(catalog):
     found = goodput_rate(inv, plan_fleet(inv), "llama-3-8b", items, window=50)
     assert (found.requests, found.windows) == (200, 4)
     assert found.rate_rps > 0 and found.attainment >= found.slo.share
+
+
+def test_the_search_brackets_then_bisects_to_the_tolerance():
+    """Against a known cliff: the highest rate tried that meets the share is within 5% below
+    the cliff, and one within 5% above it missed; a fleet that meets it at saturation is
+    tried beyond; one that never meets it is halved until the steps run out."""
+    from fleetctl.sim.capacity import search
+
+    def cliff(at):
+        return lambda rate: 1.0 if rate <= at else 0.5
+
+    for at in (3.0, 17.0, 29.0, 39.0):
+        tried = search(cliff(at), 40.0, 0.99, 0.05, 12)
+        met = max(r for r, a in tried if a >= 0.99)
+        missed = min(r for r, a in tried if a < 0.99 and r > met)
+        assert met <= at < missed <= met * 1.05 + 1e-9, (at, tried)
+    tried = search(cliff(100.0), 40.0, 0.99, 0.05, 12)
+    assert (40.0, 1.0) in tried and max(r for r, _ in tried) > 40.0
+    tried = search(cliff(0.0), 40.0, 0.99, 0.05, 6)
+    assert len(tried) == 6 and all(a < 0.99 for _, a in tried)
+    assert [r for r, _ in tried] == sorted((r for r, _ in tried), reverse=True)
