@@ -33,11 +33,12 @@ from fleetctl.model.perf import EnginePerf
 # The Azure 2023 traces' p99 prompt is 3.6x their mean (conversation 4,142 / 1,155 tokens,
 # code 7,436 / 2,048): 4x the mean stands for the long prompts the TTFT tail is made of.
 LONG_PROMPT_FACTOR = 4.0
-# Twice the idle figure: an idle server meets it with room for a queue of about one more
-# prompt ahead (or a decode step stretched by prefill chunks to twice its length), and a
-# loaded one misses it. With 1.5x the seed fleet's RTX 4090s missed TPOT at 30% load from
-# prefill interference alone; with 3x the objective (3.5 s, 77 ms) let round-robin's queues
-# pass it, so it no longer told routing policies apart.
+# Twice the idle figure: an idle server meets it with room for about one prompt queued ahead
+# (or a decode step stretched by prefill chunks to twice its length), and a loaded one misses
+# it. On the seed fleet and the Azure conversation trace's first 4,000 requests: by 1.5x
+# (1.8 s, 39 ms) round-robin missed the 99% at 30% load already (97.4%, its RTX 4090s' TPOT
+# p99 45 ms); by 3x (3.5 s, 77 ms) it still met it at 50% (99.1%), so the SLO no longer
+# told routing apart; by 2x it serves 99.6% at 30% and 91.9% at 50%, hardware-aware 99.9%.
 TTFT_FACTOR = 2.0
 TPOT_FACTOR = 2.0
 # vLLM serves tens of sequences at once at moderate load; 16 is where an 8B model's step on
