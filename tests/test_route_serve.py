@@ -579,6 +579,29 @@ def test_metrics_show_tpot_and_slo_attainment_per_node_class(fleet, tmp_path, tp
         r.stop()
 
 
+def test_metrics_count_slo_attainment_by_the_derived_slo_when_none_is_stated(fleet, tmp_path):
+    """A model whose inventory states no SLO is judged by the default derived from its
+    servers (fleetctl/fleet/slo.py): every streamed answer is counted, met or not."""
+    emus = fleet["emus"]
+    assert "slo:" not in INVENTORY
+    backends = [
+        entry(emus["a100"], "a100-1", "NVIDIA A100-SXM4-80GB"),
+        entry(emus["rtx1"], "rtx-1", "RTX-4090"),
+    ]
+    r = Router(tmp_path, backends, "--policy", "hardware-aware", name="derived-slo")
+    try:
+        served = 0
+        for _ in range(3):
+            status, _, body = r.complete(max_tokens=6, stream=True)
+            assert status == 200 and body.rstrip().endswith(b"data: [DONE]"), body
+            served += 1
+        counted = _samples(r.metrics(), "fleetctl_slo_requests_total")
+        assert sum(counted.values()) == served
+        assert {dict(k)["model"] for k in counted} == {NAME}
+    finally:
+        r.stop()
+
+
 def test_secrets_never_reach_logs_or_metrics(fleet):
     """README: keys and headers never reach logs or metrics. The request is served and
     logged (its access line is there to look at), and neither holds the key."""

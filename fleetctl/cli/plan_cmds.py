@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -18,6 +20,11 @@ from fleetctl.cli.options import (
     ProfilesOpt,
     StateDirOpt,
 )
+
+if TYPE_CHECKING:
+    from fleetctl.fleet.plan import Plan
+    from fleetctl.routing.goodput import Slo
+    from fleetctl.sim.capacity import Capacity
 
 
 @app.command()
@@ -113,13 +120,21 @@ def plan(
     result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
     from fleetctl.apply.warmup import for_plan
 
+    calibration = None if no_calibration else sdir.load_calibration()
     # Warm-up: the start-ups apply measured (the calibration), else estimated from weights.
-    disruption = for_plan(
-        inv, result.deployments, state, None if no_calibration else sdir.load_calibration()
-    )
+    disruption = for_plan(inv, result.deployments, state, calibration)
+    from fleetctl.fleet.slo import plan_slos
+
+    # Every model has an SLO, stated or derived; with traffic given, the simulator replays
+    # the plan on it and its goodput rate is the capacity printed (sim/capacity.py).
+    slos = plan_slos(inv, result.deployments, calibration)
+    checks = {}
+    if workload_from is not None:
+        from fleetctl.sim.capacity import check_plan
+
+        checks = check_plan(inv, result, workload_from, slos, calibration, not as_json)
     compared = None
     if what_if is not None and traffic is not None:
-        calibration = sdir.load_calibration() if not no_calibration else None
         compared = whatif.compare(
             inv, state.deployments, result.deployments, what_if, traffic, calibration, not as_json
         )
@@ -134,6 +149,8 @@ def plan(
         if compared is not None:
             data["what_if"] = compared.to_json()
         data["disruption"] = disruption.to_json()
+        data["slo"] = {name: slo.to_json() for name, slo in slos.items()}
+        data["capacity_check"] = capacity_checks(result, checks, workload_from)
         print_json(data)
     else:
         from fleetctl.cli.render import render_plan
@@ -143,7 +160,10 @@ def plan(
             from fleetctl.cli.traffic import render_workloads
 
             console.print(render_workloads(workloads))
-        console.print(render_plan(result, explain))
+        replayed = {name: c.rate_rps for name, c in checks.items()}
+        console.print(render_plan(result, explain, replayed))
+        for line in slo_lines(result, slos, checks, workload_from):
+            console.print(line, highlight=False)
         if disruption.line():
             console.print(disruption.line(), highlight=False)
         if compared is not None:
@@ -151,6 +171,46 @@ def plan(
         if out is not None:
             console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")
     common.exit_if_incomplete(result)
+
+
+def capacity_checks(
+    plan: Plan, checks: Mapping[str, Capacity], traffic: Path | None
+) -> dict[str, dict[str, Any]]:
+    """`plan --json`'s capacity_check: per model, the planner's analytic figure and, where
+    the traffic was replayed, the simulator's goodput rate and how it was found."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in plan.models:
+        c = checks.get(s.model)
+        out[s.model] = {
+            "analytic_rps": round(s.capacity_rps, 3),
+            "checked": "replayed" if c is not None else "analytic",
+            "goodput_rps": None if c is None else round(c.rate_rps, 3),
+            "trace": None if c is None or traffic is None else str(traffic),
+            "replay": None if c is None else c.to_json(),
+        }
+    return out
+
+
+def slo_lines(
+    plan: Plan, slos: Mapping[str, Slo], checks: Mapping[str, Capacity], traffic: Path | None
+) -> list[str]:
+    """Per model its SLO (stated or derived, and from what), then how its capacity was found:
+    replayed on the traffic, or the planner's analytic figure."""
+    lines = []
+    for s in plan.models:
+        slo = slos.get(s.model)
+        if slo is not None:
+            basis = f"derived: {slo.basis}" if slo.derived else "stated in the inventory"
+            lines.append(f"SLO of {s.model}: {slo.share * 100:.4g}% within {slo.text()} ({basis})")
+        c = checks.get(s.model)
+        if c is not None and traffic is not None:
+            lines.append(c.line(traffic.name))
+        elif s.replicas:
+            lines.append(
+                f"{s.model}: capacity {s.capacity_rps:.2f} req/s is analytic, not replayed "
+                "(give --workload-from TRACE to check it by the simulator)"
+            )
+    return lines
 
 
 @app.command()
@@ -222,6 +282,14 @@ def simulate(
         help="Write log-log latency tails (TTFT, e2e) per policy (PNG).",
     ),
     no_calibration: bool = NoCalibrationOpt,
+    capacity: bool = typer.Option(
+        False,
+        "--capacity",
+        help="Search the plan's goodput rate instead: the highest rate (the traffic's "
+        "arrivals time-scaled) at which hardware-aware serves the SLO's share of requests "
+        "within both objectives; bisected to within 5%, replaying the traffic whole, or "
+        "four windows of 1,000 requests spread over it.",
+    ),
 ) -> None:
     """Replay a workload over the planned fleet with each policy; compare goodput, TTFT, TPOT."""
     from fleetctl.sim.command import require_matplotlib, run_simulate
@@ -245,6 +313,7 @@ def simulate(
         window,
         rate=rate,
         slo=slo,
+        capacity=capacity,
     )
     if as_json:
         print_json(data)

@@ -137,14 +137,18 @@ def _slots(slots: list[tuple[int, ...]]) -> str:
     return " ".join(",".join(map(str, s)) for s in slots)
 
 
-def model_table(plan: Plan) -> Records:
+def model_table(plan: Plan, replayed: Mapping[str, float] | None = None) -> Records:
     """Capacity against workload per model; with prices, what its GPUs cost per hour and per
-    million output tokens (fleetctl/fleet/prices.py), and a total row."""
+    million output tokens (fleetctl/fleet/prices.py), and a total row. `replayed`: each
+    model's goodput rate as the simulator found it on the traffic (sim/capacity.py), shown
+    as its capacity beside the planner's analytic figure."""
+    replayed = replayed or {}
     cols = [
         Col("model", head=True),
         Col("replicas", numeric=True),
         Col("GPUs", numeric=True),
         Col("capacity\nreq/s", numeric=True),
+        *([Col("analytic\nreq/s", numeric=True)] if replayed else []),
         Col("workload\nreq/s", numeric=True),
     ]
     short = any(s.shortfall_rps for s in plan.models)
@@ -159,7 +163,11 @@ def model_table(plan: Plan) -> Records:
             s.model,
             str(s.replicas),
             str(s.gpus),
-            f"{s.capacity_rps:.2f}",
+            *(
+                [_replayed(replayed.get(s.model)), f"{s.capacity_rps:.2f}"]
+                if replayed
+                else [f"{s.capacity_rps:.2f}"]
+            ),
             rate(s.demand_rps) if s.demand_rps else "-",
         ]
         if short:
@@ -169,7 +177,7 @@ def model_table(plan: Plan) -> Records:
         rows.append(row)
     if priced and len(plan.models) > 1:
         row = ["total", str(sum(s.replicas for s in plan.models))]
-        row += [str(sum(s.gpus for s in plan.models)), "", ""] + [""] * short
+        row += [str(sum(s.gpus for s in plan.models)), "", ""] + [""] * (short + bool(replayed))
         row += [_money(plan.cost_per_hour), _money(plan.cost_per_million_output_tokens)]
         rows.append(row)
     return Records("Capacity", cols, rows, caption=_capacity_basis(plan))
@@ -191,6 +199,10 @@ def _capacity_basis(plan: Plan) -> str | None:
             note = f" (assumed: {', '.join(assumed)})" if assumed and basis == "goodput" else ""
             parts.append(f"{said[basis]}{note}: {', '.join(names)}")
     return "; ".join(parts) or None
+
+
+def _replayed(goodput: float | None) -> str:
+    return "-" if goodput is None else f"{goodput:.2f}"
 
 
 def _money(x: float | None) -> str:
@@ -238,8 +250,10 @@ def _at_max(reason: str) -> bool:
     return reason.endswith("= max_context")
 
 
-def render_plan(plan: Plan, explain: bool = False) -> RenderableType:
-    parts: list[RenderableType] = [plan_table(plan), model_table(plan)]
+def render_plan(
+    plan: Plan, explain: bool = False, replayed: Mapping[str, float] | None = None
+) -> RenderableType:
+    parts: list[RenderableType] = [plan_table(plan), model_table(plan, replayed)]
     if not explain:  # --explain lists the same among each deployment's reasons
         parts.extend(Text(line) for line in context_lines(plan))
     parts.extend(Text(line) for line in split_lines(plan, explain))

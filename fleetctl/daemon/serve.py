@@ -173,7 +173,9 @@ def build_router(
         from fleetctl.daemon.shared import RedisShared
 
         shared = RedisShared(session_store, max_sessions=max_sessions)
-    routing = RoutingConfig.of(inv)
+    # A model with no stated SLO routes and counts attainment by the default derived from
+    # its servers (fleetctl/fleet/slo.py), as plan and simulate print it.
+    routing = RoutingConfig.of(inv, [(b.model, b.perf, b.max_model_len) for b in backends])
     sched = routing_core(
         policy,
         len(backends),

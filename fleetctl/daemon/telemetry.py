@@ -115,7 +115,7 @@ class RouterMetrics:
         self.slo = Counter(
             "fleetctl_slo_requests_total",
             "Streamed answers by whether they met both of their model's objectives (p99 TTFT "
-            "and TPOT, the inventory's slo), by node class.",
+            "and TPOT, the inventory's slo or the derived default), by node class.",
             ("model", "node_class", "met"),
         )
         self.attainment = Gauge(

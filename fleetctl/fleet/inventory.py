@@ -195,10 +195,13 @@ class WorkloadSpec(Strict):
 
 class SloSpec(Strict):
     """A model's latency objectives: 99th percentiles of time to first token and of time
-    per output token (decode step); null means no objective on that figure."""
+    per output token (decode step); null means no objective on that figure (none stated at
+    all: fleetctl derives both, fleetctl/fleet/slo.py). `share`: the share of requests that
+    must meet both, what a capacity is judged by; 0.99, as the names say."""
 
     ttft_p99_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
     tpot_p99_ms: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S * 1000)
+    share: float = Field(0.99, gt=0, le=1)
 
 
 class PlacementSpec(Strict):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fleetctl.fleet.inventory import SloSpec
+from fleetctl.fleet.slo import Slo
 from fleetctl.routing.types import Backend, Request
 
 # Queued prefill is costed at the speed of a chunk of this many tokens (vLLM's usual budget).
@@ -41,38 +41,6 @@ PREFILL_PROBE = 2048
 # on most GPUs).
 DEFAULT_BUDGET = 2048
 TERMS = ("ttft", "tpot", "others")
-
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    """A model's objectives, in seconds; None: none on that figure."""
-
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-
-    @classmethod
-    def of(cls, spec: SloSpec | None) -> Slo | None:
-        """The inventory's `slo` of a model (p99 TTFT in s, TPOT in ms); None: none."""
-        if spec is None or (spec.ttft_p99_s is None and spec.tpot_p99_ms is None):
-            return None
-        tpot = None if spec.tpot_p99_ms is None else spec.tpot_p99_ms / 1000
-        return cls(spec.ttft_p99_s, tpot)
-
-    def met(self, ttft_s: float, tpot_s: float | None) -> bool:
-        """Whether a request with this TTFT and TPOT (None: one output token, no TPOT) met
-        both objectives; an objective left out is met."""
-        if self.ttft_s is not None and ttft_s > self.ttft_s:
-            return False
-        return self.tpot_s is None or tpot_s is None or tpot_s <= self.tpot_s
-
-    def text(self) -> str:
-        """`TTFT <= 2 s and TPOT <= 50 ms`."""
-        parts = []
-        if self.ttft_s is not None:
-            parts.append(f"TTFT <= {self.ttft_s:g} s")
-        if self.tpot_s is not None:
-            parts.append(f"TPOT <= {self.tpot_s * 1000:g} ms")
-        return " and ".join(parts) or "no objective"
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,12 @@ KV-usage scoring of production-stack and llm-d); `hardware-aware` is the seed's 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.slo import objectives
+from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.goodput import (
     Effect,
     Slo,
@@ -50,15 +52,30 @@ class RoutingConfig:
     affinity_slack_s: float = 0.25
     # Placements the share of each class's work that only it can do is averaged over.
     exclusive_window: int = 1000
-    # Each model's objectives (its inventory `slo`): hardware-aware then minimises the
-    # requests expected to miss them (routing/goodput.py).
+    # Each model's objectives (its inventory `slo`, else the derived default): hardware-aware
+    # weighs each phase's seconds against them (routing/goodput.py).
     slo: dict[str, Slo] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, inv: Inventory) -> RoutingConfig:
-        """The inventory's router settings and its models' SLOs."""
+    def of(
+        cls,
+        inv: Inventory,
+        engines: Iterable[tuple[str, EnginePerf | None, int]] = (),
+        shapes: Mapping[str, tuple[int, int]] | None = None,
+    ) -> RoutingConfig:
+        """The inventory's router settings and its models' SLOs: each model's stated one,
+        else the default derived from `engines` (model, perf, max_model_len) that serve it,
+        for `shapes`' mean prompt and output where given (fleetctl/fleet/slo.py)."""
         spec = inv.spec.router
-        slos = {m.name: slo for m in inv.models if (slo := Slo.of(m.spec.slo)) is not None}
+        served: dict[str, list[tuple[EnginePerf, int]]] = {}
+        for model, perf, max_len in engines:
+            if perf is not None:
+                served.setdefault(model, []).append((perf, max_len))
+        slos = {}
+        for m in inv.models:
+            prompt, output = (shapes or {}).get(m.name, (None, None))
+            if (slo := objectives(m, served.get(m.name, ()), prompt, output)) is not None:
+                slos[m.name] = slo
         return cls(spec.long_context_tokens, spec.bandwidth_saturation, slo=slos)
 
 

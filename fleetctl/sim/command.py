@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,8 +19,9 @@ from fleetctl.fleet.inventory import Inventory
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
+from fleetctl.sim.capacity import search_capacity
 from fleetctl.sim.compare import Comparison, compare
-from fleetctl.sim.fleet import Server
+from fleetctl.sim.fleet import Server, rejected_reasons
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
 
 
@@ -40,11 +42,13 @@ def run_simulate(
     *,
     rate: float | None = None,
     slo: str | None = None,
+    capacity: bool = False,
 ) -> tuple[dict[str, Any], RenderableType]:
     """Simulate `inv`'s plan under each policy; with `calibrated`, the state folder's
     calibration gives the servers of its classes their measured KV and speed, and says so.
     `rate` (requests/s) or `load` (share of capacity) rescales the arrivals; `slo`
-    (`TTFT_S,TPOT_MS`) replaces the model's objectives for the run."""
+    (`TTFT_S,TPOT_MS`) replaces the model's objectives for the run. With `capacity`, the
+    rate is searched instead: the plan's goodput rate on the traffic (sim/capacity.py)."""
     from fleetctl.fleet.statedir import StateDir
     from fleetctl.planner import plan_fleet
 
@@ -60,11 +64,18 @@ def run_simulate(
         raise UserError("give exactly one of --workload and --trace", None, "see --help")
     if load is not None and rate is not None:
         raise UserError("give at most one of --load and --rate", None, "drop one of them")
+    if capacity and (load is not None or rate is not None):
+        raise UserError(
+            "--capacity searches the rate itself", None, "drop --load and --rate, or --capacity"
+        )
     for flag, value in (("--load", load), ("--rate", rate)):
         if value is not None and not (0 < value < math.inf):
             raise UserError(f"{flag} must be a positive number, got {value:g}", None, "see --help")
     objectives = parse_slo(slo) if slo is not None else None
     target = _target_model(inv, model)
+    stated = inv.model(target).spec.slo
+    if objectives is not None and stated is not None:  # --slo replaces the objectives alone
+        objectives = dataclasses.replace(objectives, share=stated.share)
     if window is not None and trace is None:
         raise UserError("--window cuts a trace", None, "give --trace, or leave --window out")
     cut = parse_window(window) if window is not None else None
@@ -82,6 +93,14 @@ def run_simulate(
         )
     spec = inv.spec.router.aging
     aging = Aging(spec.factor, spec.window_s, spec.enabled and not no_aging)
+    if capacity:
+        found = search_capacity(
+            inv, plan, target, items, names, seed, aging, calibration, objectives, show_progress
+        )
+        source = trace.name if trace is not None else f"synthetic {workload}"
+        line = f"{found.line(source)}. At saturation, for the mean request: "
+        line += f"{found.analytic_rps:.3g} req/s."
+        return {"capacity": found.to_json()}, Text(line)
     with progress("simulating", len(names), enabled=show_progress) as bar:
         result = compare(
             inv,
@@ -296,8 +315,19 @@ def render(result: Comparison) -> RenderableType:
         "SLO met = served within both objectives",
         parts=[_LATENCY, _OUTCOMES],
     )
-    lines = [goodput_line(result, summaries), *tradeoffs(summaries)]
+    lines = [goodput_line(result, summaries), *rejection_lines(result), *tradeoffs(summaries)]
     return Group(table, *(Text(line) for line in lines))
+
+
+def rejection_lines(result: Comparison) -> list[str]:
+    """Per policy that refused requests, how many for each reason."""
+    lines = []
+    for name, r in result.results.items():
+        counts = rejected_reasons(r.outcomes)
+        if counts:
+            why = ", ".join(f"{n:,} {kind}" for kind, n in counts.items())
+            lines.append(f"Rejected by {name}: {why}.")
+    return lines
 
 
 def goodput_line(result: Comparison, summaries: dict[str, dict[str, float | int]]) -> str:
@@ -317,6 +347,8 @@ def goodput_line(result: Comparison, summaries: dict[str, dict[str, float | int]
     line = f"Goodput: {winner} served {share:.1%} of requests within {slo.text()}"
     if others:
         line += f" (next: {others[0][1]} {others[0][0]:.1%})"
+    if slo.derived:
+        line += f"; the SLO is derived ({slo.basis}), as none is stated"
     return line + "."
 
 

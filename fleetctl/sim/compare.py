@@ -12,7 +12,13 @@ from fleetctl.model.calibration import Calibration
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.scheduler import Aging
-from fleetctl.sim.fleet import Server, SimResult, servers_from_plan, simulate
+from fleetctl.sim.fleet import (
+    Server,
+    SimResult,
+    rejected_reasons,
+    servers_from_plan,
+    simulate,
+)
 from fleetctl.sim.workload import WorkItem, scale_time
 
 DEFAULT_POLICIES = (
@@ -53,12 +59,13 @@ class Comparison:
             "capacity_rps": round(self.capacity_rps, 3),
             "offered_rps": round(self.offered_rps, 3),
             "load": round(self.offered_rps / self.capacity_rps, 3) if self.capacity_rps else None,
-            "slo": None
-            if self.slo is None
-            else {"ttft_p99_s": self.slo.ttft_s, "tpot_p99_ms": _ms(self.slo.tpot_s)},
+            "slo": None if self.slo is None else self.slo.to_json(),
             "goodput_winner": self.goodput_winner(),
             "policies": {
-                name: {k: _clean(v) for k, v in r.summary().items()}
+                name: {
+                    **{k: _clean(v) for k, v in r.summary().items()},
+                    "rejected_reasons": rejected_reasons(r.outcomes),
+                }
                 for name, r in self.results.items()
             },
         }
@@ -135,7 +142,10 @@ def compare(
     items = [replace(w, model=model) if w.model != model else w for w in items]
     offered = len(items) / items[-1].arrival if len(items) > 1 and items[-1].arrival > 0 else 0.0
     spec = inv.spec.router
-    config = RoutingConfig.of(inv)
+    # Without a stated SLO, the default is derived from these servers and this traffic's
+    # lengths, as `plan --workload-from` derives it from the same trace.
+    engines = [(s.model, s.perf, s.max_model_len) for s in found]
+    config = RoutingConfig.of(inv, engines, {model: (prompt, output)})
     if slo is not None:
         config.slo[model] = slo
     slo = config.slo.get(model)

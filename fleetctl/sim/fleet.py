@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from fleetctl.fleet.engines import deployment_engine
@@ -182,6 +182,33 @@ class SimResult:
             else 0.0,
             "prefill_saved_tokens": self.prefix_hits,
         }
+
+
+# Why a request was refused, by the start of the router's message (routing/policy.py's
+# eligible, the scheduler's decode_for, the simulated vLLM's length check): a bounded name,
+# so a table and JSON count them however the lengths in the messages vary.
+REJECTIONS = (
+    ("prompt (", "context too long for every server"),
+    ("prompt + output exceeds max_model_len", "context too long for its server"),
+    ("no backend serves", "no server of that precision"),
+    ("no healthy backend serves", "no server of the model"),
+    ("no decode server", "no decode server"),
+)
+
+
+def rejection_kind(message: str) -> str:
+    """The bounded name of a rejection's reason; `other` for a message not listed."""
+    return next((kind for start, kind in REJECTIONS if message.startswith(start)), "other")
+
+
+def rejected_reasons(outcomes: Iterable[Outcome]) -> dict[str, int]:
+    """How many requests were refused for each reason, most first."""
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        if o.rejected is not None:
+            kind = rejection_kind(o.rejected)
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _mean(values: list[float]) -> float:
