@@ -168,7 +168,7 @@ def test_a_stream_passes_through_from_the_decode_server(pair, router) -> None:
         {
             "model": MODEL,
             "prompt": [t + 7 for t in PROMPT],
-            "max_tokens": 6,
+            "max_tokens": 24,
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -179,9 +179,10 @@ def test_a_stream_passes_through_from_the_decode_server(pair, router) -> None:
     text = data.decode()
     assert text.rstrip().endswith("data: [DONE]")
     chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-    # Streamed (vLLM may put several tokens in one chunk when its loop runs behind).
+    # Streamed (vLLM may put several tokens in one chunk when its loop runs behind: a loaded
+    # CI run once sent all of 6 tokens in one, so 24 are asked for).
     assert sum(1 for c in chunks if c.get("choices")) >= 2
-    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-1]["usage"]["completion_tokens"] == 24
     after = settled(decode, EXTERNAL, before[EXTERNAL] + len(PROMPT))
     assert after[EXTERNAL] - before[EXTERNAL] == len(PROMPT)
     assert after[LOCAL] - before[LOCAL] == 0
