@@ -15,6 +15,9 @@ goodput rate), and the share within at the plan's capacity and at 1.25x it. The 
 kept when the share at the capacity is within 3 points of 99% or above, and the share at
 1.25x is below 99%.
 
+--slo derived: no SLO stated; the model's derived SLO (fleet/slo.py, from the planned
+servers) is what the planner plans by and what the simulator judges by.
+
 --before PATH: a checkout of the code before (e.g. `git worktree add /tmp/before main`); its
 planner's capacity for the same inventory (its own workload fields only) is shown beside.
 """
@@ -35,6 +38,7 @@ import yaml
 from fleetctl.base.resources import examples
 from fleetctl.cli.traffic import workload_spec
 from fleetctl.fleet.inventory import load_inventory
+from fleetctl.fleet.slo import plan_slos
 from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.goodput import Slo
@@ -57,7 +61,7 @@ TRACE_FILES = {
     "code": TRACES / "AzureLLMInferenceTrace_code.csv",
     "mooncake": TRACES / "mooncake_conversation_trace.jsonl",
 }
-SLO = {"ttft_p99_s": 2.0, "tpot_p99_ms": 60}
+SLO: dict[str, float] = {"ttft_p99_s": 2.0, "tpot_p99_ms": 60}  # empty: derived
 SHARE = 0.99
 TOLERANCE = 0.03  # points of share the capacity may fall short by
 OVER = 1.25  # at this times the capacity, the share must fall short
@@ -87,14 +91,19 @@ def inventory_for(example: str, trace: str, items: list[WorkItem], folder: Path,
     if not new:
         spec = {k: v for k, v in spec.items() if k in OLD_FIELDS}
     doc["models"][0]["workload"] = spec
-    doc["models"][0]["slo"] = dict(SLO)
+    if SLO:
+        doc["models"][0]["slo"] = dict(SLO)
     out = folder / f"{example}-{trace}-{'new' if new else 'old'}.yaml"
     out.write_text(yaml.safe_dump(doc, sort_keys=False))
     return out
 
 
 def attained(inv: Any, plan: Any, model: str, items: list[WorkItem], rate: float) -> float:
-    slo = Slo(SLO["ttft_p99_s"], SLO["tpot_p99_ms"] / 1000)
+    slo = (
+        Slo(SLO["ttft_p99_s"], SLO["tpot_p99_ms"] / 1000)
+        if SLO
+        else plan_slos(inv, plan.deployments)[model]
+    )
     c = compare(inv, plan, model, items, ["hardware-aware"], rate=rate, slo=slo)
     return float(c.results["hardware-aware"].summary()["slo_attainment"])
 
@@ -156,6 +165,7 @@ def run_case(example: str, trace: str, n: int, folder: Path, before: Path | None
         "within_at_1.25x": over,
         "kept": kept,
         "plan_s": round(plan_s, 3),
+        "slo": plan_slos(inv, plan.deployments)[model].describe(),
     }
 
 
@@ -193,11 +203,15 @@ def main() -> None:
     ap.add_argument("--traces", default=",".join(TRACE_FILES))
     ap.add_argument("--before", type=Path, default=None)
     ap.add_argument(
-        "--slo", default="", help="TTFT_S,TPOT_MS in place of 2.0,60 (e.g. 16,100 for Mooncake)"
+        "--slo",
+        default="",
+        help="TTFT_S,TPOT_MS in place of 2.0,60 (e.g. 16,100 for Mooncake); derived: none stated",
     )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "plan_promise"))
     args = ap.parse_args()
-    if args.slo:
+    if args.slo == "derived":
+        SLO.clear()
+    elif args.slo:
         ttft, tpot = args.slo.split(",")
         SLO.update(ttft_p99_s=float(ttft), tpot_p99_ms=float(tpot))
     names = args.examples.split(",") if args.examples else single_model_examples()

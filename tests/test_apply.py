@@ -87,6 +87,10 @@ class Fleet:
             "    profile: llama-3-8b",
             "    variants: {bf16: {source: meta-llama/Meta-Llama-3-8B-Instruct}}",
             f"    max_context: {max_context}",
+            # At 0.92, four servers (two TP=1 on the A100 pair): the apply tests count on
+            # them, and by goodput at its derived SLO the planner alone would make the pair
+            # one TP=2 server, as it does at 0.45 (where the replacement tests want that).
+            f"    min_replicas: {4 if util > 0.5 else 1}",
             "    env: {VLLM_LOGGING_LEVEL: INFO}",
             f"planner: {{gpu_memory_utilization: {util}}}",
             # health_timeout_s only bounds a server that never becomes healthy (a healthy one

@@ -108,10 +108,9 @@ def test_a_split_reads_back_from_state_and_keeps_its_prefill_slots(tmp_path, cat
             fleet(gbps=10, rdma=False, slo=SLOW_TTFT, prompt=3000),
             "puts the first token",
         ),
-        (fleet(slo=None), "no SLO"),
         (fleet(prompt=100, slo="{ttft_p99_s: 16, tpot_p99_ms: 100}"), "less than 1.2x"),
     ],
-    ids=["slow-network", "no-slo", "short-prompts"],
+    ids=["slow-network", "short-prompts"],
 )
 def test_where_a_split_does_not_pay_the_servers_stay_colocated_and_it_says_why(
     tmp_path, catalog, text, why
@@ -122,6 +121,16 @@ def test_where_a_split_does_not_pay_the_servers_stay_colocated_and_it_says_why(
     assert summary.disaggregation is not None and not summary.disaggregation.chosen
     assert why in summary.disaggregation.reason
     assert not any(d.server.kv_transfer for d in plan.deployments)
+
+
+def test_a_model_with_no_stated_slo_is_split_by_its_derived_one(tmp_path, catalog):
+    """Every model has an SLO: with none stated, `auto` weighs the split by the derived one
+    (the planner's, from the slowest class that can hold the model), not "no SLO"."""
+    plan = planned(tmp_path, catalog, fleet(slo=None))
+    g = plan.models[0].disaggregation
+    assert g is not None and g.chosen, g
+    assert "within the SLO" in g.reason and "no SLO" not in g.reason
+    assert {d.server.role for d in plan.deployments} == {"prefill", "decode"}
 
 
 def test_the_network_decides(tmp_path, catalog):

@@ -26,18 +26,23 @@ def placed(plan):
 
 
 def test_seed_multi_model_assignment(catalog):
-    # 70B BF16 at TP=2 on A100 pairs, 13B GPTQ-INT4 on A100s, 8B BF16 on the RTX 4090s.
+    # 70B BF16 at TP=2 on A100 pairs, 13B GPTQ-INT4 on A100s (and 4090s), 8B BF16 on the
+    # RTX 4090s. By goodput at each model's derived SLO, the fleet no longer covers every
+    # workload at 80% (saturation throughput did): the plan says which, and by how much.
     plan = plan_fleet(load_inventory(examples()["seed-multi-model"], catalog))
     by_model = {}
     for d in plan.deployments:
         by_model.setdefault(d.model, set()).add((d.gpu_type, d.variant, d.tensor_parallel_size))
     assert by_model["llama-3-70b"] == {("A100-SXM4-80GB", "bf16", 2)}
-    assert {g for g, _, _ in by_model["llama-2-13b"]} == {"A100-SXM4-80GB"}
+    assert "A100-SXM4-80GB" in {g for g, _, _ in by_model["llama-2-13b"]}
     assert {v for _, v, _ in by_model["llama-2-13b"]} == {"gptq-int4"}
     assert by_model["llama-3-8b"] == {("RTX-4090", "bf16", 1)}
     assert not plan.unplaced
-    for s in plan.models:  # every workload is met at the 80% target utilization
-        assert s.capacity_rps * 0.8 >= s.demand_rps
+    for s in plan.models:
+        assert s.capacity_basis == "goodput"
+        if s.capacity_rps * 0.8 < s.demand_rps:  # short at the 80% target: said so
+            assert any(w.startswith(f"{s.model}: planned capacity") for w in plan.warnings)
+    assert plan.models[0].capacity_rps * 0.8 >= plan.models[0].demand_rps  # the 70B is met
 
 
 def test_seed_mixed_fleet_uses_every_gpu(catalog):
@@ -471,10 +476,11 @@ def test_kv_starved_servers_still_fill_idle_gpus(tmp_path, catalog):
 
 
 def test_a_change_must_be_worth_its_warm_up(tmp_path, catalog):
-    """planner.change_threshold: the 70B's workload grows 28%, just past what it has. Moving
-    four servers to it would cover that, for 27 server-minutes of warm-up and capacity
-    missing (141 GB of weights at 1 GB/s + 60 s, twice: stop before start): not worth it at
-    the default, worth it at 0. Doubled, its shortfall outweighs the disruption."""
+    """planner.change_threshold: the 70B's workload doubles, past what its three servers
+    serve within its SLO. Moving four servers to it would cover more of that, for 27
+    server-minutes of warm-up and capacity missing (141 GB of weights at 1 GB/s + 60 s,
+    twice: stop before start): not worth it at the default, worth it at 0. Tripled, its
+    shortfall outweighs the disruption."""
     text = examples()["seed-multi-model"].read_text()
     first = plan_fleet(load_inventory(write(tmp_path, text), catalog))
     state = State(1, first.deployments)
@@ -487,6 +493,6 @@ def test_a_change_must_be_worth_its_warm_up(tmp_path, catalog):
         inv = load_inventory(write(tmp_path, grown, "grown.yaml"), catalog)
         return Counter(a.op for a in plan_fleet(inv, state).actions)
 
-    assert replan(1.28, 0.0)["replace"] == 4  # any gain moves servers
-    assert replan(1.28, None) == Counter(keep=len(first.deployments))  # the default keeps them
-    assert replan(2.0, None)["replace"] == 4  # a real shortfall is worth the disruption
+    assert replan(2.0, 0.0)["replace"] == 4  # any gain moves servers
+    assert replan(2.0, None) == Counter(keep=len(first.deployments))  # the default keeps them
+    assert replan(3.0, None)["keep"] < len(first.deployments)  # a real shortfall is worth it

@@ -212,3 +212,52 @@ def test_the_search_brackets_then_bisects_to_the_tolerance():
     tried = search(cliff(0.0), 40.0, 0.99, 0.05, 6)
     assert len(tried) == 6 and all(a < 0.99 for _, a in tried)
     assert [r for r, _ in tried] == sorted((r for r, _ in tried), reverse=True)
+
+
+def test_the_planner_plans_a_model_with_no_stated_slo_by_goodput_at_its_derived_one(catalog):
+    """The seed states no SLO: its capacity is the goodput at the derived SLO (not the
+    saturation throughput), every candidate is weighed by that SLO, and it is the one the
+    plan prints (derived from the placed servers), since the slowest class is placed."""
+    from fleetctl.planner.candidates import candidates, node_classes
+
+    inv = load_inventory(examples()["seed-mixed-8b"], catalog)
+    plan = plan_fleet(inv)
+    (summary,) = plan.models
+    assert summary.capacity_basis == "goodput"
+    printed = plan_slos(inv, plan.deployments)["llama-3-8b"]
+    feasible, _ = candidates(inv, node_classes(inv))
+    assert feasible and {k.slo for k in feasible} == {printed}
+    saturation = sum(d.capacity_rps for d in plan.deployments)
+    assert 0 < summary.capacity_rps < saturation
+
+
+def test_the_slo_share_is_the_one_the_capacity_is_found_at(tmp_path, catalog):
+    """`slo.share`: a capacity at which 90% of requests meet the objectives is higher than
+    one at which 99% do; the explanation names the share."""
+    caps = {}
+    for share in (0.9, 0.99):
+        inv = load_inventory(
+            _with_slo(tmp_path, f"{{ttft_p99_s: 2.0, tpot_p99_ms: 60, share: {share}}}"),
+            catalog,
+        )
+        plan = plan_fleet(inv)
+        caps[share] = plan.models[0].capacity_rps
+        reasons = [r for d in plan.deployments for r in d.server.reasons]
+        assert any(f"({share * 100:g}% of requests within both" in r for r in reasons), reasons
+    assert caps[0.9] > caps[0.99], caps
+
+
+def test_the_derived_ttft_objective_uses_the_workloads_p99_prompt(tmp_path, catalog):
+    """Where the workload states `prompt_tokens_p99`, the long prompt of the derived TTFT
+    objective is it, not 4x the mean."""
+    text = (ROOT / "inventory" / "seed-mixed-8b.yaml").read_text()
+    text = text.replace(
+        "mean_output_tokens: 300}", "mean_output_tokens: 300, prompt_tokens_p99: 3000}"
+    )
+    path = tmp_path / "p99.yaml"
+    path.write_text(text)
+    inv = load_inventory(path, catalog)
+    plan = plan_fleet(inv)
+    slo = plan_slos(inv, plan.deployments)["llama-3-8b"]
+    assert "RTX-4090's idle prefill of 3,000 tokens" in slo.basis, slo.basis
+    assert slo.ttft_s < 2.4  # half the 4x-mean prompt's

@@ -4,12 +4,13 @@ A fleet with no stated objective still needs one: hardware-aware weighs TTFT and
 their objectives, and a capacity is a goodput rate, which only an SLO defines. The default is
 read off the one performance model (the engines passed in are the calibrated ones where a
 calibration exists), on the slowest class that serves the model, so it is reachable on every
-class and binds only under load:
+class and binds only under load. The planner derives it before placement, from every
+candidate server that can hold the model (planner/candidates.py), and plans by it; a plan
+prints it from its placed servers, the same figure wherever the slowest candidate is placed:
 
-- TTFT objective = TTFT_FACTOR x the slowest class's idle prefill of a long prompt, where a
-  long prompt is LONG_PROMPT_FACTOR x the workload's mean prompt (only means are known
-  everywhere the SLO is needed: an inventory's workload, one derived from a trace), capped at
-  what the class's max_model_len takes;
+- TTFT objective = TTFT_FACTOR x the slowest class's idle prefill of a long prompt: the
+  workload's `prompt_tokens_p99` where it states one, else LONG_PROMPT_FACTOR x its mean
+  prompt (a workload may give only means), capped at what the class's max_model_len takes;
 - TPOT objective = TPOT_FACTOR x the slowest class's idle decode step at MODERATE_BATCH
   sequences of the mean request's context.
 
@@ -113,9 +114,12 @@ def derive(
 ) -> Slo | None:
     """The default SLO of `model` on the engines (perf, max_model_len; 0: the model's
     max_context) that serve it, for requests of these mean lengths (None: the model's
-    workload, as the planner reads it). None where no engine serves it. A stated `share`
-    without objectives is kept."""
+    workload, as the planner reads it, its p99 prompt the long one where stated). None
+    where no engine serves it. A stated `share` without objectives is kept."""
     w = model.spec.workload
+    # The workload's own p99 prompt is the long one; a mean passed in (route-serve's
+    # observed traffic) comes without its quantiles, so 4x it stands in.
+    p99 = w.prompt_tokens_p99 if w is not None and mean_prompt is None else None
     prompt = mean_prompt or (
         w.mean_prompt_tokens if w else min(DEFAULT_PROMPT, model.spec.max_context // 2)
     )
@@ -126,7 +130,7 @@ def derive(
     for perf, max_len in engines:
         seen = True
         limit = max_len or model.spec.max_context
-        long = max(1, min(round(LONG_PROMPT_FACTOR * prompt), limit - output))
+        long = max(1, min(p99 or round(LONG_PROMPT_FACTOR * prompt), limit - output))
         t = perf.prefill_time(long)
         if t > ttft:
             ttft, ttft_on = t, f"{perf.gpu.name}'s idle prefill of {long:,} tokens"

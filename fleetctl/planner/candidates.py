@@ -9,6 +9,7 @@ from fleetctl.base.names import natural_key
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory, Model, Node, Variant
 from fleetctl.fleet.prices import node_cost_per_hour
+from fleetctl.fleet.slo import Slo, objectives
 from fleetctl.model.calibration import Calibrated, Calibration, calibrated
 from fleetctl.model.catalog import GpuProfile
 from fleetctl.model.perf import (
@@ -96,6 +97,9 @@ class Candidate:
     # Per server, (requests/s, share of requests over the TPOT objective there): the rates
     # at which its TPOT quantiles reach the objective (planner/disaggregate.py); () without.
     tpot_rates: tuple[tuple[float, float], ...] = ()
+    # The model's SLO the candidate is weighed by: stated, else derived before placement
+    # (`candidates`); None only where no candidate of the model holds it.
+    slo: Slo | None = None
 
     @property
     def option(self) -> tuple[str, str, int]:
@@ -163,11 +167,12 @@ def evaluate(
     inv: Inventory,
     calibration: Calibration | None = None,
     max_len: int | None = None,
+    slo: Slo | None = None,
 ) -> Candidate:
     """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not),
-    with --max-model-len `max_len` (default: the model's max_context); a calibration entry for
-    the same GPU, model, format and TP replaces the model's KV tokens and speed with what live
-    servers measured."""
+    with --max-model-len `max_len` (default: the model's max_context), its capacity weighed
+    by `slo` (None: saturation's); a calibration entry for the same GPU, model, format and TP
+    replaces the model's KV tokens and speed with what live servers measured."""
     planner = inv.spec.planner
     util = model.spec.gpu_memory_utilization or planner.gpu_memory_utilization
     # The release the servers will run: the inventory's apply.vllm_version, else fleetctl's
@@ -212,10 +217,10 @@ def evaluate(
     perf = engine.perf
     seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
-    capacity = shape_capacity(perf, model, prompt, output, budget.kv_tokens, seqs, seq_at_max)
+    capacity = shape_capacity(perf, slo, prompt, output, budget.kv_tokens, seqs, seq_at_max)
     traffic = traffic_of(model, (prompt, output))
-    tpot = tpot_rates(perf, model, prompt, output, budget.kv_tokens, seqs)
-    if capacity > 0 and model.spec.slo is not None:
+    tpot = tpot_rates(perf, slo, prompt, output, budget.kv_tokens, seqs)
+    if capacity > 0 and slo is not None:
         most = cls.size * (cls.gpu_count // tp)
         if model.spec.max_replicas is not None:
             most = min(most, model.spec.max_replicas)
@@ -223,7 +228,7 @@ def evaluate(
         # Its share of what all such servers serve within the SLO, on the shapes it takes
         # (the longer ones are another class's to carry); where none holds, the old
         # mean-shape figure keeps the candidate weighable, and the model's capacity says 0.
-        each = goodput([group], traffic.within(max_len), *objectives(model))
+        each = goodput([group], traffic.within(max_len), slo.ttft_s, slo.tpot_s, slo.share)
         capacity = each / group.servers or capacity
     w = model.spec.workload
     per_bucket = tuple(
@@ -231,7 +236,7 @@ def evaluate(
         if b.max_tokens > max_len
         else shape_capacity(
             perf,
-            model,
+            slo,
             b.mean_prompt_tokens,
             b.mean_output_tokens,
             budget.kv_tokens,
@@ -259,29 +264,21 @@ def evaluate(
         per_bucket,
         engine,
         tpot,
+        slo,
     )
 
 
-def objectives(model: Model) -> tuple[float | None, float | None]:
-    """The model's TTFT and TPOT objectives in seconds (None: none)."""
-    slo = model.spec.slo
-    if slo is None:
-        return None, None
-    return slo.ttft_p99_s, None if slo.tpot_p99_ms is None else slo.tpot_p99_ms / 1000
-
-
 def tpot_rates(
-    perf: EnginePerf, model: Model, prompt: int, output: int, kv_tokens: int, seqs: int
+    perf: EnginePerf, slo: Slo | None, prompt: int, output: int, kv_tokens: int, seqs: int
 ) -> tuple[tuple[float, float], ...]:
-    """Per server, the requests/s at which each TPOT quantile reaches the model's objective
-    (Poisson arrivals of the mean shape, prefill interference counted), with the share of
-    requests over it there; () without a TPOT objective."""
-    slo = model.spec.slo
-    if slo is None or slo.tpot_p99_ms is None:
+    """Per server, the requests/s at which each TPOT quantile reaches the objective (Poisson
+    arrivals of the mean shape, prefill interference counted), with the share of requests
+    over it there; () without a TPOT objective."""
+    if slo is None or slo.tpot_s is None:
         return ()
     pool = Pool(0, "", 1, perf, kv_tokens, seqs, None)
     return tuple(
-        (colocated(pool, prompt, output, slo.tpot_p99_ms / 1000, quantile=q).rate, 1 - q)
+        (colocated(pool, prompt, output, slo.tpot_s, quantile=q).rate, 1 - q)
         for q in TPOT_QUANTILES
     )
 
@@ -290,31 +287,33 @@ def model_goodput(model: Model, placed: Sequence[tuple[Candidate, int]]) -> floa
     """Requests/s the model's placed servers (candidate, count) serve within its SLO's
     share, on its workload's lengths and bursts, the long prompts only where they fit;
     None without an SLO (the capacity is then saturation's)."""
-    if model.spec.slo is None or not placed:
+    slo = placed[0][0].slo if placed else None
+    if slo is None:
         return None
     groups = [
         Group(n, k.perf, k.budget.kv_tokens, k.max_num_seqs, k.max_model_len, k.tpot_rates)
         for k, n in placed
     ]
-    return goodput(groups, traffic_of(model, request_shape(model)), *objectives(model))
+    traffic = traffic_of(model, request_shape(model))
+    return goodput(groups, traffic, slo.ttft_s, slo.tpot_s, slo.share)
 
 
 def shape_capacity(
     perf: EnginePerf,
-    model: Model,
+    slo: Slo | None,
     prompt: int,
     output: int,
     kv_tokens: int,
     max_num_seqs: int,
     seq_at_max: int,
 ) -> float:
-    """Requests/s at saturation for one request shape, capped by the model's SLO: 0 where
-    the KV cache holds no sequence at max_model_len."""
+    """Requests/s at saturation for one request shape, capped by `slo`: 0 where the KV
+    cache holds no sequence at max_model_len."""
     if not seq_at_max:
         return 0.0
     capacity = perf.capacity_rps(prompt, output, kv_tokens, max_num_seqs)
-    if model.spec.slo is not None and capacity:
-        capacity = slo_capacity(perf, model, prompt, output, kv_tokens, max_num_seqs, capacity)
+    if slo is not None and capacity:
+        capacity = slo_capacity(perf, slo, prompt, output, kv_tokens, max_num_seqs, capacity)
     return capacity
 
 
@@ -325,24 +324,22 @@ SLO_HEADROOM = 0.5
 
 def slo_capacity(
     perf: EnginePerf,
-    model: Model,
+    slo: Slo,
     prompt: int,
     output: int,
     kv_tokens: int,
     max_num_seqs: int,
     capacity: float,
 ) -> float:
-    """The capacity at which a server still meets the model's SLO, by the same perf model:
-    0 when even one request alone misses its TTFT (its prefill) or TPOT (a decode step);
-    else the saturation capacity at the largest batch whose decode step stays within
-    SLO_HEADROOM of tpot_p99_ms (fewer concurrent sequences, each faster)."""
-    slo = model.spec.slo
-    assert slo is not None
-    if slo.ttft_p99_s is not None and perf.prefill_time(prompt) > slo.ttft_p99_s * SLO_HEADROOM:
+    """The capacity at which a server still meets `slo`, by the same perf model: 0 when
+    even one request alone misses its TTFT (its prefill) or TPOT (a decode step); else the
+    saturation capacity at the largest batch whose decode step stays within SLO_HEADROOM of
+    the TPOT objective (fewer concurrent sequences, each faster)."""
+    if slo.ttft_s is not None and perf.prefill_time(prompt) > slo.ttft_s * SLO_HEADROOM:
         return 0.0
-    if slo.tpot_p99_ms is None:
+    if slo.tpot_s is None:
         return capacity
-    limit = slo.tpot_p99_ms / 1000 * SLO_HEADROOM
+    limit = slo.tpot_s * SLO_HEADROOM
     ctx = prompt + output / 2
     if perf.step_time(1, ctx) > limit:
         return 0.0
@@ -362,22 +359,22 @@ def slo_capacity(
 def slo_miss(cand: Candidate) -> str | None:
     """Why `cand` carries no request within its model's SLO, in numbers; None if it does or
     the model has no SLO."""
-    slo = cand.model.spec.slo
+    slo = cand.slo
     if slo is None or cand.capacity_rps > 0:
         return None
     prompt, output = request_shape(cand.model)
-    if slo.ttft_p99_s is not None:
+    if slo.ttft_s is not None:
         prefill = cand.perf.prefill_time(prompt)
-        if prefill > slo.ttft_p99_s * SLO_HEADROOM:
+        if prefill > slo.ttft_s * SLO_HEADROOM:
             return (
                 f"a {prompt}-token prompt alone takes {prefill:.2f} s to prefill, over "
-                f"{SLO_HEADROOM:g} x ttft_p99_s {slo.ttft_p99_s:g} s"
+                f"{SLO_HEADROOM:g} x ttft_p99_s {slo.ttft_s:g} s ({slo.source})"
             )
-    if slo.tpot_p99_ms is not None:
+    if slo.tpot_s is not None:
         step = cand.perf.step_time(1, prompt + output / 2) * 1000
         return (
             f"one request's decode step takes {step:.1f} ms, over {SLO_HEADROOM:g} x "
-            f"tpot_p99_ms {slo.tpot_p99_ms:g} ms"
+            f"tpot_p99_ms {slo.tpot_s * 1000:g} ms ({slo.source})"
         )
     return None
 
@@ -416,7 +413,7 @@ def shorter(cand: Candidate, inv: Inventory, calibration: Calibration | None = N
         if n in tried:
             break
         tried.add(n)
-        k = evaluate(cand.cls, model, cand.variant, cand.tp, inv, calibration, n)
+        k = evaluate(cand.cls, model, cand.variant, cand.tp, inv, calibration, n, cand.slo)
         if fits(k):
             best = k
             n = _longest(k)
@@ -459,21 +456,23 @@ def candidates(
     (with min_context: at any length from min_context up). A model with min_context whose
     candidates all fall short of max_context is rejected whole: the fleet must serve
     max_context somewhere. `calibration`: measured figures that replace the model's where an
-    entry matches."""
+    entry matches. Each model is weighed by `planned_slo`."""
     feasible: list[Candidate] = []
     rejected: list[Candidate] = []
     for model in inv.models:
+        combos = [
+            (cls, variant, tp)
+            for cls in classes
+            for variant in model.variants
+            for sizes in (tp_sizes(model, cls.gpu_count),)
+            if not why_not(cls, model, variant, sizes[0] if sizes else None)
+            for tp in sizes
+        ]
+        slo = planned_slo(model, combos, inv, calibration)
         mine: list[Candidate] = []
-        for cls in classes:
-            for variant in model.variants:
-                sizes = tp_sizes(model, cls.gpu_count)
-                if why_not(cls, model, variant, sizes[0] if sizes else None):
-                    continue
-                for tp in sizes:
-                    cand = evaluate(cls, model, variant, tp, inv, calibration)
-                    if not fits(cand):
-                        cand = shorter(cand, inv, calibration)
-                    (mine if fits(cand) else rejected).append(cand)
+        for cls, variant, tp in combos:
+            cand = _sized(cls, model, variant, tp, inv, calibration, slo)
+            (mine if fits(cand) else rejected).append(cand)
         if model.spec.min_context is not None and not any(reaches_max(k) for k in mine):
             rejected += mine
         else:
@@ -481,6 +480,38 @@ def candidates(
     # Class-major order, as the optimizer and the plan's tie-breaks have always seen them.
     feasible.sort(key=lambda k: k.cls.index)
     return feasible, rejected
+
+
+def _sized(
+    cls: NodeClass,
+    model: Model,
+    variant: Variant,
+    tp: int,
+    inv: Inventory,
+    calibration: Calibration | None,
+    slo: Slo | None,
+) -> Candidate:
+    """The candidate at max_context, else at the longest length that fits (min_context)."""
+    cand = evaluate(cls, model, variant, tp, inv, calibration, None, slo)
+    return cand if fits(cand) else shorter(cand, inv, calibration)
+
+
+def planned_slo(
+    model: Model,
+    combos: Sequence[tuple[NodeClass, Variant, int]],
+    inv: Inventory,
+    calibration: Calibration | None = None,
+) -> Slo | None:
+    """The SLO `model` is planned by: its stated one, else the one fleet/slo.py derives
+    from the slowest of the servers (class, format, TP; at the length each holds) that
+    could serve it. Placement has not chosen them yet, so every one that holds the model
+    counts; `plan` prints the SLO derived from the servers placed, the same unless the
+    slowest candidate is left out of the plan (then the printed one is tighter)."""
+    stated = Slo.of(model.spec.slo)
+    if stated is not None:
+        return stated
+    held = (_sized(c, model, v, tp, inv, calibration, None) for c, v, tp in combos)
+    return objectives(model, ((k.perf, k.max_model_len) for k in held if fits(k)))
 
 
 def reaches_max(cand: Candidate) -> bool:

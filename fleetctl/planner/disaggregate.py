@@ -16,11 +16,12 @@ stalls it. The pools' rate is the least of the prefill pool's, the links' and th
 pool's; the split of servers between the pools is chosen to balance them.
 
 The rule (`decide`): with `disaggregation: on`, split whenever both pools can exist; with
-`auto` (the default), only where the model has an SLO (disaggregation trades the first token's
-latency, a network hop and a GPU's generality for the requests that meet both objectives: an
-SLO is what weighs that), the fleet gives the model two classes of GPU or more, the first
-token still meets the TTFT objective after the transfer, and the split serves at least
-GAIN x the colocated rate. Otherwise the servers stay colocated, and the reason says why.
+`auto` (the default), by the model's SLO, stated or derived (disaggregation trades the first
+token's latency, a network hop and a GPU's generality for the requests that meet both
+objectives: an SLO is what weighs that), where the fleet gives the model two classes of GPU
+or more, the first token still meets the TTFT objective after the transfer, and the split
+serves at least GAIN x the colocated rate. Otherwise the servers stay colocated, and the
+reason says why.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 from fleetctl.fleet.inventory import Model
+from fleetctl.fleet.slo import Slo
 from fleetctl.model.perf import EnginePerf, max_sequences
 
 # How much more the split must serve than colocated servers under `auto`: a split costs a
@@ -285,11 +287,18 @@ def best_split(
     return best
 
 
-def decide(model: Model, pools: Sequence[Pool], prompt: int, output: int, classes: int) -> Choice:
-    """Colocated or split for `model`'s servers (`pools`, on `classes` GPU types), and why."""
-    slo = model.spec.slo
-    tpot_s = slo.tpot_p99_ms / 1000 if slo is not None and slo.tpot_p99_ms is not None else None
-    ttft_s = slo.ttft_p99_s if slo is not None else None
+def decide(
+    model: Model,
+    pools: Sequence[Pool],
+    prompt: int,
+    output: int,
+    classes: int,
+    slo: Slo | None = None,
+) -> Choice:
+    """Colocated or split for `model`'s servers (`pools`, on `classes` GPU types), and why,
+    by `slo` (the one it is planned by: planner/candidates.py)."""
+    tpot_s = slo.tpot_s if slo is not None else None
+    ttft_s = slo.ttft_s if slo is not None else None
     colo = [colocated(q, prompt, output, tpot_s, ttft_s) for q in pools]
     together = Figures(
         sum(f.rate * q.servers for f, q in zip(colo, pools, strict=True)),

@@ -24,7 +24,7 @@ from fleetctl.planner.candidates import (
     why_not,
 )
 from fleetctl.planner.expand import Placement
-from fleetctl.planner.queueing import SLO_SHARE, traffic_of
+from fleetctl.planner.queueing import traffic_of
 
 
 def _gb(n: float) -> str:
@@ -88,7 +88,7 @@ def reasons(
             f"on {gpu.architecture}"
         )
     basis = "at saturation"
-    if m.spec.slo is not None:
+    if k.slo is not None:
         prompt, output = request_shape(m)
         full = k.perf.capacity_rps(prompt, output, k.budget.kv_tokens, k.max_num_seqs)
         traffic = traffic_of(m, (prompt, output))
@@ -96,9 +96,9 @@ def reasons(
             "the workload's length quantiles" if not traffic.assumed else "; ".join(traffic.assumed)
         )
         out.append(
-            f"slo: {k.capacity_rps:.2f} req/s a server within it ({SLO_SHARE:.0%} of requests "
-            f"within both objectives; {on}; burstiness {traffic.burstiness:.3g}), not "
-            f"{full:.2f} at saturation"
+            f"slo: {k.capacity_rps:.2f} req/s a server within it ({k.slo.share * 100:.4g}% "
+            f"of requests within both objectives, {k.slo.text()} ({k.slo.source}); {on}; "
+            f"burstiness {traffic.burstiness:.3g}), not {full:.2f} at saturation"
         )
         basis = "within the SLO"
     per_gpu_rps = k.capacity_rps / k.tp

@@ -82,6 +82,9 @@ def plan_fleet(
     deployments = _deployments(inv, state, placements, servers)
     # Prefill and decode pools where they serve more within the SLO (planner/disaggregate.py).
     prefilling = (d.key for d in state.deployments if d.server.role == "prefill")
+    # A model with a derived SLO is weighed by the one its slowest candidate gives
+    # (planner/candidates.py's planned_slo), not re-derived from the servers placed: placing
+    # again by a tighter SLO would leave out the slower classes and tighten it again.
     candidate_of = {id(servers[id(k)]): k for k in used}
     deployments, split = assign_roles(inv, deployments, candidate_of, prefilling)
     by_model: dict[str, list[Deployment]] = defaultdict(list)
@@ -323,9 +326,10 @@ def _summary(
     without, their saturation throughput. A split model's capacity is its pools' together
     (the least of prefill, network and decode)."""
     capacity = sum(d.capacity_rps for d in placed)
+    # Saturation only where no SLO is known: none stated, and no server to derive one from.
     basis = "saturation" if m.spec.slo is None else "goodput"
     if within_slo is not None:
-        capacity = within_slo
+        capacity, basis = within_slo, "goodput"
     if split is not None and split.chosen and split.split_rps is not None:
         capacity, basis = split.split_rps, "split"
     d = demand(m)

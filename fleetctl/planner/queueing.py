@@ -1,7 +1,9 @@
 """The capacity a plan promises: goodput at the SLO on the workload's lengths and bursts.
 
 A model's capacity is the highest request rate at which its servers serve the SLO's share of
-requests (a p99 objective: 99%) within both objectives. It is computed here from the one
+requests (`Slo.share`: 99% for p99 objectives unless the inventory states another) within both
+objectives; the SLO is the stated one, else the one derived before placement
+(planner/candidates.py, fleet/slo.py). It is computed here from the one
 performance model, by a queueing model of the servers:
 
 - Lengths: the workload's prompt and output quantiles (p50, p90, p99, longest) become a small
@@ -29,7 +31,8 @@ performance model, by a queueing model of the servers:
 - Routing: the shapes every class takes fill the classes to equal utilization of what each
   serves within the TPOT objective (a router that knows the SLO).
 
-Without an SLO the capacity stays the saturation throughput of the mean request.
+Only a model with no candidate server at all has no SLO; its capacity, 0 anyway, is the
+saturation throughput of the mean request.
 """
 
 from __future__ import annotations
@@ -41,10 +44,9 @@ from dataclasses import dataclass
 from statistics import NormalDist
 
 from fleetctl.fleet.inventory import Model, WorkloadSpec
+from fleetctl.fleet.slo import DEFAULT_SHARE
 from fleetctl.model.perf import EnginePerf
 
-# A p99 objective is met when this share of requests is within it.
-SLO_SHARE = 0.99
 # `burstiness` counts arrivals in windows that hold this many requests on average: a span
 # that does not change when a trace is replayed faster or slower (simulate --rate).
 BURST_WINDOW = 100
@@ -412,10 +414,10 @@ def goodput(
     traffic: Traffic,
     ttft_s: float | None,
     tpot_s: float | None = None,
-    share: float = SLO_SHARE,
+    share: float = DEFAULT_SHARE,
 ) -> float:
     """The highest requests/s at which `groups` serve `share` of `traffic` within the SLO
-    (`ttft_s`, `tpot_s`: the objectives, None for none)."""
+    (`ttft_s`, `tpot_s`: the objectives, None for none; `share`: the Slo's)."""
     fixed = [_Fixed.of(g, traffic, tpot_s) for g in groups if g.servers > 0]
     if not fixed:
         return 0.0

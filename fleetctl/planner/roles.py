@@ -48,7 +48,8 @@ def assign_roles(
         pools = [_pool(key, group, candidate_of[key], nodes) for key, group in groups.items()]
         prompt, output = request_shape(m)
         gpus = {candidate_of[key].cls.gpu.name for key in groups}
-        choice = decide(m, pools, prompt, output, len(gpus))
+        slo = candidate_of[next(iter(groups))].slo
+        choice = decide(m, pools, prompt, output, len(gpus), slo)
         choices[m.name] = _summary(choice, pools)
         if not choice.disaggregate or choice.split is None:
             continue
