@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from fleetctl.base import documents
 from fleetctl.base.documents import DocumentError
@@ -28,6 +29,7 @@ HEALTH_FORMAT = 1
 # How long a writer waits for another's read-modify-write of a file here: each holds the
 # write lock for one read, merge and atomic write (milliseconds); longer is a stuck process.
 WRITE_LOCK_WAIT_S = 60.0
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -91,24 +93,13 @@ class StateDir:
 
     def load_state(self) -> State:
         """The recorded state, or an empty one when nothing was applied yet."""
-        where = self.state_path
-        try:
-            text = documents.read_file(where)
-        except FileNotFoundError:
-            return State()
-        except OSError as e:
-            raise OperationError(
-                f"{where}: cannot read the state file: {e.strerror or e} (check that it is a "
-                "file this user can read)"
-            ) from None
-        try:
-            return State.from_json(documents.read(text))
-        except DocumentError as e:
-            raise UserError(
-                f"the state file is not usable: {e}",
-                Location(str(where)),
-                "restore it, or move it aside: `fleetctl apply` then adopts the servers that run",
-            ) from None
+        return _load_document(
+            self.state_path,
+            "the state file",
+            State,
+            lambda text: State.from_json(documents.read(text)),
+            "restore it, or move it aside: `fleetctl apply` then adopts the servers that run",
+        )
 
     def save_state(self, state: State) -> None:
         with self.write_lock():
@@ -157,24 +148,13 @@ class StateDir:
         """The last health record; none yet means every node is equivalent. A damaged one, or
         one of a format this release does not read, is refused: read as "none", it would
         silently merge the nodes it found different back into their class."""
-        where = self.health_path
-        try:
-            text = documents.read_file(where)
-        except FileNotFoundError:
-            return HealthRecord()
-        except OSError as e:
-            raise OperationError(
-                f"{where}: cannot read the health record: {e.strerror or e} (check that it is "
-                "a file this user can read)"
-            ) from None
-        try:
-            return documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,))
-        except DocumentError as e:
-            raise UserError(
-                f"the health record is not usable: {e}",
-                Location(str(where)),
-                "run `fleetctl health` to write it again",
-            ) from None
+        return _load_document(
+            self.health_path,
+            "the health record",
+            HealthRecord,
+            lambda text: documents.load(text, HealthRecord, reads=(HEALTH_FORMAT,)),
+            "run `fleetctl health` to write it again",
+        )
 
     def save_health(self, record: HealthRecord) -> None:
         with self.write_lock():
@@ -245,6 +225,27 @@ class StateDir:
                     fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
+
+
+def _load_document(
+    where: Path, what: str, empty: Callable[[], T], parse: Callable[[bytes], T], fix: str
+) -> T:
+    """The document at `where` as `parse` reads it, `empty()` where there is none yet. One
+    that cannot be read is the file system's failure (OperationError); one that cannot be
+    used is refused with the field that is wrong and `fix`, how to mend it (UserError)."""
+    try:
+        text = documents.read_file(where)
+    except FileNotFoundError:
+        return empty()
+    except OSError as e:
+        raise OperationError(
+            f"{where}: cannot read {what}: {e.strerror or e} (check that it is a file this "
+            "user can read)"
+        ) from None
+    try:
+        return parse(text)
+    except DocumentError as e:
+        raise UserError(f"{what} is not usable: {e}", Location(str(where)), fix) from None
 
 
 # The write locks this process holds, and the guard that lets one thread of it at a time in.
