@@ -75,19 +75,17 @@ class Emulator:
         gpu: str = "RTX-4090",
         model: str = NAME,
         side_channel: bool = False,
+        env: dict[str, str] | None = None,
     ):
         self.port = free_port()
         cmd = emulate_cmd(self.port, gpu, model, SOURCE, NAME, SCALE, *args)
         # side_channel: its NIXL side channel is its own port, where decode servers tell it
         # they are done with its blocks (fleetctl/emulator/kv_transfer.py).
-        env = (
-            {
+        if side_channel:
+            env = (env or {}) | {
                 "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
                 "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
             }
-            if side_channel
-            else None
-        )
         # In the test's process group, as a plain Popen would be: a Ctrl-C reaches it too.
         self.process = Proc(f"emulator-{self.port}", cmd, log_dir, env, own_group=False)
         self.proc, self.log = self.process.proc, self.process.log

@@ -172,6 +172,17 @@ def test_events_encode_as_vllm_and_decode():
     assert wire_hash(keys[2], BS) == 13
 
 
+def test_a_sleep_clears_the_cache_with_all_blocks_cleared():
+    """A sleep drops the prefix cache (Engine.reset_prefix_cache): the publisher says so in
+    vLLM's one event, which the router's KV-event reader turns into an emptied index."""
+    names = BlockNames(BS)
+    keys = [h ^ (BS * 0x9E3779B97F4A7C15) for h in (11, 12)]
+    names.describe(keys, list(range(32)), {})
+    events = names.events([("stored", keys), ("cleared", [])])
+    assert events[-1] == {"type": "AllBlocksCleared"}
+    assert [type(e).__name__ for e in decode_batch(encode_batch(0.0, events))][-1] == "Cleared"
+
+
 async def _serve(port: int, kv: dict) -> tuple:
     argv = ["--gpu", "RTX-4090", "--model", NAME, SOURCE, "--served-model-name", NAME]
     argv += ["--port", str(port), "--time-scale", "50", "--max-model-len", "8192"]

@@ -590,8 +590,9 @@ def test_kill_usr1_prints_every_threads_stack_and_serves_on(stubs, router):
         seen = len(r.log.read_text())
         os.kill(r.proc.pid, signal.SIGUSR1)
         until(
-            lambda: r.proc.poll() is not None
-            or "most recent call first" in r.log.read_text()[seen:],
+            lambda seen=seen: (
+                r.proc.poll() is not None or "most recent call first" in r.log.read_text()[seen:]
+            ),
             "the stack dump",
         )
         assert r.proc.poll() is None, r.log.read_text()

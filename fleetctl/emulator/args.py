@@ -54,6 +54,8 @@ class EmulatorArgs:
     hang_after: int | None = None
     error_rate: float = 0.0
     die_mid_stream: int | None = None
+    enable_sleep_mode: bool = False
+    gpu_ledger: Path | None = None
 
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -117,6 +119,13 @@ def _parser() -> _Parser:
     own.add_argument(
         "--kv-link-rdma", action="store_true", help="that network has RDMA (RoCE, InfiniBand)"
     )
+    own.add_argument(
+        "--gpu-ledger",
+        type=Path,
+        metavar="DIR",
+        help="emulators given the same folder share one GPU's memory: a wake from sleep that "
+        "would not fit beside the others fails out of memory",
+    )
     faults = p.add_argument_group("faults")
     faults.add_argument(
         "--startup-delay", type=float, default=0.0, help="wall seconds of 503s first (unscaled)"
@@ -152,6 +161,7 @@ def _parser() -> _Parser:
     vllm.add_argument("--prefix-caching-hash-algo", choices=ALGOS, default=DEFAULT_ALGO)
     vllm.add_argument("--kv-events-config", metavar="JSON")
     vllm.add_argument("--kv-transfer-config", metavar="JSON")
+    vllm.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False)
     vllm.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 

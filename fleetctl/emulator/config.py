@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from fleetctl.base.errors import UserError
 from fleetctl.emulator.args import EmulatorArgs
@@ -10,7 +12,15 @@ from fleetctl.emulator.kv_publisher import KvEventsConfig, parse_kv_events_confi
 from fleetctl.emulator.kv_transfer import KvTransferConfig, parse_kv_transfer_config
 from fleetctl.emulator.truth import less_kv, slower
 from fleetctl.model.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
-from fleetctl.model.perf import BLOCK_SIZE, EnginePerf, KvBudget, kv_budget, vllm_batch_defaults
+from fleetctl.model.perf import (
+    BLOCK_SIZE,
+    EnginePerf,
+    KvBudget,
+    kv_budget,
+    vllm_batch_defaults,
+    weights_bytes,
+)
+from fleetctl.model.startup import wake_seconds
 from fleetctl.planner.disaggregate import Link
 from fleetctl.sim.engine import Engine
 
@@ -63,6 +73,11 @@ class EmulatorConfig:
     kv_events: KvEventsConfig | None = None
     # --kv-transfer-config: one phase of a disaggregated model (None: both, as usual).
     kv_transfer: KvTransferConfig | None = None
+    # Sleep mode (fleetctl/emulator/sleep.py): --enable-sleep-mode, whether the dev endpoints
+    # are served (VLLM_SERVER_DEV_MODE=1), and the folder of a GPU's shared memory ledger.
+    sleep_mode: bool = False
+    dev_mode: bool = False
+    gpu_ledger: Path | None = None
 
     @property
     def block_size(self) -> int:
@@ -76,6 +91,10 @@ class EmulatorConfig:
     @property
     def perf(self) -> EnginePerf:
         return EnginePerf(self.gpu, self.model, self.fmt, self.tp, self.kv_cache_dtype)
+
+    def wake_seconds(self, level: int) -> float:
+        """Emulated seconds a wake from sleep `level` takes on this class (the model's)."""
+        return wake_seconds(self.gpu, weights_bytes(self.model, self.fmt), self.tp, level)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -195,6 +214,9 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
         hash_algo=args.prefix_caching_hash_algo,
         kv_events=kv_events if kv_events is not None and kv_events.publishes else None,
         kv_transfer=kv_transfer,
+        sleep_mode=args.enable_sleep_mode,
+        dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").lower() in ("1", "true"),
+        gpu_ledger=args.gpu_ledger,
     )
 
 

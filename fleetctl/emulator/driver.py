@@ -8,6 +8,10 @@ engine's clock, so they describe the modelled GPU, not the event loop's punctual
 
 With a KV event publisher, each engine step's prefix cache changes (the pool's `events`) are
 handed to it as one batch (fleetctl/emulator/kv_publisher.py).
+
+Sleep mode pauses the driver (fleetctl/emulator/sleep.py): requests in flight are aborted,
+as vLLM's default pause mode does, and new ones are parked with their arrival time until the
+server wakes, so their first token counts the wait, as vLLM's TTFT does.
 """
 
 from __future__ import annotations
@@ -22,8 +26,10 @@ from fleetctl.emulator.metrics import Recorder
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.sim.engine import DONE, WAITING, Engine, Seq
 
-# What a request's queue carries: (choice index, tokens generated so far).
+# What a request's queue carries: (choice index, tokens generated so far), or ABORTED as
+# the count when the engine dropped the sequence (the server went to sleep).
 Update = tuple[int, int]
+ABORTED = -1
 
 
 @dataclass(eq=False)
@@ -61,6 +67,8 @@ class Driver:
         self.finished: list[Seq] = []  # finished in the engine, not yet published
         self._wake = asyncio.Event()
         self.names = BlockNames(self.engine.block_size) if self.publisher is not None else None
+        self.paused = False
+        self.parked: list[tuple[Job, Sequence[int] | None]] = []  # arrived while paused
 
     def now(self) -> float:
         """Emulated seconds since start."""
@@ -87,13 +95,50 @@ class Driver:
         seq.external = external
         job = Job(seq, index, queue, now, last_token_at=now)
         seq.req = job
+        if self.paused:
+            self.parked.append((job, ids))
+        else:
+            self._admit(job, ids, now)
+        return job
+
+    def _admit(self, job: Job, ids: Sequence[int] | None, now: float) -> None:
+        seq = job.seq
         self.finished += self.engine.add(seq, now)
         if self.names is not None and seq.keys:
             self.names.describe(seq.keys, ids, self.engine.pool.cached)
         self.jobs[seq] = job
         self.queued.append(job)
         self._wake.set()
-        return job
+
+    # --- sleep mode --------------------------------------------------------------------------
+
+    def pause(self, clear_cache: bool) -> int:
+        """Stop serving: abort every request in the engine (their queues get ABORTED), then
+        drop the prefix cache when `clear_cache` (sleep level 1 and 2). Returns how many
+        sequences were aborted; requests that arrive from now on are parked."""
+        now = self.now()
+        self._step_until(now)
+        self.finished += self.engine.sync(now)
+        self._publish()
+        victims = [job for job in self.jobs.values() if not job.finished]
+        for job in victims:
+            self.abort(job)
+            job.queue.put_nowait((job.index, ABORTED))
+        self.paused = True
+        if clear_cache:
+            self.engine.reset_prefix_cache()
+            self._flush_events()
+        return len(victims)
+
+    def resume(self) -> None:
+        """Serve again: parked requests join the engine now, keeping their arrival times."""
+        self.paused = False
+        now = self.now()
+        self._step_until(now)
+        parked, self.parked = self.parked, []
+        for job, ids in parked:
+            if not job.aborted:
+                self._admit(job, ids, now)
 
     def abort(self, job: Job) -> None:
         """The client went away: free the sequence's KV at the next step boundary, as vLLM does.
@@ -101,6 +146,11 @@ class Driver:
         Engine has no abort of its own, so this takes the sequence out of its queues here.
         """
         if job.finished:
+            return
+        if any(job is j for j, _ in self.parked):  # never reached the engine
+            self.parked = [(j, i) for j, i in self.parked if j is not job]
+            job.aborted = True
+            self.recorder.success["abort"] += 1
             return
         now = self.now()
         self._step_until(now)

@@ -15,7 +15,7 @@ fleetctl/daemon/kv_events.py reads):
   parallel rank); each event a map, tag first: `{"type": "BlockStored", "block_hashes",
   "parent_block_hash", "token_ids", "block_size", "lora_id": None, "medium": "GPU",
   "lora_name": None}`, `{"type": "BlockRemoved", "block_hashes", "medium": "GPU"}`,
-  `{"type": "AllBlocksCleared"}` (the emulator never resets its cache, so never sends it).
+  `{"type": "AllBlocksCleared"}` (sent when the server sleeps: its cache is dropped).
   Block hashes are uint64 ints (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES's default).
 - With `replay_endpoint`, a bound ROUTER answering `[id, b"", start_seq]` with every buffered
   batch from start_seq as `[id, b"", topic, seq, payload]` and the end marker
@@ -155,6 +155,11 @@ class BlockNames:
         run: dict[str, Any] | None = None
         last: int | None = None
         for kind, keys in raw:
+            if kind == "cleared":
+                run = None
+                self.pending.clear()
+                out.append({"type": "AllBlocksCleared"})
+                continue
             if kind == "removed":
                 run = None
                 hashes = [wire_hash(k, bs) for k in keys]

@@ -145,7 +145,7 @@ class Histogram:
         total = 0
         for bound, n in zip(self.buckets, self.counts, strict=True):
             total += n
-            yield _num(bound), total
+            yield prom_number(bound), total
         yield "+Inf", self.count
 
 
@@ -192,15 +192,15 @@ class CacheInfo:
         return CACHE_CONFIG_DEFAULTS | {
             "cache_dtype": self.cache_dtype,
             "engine": "0",
-            "gpu_memory_utilization": _num(self.gpu_memory_utilization),
-            "kv_cache_max_concurrency": _num(self.kv_tokens / self.max_model_len),
+            "gpu_memory_utilization": prom_number(self.gpu_memory_utilization),
+            "kv_cache_max_concurrency": prom_number(self.kv_tokens / self.max_model_len),
             "kv_cache_memory_bytes": str(self.kv_cache_memory_bytes),
             "kv_cache_size_tokens": str(self.kv_tokens),
             "num_gpu_blocks": str(self.kv_tokens // BLOCK_SIZE),
         }
 
 
-def _num(value: float) -> str:
+def prom_number(value: float) -> str:
     return repr(float(value))
 
 
@@ -225,7 +225,7 @@ class Writer:
         self.lines.append(f"# TYPE vllm:{name} {kind}")
 
     def _sample(self, name: str, value: float, extra: dict[str, str] | None = None) -> None:
-        self.lines.append(f"vllm:{name}{_labels(self.base | (extra or {}))} {_num(value)}")
+        self.lines.append(f"vllm:{name}{_labels(self.base | (extra or {}))} {prom_number(value)}")
 
     def gauge(self, name: str, values: dict[str, float] | float, label: str = "") -> None:
         self._head(name, "gauge", name)
@@ -259,9 +259,15 @@ class Writer:
 
 
 def render(
-    model_name: str, engine: Engine, rec: Recorder, cache: CacheInfo, time_scale: float = 1.0
+    model_name: str,
+    engine: Engine,
+    rec: Recorder,
+    cache: CacheInfo,
+    time_scale: float = 1.0,
+    sleep_state: dict[str, float] | None = None,
 ) -> str:
-    """The /metrics text of one emulated server."""
+    """The /metrics text of one emulated server; `sleep_state`: vllm:engine_sleep_state's
+    samples (awake when not given)."""
     w = Writer({"engine": "0", "model_name": model_name}, rec.created)
     st = engine.stats
     # A scraper turns this counter into bandwidth on its own (wall) clock. Divided by the time
@@ -272,8 +278,8 @@ def render(
     w.gauge("num_requests_waiting", engine.num_waiting)
     waiting = {"capacity": float(engine.num_waiting), "deferred": 0.0}
     w.gauge("num_requests_waiting_by_reason", waiting, "reason")
-    sleep = {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
-    w.gauge("engine_sleep_state", sleep, "sleep_state")
+    awake = {"awake": 1.0, "weights_offloaded": 0.0, "discard_all": 0.0}
+    w.gauge("engine_sleep_state", sleep_state or awake, "sleep_state")
     w.gauge("kv_cache_usage_perc", engine.kv_usage)
     # The engine's prefix cache: prompt tokens looked up at admission, and those found.
     hits = float(st.prefix_cache_hits)

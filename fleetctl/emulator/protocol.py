@@ -127,10 +127,13 @@ class Reply:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, texts: list[str], usage: dict[str, Any]) -> dict[str, Any]:
-        """The non-streamed body: every choice finished by length."""
+    def full(
+        self, texts: list[str], usage: dict[str, Any], reasons: list[str] | None = None
+    ) -> dict[str, Any]:
+        """The non-streamed body: every choice finished by length, or by `reasons`."""
+        why = reasons or ["length"] * len(texts)
         if self.chat:
-            choices = [_chat_choice(i, t) for i, t in enumerate(texts)]
+            choices = [_chat_choice(i, t, why[i]) for i, t in enumerate(texts)]
             body = self._head("chat.completion") | {"choices": choices}
             return body | {
                 "service_tier": None,
@@ -139,11 +142,13 @@ class Reply:
                 "prompt_logprobs": None,
                 "kv_transfer_params": None,
             }
-        choices = [_completion_choice(i, t) for i, t in enumerate(texts)]
+        choices = [_completion_choice(i, t, why[i]) for i, t in enumerate(texts)]
         body = self._head("text_completion") | {"choices": choices}
         return body | {"usage": usage, "system_fingerprint": None, "kv_transfer_params": None}
 
-    def chunk(self, index: int, text: str, finished: bool, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        self, index: int, text: str, finished: bool, role: bool = False, reason: str = "length"
+    ) -> dict[str, Any]:
         """One streamed chunk; the chat stream's first chunk per choice carries the role."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
@@ -151,7 +156,7 @@ class Reply:
         else:
             choice["text"] = text
         choice["logprobs"] = None
-        choice["finish_reason"] = "length" if finished else None
+        choice["finish_reason"] = reason if finished else None
         if finished or not self.chat:
             choice["stop_reason"] = None
         obj = "chat.completion.chunk" if self.chat else "text_completion"
@@ -173,18 +178,18 @@ def usage(prompt: int, completion: int, details: bool = True) -> dict[str, Any]:
     return out
 
 
-def _completion_choice(index: int, text: str) -> dict[str, Any]:
+def _completion_choice(index: int, text: str, reason: str) -> dict[str, Any]:
     return {
         "index": index,
         "text": text,
         "logprobs": None,
-        "finish_reason": "length",
+        "finish_reason": reason,
         "stop_reason": None,
         "prompt_logprobs": None,
     }
 
 
-def _chat_choice(index: int, text: str) -> dict[str, Any]:
+def _chat_choice(index: int, text: str, reason: str) -> dict[str, Any]:
     message: dict[str, Any] = {
         "role": "assistant",
         "content": text,
@@ -199,6 +204,6 @@ def _chat_choice(index: int, text: str) -> dict[str, Any]:
         "index": index,
         "message": message,
         "logprobs": None,
-        "finish_reason": "length",
+        "finish_reason": reason,
         "stop_reason": None,
     }

@@ -22,7 +22,7 @@ from fleetctl.daemon import listen
 from fleetctl.emulator import prompts as naming
 from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.config import VLLM_VERSION, EmulatorConfig
-from fleetctl.emulator.driver import Driver, Job, Update
+from fleetctl.emulator.driver import ABORTED, Driver, Job, Update
 from fleetctl.emulator.kv_publisher import KvEventPublisher
 from fleetctl.emulator.kv_transfer import (
     NOTIFY_PATH,
@@ -33,6 +33,8 @@ from fleetctl.emulator.kv_transfer import (
     wants_remote_decode,
 )
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
+from fleetctl.emulator.sleep import GpuLedger, Sleeper, attach
+from fleetctl.model.perf import cuda_total
 
 log = logging.getLogger("fleetctl.emulator")
 # uvicorn's access line, which is what vLLM prints; never headers, so never the API key.
@@ -63,6 +65,7 @@ class State:
     completed: int = 0
     hung: bool = False
     held: HeldBlocks = field(default_factory=HeldBlocks)  # KV kept for decode servers
+    sleeper: Sleeper | None = None
 
     @property
     def loading(self) -> bool:
@@ -106,16 +109,37 @@ def make_app(config: EmulatorConfig) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post(NOTIFY_PATH, _notified)
+    state.sleeper = _sleeper(config)
+    if config.dev_mode:
+        attach(app, state.sleeper, state.run)
     app.on_startup.append(_start_engine)
     app.on_cleanup.append(_stop_engine)
     app.on_response_prepare.append(_server_header)
     return app
 
 
+def _sleeper(c: EmulatorConfig) -> Sleeper:
+    """The server's sleep state; with --gpu-ledger, on the memory of the GPU it shares."""
+    total = cuda_total(c.gpu)
+    ledger = None
+    if c.gpu_ledger is not None:
+        ledger = GpuLedger(c.gpu_ledger, f"{c.host}_{c.port}", total)
+    return Sleeper(
+        c.sleep_mode,
+        c.wake_seconds,
+        awake_bytes=int(total * c.gpu_memory_utilization),
+        asleep_bytes=c.budget.non_torch,
+        time_scale=c.time_scale,
+        ledger=ledger,
+    )
+
+
 async def _start_engine(app: web.Application) -> None:
     state = app[STATE]
     c = state.config
     state.started = time.monotonic()
+    if state.sleeper is not None:
+        state.sleeper.start()
     if c.kv_events is not None and c.prefix_caching:
         state.publisher = KvEventPublisher(c.kv_events)
         log.info("publishing KV events on %s", c.kv_events.endpoint)
@@ -131,6 +155,8 @@ def _engine_died(task: asyncio.Task[None]) -> None:
 
 async def _stop_engine(app: web.Application) -> None:
     state = app[STATE]
+    if state.sleeper is not None:
+        state.sleeper.stop()
     task = state.task
     if task is not None:
         task.cancel()
@@ -249,13 +275,17 @@ def _model_card(name: str, c: EmulatorConfig, created: int) -> dict[str, Any]:
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
+    sleeper = state.sleeper
     text = render(
         state.config.name,
         state.run().engine,
         state.recorder,
         state.cache,
         state.config.time_scale,
+        sleeper.state_gauge() if sleeper is not None else None,
     )
+    if sleeper is not None:
+        text += sleeper.metrics()
     if state.config.kv_transfer is not None:
         text += _held_metrics(state.held)
     return web.Response(
@@ -461,12 +491,20 @@ async def _respond(
     kv_transfer_params: dict[str, Any] | None = None,
 ) -> web.StreamResponse:
     remaining = {job.index: job.seq.output for job in jobs}
+    made = {job.index: 0 for job in jobs}
+    cut: set[int] = set()  # aborted by a sleep: finished by "abort" with what they had
     while remaining:
         index, n = await queue.get()
+        if n == ABORTED:
+            cut.add(index)
+            del remaining[index]
+            continue
+        made[index] = n
         if n >= remaining[index]:
             del remaining[index]
-    texts = [proto.tokens_text(0, job.seq.output) for job in jobs]
-    body = plan.reply.full(texts, _usage(plan, sum(job.seq.output for job in jobs)))
+    texts = [proto.tokens_text(0, made[job.index]) for job in jobs]
+    reasons = ["abort" if job.index in cut else "length" for job in jobs]
+    body = plan.reply.full(texts, _usage(plan, sum(made.values())), reasons)
     if kv_transfer_params is not None:  # a prefill server's: where its KV cache waits
         body["kv_transfer_params"] = kv_transfer_params
     response = _json(body)
@@ -491,6 +529,10 @@ async def _stream(
     chunks = 0
     while any(sent[i] < outputs[i] for i in outputs):
         index, n = await queue.get()
+        if n == ABORTED:  # the server went to sleep: vLLM ends the choice with "abort"
+            await response.write(_sse(plan.reply.chunk(index, "", True, reason="abort")))
+            outputs[index] = sent[index]
+            continue
         data = b"".join(_token_chunks(plan, index, sent[index], n, outputs[index]))
         chunks += n - sent[index]
         sent[index] = n

@@ -14,6 +14,13 @@ Without a measurement the start-up is an estimate: the weights read from local d
 DISK_READ_BYTES_S plus STARTUP_FIXED_S for the rest (the Python process and its imports,
 profiling, KV cache, torch.compile and CUDA graphs). Both are round numbers, not measured on
 this fleet: a network filesystem or a first download is slower, a warm compile cache faster.
+
+A server started with `--enable-sleep-mode` can instead sleep and wake (`wake_seconds`): at
+level 1 its weights wait in host memory and come back over the GPU's PCIe link; at level 2
+they were dropped and are read again, from the page cache when the host kept them. The
+published figures these constants reproduce are vLLM's (blog "Zero-reload model switching",
+2025-10-26, one A100: level 1 0.26 s for Qwen3-0.6B and 0.82 s for Phi-3-vision, level 2
+0.85 s and 2.58 s; vllm#48310: Qwen3-8B on one H100, 0.59 s from wake to first token).
 """
 
 from __future__ import annotations
@@ -21,9 +28,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetctl.model.calibration import Calibration, find_startup
+from fleetctl.model.catalog import GpuProfile
+from fleetctl.model.perf import PCIE_GB_S
 
 DISK_READ_BYTES_S = 1.0e9  # weights read at 1 GB/s (a local NVMe SSD; safetensors, page cache cold)
 STARTUP_FIXED_S = 60.0  # process, imports, profiling, KV cache, torch.compile, CUDA graphs
+# A wake's fixed part: remapping the KV cache and CUDA graphs, resuming the scheduler (the
+# 0.6B model's 0.26 s level-1 wake is almost all of it).
+WAKE_FIXED_S = 0.2
+# Host-to-GPU copies from pinned memory reach about 80% of the link's nominal rate.
+PINNED_COPY_EFFICIENCY = 0.8
+# Level 2 re-reads the weights; a host that slept them recently serves them from its page
+# cache (Phi-3-vision's 8.4 GB in 2.58 s less the fixed part: about 3.5 GB/s).
+RELOAD_BYTES_S = 3.5e9
+SLEEP_LEVELS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -79,6 +97,20 @@ def warmup_seconds(
 ) -> float:
     """`warmup_for(...).seconds`: what the planner weighs a server start by."""
     return warmup_for(calibration, gpu, model, fmt, tp, weights_bytes, vllm_version).seconds
+
+
+def wake_seconds(gpu: GpuProfile, weights_bytes: int, tp: int, level: int) -> float:
+    """Seconds a sleeping server of this class takes to serve again: its GPUs' share of the
+    weights back over PCIe (level 1, from host memory) or re-read (level 2), plus
+    WAKE_FIXED_S. Each GPU of a tensor-parallel group copies its own share at once."""
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level {level} is not one of {SLEEP_LEVELS}")
+    share = max(0, weights_bytes) / max(1, tp)
+    if level == 1:
+        rate = PCIE_GB_S.get(gpu.pcie_gen, 25.0) * 1e9 * PINNED_COPY_EFFICIENCY
+    else:
+        rate = RELOAD_BYTES_S
+    return share / rate + WAKE_FIXED_S
 
 
 # --- what the planner weighs: a replica that stays spares its replacement's disruption -------

@@ -231,6 +231,14 @@ class Engine:
         self.span = None  # the planned step did not know about this request
         return done
 
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block, as vLLM's sleep does at level 1 and 2; nothing may run.
+        KV events get one ("cleared", []) for vLLM's AllBlocksCleared."""
+        assert not self.running and not self.prefilling and not self.waiting, "still busy"
+        self.pool = KvPool(self.total_blocks, self.pool.events)
+        if self.pool.events is not None:
+            self.pool.events.append(("cleared", []))
+
     def abort(self, s: Seq) -> None:
         """Drop a request (its client went away), freeing its KV blocks, as vLLM's abort does."""
         if s.state == WAITING:
