@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -57,7 +58,9 @@ def vllm_env() -> Path:
 
 @pytest.fixture(scope="module")
 def server(vllm_env: Path) -> Iterator[VllmProcess]:
-    proc = start_vllm(vllm_env, _free_port())
+    # Dev mode serves the sleep-mode endpoints the sleep protocol test reads (vLLM's CPU
+    # platform refuses --enable-sleep-mode, and its worker ignores a sleep's memory part).
+    proc = start_vllm(vllm_env, _free_port(), extra_env={"VLLM_SERVER_DEV_MODE": "1"})
     try:
         try:
             proc.startup_s = wait_healthy(proc.url, STARTUP_TIMEOUT_S, proc)
@@ -319,3 +322,60 @@ def test_prefill_counts_computed_tokens_not_cached_ones(server: VllmProcess) -> 
         time.sleep(0.2)
     assert count1 == count0 + 2, log_tail(server, 20)
     assert total1 - total0 == 300 + (300 - 300 // block * block), (block, total1 - total0)
+
+
+def _sleep_protocol(base: str, model: str) -> list[object]:
+    """One pass through vLLM's sleep protocol on the server at `base`: what each step
+    answered, and whether a request sent while asleep waited for the wake."""
+
+    def call(method: str, path: str) -> tuple[int, object]:
+        req = urllib.request.Request(
+            base + path, method=method, data=b"" if method == "POST" else None
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+
+    def awake_gauge() -> float:
+        with urllib.request.urlopen(base + "/metrics", timeout=60) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            if fam.name == "vllm:engine_sleep_state":
+                return next(x.value for x in fam.samples if x.labels["sleep_state"] == "awake")
+        raise AssertionError("no vllm:engine_sleep_state")
+
+    seen: list[object] = [call("GET", "/is_sleeping"), call("POST", "/sleep?level=1")]
+    seen += [call("GET", "/is_sleeping"), awake_gauge()]
+    answers: list[dict] = []
+    body = {"model": model, "prompt": "hello there", "max_tokens": 2}
+    waiter = threading.Thread(target=lambda: answers.append(_post(base + "/v1/completions", body)))
+    waiter.start()
+    waiter.join(timeout=3.0)
+    seen.append(("answered while asleep", bool(answers)))
+    seen.append(call("POST", "/wake_up"))
+    waiter.join(timeout=120)
+    seen.append(("answered after the wake", len(answers) == 1))
+    seen += [call("GET", "/is_sleeping"), awake_gauge()]
+    return seen
+
+
+def test_the_emulator_speaks_the_sleep_protocol_as_vllm_does(
+    server: VllmProcess, tmp_path: Path
+) -> None:
+    """The same pass through the sleep endpoints (VLLM_SERVER_DEV_MODE=1) against real vLLM
+    and against `fleetctl emulate`: the same answers, a request sent asleep parked until the
+    wake, and vllm:engine_sleep_state following. On the CPU build the sleep frees no memory
+    (its worker ignores it) and a wake costs nothing: only the protocol is compared here."""
+    from tests.procs import NAME, Emulator
+
+    real = _sleep_protocol(server.url, MODEL)
+    emu = Emulator(tmp_path, "--enable-sleep-mode", env={"VLLM_SERVER_DEV_MODE": "1"})
+    try:
+        emu.wait_healthy()
+        emulated = _sleep_protocol(emu.base, NAME)
+    finally:
+        emu.stop()
+    assert real == emulated
+    assert real[0] == (200, {"is_sleeping": False})
+    assert real[1] == (200, {"status": "sleeping", "level": 1})
+    assert real[4] == ("answered while asleep", False)
+    assert real[6] == ("answered after the wake", True)
