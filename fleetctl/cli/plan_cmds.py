@@ -266,7 +266,12 @@ def simulate(
         "SLO attainment counts them.",
     ),
     model: str | None = typer.Option(
-        None, "--model", metavar="NAME", help="Which model the workload targets."
+        None,
+        "--model",
+        metavar="NAME",
+        help="Which model the workload targets. Left out with a multi-model inventory and a "
+        "trace whose rows name their model, every model runs on one fleet, with the fleet's "
+        "GPU-hours and the minutes in which every model met its objectives.",
     ),
     limit: int | None = typer.Option(
         None, "--limit", metavar="N", help="Use only the first N trace requests."

@@ -22,6 +22,7 @@ from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.capacity import search_capacity
 from fleetctl.sim.compare import Comparison, compare
 from fleetctl.sim.fleet import Server, rejected_reasons
+from fleetctl.sim.multi import FleetRun, run_models, trace_by_model
 from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
 
 
@@ -72,6 +73,22 @@ def run_simulate(
         if value is not None and not (0 < value < math.inf):
             raise UserError(f"{flag} must be a positive number, got {value:g}", None, "see --help")
     objectives = parse_slo(slo) if slo is not None else None
+    if model is None and len(inv.models) > 1 and trace is not None:
+        for flag, given in (
+            ("--load", load is not None),
+            ("--rate", rate is not None),
+            ("--capacity", capacity),
+            ("--slo", slo is not None),
+            ("--plot", plot is not None),
+            ("--limit", limit is not None),
+        ):
+            if given:
+                raise UserError(
+                    f"{flag} applies to one model's traffic",
+                    None,
+                    "give --model with it, or drop it to simulate every model of the trace",
+                )
+        return _run_all_models(inv, trace, names, seed, no_aging, show_progress, calibrated, window)
     target = _target_model(inv, model)
     stated = inv.model(target).spec.slo
     if objectives is not None and stated is not None:  # --slo replaces the objectives alone
@@ -129,6 +146,65 @@ def run_simulate(
         data["plot"] = str(plot)
         parts.append(Text(f"Wrote the latency plot to {plot}"))
     return data, Group(*parts)
+
+
+def _run_all_models(
+    inv: Inventory,
+    trace: Path,
+    names: list[str],
+    seed: int,
+    no_aging: bool,
+    show_progress: bool,
+    calibrated: bool,
+    window: str | None,
+) -> tuple[dict[str, Any], RenderableType]:
+    """Every model of a multi-model trace on the inventory's plan (sim/multi.py)."""
+    from fleetctl.fleet.statedir import StateDir
+    from fleetctl.planner import plan_fleet
+
+    cut = parse_window(window) if window is not None else None
+    traffic = trace_by_model(trace, [m.name for m in inv.models], cut)
+    if not traffic:
+        raise UserError("the trace has no requests", Location(str(trace)), "check the file")
+    sdir = StateDir.of(inv)
+    calibration = sdir.load_calibration() if calibrated else None
+    plan = plan_fleet(inv, sdir.load_state(), calibration)
+    spec = inv.spec.router.aging
+    aging = Aging(spec.factor, spec.window_s, spec.enabled and not no_aging)
+    with progress("simulating", len(names) * len(traffic), enabled=show_progress) as bar:
+        run = run_models(
+            inv,
+            plan,
+            traffic,
+            names,
+            seed=seed,
+            aging=aging,
+            calibration=calibration,
+            progress=bar.update,
+        )
+    data = run.to_json(names)
+    parts: list[RenderableType] = [render(c) for c in run.comparisons.values()]
+    parts.append(_fleet_table(run, names))
+    return data, Group(*parts)
+
+
+def _fleet_table(run: FleetRun, names: list[str]) -> RenderableType:
+    rows: list[list[Cell]] = []
+    for name in names:
+        f = run.fleet(name)
+        rows.append([name, f"{f['gpu_hours']:,.1f}", f"{f['slo_minutes']:.1%}"])
+    return Records(
+        f"The fleet: {plural(len(run.comparisons), 'model')} on {plural(run.gpus, 'GPU')} over "
+        f"{run.span_s / 3600:.2f} h",
+        [
+            Col("policy", head=True),
+            Col("GPU-hours", numeric=True),
+            Col("minutes within SLO", numeric=True),
+        ],
+        rows,
+        caption="minutes within SLO: one-minute windows in which every model's requests met "
+        "both objectives for its SLO's share",
+    )
 
 
 def class_figures(servers: Sequence[Server]) -> dict[str, Any]:

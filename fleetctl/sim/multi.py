@@ -1,0 +1,179 @@
+"""Every model of an inventory on one fleet over a multi-model trace: each model's requests on
+the servers the plan gives it, and the fleet's figures over the run (GPU-hours with a server
+awake, and the share of one-minute windows in which every model meets its objectives)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from fleetctl.base.errors import Location, UserError
+from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.plan import Plan
+from fleetctl.model.calibration import Calibration
+from fleetctl.routing.scheduler import Aging
+from fleetctl.sim.compare import Comparison, compare
+from fleetctl.sim.fleet import SimResult, servers_from_plan
+from fleetctl.sim.workload import WorkItem, _row, trace_files
+
+MINUTE_S = 60.0
+
+
+def trace_by_model(
+    path: Path, models: Sequence[str], window: tuple[float, float] | None = None
+) -> dict[str, list[WorkItem]]:
+    """Each model's requests of a JSONL trace whose rows name their model (route-serve's
+    request log, or a scenario), on one clock: arrivals count from the trace's first request,
+    whichever model it was for. A row that names no model, or a model the inventory does not
+    serve, is an error: the fleet's figures would leave its requests out."""
+    known = set(models)
+    rows: list[WorkItem] = []
+    for f in trace_files(path):
+        with f.open(encoding="utf-8") as handle:
+            for line_no, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = Location(str(f), line_no)
+                try:
+                    row = json.loads(line)
+                    named = row.get("model") if isinstance(row, dict) else None
+                    if not isinstance(named, str):
+                        raise UserError(
+                            "this trace row names no model",
+                            where,
+                            "simulate one model's traffic with --model, or give every row a "
+                            '"model"',
+                        )
+                    if named not in known:
+                        raise UserError(
+                            f"the trace has requests for '{named}', which the inventory does "
+                            "not serve",
+                            where,
+                            f"add it to the inventory, or cut its rows (it serves "
+                            f"{', '.join(sorted(known))})",
+                        )
+                    item = _row(row, named)
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    raise UserError(
+                        f"bad trace row {line.strip()[:80]!r}",
+                        where,
+                        "expected JSON with model, timestamp (ms), input_length and output_length",
+                    ) from None
+                if item is not None:
+                    rows.append(item)
+    rows.sort(key=lambda w: w.arrival)
+    if not rows:
+        return {}
+    start = rows[0].arrival + (window[0] if window else 0.0)
+    end = rows[0].arrival + window[1] if window else math.inf
+    out: dict[str, list[WorkItem]] = {}
+    for w in rows:
+        if start <= w.arrival < end:
+            mine = out.setdefault(w.model, [])
+            mine.append(replace(w, id=len(mine), arrival=w.arrival - start))
+    return out
+
+
+def slo_minutes(results: Sequence[SimResult], span_s: float) -> tuple[float, int]:
+    """(share of the run's one-minute windows in which every model's requests arriving then
+    met its objectives for at least its SLO's share, how many windows). A window in which a
+    model had no requests holds for that model; a model without an SLO holds when served."""
+    minutes = max(1, math.ceil(span_s / MINUTE_S))
+    arrived: list[Counter[int]] = []
+    met: list[Counter[int]] = []
+    for r in results:
+        a, m = Counter[int](), Counter[int]()
+        for o in r.outcomes:
+            k = min(minutes - 1, int(o.item.arrival // MINUTE_S))
+            a[k] += 1
+            if o.met(r.slo):
+                m[k] += 1
+        arrived.append(a)
+        met.append(m)
+    good = 0
+    for k in range(minutes):
+        if all(
+            a[k] == 0 or m[k] >= (r.slo.share if r.slo is not None else 1.0) * a[k] - 1e-9
+            for r, a, m in zip(results, arrived, met, strict=True)
+        ):
+            good += 1
+    return good / minutes, minutes
+
+
+@dataclass
+class FleetRun:
+    """A multi-model run: each model's comparison, and the fleet they share."""
+
+    comparisons: dict[str, Comparison]
+    gpus: int  # GPUs with a server on them (a static plan keeps every one awake)
+    span_s: float  # from the first arrival to the last, whichever model
+
+    def fleet(self, policy: str) -> dict[str, Any]:
+        """The fleet's figures under one routing policy (every model routed by it)."""
+        results = [c.results[policy] for c in self.comparisons.values()]
+        share, minutes = slo_minutes(results, self.span_s)
+        return {
+            "gpu_hours": round(self.gpus * self.span_s / 3600, 3),
+            "slo_minutes": round(share, 4),
+            "minutes": minutes,
+            "actions": {},  # a static plan changes nothing while it runs
+        }
+
+    def to_json(self, policies: Sequence[str]) -> dict[str, Any]:
+        return {
+            "models": {m: c.to_json() for m, c in self.comparisons.items()},
+            "fleet": {p: self.fleet(p) for p in policies},
+            "gpus": self.gpus,
+            "span_s": round(self.span_s, 3),
+        }
+
+
+def run_models(
+    inv: Inventory,
+    plan: Plan,
+    traffic: dict[str, list[WorkItem]],
+    policies: Sequence[str],
+    *,
+    seed: int = 0,
+    aging: Aging | None = None,
+    calibration: Calibration | None = None,
+    progress: Callable[[float, str], None] | None = None,
+) -> FleetRun:
+    """Simulate each model's traffic on its servers of `plan`, every policy, one clock."""
+    placed = {d.model for d in plan.deployments}
+    missing = sorted(m for m in traffic if m not in placed)
+    if missing:
+        raise UserError(
+            f"the plan places no server for {', '.join(missing)}, which the trace sends "
+            "requests to",
+            Location(str(inv.path)),
+            "run `fleetctl plan` to see why",
+        )
+    servers = servers_from_plan(plan.deployments, inv, calibration)
+    gpus = sum(s.perf.tp for s in servers)
+    span = max((w.arrival for items in traffic.values() for w in items), default=0.0)
+    comparisons: dict[str, Comparison] = {}
+    for k, (model, items) in enumerate(sorted(traffic.items())):
+        hook = None
+        if progress is not None:
+
+            def hook(done: float, what: str, k: int = k, model: str = model) -> None:
+                progress(k * len(policies) + done, f"{model}: {what}")
+
+        comparisons[model] = compare(
+            inv,
+            plan,
+            model,
+            items,
+            policies,
+            seed=seed,
+            aging=aging,
+            calibration=calibration,
+            progress=hook,
+        )
+    return FleetRun(comparisons, gpus, span)
