@@ -1,0 +1,1 @@
+"""The autopilot: the fleet follows its traffic (forecasts, re-plans, sleeps and wakes)."""

@@ -1,0 +1,54 @@
+"""The autopilot's forecaster (autopilot/forecast.py): it smooths noise that "same as the last
+interval" chases, follows a ramp that it lags, and keeps the last interval on short history."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fleetctl.autopilot.forecast import MIN_HISTORY, counts, forecast
+
+
+def _one_step_mae(series: list[float]) -> tuple[float, float]:
+    """(the forecaster's, the naive forecast's) mean absolute one-step error."""
+    ours = naive = 0.0
+    for i in range(3, len(series)):
+        ours += abs(forecast(series[:i]).mean - series[i])
+        naive += abs(series[i - 1] - series[i])
+    n = len(series) - 3
+    return ours / n, naive / n
+
+
+def test_noise_around_a_level_is_smoothed():
+    rng = random.Random(7)
+    series = [float(rng.gauss(100, 15)) for _ in range(60)]
+    ours, naive = _one_step_mae(series)
+    assert ours < 0.85 * naive  # white noise: the mean would reach about 0.71
+
+
+def test_a_ramp_is_followed_not_lagged():
+    series = [100.0 + 10 * i for i in range(30)]
+    f = forecast(series)
+    assert f.mean == pytest.approx(400, abs=3)  # the naive forecast says 390
+    ours, naive = _one_step_mae(series)
+    assert ours < 0.5 * naive
+
+
+def test_short_history_keeps_the_last_interval_with_a_band():
+    f = forecast([10.0, 30.0, 20.0])
+    assert f.mean == 20 and f.high == 40 and f.method == "last interval"
+    assert len([1.0] * (MIN_HISTORY - 1)) < MIN_HISTORY
+    with pytest.raises(ValueError):
+        forecast([])
+
+
+def test_the_band_is_above_the_forecast():
+    rng = random.Random(3)
+    series = [float(rng.randint(50, 150)) for _ in range(40)]
+    f = forecast(series)
+    assert f.high > f.mean >= 0
+
+
+def test_counts_bins_whole_intervals():
+    assert counts([0.0, 0.5, 59.9, 60.0, 130.0, 179.0, 200.0], 60, 180) == [3, 1, 2]
