@@ -193,3 +193,22 @@ def test_a_sleep_drops_the_prefix_cache(sleepy):
     assert _post(emu, "/wake_up")[0] == 200
     assert _complete(emu)[0] == 200
     assert _value(_families(emu), "vllm:prefix_cache_hits") == hits
+
+
+def test_a_server_does_not_start_where_another_holds_the_memory(sleepy, tmp_path):
+    """vLLM's start-up check: a server whose share does not fit beside the others on its GPU
+    fails to start (exit status, vLLM's message), and one that fits starts."""
+    ledger = str(tmp_path / "gpu0")
+    sleepy("--gpu-ledger", ledger, "--gpu-memory-utilization", "0.55", gpu="A100-SXM4-80GB")
+    late = Emulator(
+        tmp_path, "--gpu-ledger", ledger, "--gpu-memory-utilization", "0.55",
+        gpu="A100-SXM4-80GB", env=DEV,
+    )  # fmt: skip
+    try:
+        code = late.proc.wait(timeout=120)
+        assert code != 0
+        assert "less than desired GPU memory utilization" in late.log.read_text()
+    finally:
+        late.stop()
+    small = sleepy("--gpu-ledger", ledger, "--gpu-memory-utilization", "0.3", gpu="A100-SXM4-80GB")
+    assert _complete(small)[0] == 200

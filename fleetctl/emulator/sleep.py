@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import time
@@ -34,6 +35,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from fleetctl.base.errors import UserError
 from fleetctl.emulator import protocol as proto
 from fleetctl.emulator.driver import Driver
 from fleetctl.emulator.metrics import Histogram, prom_number
@@ -57,6 +59,19 @@ class GpuLedger:
         tmp = self.folder / f".{self.me}.tmp"
         tmp.write_text(json.dumps({"bytes": nbytes, "pid": os.getpid()}))
         tmp.replace(self.folder / f"{self.me}.json")
+
+    def claim(self, nbytes: int) -> int | None:
+        """Hold `nbytes` if they fit beside the others (None), else the bytes free. The check
+        and the hold are one step under the folder's lock: two servers waking or starting at
+        once cannot both take the last room."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with (self.folder / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            free = self.total - self.others()
+            if nbytes > free:
+                return max(0, free)
+            self.hold(nbytes)
+            return None
 
     def others(self) -> int:
         """Bytes the other live servers on this GPU hold."""
@@ -96,8 +111,19 @@ class Sleeper:
         return self.level is not None
 
     def start(self) -> None:
-        if self.ledger is not None:
-            self.ledger.hold(self.awake_bytes)
+        """Take the server's memory on its GPU, or fail as vLLM's start-up does when other
+        processes hold too much of it."""
+        if self.ledger is None:
+            return
+        free = self.ledger.claim(self.awake_bytes)
+        if free is not None:
+            raise UserError(
+                f"Free memory on device ({free / 2**30:.2f}/{self.ledger.total / 2**30:.2f} GiB) "
+                f"on startup is less than desired GPU memory utilization "
+                f"({self.awake_bytes / 2**30:.2f} GiB)",
+                None,
+                "decrease GPU memory utilization or reduce GPU memory used by other processes",
+            )
 
     def stop(self) -> None:
         if self.ledger is not None:
@@ -126,15 +152,14 @@ class Sleeper:
         started = time.monotonic()
         level = self.level
         if level >= 1 and self.ledger is not None:
-            free = self.ledger.total - self.ledger.others()
-            if self.awake_bytes > free:
+            free = self.ledger.claim(self.awake_bytes)
+            if free is not None:
                 raise proto.ApiError(
                     500,
                     f"CUDA out of memory. Tried to allocate {self.awake_bytes / 2**30:.2f} GiB"
-                    f" to wake up; {max(0, free) / 2**30:.2f} GiB of this GPU are free",
+                    f" to wake up; {free / 2**30:.2f} GiB of this GPU are free",
                     "InternalServerError",
                 )
-            self.ledger.hold(self.awake_bytes)
         self.waking = True
         try:
             if level >= 1:
