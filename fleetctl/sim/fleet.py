@@ -25,6 +25,7 @@ from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Aging, Scheduler, first_token, release
 from fleetctl.routing.types import Backend, OutputEstimator, Request
+from fleetctl.sim.controls import DOWN, AwakeSpans, Control, Controller, Observation, check
 from fleetctl.sim.engine import Engine, Seq
 from fleetctl.sim.kvpool import engine_keys
 from fleetctl.sim.workload import WorkItem
@@ -140,6 +141,8 @@ class SimResult:
     # Disaggregated serving: prompt tokens whose KV cache a decode server received from a
     # prefill server instead of computing it.
     transferred_tokens: int = 0
+    # When each server held its GPUs, and the fleet's changes (sim/controls.py).
+    awake: AwakeSpans | None = None
 
     def summary(self) -> dict[str, float | int]:
         """Latency percentiles over the requests served; `slo_attainment` is the share of
@@ -238,9 +241,18 @@ def simulate(
     admission: bool | None = None,
     progress: Callable[[float], None] | None = None,
     slo: Slo | None = None,
+    controls: Sequence[Control] = (),
+    down: Iterable[str] = (),
+    controller: Controller | None = None,
+    tick_s: float = 60.0,
 ) -> SimResult:
     """Run `items` through the scheduler and `policy_name` over engines built from `servers`;
     `slo`: the objectives the result's attainment counts (the policy's are in `config`).
+
+    The fleet may change while it runs (sim/controls.py): `controls` at their times, the
+    servers named in `down` asleep from the start, and `controller`, called every `tick_s`
+    seconds with what it can observe, returning more controls. The result's `awake` holds
+    each server's awake spans (GPU-hours) and the actions taken.
 
     `progress`, if given, hears the share of the arrivals' span simulated so far, now and then.
     """
@@ -260,6 +272,7 @@ def simulate(
     policy = make_policy(policy_name, seed, config, prefix=_EngineCaches(engines))
     sched = Scheduler(policy, aging or Aging(), admission=admission)
     run = _Run(servers, items, engines, sched, OutputEstimator(output_estimate), drain_s)
+    run.control(controls, set(down), controller, tick_s)
     run.run(progress)
     return SimResult(
         policy_name,
@@ -272,6 +285,7 @@ def simulate(
         sum(e.stats.prefix_cache_hits for e in engines),
         slo,
         sum(e.stats.external_tokens for e in engines),
+        run.awake,
     )
 
 
@@ -324,6 +338,80 @@ class _Run:
         self.awaiting: list[tuple[int, int]] = []
         self.transfers: list[tuple[float, int, int]] = []
         self.nic_free: dict[str, float] = {}
+        # The fleet's changes: controls due (time, order, control), the controller and its
+        # next tick, each server's state, and when each held its GPUs.
+        self.controls: list[tuple[float, int, Control]] = []
+        self.controller: Controller | None = None
+        self.tick_s = math.inf
+        self.next_tick = math.inf
+        self.states = {s.name: "awake" for s in servers}
+        self.awake = AwakeSpans.of({s.name: s.perf.tp for s in servers}, self.states)
+        self.draining: set[int] = set()  # engines of servers put down, still finishing work
+        self.arrived = 0
+
+    def control(
+        self,
+        controls: Sequence[Control],
+        down: set[str],
+        controller: Controller | None,
+        tick_s: float,
+    ) -> None:
+        """Set up the fleet's changes (see `simulate`)."""
+        check(controls, self.index)
+        for name in down:
+            i = self.index[name]
+            self.backends[i].healthy = False
+            self.states[name] = "asleep"
+            self.awake.since.pop(name, None)
+        for c in controls:
+            self.push(c)
+        self.controller = controller
+        if controller is not None:
+            self.tick_s = tick_s
+            self.next_tick = 0.0
+
+    def push(self, c: Control) -> None:
+        heapq.heappush(self.controls, (c.at, len(self.awake.actions) + len(self.controls), c))
+
+    def apply(self, c: Control, now: float) -> None:
+        """One control: a server leaves routing, begins to wake or start, or is ready."""
+        i = self.index[c.server]
+        b = self.backends[i]
+        if c.action in DOWN:
+            b.healthy = False
+            self.states[c.server] = "asleep" if c.action == "sleep" else "stopped"
+            # It drains: what it runs finishes, and its GPUs count until then.
+            if self.engines[i].idle:
+                self.awake.down(c.server, now)
+            else:
+                self.draining.add(i)
+            self.awake.count(c.action)
+            return
+        if self.states[c.server] in ("awake", "waking"):
+            return  # already up, or on its way
+        self.draining.discard(i)  # woken before its drain ended: its span goes on
+        self.states[c.server] = "waking"
+        self.awake.up(c.server, now)
+        self.awake.count(c.action)
+        ready = Control(now + c.ready_s, c.server, "ready")
+        heapq.heappush(self.controls, (ready.at, -1, ready))
+
+    def ready(self, c: Control) -> None:
+        if self.states[c.server] != "waking":
+            return  # put down again while it woke
+        i = self.index[c.server]
+        self.states[c.server] = "awake"
+        self.backends[i].healthy = True
+        e = self.engines[i]
+        e.clock = max(e.clock, c.at)
+
+    def tick(self, now: float) -> None:
+        assert self.controller is not None
+        seen = Observation(now, self.items[: self.arrived], dict(self.states))
+        for c in self.controller(seen):
+            check([c], self.index)
+            self.push(Control(max(now, c.at), c.server, c.action, c.ready_s))
+        self.next_tick = now + self.tick_s
 
     def run(self, progress: Callable[[float], None] | None) -> None:
         items, heap, version = self.items, self.heap, self.version
@@ -336,12 +424,28 @@ class _Run:
                 heapq.heappop(heap)  # stale: the engine was rescheduled since
             t_eng = heap[0][0] if heap else math.inf
             t_kv = transfers[0][0] if transfers else math.inf
-            now = min(t_arr, t_eng, t_kv)
+            t_ctl = self.controls[0][0] if self.controls else math.inf
+            t_tick = self.next_tick if n < len(items) else math.inf
+            now = min(t_arr, t_eng, t_kv, t_ctl, t_tick)
             if now == math.inf or now > self.horizon:
                 break
             events += 1
             if progress is not None and events % PROGRESS_EVERY == 0:
                 progress(min(1.0, now / self.last) if self.last > 0 else 1.0)
+            # The fleet's changes come first at an instant: a server ready now serves the
+            # arrivals of this instant.
+            if t_tick <= now:
+                self.arrived = n
+                self.tick(now)
+                continue
+            if t_ctl <= now:
+                _, _, c = heapq.heappop(self.controls)
+                if c.action == "ready":
+                    self.ready(c)
+                else:
+                    self.apply(c, now)
+                self.dispatch(now)
+                continue
             if t_kv <= t_eng and t_kv <= t_arr:
                 self.landed(*heapq.heappop(transfers))
                 continue
@@ -350,6 +454,9 @@ class _Run:
                 finished = self.engines[i].advance(now)
                 self.settle(i, finished, now)
                 self.reschedule(i)
+                if i in self.draining and self.engines[i].idle:
+                    self.draining.discard(i)
+                    self.awake.down(self.backends[i].name, now)
                 if finished and (len(self.sched) or self.awaiting):
                     self.dispatch(now)
                 continue

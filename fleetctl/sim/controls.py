@@ -1,0 +1,101 @@
+"""Changes to a simulated fleet while it runs: servers put to sleep, woken, started and stopped
+at given times (the autopilot's moves, or a scaler's), and the GPU-hours their awake spans add
+up to.
+
+A server that wakes or starts is out of routing until it is ready (its wake's or start's
+seconds later), as route-serve keeps a warming server out; its GPUs count from the moment
+the change began, since the weights hold them while they load. A server that sleeps or stops
+leaves routing at once; what it runs finishes on its engine (a drain), and its GPUs count
+until then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+# "ready" is the simulator's own: a start or a wake is done and the server serves.
+Action = Literal["start", "wake", "sleep", "stop", "ready"]
+UP: tuple[Action, ...] = ("start", "wake")
+DOWN: tuple[Action, ...] = ("sleep", "stop")
+
+
+@dataclass(frozen=True)
+class Control:
+    """At `at` (s), do `action` to the server named `server`; a start or a wake serves
+    `ready_s` later."""
+
+    at: float
+    server: str
+    action: Action
+    ready_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a controller sees at a tick: the time, the requests that arrived so far (every
+    model's, in arrival order), and each server's state (awake, waking, asleep, stopped)."""
+
+    now: float
+    arrived: Sequence[object]  # WorkItem; typed loosely to keep this module below sim/workload
+    states: dict[str, str]
+
+
+Controller = Callable[[Observation], Sequence[Control]]
+
+
+@dataclass
+class AwakeSpans:
+    """When each server held its GPUs: from a start or wake to the end of its drain."""
+
+    gpus: dict[str, int]  # GPUs per server
+    since: dict[str, float] = field(default_factory=dict)
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    actions: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, gpus: dict[str, int], awake: Iterable[str], at: float = 0.0) -> AwakeSpans:
+        spans = cls(gpus)
+        for name in awake:
+            spans.since[name] = at
+        return spans
+
+    def up(self, name: str, at: float) -> None:
+        self.since.setdefault(name, at)
+
+    def down(self, name: str, at: float) -> None:
+        start = self.since.pop(name, None)
+        if start is not None:
+            self.spans.append((name, start, max(start, at)))
+
+    def count(self, action: str) -> None:
+        self.actions[action] = self.actions.get(action, 0) + 1
+
+    def gpu_hours(self, end: float) -> float:
+        """GPU-hours over the closed spans and the ones still open at `end`."""
+        total = sum((b - a) * self.gpus[n] for n, a, b in self.spans)
+        total += sum((max(a, end) - a) * self.gpus[n] for n, a in self.since.items())
+        return total / 3600
+
+    def timeline(self, end: float, step: float = 60.0) -> list[dict[str, int]]:
+        """GPUs awake per server name, sampled every `step` seconds from 0 to `end`."""
+        spans = [*self.spans, *((n, a, max(a, end)) for n, a in self.since.items())]
+        out = []
+        t = 0.0
+        while t < end:
+            out.append({n: self.gpus[n] for n, a, b in spans if a <= t < b})
+            t += step
+        return out
+
+
+def check(controls: Sequence[Control], servers: Iterable[str]) -> None:
+    """Controls must name known servers and known actions, at times not before 0."""
+    known = set(servers)
+    for c in controls:
+        if c.server not in known:
+            raise ValueError(f"control for an unknown server {c.server!r}")
+        if c.action not in (*UP, *DOWN):
+            raise ValueError(f"unknown action {c.action!r}")
+        if c.at < 0 or c.ready_s < 0:
+            raise ValueError(f"control at {c.at} with ready_s {c.ready_s}: negative time")

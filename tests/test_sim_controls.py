@@ -1,0 +1,85 @@
+"""A simulated fleet that changes while it runs (sim/controls.py): servers slept, woken and
+started at given times or by a controller at its ticks, kept out of routing until ready, their
+drains finished, and their GPU-hours counted from their awake spans."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetctl.sim.controls import Control, Observation
+from fleetctl.sim.fleet import simulate
+from fleetctl.sim.workload import Synthetic
+from tests.test_policy import server
+
+
+def _fleet(catalog):
+    return [server(catalog, f"rtx-{i}", "RTX-4090") for i in range(2)]
+
+
+def _items(rate=2.0, duration=120.0):
+    return Synthetic(model="llama-3-8b", rate=rate, duration=duration).generate(1)
+
+
+def _by_server(result):
+    out: dict[str, list] = {}
+    for o in result.outcomes:
+        out.setdefault(o.backend, []).append(o)
+    return out
+
+
+def test_a_server_put_to_sleep_takes_nothing_new_and_its_drain_ends_its_span(catalog):
+    items = _items()
+    r = simulate(_fleet(catalog), items, "round-robin", controls=[Control(30.0, "rtx-1", "sleep")])
+    mine = _by_server(r)["rtx-1"]
+    assert mine and all(o.dispatched <= 30.0 for o in mine)
+    assert all(o.done for o in r.outcomes)  # what it ran at 30 s finished there
+    drained = max(o.finished for o in mine)
+    assert drained >= 30.0
+    assert r.awake.actions == {"sleep": 1}
+    end = max(o.finished for o in r.outcomes)
+    # rtx-0 awake to the end, rtx-1 to its drain; one GPU each.
+    assert r.awake.gpu_hours(end) == pytest.approx((end + drained) / 3600)
+
+
+def test_a_woken_server_serves_only_once_ready(catalog):
+    items = _items()
+    r = simulate(
+        _fleet(catalog),
+        items,
+        "round-robin",
+        down=["rtx-1"],
+        controls=[Control(40.0, "rtx-1", "wake", ready_s=5.0)],
+    )
+    mine = _by_server(r)["rtx-1"]
+    assert mine and min(o.dispatched for o in mine) >= 45.0
+    assert r.awake.actions == {"wake": 1}
+    end = max(o.finished for o in r.outcomes)
+    assert r.awake.gpu_hours(end) == pytest.approx((end + (end - 40.0)) / 3600)
+
+
+def test_a_controller_sees_the_arrivals_and_moves_the_fleet_at_its_ticks(catalog):
+    items = _items(duration=300.0)
+    seen: list[Observation] = []
+
+    def controller(o: Observation):
+        seen.append(o)
+        if o.now == 60.0:
+            return [Control(o.now, "rtx-1", "sleep")]
+        if o.now == 180.0:
+            return [Control(o.now, "rtx-1", "wake", ready_s=2.0)]
+        return []
+
+    r = simulate(_fleet(catalog), items, "round-robin", controller=controller, tick_s=60.0)
+    assert [o.now for o in seen][:5] == [0.0, 60.0, 120.0, 180.0, 240.0]
+    at_120 = seen[2]
+    assert len(at_120.arrived) == sum(1 for w in items if w.arrival < 120.0)
+    assert at_120.states["rtx-1"] == "asleep" and seen[4].states["rtx-1"] == "awake"
+    mine = _by_server(r)["rtx-1"]
+    assert not any(60.0 < o.dispatched < 182.0 for o in mine)
+    assert any(o.dispatched >= 182.0 for o in mine)
+    assert r.awake.actions == {"sleep": 1, "wake": 1}
+
+
+def test_controls_must_name_known_servers(catalog):
+    with pytest.raises(ValueError, match="unknown server"):
+        simulate(_fleet(catalog), _items(), "round-robin", controls=[Control(1, "nope", "stop")])
