@@ -29,7 +29,7 @@ from fleetctl.cli.options import (
 if TYPE_CHECKING:
     from fleetctl.fleet.inventory import Inventory
     from fleetctl.fleet.state import State
-    from fleetctl.model.calibration import Calibrated, Calibration, Entry
+    from fleetctl.model.calibration import Entry
 
 
 @app.command()
@@ -97,7 +97,7 @@ def apply(
         """After an apply that went well: the servers now running refresh the calibration."""
         if skip_calibration:
             return {"calibration": None}, []
-        from fleetctl.cli.calibrate_io import refresh_running
+        from fleetctl.apply.calibrate import refresh_running
 
         done = refresh_running(inv, catalog, sdir)
         return {"calibration": done.to_json()}, done.lines()
@@ -117,16 +117,18 @@ def apply(
 def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool, show: bool) -> Any:
     """apply --gate: the trace is read now (a bad one fails before anything is locked); the
     comparison runs once the plan is made, against the state apply holds locked."""
-    from fleetctl.cli import whatif_view as whatif
+    from fleetctl.cli import whatif_view
+    from fleetctl.sim.traffic import traces_from
+    from fleetctl.whatif.compare import compare, gate_verdict
 
-    traffic = whatif.load_traffic(inv, trace)
+    traffic = traces_from(inv, trace)
 
     def gate(running: list[Any], planned: list[Any]) -> tuple[str | None, dict[str, Any], Any]:
         calibration = sdir.load_calibration() if calibrated else None
-        w = whatif.compare(inv, running, planned, trace, traffic, calibration, show)
-        verdict = whatif.gate_verdict(inv, w)
+        w = compare(inv, running, planned, trace, traffic, calibration, show)
+        verdict = gate_verdict(inv, w)
         fields = {"what_if": w.to_json(), "gate": {**verdict.to_json(), "forced": False}}
-        shown = [whatif.render(w, verdict)]
+        shown = [whatif_view.render(w, verdict)]
         refused = None
         if not verdict.passed:
             if force:
@@ -156,6 +158,7 @@ def status(
     """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
     from fleetctl.apply.status import status_fleet
     from fleetctl.cli.apply_flow import Common, options
+    from fleetctl.fleet.engines import server_engines
 
     inv, _ = common.load(inventory, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
@@ -214,20 +217,6 @@ def _nothing_recorded(inventory: str, path: Path, state: State, as_json: bool) -
         f"Run `fleetctl apply {inventory}` to start the plan.",
         markup=False,
     )
-
-
-def server_engines(
-    inv: Inventory, state: State, calibration: Calibration
-) -> dict[tuple[str, tuple[int, ...]], Calibrated]:
-    """Per recorded server (node, GPUs): its engine as the one calibrated model has it."""
-    from fleetctl.fleet.engines import deployment_engine
-
-    out = {}
-    for d in state.deployments:
-        engine = deployment_engine(d, inv, calibration)
-        if engine is not None:
-            out[(d.node, tuple(d.gpu_indices))] = engine
-    return out
 
 
 def _beside(entry: Entry | None) -> dict[str, Any] | None:
