@@ -88,9 +88,9 @@ def apply(
     planned: list[Any] = []
 
     def make_plan(state):  # type: ignore[no-untyped-def]
-        planned.append(
-            common.plan_with_facts(inv, catalog, sdir, facts, state, not skip_calibration)
-        )
+        from fleetctl.planner.make import plan_with_facts
+
+        planned.append(plan_with_facts(inv, catalog, sdir, facts, state, not skip_calibration))
         return planned[-1]
 
     def refresh() -> tuple[dict[str, Any], list[str]]:

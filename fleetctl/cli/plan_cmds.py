@@ -117,7 +117,9 @@ def plan(
         from fleetctl.sim.traffic import traces_from
 
         traces = traces_from(inv, workload_from)  # the SLO check runs the traffic itself
-    result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
+    from fleetctl.planner.make import plan_with_facts
+
+    result = plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
     from fleetctl.apply.warmup import for_plan
 
     calibration = None if no_calibration else sdir.load_calibration()
