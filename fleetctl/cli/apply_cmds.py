@@ -27,7 +27,7 @@ from fleetctl.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from fleetctl.fleet.inventory import Inventory
+    from fleetctl.fleet.plan import Plan
     from fleetctl.fleet.state import State
     from fleetctl.model.calibration import Entry
 
@@ -67,27 +67,22 @@ def apply(
     force: bool = typer.Option(False, "--force", help="Apply even if --gate refuses the plan."),
 ) -> None:
     """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
-    from fleetctl.cli.apply_flow import (
-        Common,
-        check_saved_plan,
-        is_plan_file,
-        read_plan_file,
-        run_apply,
-    )
+    from fleetctl.apply.flow import PlanFile, check_saved_plan, is_plan_file, read_plan_file
+    from fleetctl.cli.apply_flow import Common, run_apply
 
     plan_file = None
     if is_plan_file(target):
         inv_path, serial, deployments = read_plan_file(Path(target))
         inv, catalog = common.load(inv_path, profiles, ssh=True)
         check_saved_plan(Path(target), deployments, inv)
-        plan_file = (Path(target), serial, deployments)
+        plan_file = PlanFile(Path(target), serial, deployments)
     else:
         inv, catalog = common.load(target, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
     sdir = common.state_dir(inv, state_dir)
-    planned: list[Any] = []
+    planned: list[Plan] = []
 
-    def make_plan(state):  # type: ignore[no-untyped-def]
+    def make_plan(state: State) -> Plan:
         from fleetctl.planner.make import plan_with_facts
 
         planned.append(plan_with_facts(inv, catalog, sdir, facts, state, not skip_calibration))
@@ -104,7 +99,10 @@ def apply(
 
     gate = None
     if gate_trace is not None:
-        gate = _gate(inv, sdir, gate_trace, force, not skip_calibration, not as_json)
+        from fleetctl.apply.gate import trace_gate
+
+        # The trace is read now: a bad one fails before anything is locked.
+        gate = trace_gate(inv, sdir, gate_trace, force, not skip_calibration, not as_json)
     elif force:
         raise typer.BadParameter("--force overrides --gate: give --gate TRACE too")
     code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console(), refresh, gate)
@@ -112,35 +110,6 @@ def apply(
         raise typer.Exit(code)
     if planned:  # applied as planned, but a model is missing from the plan: say so, exit 3
         common.exit_if_incomplete(planned[0])
-
-
-def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool, show: bool) -> Any:
-    """apply --gate: the trace is read now (a bad one fails before anything is locked); the
-    comparison runs once the plan is made, against the state apply holds locked."""
-    from fleetctl.cli import whatif_view
-    from fleetctl.sim.traffic import traces_from
-    from fleetctl.whatif.compare import compare, gate_verdict
-
-    traffic = traces_from(inv, trace)
-
-    def gate(running: list[Any], planned: list[Any]) -> tuple[str | None, dict[str, Any], Any]:
-        calibration = sdir.load_calibration() if calibrated else None
-        w = compare(inv, running, planned, trace, traffic, calibration, show)
-        verdict = gate_verdict(inv, w)
-        fields = {"what_if": w.to_json(), "gate": {**verdict.to_json(), "forced": False}}
-        shown = [whatif_view.render(w, verdict)]
-        refused = None
-        if not verdict.passed:
-            if force:
-                fields["gate"]["forced"] = True
-                shown.append("gate: --force: applying anyway")
-            else:
-                refused = "; ".join(verdict.reasons) + " (pass --force to apply anyway)"
-        from rich.console import Group
-
-        return refused, fields, Group(*shown)
-
-    return gate
 
 
 @app.command()
@@ -156,8 +125,9 @@ def status(
     as_json: bool = JsonOpt,
 ) -> None:
     """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
+    from fleetctl.apply.flow import options
     from fleetctl.apply.status import status_fleet
-    from fleetctl.cli.apply_flow import Common, options
+    from fleetctl.cli.apply_flow import Common
     from fleetctl.fleet.engines import server_engines
 
     inv, _ = common.load(inventory, profiles, ssh=True)
@@ -169,7 +139,7 @@ def status(
         return
     engines = server_engines(inv, state, sdir.load_calibration())
     # The servers' /v1/models takes the API key when they have one; no other secret is used.
-    opts = options(inv, c, secrets_file, needs=("VLLM_API_KEY",))
+    opts = options(inv, c.access(), secrets_file, needs=("VLLM_API_KEY",))
     rows, summary = status_fleet(inv, state, opts)
     unreachable = summary["unreachable"]
     # Every server running, and every node asked: nothing unchecked passes for fine.
