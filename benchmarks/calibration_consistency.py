@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetctl.cli.apply_cmds import server_engines
 from fleetctl.emulator.truth import slower
+from fleetctl.fleet.engines import server_engines
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir

@@ -47,10 +47,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from fleetctl.cli.traffic import BUCKETS  # noqa: E402
 from fleetctl.fleet.inventory import Inventory, load_inventory  # noqa: E402
 from fleetctl.model.catalog import load_catalog  # noqa: E402
 from fleetctl.planner import plan_fleet  # noqa: E402
+from fleetctl.sim.traffic import BUCKETS  # noqa: E402
 from fleetctl.sim.workload import (  # noqa: E402
     Bucket,
     derive_workload,

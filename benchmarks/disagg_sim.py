@@ -38,13 +38,13 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(REPO))
 
-from fleetctl.cli.traffic import workloads_from  # noqa: E402
 from fleetctl.fleet.inventory import load_inventory  # noqa: E402
 from fleetctl.model.catalog import load_catalog  # noqa: E402
 from fleetctl.planner import plan_fleet  # noqa: E402
 from fleetctl.routing.goodput import Slo  # noqa: E402
 from fleetctl.sim.compare import at_rate  # noqa: E402
 from fleetctl.sim.fleet import Server, servers_from_plan, simulate  # noqa: E402
+from fleetctl.sim.traffic import workloads_from  # noqa: E402
 from fleetctl.sim.workload import WorkItem, load_trace  # noqa: E402
 from harness.results import header, out_dir  # noqa: E402
 

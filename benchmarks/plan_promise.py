@@ -36,13 +36,13 @@ from typing import Any
 import yaml
 
 from fleetctl.base.resources import examples
-from fleetctl.cli.traffic import workload_spec
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.fleet.slo import plan_slos
 from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.goodput import Slo
 from fleetctl.sim.compare import compare
+from fleetctl.sim.traffic import workload_spec
 from fleetctl.sim.workload import WorkItem, derive_workload, length_buckets, load_trace
 from harness.procs import REPO
 from harness.results import header, out_dir, write_json

@@ -15,7 +15,7 @@ prompt of exactly the trace's token count at 4 characters per token (the emulato
 max_tokens the trace's output length (the emulator generates exactly that many).
 
 Then route-serve is stopped (it flushes its log) and its log folder is read by the code
-`plan --workload-from` runs (fleetctl/cli/traffic.py workloads_from: load_trace and
+`plan --workload-from` runs (fleetctl/sim/traffic.py workloads_from: load_trace and
 derive_workload), for the inventory's one model, and compared with derive_workload applied to
 the trace itself:
 - rate, like with like. The log holds real (compressed) arrival times. `derive_workload`'s
@@ -50,9 +50,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: the repository's packages, as the tests see them
     sys.path.insert(0, str(REPO))
 
-from fleetctl.cli.traffic import workloads_from  # noqa: E402
 from fleetctl.fleet.inventory import Inventory, load_inventory  # noqa: E402
 from fleetctl.model.catalog import load_catalog  # noqa: E402
+from fleetctl.sim.traffic import workloads_from  # noqa: E402
 from fleetctl.sim.workload import WorkItem, derive_workload, load_trace, scale_time  # noqa: E402
 from harness.commands import emulate_cmd, route_serve_cmd  # noqa: E402
 from harness.load import completion_body, open_loop, random_text  # noqa: E402

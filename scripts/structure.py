@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("routing",),  # the pure routing core: policies, scheduler, sessions
     ("sim",),  # the same core over simulated engines
     ("whatif",),  # a fleet's deployments simulated on a trace; cost plans checked by it
+    ("planner.make",),  # a fleet's plan from facts, calibration and SLO-checked cost plans
     ("daemon",),  # route-serve: the same core behind HTTP
     ("emulator",),  # a vLLM-like server for tests and benchmarks
     ("apply",),  # carrying a plan out over SSH

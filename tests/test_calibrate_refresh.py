@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from fleetctl.cli.calibrate_io import QUICK_INTERVAL_S, QUICK_WINDOW_S, refresh, refresh_running
+from fleetctl.apply.calibrate import QUICK_INTERVAL_S, QUICK_WINDOW_S, refresh, refresh_running
 from fleetctl.daemon.backends import load_backends
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.fleet.state import State

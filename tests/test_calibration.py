@@ -674,7 +674,7 @@ def test_calibrate_reads_a_real_vllm_server(tmp_path, cli):
 def test_the_window_reports_seconds_left_and_samples_so_far(emulator, tmp_path, catalog):
     """What calibrate's progress line shows on a terminal: the seconds left of the window
     and the samples taken so far, as they go."""
-    from fleetctl.cli.calibrate_io import refresh
+    from fleetctl.apply.calibrate import refresh
 
     g, m, f = catalog.gpu("RTX-4090"), catalog.model(NAME), catalog.format("bf16")
     b = Backend(emulator.base, "rtx-1", g.name, NAME, "bf16", 40_000, perf=EnginePerf(g, m, f))

@@ -4,7 +4,7 @@ than the GPU's peaks (benchmarks/calibration_consistency.py runs the full versio
 
 Real emulators on loopback under live traffic during `fleetctl calibrate`; estimate, plan and
 simulate read the calibration through the CLI. status reads it the same way
-(apply_cmds.server_engines: deployment_engine, then Calibrated.figures), checked here without
+(fleet/engines.py server_engines: deployment_engine, then Calibrated.figures), checked here without
 SSH on the plan's deployments as the state would record them.
 """
 
@@ -90,7 +90,7 @@ def test_every_command_prints_the_same_figures_and_they_follow_the_truth(cli, sk
     )  # fmt: skip
     assert sim.code == 0, sim.err
     simulated = json.loads(sim.out)["perf"]["RTX-4090/bf16"]
-    from fleetctl.cli.apply_cmds import server_engines
+    from fleetctl.fleet.engines import server_engines
 
     loaded = load_inventory(inv, load_catalog())
     deployments = plan_fleet(loaded, None, StateDir(state).load_calibration()).deployments

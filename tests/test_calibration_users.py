@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from fleetctl.apply.status import ServerStatus
-from fleetctl.cli.apply_cmds import server_engines
 from fleetctl.cli.render import status_table
 from fleetctl.daemon.backends import apply_calibration, backends_from_state, load_backends
+from fleetctl.fleet.engines import server_engines
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir

@@ -12,8 +12,10 @@ from scripts.structure import (
     IO_LIBRARIES,
     PKG,
     PURE,
+    REPO,
     cycles,
     graph,
+    imports,
     io_imports,
     layer_of,
     module_name,
@@ -33,6 +35,22 @@ def test_imports_run_down_the_layers():
         if layer_of(i) > layer_of(m) and not (m == "fleetctl" and i.startswith("fleetctl."))
     ]
     assert not upward, "\n".join(sorted(upward))
+
+
+def test_benchmarks_and_the_harness_stay_below_the_command_line():
+    """Planning, applying and deriving workloads are the library's, which the command line, the
+    benchmarks and the harness all call: none of them reaches into a cli module (which parses
+    options and renders). Running the command line whole (`from fleetctl.cli import main`) is
+    what it is for."""
+    modules = set(graph())
+    offenders = [
+        f"{path.relative_to(REPO)} imports {i}"
+        for folder in ("benchmarks", "harness", "scripts")
+        for path in sorted((REPO / folder).glob("**/*.py"))
+        for i in sorted(imports(path, modules))
+        if i.startswith("fleetctl.cli.")
+    ]
+    assert not offenders, "\n".join(offenders)
 
 
 def test_no_cycles_even_through_imports_inside_functions():

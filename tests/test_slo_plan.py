@@ -56,8 +56,8 @@ def test_a_cost_plan_that_misses_its_ttft_slo_on_a_burst_gets_more_capacity(cli,
     assert checked["headroom"] > 1.5  # asked for more than the derived workload
     assert data["solver"]["slo_rounds"] > 1
     # The plan sized for the derived rate alone: fewer GPUs, and the burst misses the SLO.
-    from fleetctl.cli.traffic import workloads_from
     from fleetctl.model.catalog import load_catalog
+    from fleetctl.sim.traffic import workloads_from
 
     catalog = load_catalog()
     loaded, _ = workloads_from(load_inventory(inv, catalog), trace)

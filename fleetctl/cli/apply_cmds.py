@@ -27,9 +27,9 @@ from fleetctl.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from fleetctl.fleet.inventory import Inventory
+    from fleetctl.fleet.plan import Plan
     from fleetctl.fleet.state import State
-    from fleetctl.model.calibration import Calibrated, Calibration, Entry
+    from fleetctl.model.calibration import Entry
 
 
 @app.command()
@@ -67,44 +67,42 @@ def apply(
     force: bool = typer.Option(False, "--force", help="Apply even if --gate refuses the plan."),
 ) -> None:
     """Start, replace and stop vLLM servers over SSH until the nodes run the plan."""
-    from fleetctl.cli.apply_flow import (
-        Common,
-        check_saved_plan,
-        is_plan_file,
-        read_plan_file,
-        run_apply,
-    )
+    from fleetctl.apply.flow import PlanFile, check_saved_plan, is_plan_file, read_plan_file
+    from fleetctl.cli.apply_flow import Common, run_apply
 
     plan_file = None
     if is_plan_file(target):
         inv_path, serial, deployments = read_plan_file(Path(target))
         inv, catalog = common.load(inv_path, profiles, ssh=True)
         check_saved_plan(Path(target), deployments, inv)
-        plan_file = (Path(target), serial, deployments)
+        plan_file = PlanFile(Path(target), serial, deployments)
     else:
         inv, catalog = common.load(target, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)
     sdir = common.state_dir(inv, state_dir)
-    planned: list[Any] = []
+    planned: list[Plan] = []
 
-    def make_plan(state):  # type: ignore[no-untyped-def]
-        planned.append(
-            common.plan_with_facts(inv, catalog, sdir, facts, state, not skip_calibration)
-        )
+    def make_plan(state: State) -> Plan:
+        from fleetctl.planner.make import plan_with_facts
+
+        planned.append(plan_with_facts(inv, catalog, sdir, facts, state, not skip_calibration))
         return planned[-1]
 
     def refresh() -> tuple[dict[str, Any], list[str]]:
         """After an apply that went well: the servers now running refresh the calibration."""
         if skip_calibration:
             return {"calibration": None}, []
-        from fleetctl.cli.calibrate_io import refresh_running
+        from fleetctl.apply.calibrate import refresh_running
 
         done = refresh_running(inv, catalog, sdir)
         return {"calibration": done.to_json()}, done.lines()
 
     gate = None
     if gate_trace is not None:
-        gate = _gate(inv, sdir, gate_trace, force, not skip_calibration, not as_json)
+        from fleetctl.apply.gate import trace_gate
+
+        # The trace is read now: a bad one fails before anything is locked.
+        gate = trace_gate(inv, sdir, gate_trace, force, not skip_calibration, not as_json)
     elif force:
         raise typer.BadParameter("--force overrides --gate: give --gate TRACE too")
     code = run_apply(inv, c, make_plan, plan_file, secrets_file, common.console(), refresh, gate)
@@ -112,33 +110,6 @@ def apply(
         raise typer.Exit(code)
     if planned:  # applied as planned, but a model is missing from the plan: say so, exit 3
         common.exit_if_incomplete(planned[0])
-
-
-def _gate(inv: Inventory, sdir: Any, trace: Path, force: bool, calibrated: bool, show: bool) -> Any:
-    """apply --gate: the trace is read now (a bad one fails before anything is locked); the
-    comparison runs once the plan is made, against the state apply holds locked."""
-    from fleetctl.cli import whatif_view as whatif
-
-    traffic = whatif.load_traffic(inv, trace)
-
-    def gate(running: list[Any], planned: list[Any]) -> tuple[str | None, dict[str, Any], Any]:
-        calibration = sdir.load_calibration() if calibrated else None
-        w = whatif.compare(inv, running, planned, trace, traffic, calibration, show)
-        verdict = whatif.gate_verdict(inv, w)
-        fields = {"what_if": w.to_json(), "gate": {**verdict.to_json(), "forced": False}}
-        shown = [whatif.render(w, verdict)]
-        refused = None
-        if not verdict.passed:
-            if force:
-                fields["gate"]["forced"] = True
-                shown.append("gate: --force: applying anyway")
-            else:
-                refused = "; ".join(verdict.reasons) + " (pass --force to apply anyway)"
-        from rich.console import Group
-
-        return refused, fields, Group(*shown)
-
-    return gate
 
 
 @app.command()
@@ -154,8 +125,10 @@ def status(
     as_json: bool = JsonOpt,
 ) -> None:
     """What state.json records, checked live on the nodes: running, dead, drifted, ports."""
+    from fleetctl.apply.flow import options
     from fleetctl.apply.status import status_fleet
-    from fleetctl.cli.apply_flow import Common, options
+    from fleetctl.cli.apply_flow import Common
+    from fleetctl.fleet.engines import server_engines
 
     inv, _ = common.load(inventory, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, True)
@@ -166,7 +139,7 @@ def status(
         return
     engines = server_engines(inv, state, sdir.load_calibration())
     # The servers' /v1/models takes the API key when they have one; no other secret is used.
-    opts = options(inv, c, secrets_file, needs=("VLLM_API_KEY",))
+    opts = options(inv, c.access(), secrets_file, needs=("VLLM_API_KEY",))
     rows, summary = status_fleet(inv, state, opts)
     unreachable = summary["unreachable"]
     # Every server running, and every node asked: nothing unchecked passes for fine.
@@ -214,20 +187,6 @@ def _nothing_recorded(inventory: str, path: Path, state: State, as_json: bool) -
         f"Run `fleetctl apply {inventory}` to start the plan.",
         markup=False,
     )
-
-
-def server_engines(
-    inv: Inventory, state: State, calibration: Calibration
-) -> dict[tuple[str, tuple[int, ...]], Calibrated]:
-    """Per recorded server (node, GPUs): its engine as the one calibrated model has it."""
-    from fleetctl.fleet.engines import deployment_engine
-
-    out = {}
-    for d in state.deployments:
-        engine = deployment_engine(d, inv, calibration)
-        if engine is not None:
-            out[(d.node, tuple(d.gpu_indices))] = engine
-    return out
 
 
 def _beside(entry: Entry | None) -> dict[str, Any] | None:

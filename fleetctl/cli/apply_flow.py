@@ -1,4 +1,5 @@
-"""How apply and destroy run for a person at a terminal: load, lock, confirm, run, report."""
+"""How apply and destroy run for a person at a terminal: what they show, the confirmation, the
+report; the run itself is fleetctl/apply/flow.py's."""
 
 from __future__ import annotations
 
@@ -8,20 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fleetctl.apply.credentials import load_secrets
-from fleetctl.apply.execute import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
-from fleetctl.apply.lock import StateLock
-from fleetctl.base import documents
-from fleetctl.base.documents import DocumentError
-from fleetctl.base.errors import Location, UserError, shown
+from fleetctl.apply.execute import Outcome
+from fleetctl.apply.flow import Access, PlanFile, Proposal, apply_plan, destroy, options
+from fleetctl.apply.gate import Gate, GateResult
+from fleetctl.base.errors import UserError
 from fleetctl.base.jsonout import print_json
-from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
-from fleetctl.fleet.plan import PLAN_FORMAT, Deployment, Plan, SavedPlan
-from fleetctl.fleet.ssh import SshOptions
+from fleetctl.fleet.plan import Plan
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir
-from fleetctl.planner.diff import diff
 
 
 @dataclass(frozen=True)
@@ -36,72 +32,10 @@ class Common:
     as_json: bool
     yes: bool
 
-
-def options(
-    inv: Inventory,
-    c: Common,
-    secrets_file: Path | None = None,
-    needs: tuple[str, ...] | None = None,
-) -> ApplyOptions:
-    """What apply's machinery needs; `needs` narrows the secrets read to those a command uses
-    (status only sends VLLM_API_KEY, destroy none), so it never asks for one it won't send."""
-    a = inv.spec.apply
-    names = a.secrets if needs is None else [n for n in a.secrets if n in needs]
-    return ApplyOptions(
-        ssh=SshOptions(c.known_hosts, c.accept_new, inv.spec.ssh.connect_timeout_s, c.timeout_s),
-        parallel=c.parallel,
-        vllm_command=a.vllm_command,
-        supervisor=a.supervisor,
-        health_timeout_s=a.health_timeout_s,
-        stop_timeout_s=a.stop_timeout_s,
-        secrets=load_secrets(names, secrets_file),
-    )
-
-
-def is_plan_file(arg: str) -> bool:
-    return arg.endswith(".json")
-
-
-def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
-    """(inventory path, state serial it was made against, deployments) of a saved plan."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror}", None, "check the path") from None
-    try:
-        saved = documents.load(text, SavedPlan, reads=(PLAN_FORMAT,), default_format=PLAN_FORMAT)
-    except DocumentError as e:
-        raise UserError(
-            f"not a plan fleetctl wrote: {e}",
-            Location(str(path)),
-            "make one with `fleetctl plan INVENTORY -o plan.json`",
-        ) from None
-    return saved.inventory, saved.state_serial, [Deployment.of(r) for r in saved.deployments]
-
-
-def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) -> None:
-    """A saved plan is a file anyone could have edited: each server in it must be one the
-    inventory could have planned (its node, host, model, source and environment), before
-    anything reaches a node. Its ports, GPU indices, names and arguments were checked as it
-    was read (DeploymentRecord's schema)."""
-    nodes = {n.name: n for n in inv.nodes}
-    models = {m.name: m for m in inv.models}
-    for i, d in enumerate(deployments):
-        where = Location(str(path), None, f"deployments[{i}]")
-        node, model = nodes.get(d.node), models.get(d.model)
-        problem = None
-        if node is None or node.host != d.host:
-            problem = f"node {shown(d.node)} at {shown(d.host)} is not in the inventory"
-        elif model is None or d.server.source not in {v.source for v in model.variants}:
-            problem = f"model {shown(d.model)} with its source is not in the inventory"
-        elif dict(d.server.env) != dict(model.spec.env):
-            problem = "its environment differs from the inventory's"
-        if problem:
-            raise UserError(
-                f"{problem}: this plan was not made from {inv.path}",
-                where,
-                "make a new plan with `fleetctl plan INVENTORY -o plan.json`",
-            )
+    def access(self) -> Access:
+        return Access(
+            self.known_hosts, self.accept_new, self.timeout_s, self.parallel, self.state_dir
+        )
 
 
 def confirm(question: str, yes: bool) -> bool:
@@ -151,129 +85,103 @@ class NodeProgress:
             self.console.print(f"[bold]{node}[/]: {msg}", highlight=False)
 
 
+class Terminal:
+    """apply and destroy at a terminal (or piped, with --json): what fleetctl/apply/flow.py
+    shows and asks, printed and asked here."""
+
+    def __init__(self, c: Common, console: Any) -> None:
+        self.c, self.console = c, console
+        self.unchanged = False
+
+    def proposed(self, p: Proposal) -> None:
+        self.unchanged = not p.changes
+        if self.c.as_json:
+            return
+        from fleetctl.cli.render import render_plan, summary_line
+
+        if p.stale_lock:
+            self.console.print(f"[yellow]warning:[/] {p.stale_lock}")
+        self.console.print(render_plan(p.plan) if p.plan is not None else summary_line(p.actions))
+        if p.disruption.line():
+            self.console.print(p.disruption.line(), highlight=False)
+
+    def gated(self, result: GateResult) -> None:
+        if self.c.as_json:
+            return
+        from rich.console import Group
+
+        from fleetctl.cli.whatif_view import render
+
+        shown: list[Any] = [render(result.what_if, result.verdict)]
+        if result.forced:
+            shown.append("gate: --force: applying anyway")
+        self.console.print(Group(*shown))
+
+    def confirm(self, question: str) -> bool:
+        if confirm(question, self.c.yes):
+            return True
+        self.console.print("Nothing changed.")
+        return False
+
+    def progress(self, what: str) -> NodeProgress:
+        if self.unchanged and what == "applying" and not self.c.as_json:
+            self.console.print("No changes planned; checking the nodes for drift.")
+        return NodeProgress(self.console, what, self.c.as_json)
+
+    def warn(self, msg: str) -> None:
+        if not self.c.as_json:
+            self.console.print(f"[yellow]warning:[/] {msg}")
+
+
 def run_apply(
     inv: Inventory,
     c: Common,
-    make_plan: Any,
-    plan_file: tuple[Path, int | None, list[Deployment]] | None,
+    make_plan: Callable[[State], Plan],
+    plan_file: PlanFile | None,
     secrets_file: Path | None,
     console: Any,
     after: Callable[[], tuple[dict[str, Any], list[str]]] | None = None,
-    gate: Callable[[list[Deployment], list[Deployment]], tuple[str | None, dict[str, Any], Any]]
-    | None = None,
+    gate: Gate | None = None,
 ) -> int:
     """Plan (or read the plan), show it, confirm, carry it out; then, when nothing failed,
     `after` (its JSON fields and text lines join the report). Returns the exit code.
 
-    `gate(running, planned)`, before anything is confirmed: why it refuses the plan (None:
-    it passes), its JSON fields and what to show; a refusal ends the apply with exit 1."""
+    `gate(running, planned)`, before anything is confirmed: a refusal ends the apply with
+    exit 1."""
     sdir = StateDir.of(inv, c.state_dir)
-    opts = options(inv, c, secrets_file)  # bad secrets fail before anything is locked
-    with StateLock(sdir, "apply") as lock:
-        state = sdir.load_state()
-        if plan_file is not None:
-            path, serial, deployments = plan_file
-            if serial != state.serial:
-                raise UserError(
-                    f"the state changed since this plan was made (serial {serial}, now "
-                    f"{state.serial})",
-                    Location(str(path)),
-                    "make a new plan with `fleetctl plan INVENTORY -o plan.json`",
-                )
-            actions = list(diff(deployments, state.deployments))
-            plan: Plan | None = None
-        else:
-            plan = make_plan(state)
-            deployments, actions = list(plan.deployments), list(plan.actions)
-        note = lock.stale_note()
-        disruption = _disruption(inv, sdir, deployments, state)
-        if not c.as_json:
-            from fleetctl.cli.render import render_plan, summary_line
-
-            if note:
-                console.print(f"[yellow]warning:[/] {note}")
-            console.print(render_plan(plan) if plan is not None else summary_line(actions))
-            if disruption.line():
-                console.print(disruption.line(), highlight=False)
-        fields: dict[str, Any] = {}
-        if gate is not None:
-            refused, fields, shown_ = gate(list(state.deployments), deployments)
-            if not c.as_json:
-                console.print(shown_)
-            if refused is not None:
-                if c.as_json:
-                    print_json({"ok": False, **fields})
-                sys.stderr.write(f"apply refused by --gate: {refused}\n")
-                return 1
-        fields = {**fields, "disruption": disruption.to_json()}
-        changes = [a for a in actions if a.op != "keep"]
-        if changes and not confirm(f"Apply {plural(len(changes), 'change')}?", c.yes):
-            console.print("Nothing changed.")
-            return 0
-        if not changes and not c.as_json:
-            console.print("No changes planned; checking the nodes for drift.")
-        book = StateBook(sdir, state)
-        try:
-            with NodeProgress(console, "applying", c.as_json) as p:
-                outcomes = apply_fleet(inv, deployments, book, opts, p.emit, p.started, p.done)
-            _record_startups(sdir, inv, deployments, outcomes, console, c.as_json)
-        except KeyboardInterrupt:
-            sys.stderr.write(
-                "interrupted: servers that were starting keep running and the state records "
-                "what was confirmed; run apply again to adopt or replace them\n"
-            )
-            return 130
-    return report(outcomes, book, c, console, "apply", after, fields)
-
-
-def _disruption(inv: Inventory, sdir: StateDir, deployments: list[Deployment], state: State) -> Any:
-    """What the plan costs the running fleet in warm-up (fleetctl/apply/warmup.py); the start-ups
-    measured so far, when the calibration file can be read."""
-    from fleetctl.apply.warmup import for_plan
-
-    try:
-        cal = sdir.load_calibration()
-    except UserError:
-        cal = None
-    return for_plan(inv, deployments, state, cal)
-
-
-def _record_startups(
-    sdir: StateDir,
-    inv: Inventory,
-    deployments: list[Deployment],
-    outcomes: list[Outcome],
-    console: Any,
-    quiet: bool,
-) -> None:
-    """Each server's measured start-up joins the calibration (warm-up: fleetctl/apply/warmup.py);
-    a calibration file that cannot be read or written is a warning, not a failed apply."""
-    from fleetctl.apply.warmup import record_startups
-
-    try:
-        record_startups(sdir, inv, deployments, outcomes)
-    except (UserError, OSError) as e:
-        if not quiet:
-            console.print(f"[yellow]warning:[/] start-up times not recorded: {e}")
+    opts = options(inv, c.access(), secrets_file)  # bad secrets fail before anything is locked
+    run = apply_plan(inv, sdir, opts, make_plan, plan_file, Terminal(c, console), gate)
+    if run.ended == "refused":
+        assert run.gate is not None and run.gate.refused is not None
+        if c.as_json:
+            print_json({"ok": False, **run.gate.to_json()})
+        sys.stderr.write(
+            f"apply refused by --gate: {run.gate.refused} (pass --force to apply anyway)\n"
+        )
+        return 1
+    if run.ended == "declined":
+        return 0
+    if run.ended == "interrupted":
+        sys.stderr.write(
+            "interrupted: servers that were starting keep running and the state records "
+            "what was confirmed; run apply again to adopt or replace them\n"
+        )
+        return 130
+    assert run.proposal is not None
+    fields = {
+        **(run.gate.to_json() if run.gate is not None else {}),
+        "disruption": run.proposal.disruption.to_json(),
+    }
+    return report(run.outcomes, run.serial, c, console, "apply", after, fields)
 
 
 def run_destroy(inv: Inventory, c: Common, console: Any) -> int:
     sdir = StateDir.of(inv, c.state_dir)
-    opts = options(inv, c, needs=())
-    with StateLock(sdir, "destroy"):
-        state = sdir.load_state()
-        n = len(state.deployments)
-        question = (
-            f"Stop {plural(n, 'recorded server')} and anything else fleetctl started on "
-            f"{plural(len(inv.nodes), 'node')}?"
-        )
-        if not confirm(question, c.yes):
-            console.print("Nothing changed.")
-            return 0
-        book = StateBook(sdir, state)
-        with NodeProgress(console, "destroying", c.as_json) as p:
-            outcomes = destroy_fleet(inv, book, opts, p.emit, p.started, p.done)
-    return report(outcomes, book, c, console, "destroy")
+    opts = options(inv, c.access(), needs=())
+    run = destroy(inv, sdir, opts, Terminal(c, console))
+    if run.ended == "declined":
+        return 0
+    return report(run.outcomes, run.serial, c, console, "destroy")
 
 
 PAST = {
@@ -289,7 +197,7 @@ PAST = {
 
 def report(
     outcomes: list[Outcome],
-    book: StateBook,
+    serial: int,
     c: Common,
     console: Any,
     what: str,
@@ -301,14 +209,14 @@ def report(
     if c.as_json:
         doc = {
             "ok": not failed,
-            "state_serial": book.serial,
+            "state_serial": serial,
             "outcomes": [o.to_json() for o in outcomes],
             **(extra or {}),
             **fields,
         }
         print_json(doc)
     else:
-        console.print(summary(what, outcomes, book.serial), highlight=False)
+        console.print(summary(what, outcomes, serial), highlight=False)
         for o in failed:
             print_failure(console, o)
         for line in lines:

@@ -46,8 +46,8 @@ def calibrate(
     as_json: bool = JsonOpt,
 ) -> None:
     """Measure KV capacity, decode step and prefill speed on the running servers."""
+    from fleetctl.apply.calibrate import refresh
     from fleetctl.base.progress import progress
-    from fleetctl.cli.calibrate_io import refresh
     from fleetctl.daemon.backends import load_backends
 
     inv, catalog = common.load(inventory, profiles)

@@ -1,4 +1,4 @@
-"""What the commands share: loading the inventory, the console, planning with facts, exit 3."""
+"""What the commands share: loading the inventory, the console, the state folder, exit 3."""
 
 from __future__ import annotations
 
@@ -12,14 +12,10 @@ import typer
 from fleetctl.cli.options import EXAMPLE_PREFIX
 
 if TYPE_CHECKING:  # heavy imports wait for the command that needs them
-    from collections.abc import Mapping, Sequence
-
     from fleetctl.fleet.inventory import Inventory
     from fleetctl.fleet.plan import Plan
-    from fleetctl.fleet.state import State
     from fleetctl.fleet.statedir import StateDir
     from fleetctl.model.catalog import Catalog
-    from fleetctl.sim.workload import WorkItem
 
 
 def console() -> Any:
@@ -83,46 +79,6 @@ def state_dir(inv: Inventory, override: Path | None) -> StateDir:
     from fleetctl.fleet.statedir import StateDir
 
     return StateDir.of(inv, override)
-
-
-def plan_with_facts(
-    inv: Inventory,
-    catalog: Catalog,
-    sdir: StateDir,
-    facts: Path | None,
-    state: State,
-    calibrated: bool = True,
-    traces: Mapping[str, Sequence[WorkItem]] | None = None,
-) -> Plan:
-    """The plan, with probed GPUs over declared ones (--facts, else the saved facts when there
-    are any); each disagreement leads the warnings. With `calibrated`, the state folder's
-    calibration (when there is one) replaces the model's KV and speed where it matches.
-    A cost plan is checked by the simulator against each model's SLO, on its trace in
-    `traces` or on synthetic traffic, and re-solved with more capacity where one is missed.
-    `plan` and `apply` both plan through here."""
-    import dataclasses
-
-    from fleetctl.fleet.facts import apply_facts
-    from fleetctl.planner import plan_fleet
-
-    found = sdir.load_facts(facts)
-    notes: list[str] = []
-    if found is not None:
-        inv, notes = apply_facts(inv, found, catalog)
-    calibration = sdir.load_calibration() if calibrated else None
-    if inv.spec.planner.objective == "cost":
-        from fleetctl.whatif.slo_check import plan_within_slos
-
-        planned = inv
-        result = plan_within_slos(
-            inv,
-            lambda headroom: plan_fleet(planned, state, calibration, headroom=headroom),
-            traces,
-            calibration,
-        )
-    else:
-        result = plan_fleet(inv, state, calibration)
-    return dataclasses.replace(result, warnings=(*notes, *result.warnings)) if notes else result
 
 
 def exit_if_incomplete(result: Plan) -> None:

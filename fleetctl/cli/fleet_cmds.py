@@ -88,7 +88,7 @@ def health(
     ),
 ) -> None:
     """Check nodes and servers: reachability, version skew in a class, GPUs, ECC, servers."""
-    from fleetctl.cli.calibrate_io import refresh_running
+    from fleetctl.apply.calibrate import refresh_running
     from fleetctl.fleet import health as h
     from fleetctl.fleet.probe import probe_fleet
     from fleetctl.fleet.ssh import SshOptions

@@ -102,22 +102,24 @@ def plan(
         inv = with_objective(inv, objective)
     workloads = None
     if workload_from is not None:
-        from fleetctl.cli.traffic import workloads_from
+        from fleetctl.sim.traffic import workloads_from
 
         inv, workloads = workloads_from(inv, workload_from)
     sdir = common.state_dir(inv, state_dir)
     traffic = None
     if what_if is not None:
-        from fleetctl.cli import whatif_view as whatif
+        from fleetctl.sim.traffic import traces_from
 
-        traffic = whatif.load_traffic(inv, what_if)
+        traffic = traces_from(inv, what_if)
     state = sdir.load_state()
     traces = None
     if workload_from is not None and inv.spec.planner.objective == "cost":
-        from fleetctl.cli.traffic import traces_from
+        from fleetctl.sim.traffic import traces_from
 
         traces = traces_from(inv, workload_from)  # the SLO check runs the traffic itself
-    result = common.plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
+    from fleetctl.planner.make import plan_with_facts
+
+    result = plan_with_facts(inv, catalog, sdir, facts, state, not no_calibration, traces)
     from fleetctl.apply.warmup import for_plan
 
     calibration = None if no_calibration else sdir.load_calibration()
@@ -135,7 +137,9 @@ def plan(
         checks = check_plan(inv, result, workload_from, slos, calibration, not as_json)
     compared = None
     if what_if is not None and traffic is not None:
-        compared = whatif.compare(
+        from fleetctl.whatif.compare import compare
+
+        compared = compare(
             inv, state.deployments, result.deployments, what_if, traffic, calibration, not as_json
         )
     if out is not None:
@@ -157,7 +161,7 @@ def plan(
 
         console = common.console()
         if workloads is not None:
-            from fleetctl.cli.traffic import render_workloads
+            from fleetctl.cli.render import render_workloads
 
             console.print(render_workloads(workloads))
         replayed = {name: c.rate_rps for name, c in checks.items()}
@@ -167,7 +171,9 @@ def plan(
         if disruption.line():
             console.print(disruption.line(), highlight=False)
         if compared is not None:
-            console.print(whatif.render(compared))
+            from fleetctl.cli.whatif_view import render as render_what_if
+
+            console.print(render_what_if(compared))
         if out is not None:
             console.print(f"Saved the plan to {out}; apply exactly it with `fleetctl apply {out}`.")
     common.exit_if_incomplete(result)

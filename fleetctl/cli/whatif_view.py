@@ -1,74 +1,16 @@
-"""`plan --what-if TRACE` and `apply --gate TRACE`: the fleet as it runs beside the candidate
-plan, both simulated on the same trace, and the gate's verdict on them."""
+"""`plan --what-if TRACE` and `apply --gate TRACE` on a terminal: the fleet as it runs beside
+the candidate plan (fleetctl/whatif/compare.py), and the gate's verdict, as one table."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.text import Text
 
 from fleetctl.base.tables import Col, Records
-from fleetctl.fleet.inventory import Inventory
-from fleetctl.fleet.plan import Deployment
-from fleetctl.sim.workload import WorkItem
-from fleetctl.whatif.predict import DEFAULT_POLICY, Figures, Verdict, judge, what_if
-
-
-def load_traffic(inv: Inventory, path: Path) -> dict[str, list[WorkItem]]:
-    """Each inventory model's requests in the trace at `path`, at the trace's own times."""
-    from fleetctl.cli.traffic import traces_from
-
-    return traces_from(inv, path)
-
-
-@dataclass(frozen=True)
-class WhatIf:
-    trace: Path
-    current: Figures
-    candidate: Figures
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "trace": str(self.trace),
-            "policy": DEFAULT_POLICY,
-            "requests": self.current.requests,
-            "current": self.current.to_json(),
-            "candidate": self.candidate.to_json(),
-            "notes": {"current": list(self.current.notes), "candidate": list(self.candidate.notes)},
-        }
-
-
-def compare(
-    inv: Inventory,
-    current: Sequence[Deployment],
-    candidate: Sequence[Deployment],
-    trace: Path,
-    traffic: dict[str, list[WorkItem]],
-    calibration: Any = None,
-    show_progress: bool = False,
-) -> WhatIf:
-    """The state's deployments and the plan's on the same requests (a bar on a terminal)."""
-    from fleetctl.base.progress import progress
-
-    now, plan = "what-if: simulating what runs now", "what-if: simulating the plan"
-    with progress(now, 2, enabled=show_progress) as bar:
-        running = what_if(
-            inv, current, traffic, calibration=calibration, progress=lambda f: bar.update(f, now)
-        )
-        bar.update(1, plan)
-        planned = what_if(
-            inv,
-            candidate,
-            traffic,
-            calibration=calibration,
-            progress=lambda f: bar.update(1 + f, plan),
-        )
-    return WhatIf(trace, running, planned)
-
+from fleetctl.whatif.compare import WhatIf
+from fleetctl.whatif.predict import DEFAULT_POLICY, Verdict
 
 # (label, key, format): the rows of the side-by-side table.
 ROWS = [
@@ -144,8 +86,3 @@ def _trace_name(path: Path) -> str:
     """The trace as a quoted name, a folder with its slash: route-serve's log folder is
     called `requests`, and "197 requests of requests" read as a doubled word."""
     return f"'{path.name}/'" if path.is_dir() else f"'{path.name}'"
-
-
-def gate_verdict(inv: Inventory, w: WhatIf) -> Verdict:
-    g = inv.spec.apply.gate
-    return judge(w.current, w.candidate, g.max_ttft_p99_rise, g.max_slo_drop, g.max_tpot_p99_rise)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibrated, Calibration, calibrated
 from fleetctl.model.perf import EnginePerf
 
@@ -33,3 +34,15 @@ def deployment_engine(
         max_model_len=s.max_model_len,
         gpu_memory_utilization=s.gpu_memory_utilization,
     )
+
+
+def server_engines(
+    inv: Inventory, state: State, calibration: Calibration
+) -> dict[tuple[str, tuple[int, ...]], Calibrated]:
+    """Per recorded server (node, GPUs): its engine as the one calibrated model has it."""
+    out = {}
+    for d in state.deployments:
+        engine = deployment_engine(d, inv, calibration)
+        if engine is not None:
+            out[(d.node, tuple(d.gpu_indices))] = engine
+    return out

@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from fleetctl.routing.policy import Policy, RoutingConfig
+from fleetctl.routing.policy import Policy
 from fleetctl.routing.prefix import PrefixIndex, PrefixView, PromptBlocks
 from fleetctl.routing.types import Backend, Decision, Request
-
-# name -> factory(seed, config, prefix view); filled in by the peers' policies below.
-PEER_POLICIES: dict[str, Callable[[int, RoutingConfig | None, PrefixView | None], Policy]] = {}
 
 # The engine's KV block size when a request carries no hashes to take it from (vLLM's default).
 VLLM_BLOCK_TOKENS = 16
@@ -287,12 +284,3 @@ class KvRouter(Policy):
         cost, overlap = costs[best.name]
         note = "prefix:none" if req.blocks is None else "prefix:hit" if overlap else "prefix:miss"
         return Decision(best, self.name, (note,), detail=f"(cost {cost:.1f}, cached {overlap})")
-
-
-PEER_POLICIES.update(
-    {
-        CacheAware.name: lambda seed, config, prefix: CacheAware(seed, prefix=prefix),
-        PrefixKv.name: lambda seed, config, prefix: PrefixKv(seed, prefix=prefix),
-        KvRouter.name: lambda seed, config, prefix: KvRouter(seed, prefix=prefix),
-    }
-)

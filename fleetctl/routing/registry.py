@@ -1,10 +1,12 @@
-"""Every routing policy by name: ours (routing/policy.py) and the peers' (routing/peers.py)."""
+"""Every routing policy by name, each registered once: its class, how it is built, whether
+`simulate` compares it by default. Adding one: docs/development.md, "Adding a routing policy"."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from fleetctl.routing.peers import PEER_POLICIES, CacheAware, KvRouter, PrefixKv
+from fleetctl.routing.peers import CacheAware, KvRouter, PrefixKv
 from fleetctl.routing.policy import (
     HardwareAware,
     KvAware,
@@ -17,37 +19,65 @@ from fleetctl.routing.policy import (
 from fleetctl.routing.prefix import PrefixView
 from fleetctl.routing.sessions import SessionTable
 
-POLICIES: dict[str, Callable[..., Policy]] = {
-    "round-robin": RoundRobin,
-    "least-outstanding": LeastOutstanding,
-    "power-of-two": PowerOfTwo,
-    "kv-aware": KvAware,
-    "hardware-aware": HardwareAware,
-}
+
+@dataclass(frozen=True)
+class Context:
+    """What a policy may be built with; each takes what it uses."""
+
+    seed: int = 0  # its own random generator's, where it breaks ties at random
+    config: RoutingConfig | None = None  # the inventory's router settings and each model's SLO
+    prefix: PrefixView | None = None  # what each backend has cached of a prompt
+    sessions: SessionTable | None = None  # session pins, shared by router replicas
 
 
-# The class behind each name, whose declarations (`reads_prefix`, `own_index`) say what to
-# build it with before it is built.
-CLASSES: dict[str, type[Policy]] = {
-    "round-robin": RoundRobin,
-    "least-outstanding": LeastOutstanding,
-    "power-of-two": PowerOfTwo,
-    "kv-aware": KvAware,
-    "hardware-aware": HardwareAware,
-    CacheAware.name: CacheAware,
-    PrefixKv.name: PrefixKv,
-    KvRouter.name: KvRouter,
-}
+@dataclass(frozen=True)
+class Registered:
+    """One policy: its class (whose `name`, `reads_prefix` and `own_index` say what it is and
+    what to build it with), how to build it, and whether `simulate` compares it unasked."""
+
+    cls: type[Policy]
+    build: Callable[[Context], Policy]
+    compared: bool
+
+
+REGISTRY: dict[str, Registered] = {}
+
+
+def register(
+    cls: type[Policy], build: Callable[[Context], Policy] | None = None, compared: bool = False
+) -> None:
+    """Make `cls` known by its `name` to `route-serve --policy`, `simulate --policies`, the
+    what-if and the simulator; `build` makes one from a Context (default: `cls(prefix)`)."""
+    if cls.name in REGISTRY:
+        raise ValueError(f"routing policy {cls.name!r} is registered twice")
+    REGISTRY[cls.name] = Registered(cls, build or (lambda c: cls(c.prefix)), compared)
+
+
+# The baselines users would otherwise run, and the seed's scheduler (routing/policy.py).
+register(RoundRobin, compared=True)
+register(LeastOutstanding, compared=True)
+register(PowerOfTwo, lambda c: PowerOfTwo(c.seed, c.prefix), compared=True)
+register(KvAware, compared=True)
+register(HardwareAware, lambda c: HardwareAware(c.config, c.sessions, c.prefix), compared=True)
+# The peers' prefix-cache-aware policies (routing/peers.py), compared when named.
+register(CacheAware, lambda c: CacheAware(c.seed, prefix=c.prefix))
+register(PrefixKv, lambda c: PrefixKv(c.seed, prefix=c.prefix))
+register(KvRouter, lambda c: KvRouter(c.seed, prefix=c.prefix))
 
 
 def policy_class(name: str) -> type[Policy]:
     """The policy class `name` makes, to read what it declares it needs (KeyError: unknown)."""
-    return CLASSES[name]
+    return REGISTRY[name].cls
 
 
 def policy_names() -> list[str]:
-    """Every policy's name: ours, then the peers' prefix-aware ones."""
-    return [*POLICIES, *PEER_POLICIES]
+    """Every policy's name, in the order registered."""
+    return list(REGISTRY)
+
+
+def compared_policies() -> tuple[str, ...]:
+    """The policies `simulate` compares when none are named."""
+    return tuple(name for name, r in REGISTRY.items() if r.compared)
 
 
 def make_policy(
@@ -59,12 +89,4 @@ def make_policy(
 ) -> Policy:
     """A fresh policy by name, built with what it may know of each backend's prefix cache
     (`prefix`) and, for hardware-aware, the session pins it shares (`sessions`)."""
-    if name == "power-of-two":
-        return PowerOfTwo(seed, prefix)
-    if name == "hardware-aware":
-        return HardwareAware(config, sessions, prefix)
-    if name in POLICIES:
-        return POLICIES[name](prefix)
-    if name in PEER_POLICIES:
-        return PEER_POLICIES[name](seed, config, prefix)
-    raise KeyError(name)
+    return REGISTRY[name].build(Context(seed, config, prefix, sessions))

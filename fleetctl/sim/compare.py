@@ -11,6 +11,7 @@ from fleetctl.fleet.plan import Plan
 from fleetctl.model.calibration import Calibration
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
+from fleetctl.routing.registry import compared_policies
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.fleet import (
     Server,
@@ -21,13 +22,7 @@ from fleetctl.sim.fleet import (
 )
 from fleetctl.sim.workload import WorkItem, scale_time
 
-DEFAULT_POLICIES = (
-    "round-robin",
-    "least-outstanding",
-    "power-of-two",
-    "kv-aware",
-    "hardware-aware",
-)
+DEFAULT_POLICIES = compared_policies()
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`plan --workload-from`: each model's workload from its traffic, beside the inventory's."""
+"""Each model's workload derived from its traffic (`plan --workload-from`), and its requests
+read from a trace at their own times (what-if, the gate, the cost plan's SLO check)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import RenderableType
-
 from fleetctl.base.errors import Location, UserError
 from fleetctl.base.limits import MAX_RATE
-from fleetctl.base.tables import Col, Records
 from fleetctl.fleet.inventory import BucketSpec, Inventory, WorkloadSpec
 from fleetctl.sim.workload import (
     Bucket,
@@ -126,47 +124,3 @@ def _names_models(path: Path) -> bool:
         return "model" in json.loads(line)
     except (OSError, ValueError, TypeError, UserError):
         return False
-
-
-def render_workloads(shown: dict[str, dict[str, Any]]) -> RenderableType:
-    """The workloads the plan was made for, derived beside the inventory's."""
-    rows = []
-    for name, w in shown.items():
-        inv = w.get("inventory") or {}
-
-        def pair(key: str, fmt: str, w: dict[str, Any] = w, inv: dict[str, Any] = inv) -> str:
-            got = w.get(key)
-            text = "-" if got is None else format(got, fmt)
-            if key in inv:
-                text += f" ({format(inv[key], fmt)})"
-            return text
-
-        share = w.get("long_share")
-        sessions = w.get("session_share")
-        rows.append(
-            [
-                name,
-                w["source"],
-                pair("requests_per_s", ".2f"),
-                pair("mean_prompt_tokens", ","),
-                pair("mean_output_tokens", ","),
-                "-" if w.get("p95_prompt_tokens") is None else f"{w['p95_prompt_tokens']:,}",
-                "-" if share is None else f"{share:.0%}",
-                "-" if sessions is None else f"{sessions:.0%}",
-            ]
-        )
-    return Records(
-        "Workloads the plan was sized for",
-        [
-            Col("model", head=True),
-            Col("from"),
-            Col("peak req/s", numeric=True),
-            Col("prompt mean", numeric=True),
-            Col("output mean", numeric=True),
-            Col("prompt p95", numeric=True),
-            Col("long", numeric=True),
-            Col("sessions", numeric=True),
-        ],
-        rows,
-        caption="in parentheses: the inventory's figure; peak = 95th percentile of 5-minute rates",
-    )
