@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("daemon",),  # route-serve: the same core behind HTTP
     ("emulator",),  # a vLLM-like server for tests and benchmarks
     ("apply",),  # carrying a plan out over SSH
+    ("autopilot",),  # the fleet following its traffic: forecasts, re-plans, sleeps and wakes
     ("cli", "__main__", "__init__"),
 ]
 # Modules and packages that do no I/O: no network, no event loop, no processes.
@@ -64,6 +65,9 @@ PURE = (
     "routing",
     "sim",
     "whatif",
+    "autopilot.forecast",
+    "autopilot.changes",
+    "autopilot.decide",
 )
 IO_LIBRARIES = ("aiohttp", "asyncio", "redis", "paramiko", "urllib", "socket", "subprocess")
 

@@ -101,3 +101,18 @@ def test_a_target_sharing_a_gpu_is_a_conflict(placed):
     now, swap = _pair(placed)
     assert conflicts([now, swap]) == [(now, swap)]
     assert conflicts(placed) == []
+
+
+def test_a_server_whose_gpus_no_arrival_needs_leaves_after_the_arrivals(placed):
+    """Start before stop: a model's leaving server on other GPUs keeps serving until its
+    replacement is ready; one whose GPUs the arrival takes leaves first."""
+    now, swap = _pair(placed)
+    elsewhere = next(d for d in placed if d.node != now.node and d.model == now.model)
+    elsewhere = _sleepy(elsewhere)
+    steps = changes([Resident(now), Resident(elsewhere)], [swap], COSTS)
+    kinds = [(c.kind, c.deployment.node, c.after) for c in steps]
+    assert kinds == [
+        ("sleep", now.node, False),
+        ("start", swap.node, False),
+        ("sleep", elsewhere.node, True),
+    ]

@@ -19,8 +19,8 @@ from typing import Literal
 from fleetctl.fleet.plan import Deployment
 
 Kind = Literal["start", "wake", "sleep", "stop"]
-# The order a change set is carried out in on each GPU group: a server leaves before another
-# takes its memory.
+# The order a change set is carried out in: servers that free GPUs for arrivals leave first,
+# then the arrivals, then (`Change.after`) the servers that leave once the arrivals are ready.
 ORDER: dict[str, int] = {"sleep": 0, "stop": 0, "wake": 1, "start": 1}
 
 
@@ -47,6 +47,9 @@ class Change:
     seconds: float
     level: int = 0  # a sleep's level, or the level a wake wakes from
     why: str = ""
+    # A leaving server whose GPUs no arriving one needs leaves only once the arrivals are
+    # ready (start before stop): its model keeps serving while they warm up.
+    after: bool = False
 
     def to_json(self) -> dict[str, object]:
         d = self.deployment
@@ -60,6 +63,7 @@ class Change:
             "level": self.level,
             "seconds": round(self.seconds, 3),
             "why": self.why,
+            "after_arrivals": self.after,
         }
 
 
@@ -85,10 +89,11 @@ class Costs:
 def changes(
     residents: Sequence[Resident], target: Sequence[Deployment], costs: Costs
 ) -> list[Change]:
-    """The changes that leave exactly `target` awake, in the order to carry them out (on each
-    GPU group a leaving server before its successor). Servers that leave go to sleep where a
-    server can sleep (started with sleep mode) at the level host memory allows; a sleeping
-    server the target wants is woken, not started."""
+    """The changes that leave exactly `target` awake, in the order to carry them out: leaving
+    servers whose GPUs an arrival needs, the arrivals, then the leaving servers that wait for
+    the arrivals to be ready (`Change.after`). Servers that leave go to sleep where they can
+    (started with sleep mode) at the level host memory allows; a sleeping server the target
+    wants is woken, not started."""
     awake = [r for r in residents if r.awake]
     asleep = [r for r in residents if not r.awake]
     out: list[Change] = []
@@ -99,17 +104,21 @@ def changes(
     for r in asleep:
         if r.level == 1:
             held[r.deployment.node] = held.get(r.deployment.node, 0) + _host_share(r.deployment)
+    arriving = [t for t in target if t not in keep]
     for r in leaving:
         d = r.deployment
+        after = not any(_overlaps(d, t) for t in arriving)
         if not _sleeps(d):
-            out.append(Change("stop", d, 0.0, why="not in the target; started without sleep mode"))
+            why = "not in the target; started without sleep mode"
+            out.append(Change("stop", d, 0.0, why=why, after=after))
             continue
         need = _host_share(d)
         if held.get(d.node, 0) + need <= costs.host_bytes(d.node):
             held[d.node] = held.get(d.node, 0) + need
-            out.append(Change("sleep", d, 0.0, 1, "not in the target; weights to host memory"))
+            why = "not in the target; weights to host memory"
+            out.append(Change("sleep", d, 0.0, 1, why, after))
         else:
-            out.append(Change("sleep", d, 0.0, 2, "not in the target; host memory is full"))
+            out.append(Change("sleep", d, 0.0, 2, "not in the target; host memory is full", after))
     for t in target:
         if t in keep:
             continue
@@ -120,7 +129,7 @@ def changes(
             out.append(Change("wake", t, seconds, level, f"asleep at level {level} on its GPUs"))
         else:
             out.append(Change("start", t, costs.start_s(t), why="no server of it on its GPUs"))
-    return sorted(out, key=lambda c: (c.deployment.node, ORDER[c.kind]))
+    return sorted(out, key=lambda c: (c.after, c.deployment.node, ORDER[c.kind]))
 
 
 def _host_share(d: Deployment) -> int:

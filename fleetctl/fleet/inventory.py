@@ -336,6 +336,15 @@ class PlannerSpec(Strict):
         "0.32, 2048 on an A100 or RTX 4090, 8192 on an H100)",
     )
     enforce_eager: bool = False
+    # Start every server with vLLM's sleep mode (--enable-sleep-mode, VLLM_SERVER_DEV_MODE=1),
+    # so the autopilot can sleep and wake it instead of stopping and starting it; its dev
+    # endpoints then answer on its port, which only route-serve and the autopilot may reach.
+    sleep_mode: bool = Field(
+        False,
+        description="start servers with vLLM's sleep mode (--enable-sleep-mode, "
+        "VLLM_SERVER_DEV_MODE=1), so the autopilot sleeps and wakes them; their dev endpoints "
+        "must be reachable by route-serve and the autopilot only",
+    )
     # throughput: share spare GPUs out among the models; cost: the cheapest GPUs that meet
     # every workload (needs every node's price). `plan --objective` overrides it.
     objective: Literal["throughput", "cost"] = "throughput"

@@ -453,6 +453,16 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         tail += ["--revision", variant.revision]
     if inv.spec.planner.enforce_eager:
         tail.append("--enforce-eager")
+    env = dict(model.spec.env)
+    if inv.spec.planner.sleep_mode:
+        tail.append("--enable-sleep-mode")
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # vLLM serves /sleep and /wake_up only in dev mode
+        reasons = (
+            *reasons,
+            "sleep mode: the autopilot may sleep and wake it; its dev endpoints (/sleep, "
+            "/wake_up, /collective_rpc) answer on its port, for route-serve and the autopilot "
+            "alone",
+        )
     tail += model.spec.vllm_args
     return Server(
         model=model.name,
@@ -474,7 +484,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
         reasons=reasons,
         args_head=("serve", variant.source, "--served-model-name", model.name),
         args_tail=tuple(tail),
-        env=tuple(sorted(model.spec.env.items())),
+        env=tuple(sorted(env.items())),
         max_model_len_reason=k.context_reason,
         kv_events=kv,
         # Every node of a class has the same price, so all of a candidate's servers do.

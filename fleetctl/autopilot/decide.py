@@ -1,0 +1,274 @@
+"""One autopilot decision per interval: forecast each model's traffic, re-plan the fleet for it
+at the lowest cost that keeps each SLO, and the changes from what runs, held back by
+hysteresis, a change budget and floors, and gated by a what-if replay.
+
+The plan is `plan_fleet` with the cost objective, the state of what runs as its input (a
+replica that stays is preferred to a move, planner/place.py) and each model's workload at its
+forecast's band (`Forecast.high`) per second; the lengths and burstiness stay the inventory's
+or those derived from the traffic seen so far. What the plan asks for arrives at once; what it
+lets go leaves only after `down_after` intervals in a row without it (a burst's tail is not a
+reason to sleep a server that the next minute needs). Each hour allows `moves_per_hour`
+starts and wakes. Every decision is kept with its figures (`Decision.to_json`), for the audit
+log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetctl.autopilot.changes import Change, Costs, Resident, changes, same_server
+from fleetctl.autopilot.forecast import Forecast, forecast
+from fleetctl.fleet.inventory import Inventory, WorkloadSpec
+from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.state import State
+from fleetctl.model.calibration import Calibration
+from fleetctl.planner import plan_fleet
+from fleetctl.sim.workload import WorkItem
+from fleetctl.whatif.predict import what_if
+
+RATE_FLOOR = 1e-3  # req/s: the planner needs a positive rate for a model with no traffic
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How the autopilot moves the fleet."""
+
+    interval_s: float = 60.0
+    down_after: int = 5  # intervals a model must not need a server before it leaves
+    moves_per_hour: int = 30  # starts and wakes
+    floor: int = 1  # awake servers each model keeps, whatever its traffic
+    gate: bool = True  # replay the recent traffic on the new fleet before moving
+
+
+@dataclass
+class Decision:
+    """What the autopilot decided at `at`, and from what."""
+
+    at: float
+    forecasts: dict[str, Forecast]
+    target: list[Deployment]
+    changes: list[Change]
+    held: list[str] = field(default_factory=list)  # why changes were held back
+
+    def to_json(self) -> dict[str, Any]:
+        servers: dict[str, int] = {}
+        for d in self.target:
+            servers[d.model] = servers.get(d.model, 0) + 1
+        return {
+            "at_s": round(self.at, 3),
+            "forecast": {m: f.to_json() for m, f in self.forecasts.items()},
+            "servers": servers,
+            "changes": [c.to_json() for c in self.changes],
+            "held": self.held,
+        }
+
+
+def _group(d: Deployment) -> tuple[str, frozenset[int]]:
+    return d.node, frozenset(d.gpu_indices)
+
+
+def _overlap(a: Deployment, b: Deployment) -> bool:
+    return a.node == b.node and bool(set(a.gpu_indices) & set(b.gpu_indices))
+
+
+class Autopilot:
+    """The decisions of one fleet over time: what it has seen, what runs, what it did."""
+
+    def __init__(
+        self,
+        inv: Inventory,
+        costs: Costs,
+        settings: Settings = Settings(),
+        residents: Sequence[Resident] = (),
+        calibration: Calibration | None = None,
+    ) -> None:
+        self.inv, self.costs, self.settings = inv, costs, settings
+        self.calibration = calibration
+        self.residents = list(residents)
+        self.history: dict[str, list[float]] = {m.name: [] for m in inv.models}
+        self.unneeded: dict[int, int] = {}  # id of an awake deployment -> intervals unneeded
+        self.moves: deque[float] = deque()  # times of recent starts and wakes
+
+    def record(self, counts: Mapping[str, float]) -> None:
+        """One interval's requests per model (a model left out had none)."""
+        for name, series in self.history.items():
+            series.append(float(counts.get(name, 0.0)))
+
+    def awake(self) -> list[Deployment]:
+        return [r.deployment for r in self.residents if r.awake]
+
+    def decide(
+        self, now: float, recent: Mapping[str, Sequence[WorkItem]] | None = None
+    ) -> Decision:
+        """The next interval's fleet. `recent`: each model's requests of the last intervals,
+        replayed on the new fleet by the gate (no gate without them)."""
+        s = self.settings
+        forecasts = {m: forecast(series) for m, series in self.history.items() if series}
+        planned = self._wake_first(self._plan(forecasts), forecasts)
+        target, held = self._hold(planned)
+        steps = changes(self.residents, target, self.costs)
+        steps, over = self._budget(now, steps)
+        held += over
+        if steps and s.gate and recent:
+            why = self._gate(target, recent, forecasts)
+            if why:
+                return Decision(now, forecasts, self.awake(), [], [*held, why])
+        return Decision(now, forecasts, target, steps, held)
+
+    def carried_out(self, decision: Decision) -> None:
+        """What runs after `decision`'s changes (the caller carried them out)."""
+        by_kind = {"sleep": [], "stop": [], "wake": [], "start": []}  # type: dict[str, list[Change]]
+        for c in decision.changes:
+            by_kind[c.kind].append(c)
+            if c.kind in ("start", "wake"):
+                self.moves.append(decision.at)
+        kept: list[Resident] = []
+        for r in self.residents:
+            d = r.deployment
+            if any(same_server(c.deployment, d) for c in by_kind["stop"]):
+                continue
+            slept = next((c for c in by_kind["sleep"] if same_server(c.deployment, d)), None)
+            woken = any(same_server(c.deployment, d) for c in by_kind["wake"])
+            if slept is not None:
+                kept.append(Resident(d, slept.level))
+            elif woken:
+                kept.append(Resident(d))
+            else:
+                kept.append(r)
+        kept += [Resident(c.deployment) for c in by_kind["start"]]
+        self.residents = kept
+
+    # --- the steps ------------------------------------------------------------------------
+
+    def _plan(self, forecasts: Mapping[str, Forecast]) -> list[Deployment]:
+        """The cheapest fleet for the forecasts, from what runs (state)."""
+        s = self.settings
+        models = []
+        for m in self.inv.models:
+            f = forecasts.get(m.name)
+            rate = max(RATE_FLOOR, (f.high if f else 0.0) / s.interval_s)
+            w = m.spec.workload
+            spec = (
+                w.model_copy(update={"requests_per_s": rate})
+                if w is not None
+                else WorkloadSpec(
+                    requests_per_s=rate, mean_prompt_tokens=512, mean_output_tokens=128
+                )
+            )
+            models.append(dataclasses.replace(m, spec=m.spec.model_copy(update={"workload": spec})))
+        inv = dataclasses.replace(self.inv, models=tuple(models))
+        state = State(deployments=tuple(r.deployment for r in self.residents))
+        return list(plan_fleet(inv, state, self.calibration, objective="cost").deployments)
+
+    def _wake_first(
+        self, planned: list[Deployment], forecasts: Mapping[str, Forecast]
+    ) -> list[Deployment]:
+        """The plan with sleeping servers woken before anything starts cold: where a model's
+        plan starts servers, its sleepers whose GPUs the plan leaves free wake (fastest
+        first) until, with its other servers, they carry the forecast at the planner's
+        target utilization; the cold starts are dropped where they do, kept for the rest
+        where they do not. Sleepers serve in seconds, a start in minutes; the hold lets the
+        extra go once the starts serve."""
+        sleepers = [r for r in self.residents if not r.awake]
+        target_util = self.inv.spec.planner.target_utilization
+        out = list(planned)
+        for model in sorted({t.model for t in planned}):
+            starts = [
+                t
+                for t in out
+                if t.model == model
+                and not any(same_server(r.deployment, t) for r in self.residents)
+            ]
+            if not starts:
+                continue
+            rest = [o for o in out if o not in starts]
+            f = forecasts.get(model)
+            required = (f.high if f else 0.0) / self.settings.interval_s / target_util
+            need = required - sum(o.capacity_rps for o in rest if o.model == model)
+            free = [
+                r
+                for r in sleepers
+                if r.deployment.model == model and not any(_overlap(r.deployment, o) for o in rest)
+            ]
+            free.sort(key=lambda r: (self.costs.wake_s(r.deployment, r.level), r.deployment.key))
+            chosen: list[Deployment] = []
+            capacity = 0.0
+            for r in free:
+                if capacity >= need:
+                    break
+                if any(_overlap(r.deployment, c) for c in chosen):
+                    continue
+                chosen.append(r.deployment)
+                capacity += r.deployment.capacity_rps
+            out = (rest if capacity >= need else out) + chosen
+        return out
+
+    def _hold(self, planned: list[Deployment]) -> tuple[list[Deployment], list[str]]:
+        """The plan with the servers it lets go kept until they were unneeded `down_after`
+        intervals in a row, and each model's `floor` kept awake."""
+        s = self.settings
+        held: list[str] = []
+        target = list(planned)
+        awake = self.awake()
+        for d in awake:
+            if any(same_server(d, t) for t in planned):
+                self.unneeded.pop(id(d), None)
+                continue
+            n = self.unneeded.get(id(d), 0) + 1
+            self.unneeded[id(d)] = n
+            mine = sum(1 for t in target if t.model == d.model)
+            if n < s.down_after or mine < s.floor:
+                why = "floor" if mine < s.floor else f"unneeded {n} of {s.down_after} intervals"
+                held.append(f"keep {d.model} on {d.node} {list(d.gpu_indices)}: {why}")
+                target = [t for t in target if not _overlap(t, d)] + [d]
+        return target, held
+
+    def _budget(self, now: float, steps: list[Change]) -> tuple[list[Change], list[str]]:
+        """At most `moves_per_hour` starts and wakes in any hour: the moves beyond it wait,
+        with the servers that would leave their GPUs for them."""
+        while self.moves and self.moves[0] <= now - 3600:
+            self.moves.popleft()
+        room = self.settings.moves_per_hour - len(self.moves)
+        ups = [c for c in steps if c.kind in ("start", "wake")]
+        if len(ups) <= room:
+            return steps, []
+        ups.sort(key=lambda c: c.seconds)  # the quickest moves first: wakes before starts
+        keep_up = ups[: max(0, room)]
+        dropped = ups[max(0, room) :]
+        # A server leaves only for an arrival that goes ahead, or when nothing arrives there.
+        out = []
+        for c in steps:
+            if c.kind in ("start", "wake"):
+                if c in keep_up:
+                    out.append(c)
+                continue
+            if any(_overlap(c.deployment, u.deployment) for u in dropped):
+                continue
+            out.append(c)
+        return out, [
+            f"{len(dropped)} move(s) wait for the hour's budget of {self.settings.moves_per_hour}"
+        ]
+
+    def _gate(
+        self,
+        target: Sequence[Deployment],
+        recent: Mapping[str, Sequence[WorkItem]],
+        forecasts: Mapping[str, Forecast],
+    ) -> str | None:
+        """Why the new fleet must not replace what runs: on the recent traffic it meets the
+        objectives for fewer requests than what runs, and fewer than the SLOs' share."""
+        new = what_if(self.inv, target, recent, calibration=self.calibration)
+        old = what_if(self.inv, self.awake(), recent, calibration=self.calibration)
+        if new.slo_attainment is None or old.slo_attainment is None:
+            return None
+        share = min((m.spec.slo.share for m in self.inv.models if m.spec.slo), default=0.99)
+        if new.slo_attainment < min(old.slo_attainment, share) - 0.005:
+            return (
+                f"gate: the new fleet met the objectives for {new.slo_attainment:.1%} of the "
+                f"recent requests, what runs for {old.slo_attainment:.1%}"
+            )
+        return None
