@@ -141,6 +141,11 @@ class Autopilot:
                 kept.append(r)
         kept += [Resident(c.deployment) for c in by_kind["start"]]
         self.residents = kept
+        # A server counts its unneeded intervals afresh each time it is awake again.
+        awake = {id(r.deployment) for r in kept if r.awake}
+        self.unneeded = {k: n for k, n in self.unneeded.items() if k in awake}
+        for c in (*by_kind["wake"], *by_kind["start"]):
+            self.unneeded.pop(id(c.deployment), None)
 
     # --- the steps ------------------------------------------------------------------------
 

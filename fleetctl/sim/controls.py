@@ -30,6 +30,9 @@ class Control:
     server: str
     action: Action
     ready_s: float = 0.0
+    # A start of a server the fleet does not have yet: the simulator's description of it
+    # (sim/fleet.py's Server; typed loosely to keep this module below it).
+    new: object | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def check(controls: Sequence[Control], servers: Iterable[str]) -> None:
     """Controls must name known servers and known actions, at times not before 0."""
     known = set(servers)
     for c in controls:
-        if c.server not in known:
+        if c.server not in known and not (c.action == "start" and c.new is not None):
             raise ValueError(f"control for an unknown server {c.server!r}")
         if c.action not in (*UP, *DOWN):
             raise ValueError(f"unknown action {c.action!r}")

@@ -8,9 +8,10 @@ hour of traffic on a dozen servers simulates in seconds. Deterministic for a see
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetctl.fleet.engines import deployment_engine
 from fleetctl.fleet.inventory import Inventory
@@ -256,22 +257,13 @@ def simulate(
 
     `progress`, if given, hears the share of the arrivals' span simulated so far, now and then.
     """
-    engines = [
-        Engine(
-            s.perf,
-            s.kv_tokens,
-            s.max_num_seqs,
-            s.max_num_batched_tokens,
-            s.max_model_len,
-            s.name,
-            block_size=s.block_size,
-        )
-        for s in servers
-    ]
+    engines = [_engine(s) for s in servers]
     # Policies that read prefix caches see the engines' own, as vLLM's KV events tell them.
-    policy = make_policy(policy_name, seed, config, prefix=_EngineCaches(engines))
+    caches = _EngineCaches(engines)
+    policy = make_policy(policy_name, seed, config, prefix=caches)
     sched = Scheduler(policy, aging or Aging(), admission=admission)
     run = _Run(servers, items, engines, sched, OutputEstimator(output_estimate), drain_s)
+    run.caches = caches
     run.control(controls, set(down), controller, tick_s)
     run.run(progress)
     return SimResult(
@@ -302,24 +294,11 @@ class _Run:
         estimate: OutputEstimator,
         drain_s: float | None,
     ) -> None:
-        self.servers, self.items, self.engines, self.sched = servers, items, engines, sched
+        self.items, self.engines, self.sched = items, engines, sched
+        self.servers: list[Server] = list(servers)  # grows as controls start new servers
         self.estimate = estimate
-        self.backends = [
-            Backend(
-                s.name,
-                s.node,
-                s.gpu_type,
-                s.model,
-                s.variant,
-                s.kv_tokens,
-                s.max_num_seqs,
-                s.perf,
-                max_model_len=s.max_model_len,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                role=s.role,
-            )
-            for s in servers
-        ]
+        self.backends = [_backend(s) for s in servers]
+        self.caches: _EngineCaches | None = None
         self.index = {b.name: i for i, b in enumerate(self.backends)}
         self.outcomes = [Outcome(w) for w in items]
         self.requests: dict[int, Request] = {}
@@ -341,6 +320,7 @@ class _Run:
         # The fleet's changes: controls due (time, order, control), the controller and its
         # next tick, each server's state, and when each held its GPUs.
         self.controls: list[tuple[float, int, Control]] = []
+        self.order = itertools.count()  # ties at one instant go in the order they came
         self.controller: Controller | None = None
         self.tick_s = math.inf
         self.next_tick = math.inf
@@ -371,10 +351,13 @@ class _Run:
             self.next_tick = 0.0
 
     def push(self, c: Control) -> None:
-        heapq.heappush(self.controls, (c.at, len(self.awake.actions) + len(self.controls), c))
+        heapq.heappush(self.controls, (c.at, next(self.order), c))
 
     def apply(self, c: Control, now: float) -> None:
         """One control: a server leaves routing, begins to wake or start, or is ready."""
+        if c.new is not None and c.server not in self.index:
+            assert isinstance(c.new, Server), c.new
+            self.add(c.new)
         i = self.index[c.server]
         b = self.backends[i]
         if c.action in DOWN:
@@ -394,7 +377,21 @@ class _Run:
         self.awake.up(c.server, now)
         self.awake.count(c.action)
         ready = Control(now + c.ready_s, c.server, "ready")
-        heapq.heappush(self.controls, (ready.at, -1, ready))
+        heapq.heappush(self.controls, (ready.at, next(self.order), ready))
+
+    def add(self, s: Server) -> None:
+        """A server the fleet did not have: started by a control, asleep until then."""
+        e = _engine(s)
+        self.servers.append(s)
+        self.engines.append(e)
+        self.backends.append(_backend(s))
+        self.backends[-1].healthy = False
+        self.index[s.name] = len(self.backends) - 1
+        self.version.append(0)
+        self.states[s.name] = "stopped"
+        self.awake.gpus[s.name] = s.perf.tp
+        if self.caches is not None:
+            self.caches.engines[s.name] = e
 
     def ready(self, c: Control) -> None:
         if self.states[c.server] != "waking":
@@ -410,7 +407,7 @@ class _Run:
         seen = Observation(now, self.items[: self.arrived], dict(self.states))
         for c in self.controller(seen):
             check([c], self.index)
-            self.push(Control(max(now, c.at), c.server, c.action, c.ready_s))
+            self.push(replace(c, at=max(now, c.at)))
         self.next_tick = now + self.tick_s
 
     def run(self, progress: Callable[[float], None] | None) -> None:
@@ -599,6 +596,34 @@ class _Run:
         waiting, self.awaiting = self.awaiting, []
         for rid, p in waiting:
             self.to_decode(rid, p, now)
+
+
+def _engine(s: Server) -> Engine:
+    return Engine(
+        s.perf,
+        s.kv_tokens,
+        s.max_num_seqs,
+        s.max_num_batched_tokens,
+        s.max_model_len,
+        s.name,
+        block_size=s.block_size,
+    )
+
+
+def _backend(s: Server) -> Backend:
+    return Backend(
+        s.name,
+        s.node,
+        s.gpu_type,
+        s.model,
+        s.variant,
+        s.kv_tokens,
+        s.max_num_seqs,
+        s.perf,
+        max_model_len=s.max_model_len,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        role=s.role,
+    )
 
 
 class _EngineCaches:

@@ -1,0 +1,228 @@
+"""The autopilot run against the simulator: its decisions carried out as the simulated fleet's
+controls, each change taking its seconds, over every model's traffic on one clock; and the
+same fleet left static, for comparison. The figures are the fleet's: GPU-hours with a server
+awake, minutes in which every model met its objectives, and the actions taken.
+
+What runs at the start is the inventory's plan (every server awake). Each interval the
+controller counts the requests that arrived in it per model, asks the autopilot for a
+decision (the gate replays the last `GATE_INTERVALS` intervals), and turns the changes into
+controls: servers that free GPUs for an arrival leave at once, arrivals begin at once and
+serve after their seconds, servers that wait for the arrivals leave when the slowest is ready.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fleetctl.autopilot.changes import Costs, Resident
+from fleetctl.autopilot.decide import Autopilot, Decision, Settings
+from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.plan import Deployment
+from fleetctl.model.calibration import Calibration
+from fleetctl.model.startup import wake_seconds, warmup_seconds
+from fleetctl.planner import plan_fleet
+from fleetctl.routing.goodput import Slo
+from fleetctl.routing.policy import RoutingConfig
+from fleetctl.sim.controls import Control, Observation
+from fleetctl.sim.fleet import Server, SimResult, servers_from_plan, simulate
+from fleetctl.sim.multi import slo_minutes
+from fleetctl.sim.workload import WorkItem
+
+GATE_INTERVALS = 5
+# A node's host memory where nothing says it: twice its GPUs' memory, a common server build.
+HOST_PER_GPU_MEMORY = 2
+
+
+def sim_name(d: Deployment) -> str:
+    """The simulated server of `d`: one name per GPU group and command."""
+    digest = hashlib.blake2b("\0".join(d.vllm_args).encode(), digest_size=4).hexdigest()
+    gpus = ",".join(map(str, d.gpu_indices))
+    return f"{d.node}[{gpus}]:{d.model}:{digest}"
+
+
+def default_costs(inv: Inventory, calibration: Calibration | None) -> Costs:
+    """A start's seconds as apply would measure them (or the estimate), a wake's from the
+    performance model, and each node's host memory at HOST_PER_GPU_MEMORY x its GPUs'."""
+    nodes = {n.name: n for n in inv.nodes}
+    gpus = {n.gpu.name: n.gpu for n in inv.nodes}
+
+    def start_s(d: Deployment) -> float:
+        s = d.server
+        profile = inv.model(d.model).profile.name
+        return warmup_seconds(
+            calibration, d.gpu_type, profile, d.variant, s.tensor_parallel_size, s.weights_bytes
+        )
+
+    def wake_s(d: Deployment, level: int) -> float:
+        s = d.server
+        return wake_seconds(gpus[d.gpu_type], s.weights_bytes, s.tensor_parallel_size, level)
+
+    def host_bytes(node: str) -> int:
+        n = nodes.get(node)
+        return 0 if n is None else HOST_PER_GPU_MEMORY * n.gpu.memory_bytes * n.gpu_count
+
+    return Costs(start_s, wake_s, host_bytes)
+
+
+@dataclass
+class FleetDay:
+    """One run over the traffic: per model its figures, and the fleet's."""
+
+    name: str
+    result: SimResult
+    slos: dict[str, Slo | None]
+    span_s: float
+    decisions: list[Decision] = field(default_factory=list)
+
+    def by_model(self) -> dict[str, SimResult]:
+        out: dict[str, list[Any]] = {}
+        for o in self.result.outcomes:
+            out.setdefault(o.item.model, []).append(o)
+        r = self.result
+        return {
+            m: SimResult(r.policy, outs, r.horizon, 0, 0, slo=self.slos.get(m))
+            for m, outs in sorted(out.items())
+        }
+
+    def fleet(self) -> dict[str, Any]:
+        models = self.by_model()
+        share, minutes = slo_minutes(list(models.values()), self.span_s)
+        assert self.result.awake is not None
+        return {
+            "gpu_hours": round(self.result.awake.gpu_hours(self.span_s), 3),
+            "slo_minutes": round(share, 4),
+            "minutes": minutes,
+            "actions": dict(sorted(self.result.awake.actions.items())),
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        models = {}
+        for m, r in self.by_model().items():
+            s = r.summary()
+            keys = ("requests", "completed", "rejected", "slo_attainment", "ttft_p99_s")
+            models[m] = {k: s[k] for k in (*keys, "tpot_p99_s")}
+        return {"models": models, "fleet": self.fleet()}
+
+
+def _merged(traffic: Mapping[str, Sequence[WorkItem]]) -> list[WorkItem]:
+    items = sorted((w for ws in traffic.values() for w in ws), key=lambda w: (w.arrival, w.model))
+    return [replace(w, id=i) for i, w in enumerate(items)]
+
+
+def _config(
+    inv: Inventory, servers: Sequence[Server], traffic: Mapping[str, Sequence[WorkItem]]
+) -> RoutingConfig:
+    shapes = {
+        m: (
+            max(1, round(sum(w.prompt for w in ws) / len(ws))),
+            max(1, round(sum(w.output for w in ws) / len(ws))),
+        )
+        for m, ws in traffic.items()
+        if ws
+    }
+    engines = [(s.model, s.perf, s.max_model_len) for s in servers]
+    return RoutingConfig.of(inv, engines, shapes)
+
+
+def _servers(inv: Inventory, ds: Sequence[Deployment], cal: Calibration | None) -> list[Server]:
+    return [
+        replace(s, name=sim_name(d))
+        for d, s in zip(ds, servers_from_plan(ds, inv, cal), strict=True)
+    ]
+
+
+def run_static(
+    inv: Inventory,
+    traffic: Mapping[str, Sequence[WorkItem]],
+    *,
+    policy: str = "hardware-aware",
+    calibration: Calibration | None = None,
+    seed: int = 0,
+) -> FleetDay:
+    """The inventory's plan, every server awake throughout."""
+    plan = plan_fleet(inv, None, calibration)
+    servers = _servers(inv, plan.deployments, calibration)
+    items = _merged(traffic)
+    config = _config(inv, servers, traffic)
+    result = simulate(servers, items, policy, seed=seed, config=config)
+    span = max((w.arrival for w in items), default=0.0)
+    return FleetDay("static", result, dict(config.slo), span)
+
+
+def run_autopilot(
+    inv: Inventory,
+    traffic: Mapping[str, Sequence[WorkItem]],
+    settings: Settings = Settings(),
+    *,
+    policy: str = "hardware-aware",
+    calibration: Calibration | None = None,
+    seed: int = 0,
+    costs: Costs | None = None,
+) -> FleetDay:
+    """The autopilot moving the inventory's fleet through the traffic."""
+    start = plan_fleet(inv, None, calibration)
+    servers = _servers(inv, start.deployments, calibration)
+    pilot = Autopilot(
+        inv,
+        costs or default_costs(inv, calibration),
+        settings,
+        [Resident(d) for d in start.deployments],
+        calibration,
+    )
+    items = _merged(traffic)
+    config = _config(inv, servers, traffic)
+    decisions: list[Decision] = []
+    seen = 0
+
+    def controller(o: Observation) -> list[Control]:
+        nonlocal seen
+        if o.now <= 0:
+            return []
+        arrived: Sequence[Any] = o.arrived
+        counts: dict[str, float] = {}
+        for w in arrived[seen:]:
+            counts[w.model] = counts.get(w.model, 0.0) + 1
+        seen = len(arrived)
+        pilot.record(counts)
+        since = o.now - GATE_INTERVALS * settings.interval_s
+        recent: dict[str, list[WorkItem]] = {}
+        for w in arrived:
+            if w.arrival >= since:
+                mine = recent.setdefault(w.model, [])
+                mine.append(replace(w, id=len(mine), arrival=w.arrival - since))
+        decision = pilot.decide(o.now, recent)
+        decisions.append(decision)
+        pilot.carried_out(decision)
+        return _controls(inv, decision, o.now, calibration)
+
+    result = simulate(
+        servers,
+        items,
+        policy,
+        seed=seed,
+        config=config,
+        controller=controller,
+        tick_s=settings.interval_s,
+    )
+    span = max((w.arrival for w in items), default=0.0)
+    return FleetDay("autopilot", result, dict(config.slo), span, decisions)
+
+
+def _controls(
+    inv: Inventory, decision: Decision, now: float, calibration: Calibration | None
+) -> list[Control]:
+    """A decision's changes as controls: leave, arrive, then leave after the arrivals."""
+    arrivals = [c for c in decision.changes if c.kind in ("start", "wake")]
+    ready = now + max((c.seconds for c in arrivals), default=0.0)
+    out = []
+    for c in decision.changes:
+        name = sim_name(c.deployment)
+        if c.kind in ("start", "wake"):
+            new = _servers(inv, [c.deployment], calibration)[0] if c.kind == "start" else None
+            out.append(Control(now, name, c.kind, c.seconds, new))
+        else:
+            out.append(Control(ready if c.after else now, name, c.kind))
+    return out
