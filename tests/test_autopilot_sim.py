@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fleetctl.autopilot.decide import Settings
-from fleetctl.autopilot.simulated import run_autopilot, run_static
+from fleetctl.autopilot.simulated import run_autopilot, run_reactive, run_static
 from fleetctl.fleet.inventory import load_inventory
 from fleetctl.model.catalog import load_catalog
 from fleetctl.sim.scenario import Burst, ModelTraffic, generate
@@ -77,3 +77,17 @@ def test_each_decision_is_kept_with_its_figures(runs):
     first = auto.decisions[0].to_json()
     assert set(first) == {"at_s", "forecast", "servers", "changes", "held"}
     assert set(first["forecast"]) == {"llama-3-8b", "llama-2-13b", "llama-3-70b"}
+
+
+def test_the_reactive_scaler_stops_idle_replicas_and_starts_them_on_waiting(inv, traffic):
+    """KEDA-like: the quiet models lose replicas once the scale-down window has passed, the
+    bursting 8B's waiting requests bring replicas back (cold starts), each model keeps one."""
+    day = run_reactive(inv, traffic)
+    actions = day.fleet()["actions"]
+    assert actions.get("stop", 0) > 0 and actions.get("start", 0) > 0, actions
+    awake = day.result.awake
+    assert awake is not None
+    stops = [(n, b) for n, _, b in awake.spans]
+    assert min(b for _, b in stops) >= 300.0  # not before the 300 s stabilization window
+    for model in ("llama-3-8b", "llama-2-13b", "llama-3-70b"):
+        assert any(model in n for n in awake.since), model  # its floor stays up

@@ -1,7 +1,8 @@
 """The autopilot run against the simulator: its decisions carried out as the simulated fleet's
 controls, each change taking its seconds, over every model's traffic on one clock; and the
-same fleet left static, for comparison. The figures are the fleet's: GPU-hours with a server
-awake, minutes in which every model met its objectives, and the actions taken.
+same fleet left static, or scaled by the field's reactive scaler, for comparison. The figures
+are the fleet's: GPU-hours with a server awake, minutes in which every model met its
+objectives, and the actions taken.
 
 What runs at the start is the inventory's plan (every server awake). Each interval the
 controller counts the requests that arrived in it per model, asks the autopilot for a
@@ -19,6 +20,7 @@ from typing import Any
 
 from fleetctl.autopilot.changes import Costs, Resident
 from fleetctl.autopilot.decide import Autopilot, Decision, Settings
+from fleetctl.autopilot.reactive import POLL_S, Reactive
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.model.calibration import Calibration
@@ -150,6 +152,34 @@ def run_static(
     result = simulate(servers, items, policy, seed=seed, config=config)
     span = max((w.arrival for w in items), default=0.0)
     return FleetDay("static", result, dict(config.slo), span)
+
+
+def run_reactive(
+    inv: Inventory,
+    traffic: Mapping[str, Sequence[WorkItem]],
+    *,
+    policy: str = "hardware-aware",
+    calibration: Calibration | None = None,
+    seed: int = 0,
+    floor: int = 1,
+) -> FleetDay:
+    """The field's reactive scaler (autopilot/reactive.py) over the inventory's plan: each
+    model's servers started and stopped on its waiting requests."""
+    plan = plan_fleet(inv, None, calibration)
+    servers = _servers(inv, plan.deployments, calibration)
+    costs = default_costs(inv, calibration)
+    by_name = {sim_name(d): d for d in plan.deployments}
+    owned: dict[str, list[str]] = {}
+    for d in plan.deployments:
+        owned.setdefault(d.model, []).append(sim_name(d))
+    scaler = Reactive(owned, lambda n: costs.start_s(by_name[n]), floor=floor)
+    items = _merged(traffic)
+    config = _config(inv, servers, traffic)
+    result = simulate(
+        servers, items, policy, seed=seed, config=config, controller=scaler, tick_s=POLL_S
+    )
+    span = max((w.arrival for w in items), default=0.0)
+    return FleetDay("reactive", result, dict(config.slo), span)
 
 
 def run_autopilot(

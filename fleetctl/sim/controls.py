@@ -43,6 +43,11 @@ class Observation:
     now: float
     arrived: Sequence[object]  # WorkItem; typed loosely to keep this module below sim/workload
     states: dict[str, str]
+    # What a scaler reads from /metrics and the router: each server's model and its engine's
+    # waiting requests, and each model's requests queued in the router.
+    models: dict[str, str] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+    queued: dict[str, int] = field(default_factory=dict)
 
 
 Controller = Callable[[Observation], Sequence[Control]]

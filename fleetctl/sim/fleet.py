@@ -404,7 +404,18 @@ class _Run:
 
     def tick(self, now: float) -> None:
         assert self.controller is not None
-        seen = Observation(now, self.items[: self.arrived], dict(self.states))
+        self.refresh()
+        queued: dict[str, int] = {}
+        for r in self.sched.queue:
+            queued[r.model] = queued.get(r.model, 0) + 1
+        seen = Observation(
+            now,
+            self.items[: self.arrived],
+            dict(self.states),
+            {b.name: b.model for b in self.backends},
+            {b.name: b.waiting for b in self.backends},
+            queued,
+        )
         for c in self.controller(seen):
             check([c], self.index)
             self.push(replace(c, at=max(now, c.at)))
