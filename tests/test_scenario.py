@@ -62,3 +62,12 @@ def test_the_sine_burst_swings_between_its_rates():
     assert per_minute[2] > 4 * per_minute[7]
     assert len(rows) == pytest.approx(12.5 * 3600, rel=0.05)
     assert {(r["input_length"], r["output_length"]) for r in rows} == {(8000, 1000)}
+
+
+def test_a_compressed_day_runs_its_curve_in_fewer_hours():
+    chat = ModelTraffic("chat", SHAPES, mean_rps=0.5, peak_hour=12, swing=4)
+    rows = generate([chat], hours=6, seed=3, day_hours=6)
+    per_hour = _per_hour(rows, "chat")
+    # Six hours hold the whole day: hour 3 is noon, hour 0 midnight.
+    assert per_hour[3] > 2.5 * per_hour[0]
+    assert len(rows) == pytest.approx(0.5 * 6 * 3600, rel=0.05)

@@ -49,8 +49,10 @@ class ModelTraffic:
     swing: float = 1.0  # peak over trough; 1: flat
     bursts: Sequence[Burst] = field(default_factory=tuple)
 
-    def rate_at(self, t: float, start_hour: float = 0.0) -> float:
-        hour = (start_hour + t / 3600) % 24
+    def rate_at(self, t: float, start_hour: float = 0.0, day_hours: float = 24.0) -> float:
+        """Requests per second at `t` s; `day_hours`: the day compressed into that many hours
+        (the curve's period), bursts kept at their own times."""
+        hour = (start_hour + t / 3600 * 24 / day_hours) % 24
         a = (self.swing - 1) / (self.swing + 1)
         rate = self.mean_rps * (1 + a * math.cos(2 * math.pi * (hour - self.peak_hour) / 24))
         for b in self.bursts:
@@ -70,7 +72,7 @@ def shapes_of(items: Sequence[WorkItem]) -> list[tuple[int, int]]:
 
 
 def arrivals(
-    m: ModelTraffic, hours: float, rng: random.Random, start_hour: float
+    m: ModelTraffic, hours: float, rng: random.Random, start_hour: float, day_hours: float = 24.0
 ) -> Iterator[float]:
     """Arrival times (s) of `m` over `hours`: thinning of a Poisson process at its top rate."""
     end, top = hours * 3600, m.max_rate()
@@ -81,21 +83,26 @@ def arrivals(
         t += rng.expovariate(top)
         if t >= end:
             return
-        if rng.random() * top < m.rate_at(t, start_hour):
+        if rng.random() * top < m.rate_at(t, start_hour, day_hours):
             yield t
 
 
 def generate(
-    models: Sequence[ModelTraffic], hours: float, seed: int = 0, start_hour: float = 0.0
+    models: Sequence[ModelTraffic],
+    hours: float,
+    seed: int = 0,
+    start_hour: float = 0.0,
+    day_hours: float = 24.0,
 ) -> list[dict[str, object]]:
     """The scenario's rows in arrival order: timestamp (ms), input_length, output_length,
-    model. `start_hour`: the hour of day the scenario starts at."""
+    model. `start_hour`: the hour of day the scenario starts at; `day_hours`: a day
+    compressed into that many hours."""
     rows: list[tuple[float, int, dict[str, object]]] = []
     for k, m in enumerate(models):
         if not m.shapes:
             raise ValueError(f"{m.model}: no request shapes to draw from")
         rng = random.Random(f"{seed}:{m.model}")
-        for t in arrivals(m, hours, rng, start_hour):
+        for t in arrivals(m, hours, rng, start_hour, day_hours):
             prompt, output = m.shapes[rng.randrange(len(m.shapes))]
             row = {"timestamp": int(t * 1000), "input_length": prompt}
             rows.append((t, k, row | {"output_length": output, "model": m.model}))
