@@ -1,7 +1,10 @@
 """Prefix-cache-aware routing on the Mooncake conversation trace, simulated: every policy side
 by side on the example mixed fleet (inventory/mooncake-mixed.yaml) at 70% and 90% load.
 
-Run: python benchmarks/prefix_routing.py [--requests N] [--loads 0.7,0.9] [--policies a,b]
+Run: python benchmarks/prefix_routing.py [--requests N] [--start K] [--loads 0.7,0.9]
+[--policies a,b] [--traces DIR]
+
+`--start K` replays requests K to K+N (another window of the hour, its arrivals from 0).
 
 Load is `fleetctl simulate --load`'s: arrivals time-scaled to that share of the planner's
 capacity for the trace's mean request. Prints TTFT (mean, p50, p90, p99), TPOT, the prefix
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from fleetctl.base.resources import examples
@@ -31,7 +35,9 @@ OURS = "hardware-aware"
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=0, help="first N requests (0: all)")
+    ap.add_argument("--requests", type=int, default=0, help="N requests (0: all)")
+    ap.add_argument("--start", type=int, default=0, help="skip the first K requests")
+    ap.add_argument("--traces", type=Path, default=TRACE.parent, help="the traces' folder")
     ap.add_argument("--loads", default="0.7,0.9")
     ap.add_argument("--policies", default=",".join((*PEERS, OURS)))
     ap.add_argument("--example", default="mooncake-mixed")
@@ -39,9 +45,17 @@ def main() -> None:
     inv = load_inventory(examples()[args.example], load_catalog())
     plan = plan_fleet(inv)
     model = inv.models[0].name
-    items = load_trace(TRACE, model, args.requests or None)
+    path = args.traces / TRACE.name
+    items = load_trace(path, model, args.start + args.requests if args.requests else None)
+    items = items[args.start :]
+    # Another window: its first arrival at 0 and its requests numbered from 0, as a trace.
+    t0 = items[0].arrival if items else 0.0
+    items = [replace(w, id=k, arrival=w.arrival - t0) for k, w in enumerate(items)]
     policies = args.policies.split(",")
-    print(f"{len(items)} requests, {len(plan.deployments)} servers ({args.example})\n")
+    print(
+        f"{len(items)} requests from #{args.start}, {len(plan.deployments)} servers "
+        f"({args.example})\n"
+    )
     print(
         "| load | policy | TTFT mean s | p50 | p90 | p99 | TPOT ms | prefix hit | "
         "prefill saved (M tok) | preemptions | completed | rejected | wall s |"

@@ -272,3 +272,25 @@ def test_precision_hint_matches_a_format_its_family_or_its_stem():
     assert precision_matches("fp8", "fp8-per-channel") and precision_matches("FP8", "fp8")
     assert precision_matches("int4", "awq-int4") and precision_matches("gptq-int4", "gptq-int4")
     assert not precision_matches("fp8", "bf16") and not precision_matches("fp", "fp8")
+
+
+def test_the_router_weighs_stalls_against_each_models_mean_output(catalog):
+    """What a request in flight has to decode, for the SLO-weighted cost: the traffic's mean
+    output where the caller measured it, else the inventory's workload, else the default."""
+    from dataclasses import replace
+
+    from fleetctl.base.resources import examples
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.fleet.slo import DEFAULT_OUTPUT
+    from fleetctl.routing.policy import RoutingConfig
+
+    inv = load_inventory(examples()["seed-mixed-8b"], catalog)
+    assert RoutingConfig.of(inv).mean_output == {"llama-3-8b": 300}
+    assert RoutingConfig.of(inv, shapes={"llama-3-8b": (900, 120)}).mean_output == {
+        "llama-3-8b": 120
+    }
+    m = inv.models[0]
+    bare = replace(m, spec=m.spec.model_copy(update={"workload": None}))
+    assert RoutingConfig.of(replace(inv, models=(bare,))).mean_output == {
+        "llama-3-8b": DEFAULT_OUTPUT
+    }

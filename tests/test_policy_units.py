@@ -24,6 +24,7 @@ from fleetctl.routing.policy import (
 )
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain
 from fleetctl.routing.registry import make_policy
+from fleetctl.routing.scheduler import account, first_token
 from fleetctl.routing.sessions import Pin, SessionTable
 from fleetctl.routing.types import Backend, Request
 
@@ -185,6 +186,32 @@ def test_estimate_is_queued_prefill_then_ours_then_one_decode_step():
     # The scraped running count stands for in-flight requests other routers sent there.
     b = be("b", outstanding=1, running=3, pending_prefill=4096, reserved_tokens=3000)
     assert ha.estimate(b, r) == pytest.approx(4.096 + 1.0 + 0.055)
+
+
+class LongPromptPerf(LinearPerf):
+    """LinearPerf whose prefill also pays attention over the prompt itself, as a real GPU's
+    does: 1 ms a token plus 1 ms per 10,000 tokens of the prompt for each of its tokens."""
+
+    def prefill_marginal(self, tokens: int, context: int = 0) -> float:
+        return super().prefill_marginal(tokens, context) + tokens * (context + tokens) / 1e7
+
+
+def test_queued_prefill_is_each_prompts_own_time_not_a_chunks_speed():
+    # One queued 20,000-token prompt takes f = 20 + 40 = 60 s, three times the 20.48 s its
+    # tokens would at a 2,048-token chunk's speed: the router keeps the seconds it sent.
+    long = rq(prompt=20_000, out=10)
+    b = be("b", perf=LongPromptPerf())
+    account(b, long, 0.0)
+    assert b.pending_prefill == 20_000 and b.pending_prefill_s == pytest.approx(60.0)
+    # A 1-token prompt waits 60 s, then f(1) = 0.0010001 and step(2, 20,010 + 1 + 1) = 0.21212.
+    assert HardwareAware().estimate(b, rq(prompt=1, out=2)) == pytest.approx(60.2131201)
+    first_token(b, long)
+    assert (b.pending_prefill, b.pending_prefill_s) == (0, pytest.approx(0.0))
+    # So a short request waits behind 30,000 tokens of short prompts (30.3 s) rather than
+    # behind the one long prompt, whose 20,000 tokens a chunk's speed reads as 20.5 s.
+    account(b, long, 0.0)
+    many = be("a", perf=LongPromptPerf(), pending_prefill=30_000, pending_prefill_s=30.3)
+    assert HardwareAware().choose(rq(prompt=100, out=10), [b, many]).backend is many
 
 
 def test_estimate_of_a_tiny_request_on_an_idle_backend_counts_one_sequence_of_one_token():
@@ -365,6 +392,26 @@ def test_cost_with_an_slo_weighs_each_phase_against_its_objective():
     # One objective alone cannot set the rate between them: plain seconds.
     for half in (Slo(ttft_s=2.0), Slo(tpot_s=0.05)):
         assert cost(e, r, half) == pytest.approx(cost(e, r, None))
+
+
+def test_with_an_slo_the_seconds_added_to_the_others_weigh_against_their_output():
+    # A 3-token answer to a 20,000-token prompt: its 20 s of prefill stall the requests
+    # decoding there, whose outputs are the model's mean (343 tokens), not its 3.
+    slo = Slo(ttft_s=30.0, tpot_s=0.1)
+    r = rq(prompt=20_000, out=3)
+    e = HardwareAware().predict(be("b", outstanding=1), r)
+    assert terms(e, r, slo, others_output=343) == pytest.approx(
+        {"ttft": e.ttft_s / 30, "tpot": e.tpot_s / 0.1, "others": e.added_s() / (342 * 0.1)}
+    )
+    # Without the mean, its own output stands in (the rule before there was one).
+    assert terms(e, r, slo)["others"] == pytest.approx(e.added_s() / (2 * 0.1))
+    # So it no longer queues behind 40 s of prefill (a 60 s first token) to stall two
+    # decodes rather than three: on the idle queue it gets its first token 40 s sooner.
+    queued = be("a", outstanding=2, pending_prefill=40_000)
+    free = be("b", outstanding=3)
+    config = RoutingConfig(slo={"m": slo}, mean_output={"m": 343})
+    d = HardwareAware(config).choose(r, [queued, free])
+    assert d.backend is free and "by:ttft" in d.notes
 
 
 # --- HardwareAware.choose ---------------------------------------------------------------------

@@ -32,7 +32,7 @@ from fleetctl.daemon.telemetry import RouterMetrics
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.daemon.transport import Answer, Transport
 from fleetctl.daemon.upstream import UpstreamError
-from fleetctl.routing.goodput import Slo
+from fleetctl.routing.goodput import Slo, prompt_prefill_s
 from fleetctl.routing.phases import PREFILL
 from fleetctl.routing.request import ClientError, Parsed
 from fleetctl.routing.scheduler import first_token, release
@@ -387,6 +387,7 @@ class Proxy:
         b = decision.backend
         if not transferred:
             b.pending_prefill += req.prefill_tokens
+            b.pending_prefill_s += prompt_prefill_s(b, req)
         return b
 
     async def _place_again(self, req: Request, tried: list[Backend]) -> Decision | None:

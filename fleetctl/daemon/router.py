@@ -399,6 +399,7 @@ class Router:
                     keep.kv_usage,
                     keep.healthy,
                 )
+                b.pending_prefill_s = keep.pending_prefill_s
             merged.append(b)
         self.backends[:] = merged
         self.intake.index(self.backends)

@@ -14,9 +14,10 @@ a decode token takes step / (1 - rho), and at most a step with a full chunk (a b
 
 `cost` turns an effect into the number hardware-aware minimises: the seconds of latency the
 placement gives the fleet's requests, each phase weighed against its objective. Waiting for
-the first token counts against the model's TTFT objective; decoding (the request's own, and
-the seconds it adds to the others) against its output x the TPOT objective. Without both
-objectives the two weigh the same: the plain sum of seconds.
+the first token counts against the model's TTFT objective; its own decoding against its
+output x the TPOT objective, and the seconds it adds to the others against theirs (the
+model's mean output) x the TPOT objective. Without both objectives they weigh the same: the
+plain sum of seconds.
 
 Why seconds and not a count of expected SLO misses: a count was tried
 (benchmarks/results/goodput.md). The TPOT estimate cannot see the prompts that arrive in the
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 from fleetctl.fleet.slo import Slo
 from fleetctl.routing.types import Backend, Request
 
-# Queued prefill is costed at the speed of a chunk of this many tokens (vLLM's usual budget).
+# Prompt tokens are costed at the speed of a chunk of this many tokens (vLLM's usual budget)
+# where their own lengths are unknown: the prefill rate, and the queue the router did not send.
 PREFILL_PROBE = 2048
 # A step's token budget where the backend's max_num_batched_tokens is unknown (vLLM's default
 # on most GPUs).
@@ -63,6 +65,20 @@ def prefill_s_per_token(b: Backend) -> float:
     if b.perf is None:
         return 0.0
     return b.perf.prefill_marginal(PREFILL_PROBE) / PREFILL_PROBE
+
+
+def prompt_prefill_s(b: Backend, req: Request) -> float:
+    """Seconds `b` takes to compute the part of `req`'s prompt it does not hold cached, at
+    the prompt's own length (0 without a model)."""
+    if b.perf is None:
+        return 0.0
+    return b.perf.prefill_marginal(req.prefill_tokens, req.cached_tokens)
+
+
+def queued_prefill_s(b: Backend) -> float:
+    """Seconds of prefill queued on `b` ahead of a new prompt: its prompts' own modelled
+    times where the router sent them, at least its pending tokens at a chunk's speed."""
+    return max(b.pending_prefill_s, b.pending_prefill * prefill_s_per_token(b))
 
 
 def effect(
@@ -110,31 +126,41 @@ def _decoding(b: Backend) -> float:
     return float(min(n, b.max_num_seqs or n))
 
 
-def terms(e: Effect, req: Request, slo: Slo | None) -> dict[str, float]:
+def terms(
+    e: Effect, req: Request, slo: Slo | None, others_output: int | None = None
+) -> dict[str, float]:
     """The cost's parts: the request's first token, its own decode, and the seconds it adds
-    to the others, each over what its objective allows (module docstring)."""
+    to the others, each over what its objective allows (module docstring). `others_output`:
+    the output tokens a request in flight decodes (the model's mean; None: this one's)."""
     decode = max(1, req.output_tokens - 1)
+    theirs = max(1, (others_output or req.output_tokens) - 1)
     ttft_s = slo.ttft_s if slo else None
     tpot_s = slo.tpot_s if slo else None
-    ttft_scale, decode_scale = 1.0, 1.0  # plain seconds
+    ttft_scale, decode_scale, others_scale = 1.0, 1.0, 1.0  # plain seconds
     if ttft_s is not None and tpot_s is not None:
-        ttft_scale, decode_scale = ttft_s, decode * tpot_s
+        # The seconds it adds to the others stretch their decodes, not its own: they are
+        # weighed against their output x the TPOT objective. Its own output would make a
+        # 3-token answer's prefill stall count 100 times a 300-token one's, and steer such
+        # requests onto the server with the fewest decodes whatever prefill it has queued.
+        ttft_scale, decode_scale, others_scale = ttft_s, decode * tpot_s, theirs * tpot_s
     return {
         "ttft": e.ttft_s / ttft_scale,
         "tpot": decode * e.tpot_s / decode_scale,
-        "others": e.added_s() / decode_scale,
+        "others": e.added_s() / others_scale,
     }
 
 
-def cost(e: Effect, req: Request, slo: Slo | None) -> float:
+def cost(e: Effect, req: Request, slo: Slo | None, others_output: int | None = None) -> float:
     """What hardware-aware minimises (module docstring)."""
-    return sum(terms(e, req, slo).values())
+    return sum(terms(e, req, slo, others_output).values())
 
 
-def deciding_term(best: Effect, runner_up: Effect, req: Request, slo: Slo | None) -> str:
+def deciding_term(
+    best: Effect, runner_up: Effect, req: Request, slo: Slo | None, others_output: int | None = None
+) -> str:
     """Which part of the cost separated the pick from the next best: `ttft` (its first
     token), `tpot` (its own decode) or `others` (what it adds to the requests there); `tie`
     when none did (the name decided)."""
-    a, b = terms(best, req, slo), terms(runner_up, req, slo)
+    a, b = terms(best, req, slo, others_output), terms(runner_up, req, slo, others_output)
     term = max(TERMS, key=lambda k: b[k] - a[k])
     return term if b[term] > a[term] else "tie"

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from fleetctl.fleet.inventory import Inventory
-from fleetctl.fleet.slo import objectives
+from fleetctl.fleet.slo import DEFAULT_OUTPUT, objectives
 from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.goodput import (
     Effect,
@@ -21,7 +21,7 @@ from fleetctl.routing.goodput import (
     cost,
     deciding_term,
     effect,
-    prefill_s_per_token,
+    queued_prefill_s,
 )
 from fleetctl.routing.prefix import NoPrefix, PrefixView
 from fleetctl.routing.sessions import Pin, SessionTable
@@ -55,6 +55,9 @@ class RoutingConfig:
     # Each model's objectives (its inventory `slo`, else the derived default): hardware-aware
     # weighs each phase's seconds against them (routing/goodput.py).
     slo: dict[str, Slo] = field(default_factory=dict)
+    # Each model's mean output tokens: what a request in flight has to decode, against which
+    # the seconds a placement adds to those requests are weighed (routing/goodput.py).
+    mean_output: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -72,11 +75,16 @@ class RoutingConfig:
             if perf is not None:
                 served.setdefault(model, []).append((perf, max_len))
         slos = {}
+        outputs = {}
         for m in inv.models:
             prompt, output = (shapes or {}).get(m.name, (None, None))
             if (slo := objectives(m, served.get(m.name, ()), prompt, output)) is not None:
                 slos[m.name] = slo
-        return cls(spec.long_context_tokens, spec.bandwidth_saturation, slo=slos)
+            w = m.spec.workload
+            outputs[m.name] = output or (w.mean_output_tokens if w else DEFAULT_OUTPUT)
+        return cls(
+            spec.long_context_tokens, spec.bandwidth_saturation, slo=slos, mean_output=outputs
+        )
 
 
 def is_split(backends: Sequence[Backend]) -> bool:
@@ -206,6 +214,7 @@ class Placement:
     exclusive: bool  # only some of the model's classes could take it
     pin: Pin | None
     slo: Slo | None
+    others_output: int | None = None  # the model's mean output (RoutingConfig.mean_output)
     notes: list[str] = field(default_factory=list)
     long: bool = False  # prompt + output past long_context_tokens
     small: set[str] = field(default_factory=set)  # the small-KV backends of the pool
@@ -275,7 +284,15 @@ class HardwareAware(Policy):
         (not strict: when one runs it), the session's class (while one of it is left)."""
         exclusive = isinstance(backends, Pool) and backends.exclusive
         pin = self.sessions.get(req.session) if req.session else None
-        p = Placement(req, list(backends), exclusive, pin, self.config.slo.get(req.model))
+        cfg = self.config
+        p = Placement(
+            req,
+            list(backends),
+            exclusive,
+            pin,
+            cfg.slo.get(req.model),
+            cfg.mean_output.get(req.model),
+        )
         if req.precision and not req.strict:
             match = [b for b in p.pool if precision_matches(req.precision, b.variant)]
             p.notes.append("precision:prefer" if match else "precision:unavailable")
@@ -318,7 +335,7 @@ class HardwareAware(Policy):
                 own = b.perf.prefill_marginal(req.prompt_tokens - p.hits[b.name], p.hits[b.name])
                 extra = share * own * (1 + b.waiting)
             p.effects[b.name] = replace(e, ttft_s=e.ttft_s * slow + extra)
-            p.costs[b.name] = cost(p.effects[b.name], req, p.slo)
+            p.costs[b.name] = cost(p.effects[b.name], req, p.slo, p.others_output)
         p.long, p.small = long, small
 
     def _pick(self, p: Placement) -> Decision:
@@ -335,14 +352,16 @@ class HardwareAware(Policy):
         else:
             p.notes.append(f"length:long->{'small' if best.name in p.small else 'large'}-kv")
         if len(ranked) > 1:
-            term = deciding_term(p.effects[best.name], p.effects[ranked[1].name], req, p.slo)
+            term = deciding_term(
+                p.effects[best.name], p.effects[ranked[1].name], req, p.slo, p.others_output
+            )
             p.notes.append(f"by:{term}")
         if p.pin is not None:
             home = next((b for b in p.pool if b.node == p.pin.node), None)
             if home is not None and home is not best:
                 e = p.effects[best.name]
                 later = replace(e, ttft_s=e.ttft_s + self.config.affinity_slack_s)
-                if p.costs[home.name] <= cost(later, req, p.slo):
+                if p.costs[home.name] <= cost(later, req, p.slo, p.others_output):
                     best = home
                     p.notes.append("affinity:node")
         if p.hits[best.name]:
@@ -386,7 +405,7 @@ class HardwareAware(Policy):
         # Prompt tokens ahead of ours (each its own sequence: linear, at a typical context) and
         # ours, at the GPU's prefill speed. What this server has cached of our prompt is
         # prefill it skips: we compute only the rest, attending to the cached part.
-        wait = b.pending_prefill * prefill_s_per_token(b)
+        wait = queued_prefill_s(b)
         if cached is None:
             cached = self.cached(b, req)
         # As much of it as this server really finds of what the router expects it to hold

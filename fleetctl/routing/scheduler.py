@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fleetctl.routing.goodput import prompt_prefill_s
 from fleetctl.routing.phases import (
     DECODE,
     PREFILL,
@@ -268,6 +269,7 @@ def account(b: Backend, req: Request, now: float) -> None:
     b.outstanding += 1
     b.reserved_tokens += req.total_tokens
     b.pending_prefill += req.prefill_tokens
+    b.pending_prefill_s += prompt_prefill_s(b, req)
     b.cached_sent += req.cached_tokens
     decay(b, now)
     b.prefill_rate += req.prefill_tokens / PREFILL_WINDOW_S
@@ -283,6 +285,7 @@ def decay(b: Backend, now: float) -> None:
 
 def first_token(b: Backend, req: Request) -> None:
     b.pending_prefill -= req.prefill_tokens
+    b.pending_prefill_s = max(0.0, b.pending_prefill_s - prompt_prefill_s(b, req))
 
 
 def release(b: Backend, req: Request, first_token_seen: bool = True) -> None:
@@ -290,6 +293,7 @@ def release(b: Backend, req: Request, first_token_seen: bool = True) -> None:
     b.reserved_tokens -= req.total_tokens
     if not first_token_seen:
         b.pending_prefill -= req.prefill_tokens
+        b.pending_prefill_s = max(0.0, b.pending_prefill_s - prompt_prefill_s(b, req))
 
 
 def all_down(req: Request, backends: Sequence[Backend]) -> bool:

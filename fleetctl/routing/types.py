@@ -100,6 +100,9 @@ class Backend:
     cached_sent: int = 0
     prefix_trust: float = 1.0
     pending_prefill: int = 0  # prompt tokens in flight that have not produced a token yet
+    # Those prompts' modelled prefill seconds, each at its own length: attention makes a
+    # 100K-token prompt's tokens three times dearer than a 2K chunk's (routing/goodput.py).
+    pending_prefill_s: float = 0.0
     # Prompt tokens to compute sent here per second lately (scheduler.PREFILL_WINDOW_S), as
     # of `rate_at`: how much of its time the GPU will spend on prefill chunks.
     prefill_rate: float = 0.0
