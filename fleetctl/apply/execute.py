@@ -90,6 +90,7 @@ class StateBook:
     def __init__(self, state_dir: StateDir, state: State):
         self.state_dir = state_dir
         self.serial = state.serial
+        self.slo = state.slo
         self.by_node: dict[str, list[Deployment]] = {}
         for d in state.deployments:
             self.by_node.setdefault(d.node, []).append(d)
@@ -109,7 +110,7 @@ class StateBook:
 
     def state(self) -> State:
         nodes = sorted(self.by_node, key=natural_key)
-        return State(self.serial, tuple(d for n in nodes for d in self.by_node[n]))
+        return State(self.serial, tuple(d for n in nodes for d in self.by_node[n]), self.slo)
 
 
 def _now() -> str:

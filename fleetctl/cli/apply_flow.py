@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from fleetctl.base.jsonout import print_json
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import PLAN_FORMAT, Deployment, Plan, SavedPlan
+from fleetctl.fleet.slo import Slo, recorded_slos
 from fleetctl.fleet.ssh import SshOptions
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir
@@ -62,8 +64,9 @@ def is_plan_file(arg: str) -> bool:
     return arg.endswith(".json")
 
 
-def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
-    """(inventory path, state serial it was made against, deployments) of a saved plan."""
+def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment], dict[str, Slo]]:
+    """(inventory path, state serial it was made against, deployments, each model's SLO as
+    planned) of a saved plan."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
@@ -76,7 +79,8 @@ def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
             Location(str(path)),
             "make one with `fleetctl plan INVENTORY -o plan.json`",
         ) from None
-    return saved.inventory, saved.state_serial, [Deployment.of(r) for r in saved.deployments]
+    slos = recorded_slos(saved.slo, f"the plan {path.name}")
+    return saved.inventory, saved.state_serial, [Deployment.of(r) for r in saved.deployments], slos
 
 
 def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) -> None:
@@ -155,7 +159,7 @@ def run_apply(
     inv: Inventory,
     c: Common,
     make_plan: Any,
-    plan_file: tuple[Path, int | None, list[Deployment]] | None,
+    plan_file: tuple[Path, int | None, list[Deployment], dict[str, Slo]] | None,
     secrets_file: Path | None,
     console: Any,
     after: Callable[[], tuple[dict[str, Any], list[str]]] | None = None,
@@ -172,7 +176,7 @@ def run_apply(
     with StateLock(sdir, "apply") as lock:
         state = sdir.load_state()
         if plan_file is not None:
-            path, serial, deployments = plan_file
+            path, serial, deployments, slos = plan_file
             if serial != state.serial:
                 raise UserError(
                     f"the state changed since this plan was made (serial {serial}, now "
@@ -185,6 +189,7 @@ def run_apply(
         else:
             plan = make_plan(state)
             deployments, actions = list(plan.deployments), list(plan.actions)
+            slos = plan.slos
         note = lock.stale_note()
         disruption = _disruption(inv, sdir, deployments, state)
         if not c.as_json:
@@ -212,7 +217,8 @@ def run_apply(
             return 0
         if not changes and not c.as_json:
             console.print("No changes planned; checking the nodes for drift.")
-        book = StateBook(sdir, state)
+        # The SLO the plan was made by is kept beside its servers: route-serve judges by it.
+        book = StateBook(sdir, dataclasses.replace(state, slo=slos))
         try:
             with NodeProgress(console, "applying", c.as_json) as p:
                 outcomes = apply_fleet(inv, deployments, book, opts, p.emit, p.started, p.done)

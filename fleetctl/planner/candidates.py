@@ -460,14 +460,7 @@ def candidates(
     feasible: list[Candidate] = []
     rejected: list[Candidate] = []
     for model in inv.models:
-        combos = [
-            (cls, variant, tp)
-            for cls in classes
-            for variant in model.variants
-            for sizes in (tp_sizes(model, cls.gpu_count),)
-            if not why_not(cls, model, variant, sizes[0] if sizes else None)
-            for tp in sizes
-        ]
+        combos = _combos(model, classes)
         slo = planned_slo(model, combos, inv, calibration)
         mine: list[Candidate] = []
         for cls, variant, tp in combos:
@@ -480,6 +473,24 @@ def candidates(
     # Class-major order, as the optimizer and the plan's tie-breaks have always seen them.
     feasible.sort(key=lambda k: k.cls.index)
     return feasible, rejected
+
+
+def _combos(model: Model, classes: list[NodeClass]) -> list[tuple[NodeClass, Variant, int]]:
+    """Every (class, variant, TP size) that could serve `model` before memory is counted."""
+    return [
+        (cls, variant, tp)
+        for cls in classes
+        for variant in model.variants
+        for sizes in (tp_sizes(model, cls.gpu_count),)
+        if not why_not(cls, model, variant, sizes[0] if sizes else None)
+        for tp in sizes
+    ]
+
+
+def model_slo(inv: Inventory, model: Model, calibration: Calibration | None = None) -> Slo | None:
+    """The SLO `plan` plans `model` by on `inv`'s classes, for the workload `model` states
+    (simulate gives it the traffic it replays, as `plan --workload-from` does)."""
+    return planned_slo(model, _combos(model, node_classes(inv)), inv, calibration)
 
 
 def _sized(
@@ -505,8 +516,8 @@ def planned_slo(
     """The SLO `model` is planned by: its stated one, else the one fleet/slo.py derives
     from the slowest of the servers (class, format, TP; at the length each holds) that
     could serve it. Placement has not chosen them yet, so every one that holds the model
-    counts; `plan` prints the SLO derived from the servers placed, the same unless the
-    slowest candidate is left out of the plan (then the printed one is tighter)."""
+    counts, and the plan keeps this one as the model's SLO (ModelSummary.slo), whichever
+    classes it places."""
     stated = Slo.of(model.spec.slo)
     if stated is not None:
         return stated
