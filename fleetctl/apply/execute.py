@@ -108,6 +108,16 @@ class StateBook:
             self.serial += 1
             self.state_dir.save_state(self.state())
 
+    def record_slo(self, before: State) -> None:
+        """Write the state now where the plan's SLO differs from the one `before` holds: an
+        apply that starts and stops nothing (a plan from new traffic, on the same servers)
+        still records the SLO route-serve is to judge by."""
+        mine = {name: slo.record() for name, slo in self.slo.items()}
+        if mine != {name: slo.record() for name, slo in before.slo.items()}:
+            with self._lock:
+                self.serial += 1
+                self.state_dir.save_state(self.state())
+
     def state(self) -> State:
         nodes = sorted(self.by_node, key=natural_key)
         return State(self.serial, tuple(d for n in nodes for d in self.by_node[n]), self.slo)

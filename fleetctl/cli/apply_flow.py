@@ -219,6 +219,7 @@ def run_apply(
             console.print("No changes planned; checking the nodes for drift.")
         # The SLO the plan was made by is kept beside its servers: route-serve judges by it.
         book = StateBook(sdir, dataclasses.replace(state, slo=slos))
+        book.record_slo(state)
         try:
             with NodeProgress(console, "applying", c.as_json) as p:
                 outcomes = apply_fleet(inv, deployments, book, opts, p.emit, p.started, p.done)
