@@ -37,13 +37,17 @@ import yaml
 
 from fleetctl.base.resources import examples
 from fleetctl.fleet.inventory import load_inventory
-from fleetctl.fleet.slo import plan_slos
 from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.goodput import Slo
 from fleetctl.sim.compare import compare
-from fleetctl.sim.traffic import workload_spec
-from fleetctl.sim.workload import WorkItem, derive_workload, length_buckets, load_trace
+from fleetctl.sim.workload import (
+    WorkItem,
+    derive_workload,
+    length_buckets,
+    load_trace,
+    workload_spec,
+)
 from harness.procs import REPO
 from harness.results import header, out_dir, write_json
 
@@ -99,11 +103,7 @@ def inventory_for(example: str, trace: str, items: list[WorkItem], folder: Path,
 
 
 def attained(inv: Any, plan: Any, model: str, items: list[WorkItem], rate: float) -> float:
-    slo = (
-        Slo(SLO["ttft_p99_s"], SLO["tpot_p99_ms"] / 1000)
-        if SLO
-        else plan_slos(inv, plan.deployments)[model]
-    )
+    slo = Slo(SLO["ttft_p99_s"], SLO["tpot_p99_ms"] / 1000) if SLO else plan.slos[model]
     c = compare(inv, plan, model, items, ["hardware-aware"], rate=rate, slo=slo)
     return float(c.results["hardware-aware"].summary()["slo_attainment"])
 
@@ -165,7 +165,7 @@ def run_case(example: str, trace: str, n: int, folder: Path, before: Path | None
         "within_at_1.25x": over,
         "kept": kept,
         "plan_s": round(plan_s, 3),
-        "slo": plan_slos(inv, plan.deployments)[model].describe(),
+        "slo": plan.slos[model].describe(),
     }
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 
 from fleetctl.base.resources import examples
 from fleetctl.fleet.inventory import load_inventory
-from fleetctl.fleet.slo import plan_slos
 from fleetctl.model.catalog import load_catalog
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.policy import RoutingConfig
@@ -49,7 +48,7 @@ def slos() -> None:
     catalog = load_catalog()
     for name, path in sorted(examples().items()):
         inv = load_inventory(path, catalog)
-        for model, s in plan_slos(inv, plan_fleet(inv).deployments).items():
+        for model, s in plan_fleet(inv).slos.items():
             tpot = "-" if s.tpot_s is None else f"{s.tpot_s * 1000:g}"
             print(
                 f"| {name} | {model} | {s.ttft_s:g} | {tpot} | {s.share:g} | {s.source} "

@@ -279,6 +279,59 @@ def test_saved_plan_applies_exactly_and_goes_stale(cli, fleet):
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
 
 
+def test_route_serve_judges_by_the_slo_the_applied_plan_printed(cli, fleet):
+    """The SLO `plan` prints is the one route-serve counts attainment by once that plan is
+    applied: `apply` keeps it in state.json, also where a new plan (from a trace: its p99
+    prompt) changes the SLO and no server; route-serve, started from the state, exports and
+    logs it (before, route-serve derived one of its own from the inventory, with no
+    workload: 4x a 1,000-token default prompt)."""
+    from harness.procs import Proc, free_port
+    from harness.ready import http_request, wait_status
+
+    first = json.loads(cli("plan", fleet.inv, "--json").out)["slo"]["llama-3-8b"]
+    r = cli("apply", *fleet.args(fleet.inv, "--yes", "--json"))
+    router = None
+    try:
+        assert r.code == 0, r.out + r.err
+        assert fleet.state()["slo"] == {"llama-3-8b": first}
+        trace = Path(__file__).parent / "data" / "azure_conv_slice.csv"
+        plan = fleet.tmp / "plan.json"
+        r = cli("plan", fleet.inv, "--workload-from", trace, "--json", "-o", plan)
+        assert r.code == 0, r.err
+        assert {a["op"] for a in json.loads(r.out)["actions"]} == {"keep"}
+        planned = json.loads(r.out)["slo"]["llama-3-8b"]
+        assert "prefill of 4,088 tokens" in planned["basis"] and planned != first
+        text = cli("plan", fleet.inv, "--workload-from", trace).out
+        said = f"TTFT <= {planned['ttft_p99_s']:g} s and TPOT <= {planned['tpot_p99_ms']:g} ms"
+        assert f"SLO of llama-3-8b: 99% within {said} (derived: " in text
+        r = cli("apply", *fleet.args(plan, "--yes", "--json"))
+        assert r.code == 0, r.out + r.err
+        assert fleet.state()["slo"] == {"llama-3-8b": planned}
+        port = free_port()
+        cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(fleet.inv)]
+        cmd += ["--listen", f"127.0.0.1:{port}"]
+        router = Proc("router", cmd, fleet.tmp, own_group=False)
+        wait_status(port, "/metrics", router)
+        metrics = http_request(port, "GET", "/metrics")[2].decode()
+        seconds = {}
+        for labels, value in re.findall(
+            r"fleetctl_slo_objective_seconds\{([^}]*)\} (\S+)", metrics
+        ):
+            tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if tags["model"] == "llama-3-8b":
+                seconds[tags["objective"], tags["source"]] = float(value)
+        assert seconds == {
+            ("ttft_p99", "planned"): planned["ttft_p99_s"],
+            ("tpot_p99", "planned"): planned["tpot_p99_ms"] / 1000,
+        }, metrics
+        line = f"SLO of llama-3-8b: 99% within {said} (derived, as the applied plan"
+        assert line in router.tail(50)
+    finally:
+        if router is not None:
+            router.stop()
+        assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
 # --- replacements ------------------------------------------------------------------------------
 
 

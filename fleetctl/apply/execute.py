@@ -90,6 +90,7 @@ class StateBook:
     def __init__(self, state_dir: StateDir, state: State):
         self.state_dir = state_dir
         self.serial = state.serial
+        self.slo = state.slo
         self.by_node: dict[str, list[Deployment]] = {}
         for d in state.deployments:
             self.by_node.setdefault(d.node, []).append(d)
@@ -107,9 +108,19 @@ class StateBook:
             self.serial += 1
             self.state_dir.save_state(self.state())
 
+    def record_slo(self, before: State) -> None:
+        """Write the state now where the plan's SLO differs from the one `before` holds: an
+        apply that starts and stops nothing (a plan from new traffic, on the same servers)
+        still records the SLO route-serve is to judge by."""
+        mine = {name: slo.record() for name, slo in self.slo.items()}
+        if mine != {name: slo.record() for name, slo in before.slo.items()}:
+            with self._lock:
+                self.serial += 1
+                self.state_dir.save_state(self.state())
+
     def state(self) -> State:
         nodes = sorted(self.by_node, key=natural_key)
-        return State(self.serial, tuple(d for n in nodes for d in self.by_node[n]))
+        return State(self.serial, tuple(d for n in nodes for d in self.by_node[n]), self.slo)
 
 
 def _now() -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
@@ -21,6 +22,7 @@ from fleetctl.base.errors import Location, UserError, shown
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import PLAN_FORMAT, Action, Deployment, Plan, SavedPlan
+from fleetctl.fleet.slo import Slo, recorded_slos
 from fleetctl.fleet.ssh import SshOptions
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir
@@ -62,19 +64,22 @@ def options(
 
 
 class PlanFile(NamedTuple):
-    """A plan saved by `plan -o`: where, the state serial it was made against, its servers."""
+    """A plan saved by `plan -o`: where, the state serial it was made against, its servers,
+    and each model's SLO as planned."""
 
     path: Path
     serial: int | None
     deployments: list[Deployment]
+    slos: dict[str, Slo]
 
 
 def is_plan_file(arg: str) -> bool:
     return arg.endswith(".json")
 
 
-def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
-    """(inventory path, state serial it was made against, deployments) of a saved plan."""
+def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment], dict[str, Slo]]:
+    """(inventory path, state serial it was made against, deployments, each model's SLO as
+    planned) of a saved plan."""
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
@@ -87,7 +92,8 @@ def read_plan_file(path: Path) -> tuple[str, int | None, list[Deployment]]:
             Location(str(path)),
             "make one with `fleetctl plan INVENTORY -o plan.json`",
         ) from None
-    return saved.inventory, saved.state_serial, [Deployment.of(r) for r in saved.deployments]
+    slos = recorded_slos(saved.slo, f"the plan {path.name}")
+    return saved.inventory, saved.state_serial, [Deployment.of(r) for r in saved.deployments], slos
 
 
 def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) -> None:
@@ -188,7 +194,7 @@ def apply_plan(
         state = sdir.load_state()
         plan: Plan | None = None
         if plan_file is not None:
-            path, serial, deployments = plan_file
+            path, serial, deployments, slos = plan_file
             if serial != state.serial:
                 raise UserError(
                     f"the state changed since this plan was made (serial {serial}, now "
@@ -200,6 +206,7 @@ def apply_plan(
         else:
             plan = make_plan(state)
             deployments, actions = list(plan.deployments), list(plan.actions)
+            slos = plan.slos
         disruption = _disruption(inv, sdir, deployments, state)
         proposal = Proposal(plan, deployments, actions, disruption, lock.stale_note())
         driver.proposed(proposal)
@@ -212,7 +219,9 @@ def apply_plan(
         changes = proposal.changes
         if changes and not driver.confirm(f"Apply {plural(len(changes), 'change')}?"):
             return Run("declined", proposal, checked, serial=state.serial)
-        book = StateBook(sdir, state)
+        # The SLO the plan was made by is kept beside its servers: route-serve judges by it.
+        book = StateBook(sdir, dataclasses.replace(state, slo=slos))
+        book.record_slo(state)
         try:
             with driver.progress("applying") as p:
                 outcomes = apply_fleet(inv, deployments, book, opts, p.emit, p.started, p.done)

@@ -72,10 +72,10 @@ def apply(
 
     plan_file = None
     if is_plan_file(target):
-        inv_path, serial, deployments = read_plan_file(Path(target))
+        inv_path, serial, deployments, slos = read_plan_file(Path(target))
         inv, catalog = common.load(inv_path, profiles, ssh=True)
         check_saved_plan(Path(target), deployments, inv)
-        plan_file = PlanFile(Path(target), serial, deployments)
+        plan_file = PlanFile(Path(target), serial, deployments, slos)
     else:
         inv, catalog = common.load(target, profiles, ssh=True)
     c = Common(known_hosts, accept_new, timeout, parallel, state_dir, as_json, yes)

@@ -125,11 +125,10 @@ def plan(
     calibration = None if no_calibration else sdir.load_calibration()
     # Warm-up: the start-ups apply measured (the calibration), else estimated from weights.
     disruption = for_plan(inv, result.deployments, state, calibration)
-    from fleetctl.fleet.slo import plan_slos
-
-    # Every model has an SLO, stated or derived; with traffic given, the simulator replays
-    # the plan on it and its goodput rate is the capacity printed (sim/capacity.py).
-    slos = plan_slos(inv, result.deployments, calibration)
+    # Every model has an SLO, stated or derived, the one it was planned by; with traffic
+    # given, the simulator replays the plan on it and its goodput rate is the capacity
+    # printed (sim/capacity.py).
+    slos = result.slos
     checks = {}
     if workload_from is not None:
         from fleetctl.sim.capacity import check_plan
@@ -153,7 +152,6 @@ def plan(
         if compared is not None:
             data["what_if"] = compared.to_json()
         data["disruption"] = disruption.to_json()
-        data["slo"] = {name: slo.to_json() for name, slo in slos.items()}
         data["capacity_check"] = capacity_checks(result, checks, workload_from)
         print_json(data)
     else:

@@ -207,6 +207,7 @@ class Router:
             blocks=hashed or self.request_log is not None,
         )
         self.intake.index(self.backends)
+        self.metrics.objectives(self.slo)
         self.admission = Admission(self.scheduler, self.backends, self.metrics, c.queue_timeout_s)
         if self.kv_events and self.prefix is not None:
             self._follow_kv_events(self.prefix)

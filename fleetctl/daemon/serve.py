@@ -32,6 +32,7 @@ from fleetctl.daemon.request_log import MB, RequestLog
 from fleetctl.daemon.router import PREFIX_CAPACITY, DaemonConfig, Router, routing_core
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.slo import Slo, planned_unless_stated
 from fleetctl.fleet.statedir import StateDir
 from fleetctl.model.catalog import Catalog
 from fleetctl.routing.policy import RoutingConfig
@@ -173,9 +174,14 @@ def build_router(
         from fleetctl.daemon.shared import RedisShared
 
         shared = RedisShared(session_store, max_sessions=max_sessions)
-    # A model with no stated SLO routes and counts attainment by the default derived from
-    # its servers (fleetctl/fleet/slo.py), as plan and simulate print it.
+    # A model with no stated SLO routes and counts attainment by the one the applied plan
+    # was made by, as `plan` printed it (state.json keeps it); servers given by --backends
+    # were planned by none, so theirs is derived from them (fleetctl/fleet/slo.py).
     routing = RoutingConfig.of(inv, [(b.model, b.perf, b.max_model_len) for b in backends])
+    if backends_file is None:
+        routing.slo.update(planned_unless_stated(inv.models, state_dir.load_state().slo))
+    for name, slo in sorted(routing.slo.items()):
+        log.info("SLO of %s: %s", name, slo_origin(slo))
     sched = routing_core(
         policy,
         len(backends),
@@ -207,6 +213,17 @@ def build_router(
         kv_events=kv_events,
         request_log=open_request_log(inv, state_dir, request_log),
     )
+
+
+def slo_origin(slo: Slo) -> str:
+    """`99% within TTFT <= 2.4 s and TPOT <= 52 ms (derived, as the applied plan (state
+    serial 3) records it)`, or where route-serve derived it itself, from what."""
+    if slo.origin == "derived":
+        return (
+            f"{slo.share * 100:.4g}% within {slo.text()} (derived from the servers given, "
+            f"no applied plan records one: {slo.basis})"
+        )
+    return slo.describe()
 
 
 def open_request_log(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
+
+from fleetctl.fleet.slo import Slo
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 # Time per output token: 10 ms is an H100's decode step, 250 ms a step with a prefill chunk.
@@ -124,6 +127,13 @@ class RouterMetrics:
             "the start (rate() of fleetctl_slo_requests_total gives it over a window).",
             ("model", "node_class"),
         )
+        self.objective = Gauge(
+            "fleetctl_slo_objective_seconds",
+            "Each model's objectives the SLO series count by (objective: ttft_p99, "
+            "tpot_p99), and where they come from (source: stated in the inventory, planned: "
+            "the one the applied plan was made by, derived: from the servers given).",
+            ("model", "objective", "source"),
+        )
         self.up = Gauge(
             "fleetctl_backend_up",
             "1 when a backend takes traffic, 0 while ejected.",
@@ -234,6 +244,13 @@ class RouterMetrics:
         bad = self.slo.values[(model, node_class, "false")]
         self.attainment.set(model, node_class, value=good / (good + bad))
 
+    def objectives(self, slos: Mapping[str, Slo]) -> None:
+        """Each model's objectives, as the SLO series judge by them."""
+        for model, slo in slos.items():
+            for name, seconds in (("ttft_p99", slo.ttft_s), ("tpot_p99", slo.tpot_s)):
+                if seconds is not None:
+                    self.objective.set(model, name, slo.origin, value=seconds)
+
     def session_store(self, shared: Any) -> None:
         """Copy the session store's state (a RedisShared) into the metrics above."""
         import time
@@ -259,6 +276,7 @@ class RouterMetrics:
             self.tpot,
             self.slo,
             self.attainment,
+            self.objective,
             self.up,
             self.ejections,
             self.retries,

@@ -18,6 +18,7 @@ from fleetctl.base.errors import shown
 from fleetctl.base.limits import MAX_GPUS_PER_NODE
 from fleetctl.base.names import http_url
 from fleetctl.fleet.prices import per_million_tokens, total
+from fleetctl.fleet.slo import Slo, SloRecord
 
 Op = Literal["create", "replace", "delete", "keep"]
 # What a server does: both phases of a request (colocated), or one of them (disaggregated).
@@ -344,6 +345,8 @@ class SavedPlan:
     inventory: str
     state_serial: int | None = None
     deployments: tuple[DeploymentRecord, ...] = ()
+    # Each model's SLO, the one it was planned by (absent from plans saved before it was).
+    slo: dict[_Model, SloRecord] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -445,6 +448,10 @@ class ModelSummary:
     # the workload left to assume (Poisson arrivals, the mean length).
     capacity_basis: str = "saturation"
     assumed: tuple[str, ...] = ()
+    # The SLO it was planned by: stated, else derived once from every candidate server
+    # (fleetctl/fleet/slo.py); None where no server could hold the model. Plan.to_json
+    # writes it under `slo`.
+    slo: Slo | None = None
 
     @property
     def cost_per_million_output_tokens(self) -> float | None:
@@ -452,6 +459,7 @@ class ModelSummary:
 
     def to_json(self) -> dict[str, Any]:
         d = fields_of(self)
+        del d["slo"]
         d["buckets"] = [b.to_json() for b in self.buckets]
         d["disaggregation"] = self.disaggregation.to_json() if self.disaggregation else None
         d["capacity_rps"] = round(self.capacity_rps, 3)
@@ -538,6 +546,11 @@ class Plan:
     def changes(self) -> tuple[Action, ...]:
         return tuple(a for a in self.actions if a.op != "keep")
 
+    @property
+    def slos(self) -> dict[str, Slo]:
+        """Each model's SLO, the one it was planned by (ModelSummary.slo)."""
+        return {m.model: m.slo for m in self.models if m.slo is not None}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": PLAN_FORMAT,
@@ -551,6 +564,7 @@ class Plan:
             "warnings": list(self.warnings),
             "actions": [a.to_json() for a in self.actions],
             "models": [m.to_json() for m in self.models],
+            "slo": {name: slo.to_json() for name, slo in self.slos.items()},
             "slo_checks": [c.to_json() for c in self.slo_checks],
             "solver": self.solver,
         }

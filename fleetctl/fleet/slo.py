@@ -4,9 +4,15 @@ A fleet with no stated objective still needs one: hardware-aware weighs TTFT and
 their objectives, and a capacity is a goodput rate, which only an SLO defines. The default is
 read off the one performance model (the engines passed in are the calibrated ones where a
 calibration exists), on the slowest class that serves the model, so it is reachable on every
-class and binds only under load. The planner derives it before placement, from every
-candidate server that can hold the model (planner/candidates.py), and plans by it; a plan
-prints it from its placed servers, the same figure wherever the slowest candidate is placed:
+class and binds only under load. The planner derives it once, before placement, from every
+candidate server that can hold the model (planner/candidates.py) and the traffic planned
+for, and that is the model's SLO from then on: the plan prints and records it (`Plan.slos`;
+`slo` in `plan --json` and `plan -o`), `apply` keeps it in state.json, and route-serve and
+simulate judge by the recorded one. Re-deriving it from the servers placed gives a tighter
+one wherever the slowest candidate is left out, and planning by that a tighter one again (a
+large mixed fleet's 8B: TPOT 170 ms planned, 22 ms printed). Only where no plan recorded one
+(route-serve given --backends, a fleet not applied) is it derived from the servers and the
+traffic at hand, by the same rule:
 
 - TTFT objective = TTFT_FACTOR x the slowest class's idle prefill of a long prompt: the
   workload's `prompt_tokens_p99` where it states one, else LONG_PROMPT_FACTOR x its mean
@@ -22,13 +28,14 @@ use 2 s and 50-60 ms (docs/concepts/cost-and-slos.md).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Annotated, Literal
 
-from fleetctl.fleet.engines import deployment_engine
-from fleetctl.fleet.inventory import Inventory, Model, SloSpec
-from fleetctl.fleet.plan import Deployment
-from fleetctl.model.calibration import Calibration
+from pydantic import Field
+
+from fleetctl.base.limits import MAX_TIMEOUT_S
+from fleetctl.fleet.inventory import Model, SloSpec
 from fleetctl.model.perf import EnginePerf
 
 # The Azure 2023 traces' p99 prompt is 3.6x their mean (conversation 4,142 / 1,155 tokens,
@@ -63,6 +70,9 @@ class Slo:
     share: float = DEFAULT_SHARE
     derived: bool = False
     basis: str = ""
+    # Where a command read it back from, not derived itself: "the applied plan (state
+    # serial 3)"; "" where it is the inventory's or derived on the spot.
+    recorded: str = ""
 
     @classmethod
     def of(cls, spec: SloSpec | None) -> Slo | None:
@@ -75,6 +85,12 @@ class Slo:
     @property
     def source(self) -> str:
         return "derived" if self.derived else "stated"
+
+    @property
+    def origin(self) -> str:
+        """`stated` (the inventory's), `planned` (derived by the plan that a plan file or
+        state.json recorded) or `derived` (here, from the servers and traffic at hand)."""
+        return "planned" if self.recorded and self.derived else self.source
 
     def met(self, ttft_s: float, tpot_s: float | None) -> bool:
         """Whether a request with this TTFT and TPOT (None: one output token, no TPOT) met
@@ -93,17 +109,61 @@ class Slo:
         return " and ".join(parts) or "no objective"
 
     def describe(self) -> str:
-        """`99% within TTFT <= 2.4 s and TPOT <= 52 ms (derived)`."""
-        return f"{self.share * 100:.4g}% within {self.text()} ({self.source})"
+        """`99% within TTFT <= 2.4 s and TPOT <= 52 ms (derived)`, and where it was read
+        from where a plan recorded it."""
+        where = f", as {self.recorded} records it" if self.recorded else ""
+        return f"{self.share * 100:.4g}% within {self.text()} ({self.source}{where})"
+
+    def record(self) -> SloRecord:
+        """The form a plan file and state.json keep it in (`to_json`'s keys)."""
+        tpot = None if self.tpot_s is None else round(self.tpot_s * 1000, 6)
+        source: Literal["stated", "derived"] = "derived" if self.derived else "stated"
+        return SloRecord(self.ttft_s, tpot, self.share, source, self.basis or None)
+
+    @classmethod
+    def of_record(cls, r: SloRecord, recorded: str) -> Slo:
+        """The SLO a plan file or state.json recorded; `recorded` says which."""
+        tpot = None if r.tpot_p99_ms is None else r.tpot_p99_ms / 1000
+        return cls(r.ttft_p99_s, tpot, r.share, r.source == "derived", r.basis or "", recorded)
 
     def to_json(self) -> dict[str, object]:
+        r = self.record()
         return {
-            "ttft_p99_s": self.ttft_s,
-            "tpot_p99_ms": None if self.tpot_s is None else round(self.tpot_s * 1000, 6),
-            "share": self.share,
-            "source": self.source,
-            "basis": self.basis or None,
+            "ttft_p99_s": r.ttft_p99_s,
+            "tpot_p99_ms": r.tpot_p99_ms,
+            "share": r.share,
+            "source": r.source,
+            "basis": r.basis,
         }
+
+
+_Seconds = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
+
+
+@dataclass(frozen=True)
+class SloRecord:
+    """A model's SLO as a plan file and state.json hold it (`plan --json`'s `slo` keys)."""
+
+    ttft_p99_s: _Seconds | None = None
+    tpot_p99_ms: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S * 1000)] | None = None
+    share: Annotated[float, Field(gt=0, le=1)] = DEFAULT_SHARE
+    source: Literal["stated", "derived"] = "derived"
+    basis: Annotated[str, Field(max_length=1000)] | None = None
+
+
+def recorded_slos(records: Mapping[str, SloRecord], where: str) -> dict[str, Slo]:
+    """Each model's SLO as `where` (a plan file, state.json) recorded it."""
+    return {name: Slo.of_record(r, where) for name, r in records.items()}
+
+
+def planned_unless_stated(models: Iterable[Model], recorded: Mapping[str, Slo]) -> dict[str, Slo]:
+    """The recorded SLO of each model whose inventory states none: a stated one wins, even
+    over what an older plan recorded, and the rest keep the one they were planned by."""
+    return {
+        m.name: recorded[m.name]
+        for m in models
+        if m.name in recorded and Slo.of(m.spec.slo) is None
+    }
 
 
 def derive(
@@ -167,21 +227,3 @@ def objectives(
 ) -> Slo | None:
     """The model's stated SLO, else the one derived from its engines."""
     return Slo.of(model.spec.slo) or derive(model, engines, mean_prompt, mean_output)
-
-
-def plan_slos(
-    inv: Inventory, deployments: Iterable[Deployment], calibration: Calibration | None = None
-) -> dict[str, Slo]:
-    """Each model's SLO on a plan: stated, else derived from its planned servers' engines
-    (calibrated where `calibration` has their class) and its workload's mean lengths."""
-    engines: dict[str, list[tuple[EnginePerf, int]]] = {}
-    seen: set[int] = set()
-    for d in deployments:
-        if id(d.server) in seen:  # replicas share one planned server
-            continue
-        seen.add(id(d.server))
-        engine = deployment_engine(d, inv, calibration)
-        if engine is not None:
-            engines.setdefault(d.model, []).append((engine.perf, d.server.max_model_len))
-    found = {m.name: objectives(m, engines.get(m.name, ())) for m in inv.models}
-    return {name: slo for name, slo in found.items() if slo is not None}

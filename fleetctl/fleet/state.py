@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
-from fleetctl.base import documents
+from fleetctl.base import documents, names
 from fleetctl.fleet.plan import Deployment, DeploymentRecord
+from fleetctl.fleet.slo import Slo, SloRecord, recorded_slos
 
 STATE_FORMAT = 1
 
@@ -17,10 +19,14 @@ STATE_FORMAT = 1
 class State:
     serial: int = 0
     deployments: tuple[Deployment, ...] = field(default_factory=tuple)
+    # Each model's SLO as the plan applied was made by (fleetctl/fleet/slo.py): route-serve
+    # and simulate judge by it.
+    slo: Mapping[str, Slo] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         records = tuple(d.record() for d in self.deployments)
-        return documents.dump(StateFile(self.serial, records), STATE_FORMAT)
+        slos = {name: slo.record() for name, slo in self.slo.items()}
+        return documents.dump(StateFile(self.serial, records, slos), STATE_FORMAT)
 
     @classmethod
     def from_json(cls, raw: object) -> State:
@@ -37,7 +43,10 @@ class State:
                     f"deployments[{i}]: node {r.node} GPUs {gpus} is recorded twice "
                     f"(first at deployments[{j}])"
                 )
-        return cls(f.serial, tuple(Deployment.of(r) for r in f.deployments))
+        where = f"the applied plan (state serial {f.serial})"
+        return cls(
+            f.serial, tuple(Deployment.of(r) for r in f.deployments), recorded_slos(f.slo, where)
+        )
 
 
 @dataclass(frozen=True)
@@ -46,3 +55,7 @@ class StateFile:
 
     serial: Annotated[int, Field(ge=0)] = 0
     deployments: tuple[DeploymentRecord, ...] = ()
+    # Absent from state written before plans recorded their SLO.
+    slo: dict[Annotated[str, AfterValidator(names.model_name)], SloRecord] = field(
+        default_factory=dict
+    )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 from fleetctl.base.names import natural_key
 from fleetctl.base.text import plural
-from fleetctl.fleet.inventory import Inventory, Model, Node, Variant
+from fleetctl.fleet.inventory import BucketSpec, Inventory, Model, Node, Variant, WorkloadSpec
 from fleetctl.fleet.prices import node_cost_per_hour
 from fleetctl.fleet.slo import Slo, objectives
 from fleetctl.model.calibration import Calibrated, Calibration, calibrated
@@ -87,9 +87,10 @@ class Candidate:
     # class's KV cache holds min_sequences of (context_reason says which, in numbers).
     max_model_len: int = 0
     context_reason: str = ""
-    # Per length bucket of the model's workload (WorkloadSpec.buckets), the capacity in
-    # requests/s for that bucket's mean request, SLO-capped as capacity_rps is; 0 where the
-    # bucket's longest request exceeds max_model_len. Empty without buckets.
+    # Per length bucket of the model's workload (WorkloadSpec.buckets), the requests/s of it
+    # a server carries: with an SLO its share of the goodput on the bucket's requests, as
+    # capacity_rps is on the whole workload (`bucket_capacity`); 0 where the bucket's
+    # longest request exceeds max_model_len. Empty without buckets.
     bucket_capacity: tuple[float, ...] = ()
     # The engine as measured where the calibration has its class (the figures plan --json
     # shows per deployment); None only for candidates built by hand.
@@ -220,11 +221,13 @@ def evaluate(
     capacity = shape_capacity(perf, slo, prompt, output, budget.kv_tokens, seqs, seq_at_max)
     traffic = traffic_of(model, (prompt, output))
     tpot = tpot_rates(perf, slo, prompt, output, budget.kv_tokens, seqs)
-    if capacity > 0 and slo is not None:
+    group = None
+    if slo is not None:
         most = cls.size * (cls.gpu_count // tp)
         if model.spec.max_replicas is not None:
             most = min(most, model.spec.max_replicas)
         group = Group(max(1, most), perf, budget.kv_tokens, seqs, max_len, tpot)
+    if capacity > 0 and slo is not None and group is not None:
         # Its share of what all such servers serve within the SLO, on the shapes it takes
         # (the longer ones are another class's to carry); where none holds, the old
         # mean-shape figure keeps the candidate weighable, and the model's capacity says 0.
@@ -233,15 +236,11 @@ def evaluate(
     w = model.spec.workload
     per_bucket = tuple(
         0.0
-        if b.max_tokens > max_len
+        if b.max_tokens > max_len or not seq_at_max
+        else bucket_capacity(model, b, group, slo)
+        if group is not None and slo is not None
         else shape_capacity(
-            perf,
-            slo,
-            b.mean_prompt_tokens,
-            b.mean_output_tokens,
-            budget.kv_tokens,
-            seqs,
-            seq_at_max,
+            perf, None, b.mean_prompt_tokens, b.mean_output_tokens, budget.kv_tokens, seqs, 1
         )
         for b in (w.buckets if w else ())
     )
@@ -266,6 +265,36 @@ def evaluate(
         tpot,
         slo,
     )
+
+
+def bucket_capacity(model: Model, bucket: BucketSpec, group: Group, slo: Slo) -> float:
+    """Requests/s of one length bucket a server of `group` carries within `slo`: its share
+    of the group's goodput on the bucket's requests, at the workload's burstiness, as the
+    model's capacity is found on the whole workload. Weighing a bucket by its mean request
+    at saturation instead (its TPOT capped at half the objective) put a bucket of the mean
+    request on other GPUs than the same workload without buckets."""
+    w = model.spec.workload
+    assert w is not None, "a bucket is a slice of a workload"
+    alone = WorkloadSpec(
+        requests_per_s=max(w.requests_per_s * bucket.share, 1e-6),
+        mean_prompt_tokens=bucket.mean_prompt_tokens,
+        mean_output_tokens=bucket.mean_output_tokens,
+        burstiness=w.burstiness,
+    )
+    sliced = replace(model, spec=model.spec.model_copy(update={"workload": alone}))
+    prompt, output = bucket.mean_prompt_tokens, bucket.mean_output_tokens
+    traffic = traffic_of(sliced, (prompt, output))
+    # The rates at which its TPOT quantiles reach the objective are the bucket's own: a
+    # short request's step is shorter than the whole workload's mean request's.
+    g = Group(
+        group.servers,
+        group.perf,
+        group.kv_tokens,
+        group.max_num_seqs,
+        group.max_model_len,
+        tpot_rates(group.perf, slo, prompt, output, group.kv_tokens, group.max_num_seqs),
+    )
+    return goodput([g], traffic, slo.ttft_s, slo.tpot_s, slo.share) / g.servers
 
 
 def tpot_rates(
@@ -460,14 +489,7 @@ def candidates(
     feasible: list[Candidate] = []
     rejected: list[Candidate] = []
     for model in inv.models:
-        combos = [
-            (cls, variant, tp)
-            for cls in classes
-            for variant in model.variants
-            for sizes in (tp_sizes(model, cls.gpu_count),)
-            if not why_not(cls, model, variant, sizes[0] if sizes else None)
-            for tp in sizes
-        ]
+        combos = _combos(model, classes)
         slo = planned_slo(model, combos, inv, calibration)
         mine: list[Candidate] = []
         for cls, variant, tp in combos:
@@ -480,6 +502,24 @@ def candidates(
     # Class-major order, as the optimizer and the plan's tie-breaks have always seen them.
     feasible.sort(key=lambda k: k.cls.index)
     return feasible, rejected
+
+
+def _combos(model: Model, classes: list[NodeClass]) -> list[tuple[NodeClass, Variant, int]]:
+    """Every (class, variant, TP size) that could serve `model` before memory is counted."""
+    return [
+        (cls, variant, tp)
+        for cls in classes
+        for variant in model.variants
+        for sizes in (tp_sizes(model, cls.gpu_count),)
+        if not why_not(cls, model, variant, sizes[0] if sizes else None)
+        for tp in sizes
+    ]
+
+
+def model_slo(inv: Inventory, model: Model, calibration: Calibration | None = None) -> Slo | None:
+    """The SLO `plan` plans `model` by on `inv`'s classes, for the workload `model` states
+    (simulate gives it the traffic it replays, as `plan --workload-from` does)."""
+    return planned_slo(model, _combos(model, node_classes(inv)), inv, calibration)
 
 
 def _sized(
@@ -505,8 +545,8 @@ def planned_slo(
     """The SLO `model` is planned by: its stated one, else the one fleet/slo.py derives
     from the slowest of the servers (class, format, TP; at the length each holds) that
     could serve it. Placement has not chosen them yet, so every one that holds the model
-    counts; `plan` prints the SLO derived from the servers placed, the same unless the
-    slowest candidate is left out of the plan (then the printed one is tighter)."""
+    counts, and the plan keeps this one as the model's SLO (ModelSummary.slo), whichever
+    classes it places."""
     stated = Slo.of(model.spec.slo)
     if stated is not None:
         return stated

@@ -32,8 +32,8 @@ TP size, quantization and KV budget chosen in the same program), the terms becom
     slices instead: continuous f[o, b], the share of bucket b's rate candidate o carries, each
     bucket covered (sum over o of f[o, b] = 1 less its shortfall) and each candidate's
     replicas busy at most target_utilization (sum over b of f[o, b] x rate_b / capacity[o, b]
-    <= y[o] x target), capacity[o, b] being the same perf model's for the bucket's mean
-    request, 0 where the bucket's longest request exceeds the candidate's max_model_len;
+    <= y[o] x target), capacity[o, b] being the candidate's goodput at the SLO on the
+    bucket's requests, 0 where the bucket's longest request exceeds its max_model_len;
     short requests may then go to small cheap GPUs and long ones to large ones;
   - the price per hour of the GPUs deployments use, divided by the whole fleet's price so
     that it weighs less than any shortfall worth a whole GPU;

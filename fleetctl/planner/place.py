@@ -23,6 +23,7 @@ from fleetctl.fleet.plan import (
     Unplaced,
 )
 from fleetctl.fleet.prices import total
+from fleetctl.fleet.slo import Slo
 from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibration
 from fleetctl.model.startup import replacement_minutes, stay_bonus, warmup_seconds
@@ -82,9 +83,6 @@ def plan_fleet(
     deployments = _deployments(inv, state, placements, servers)
     # Prefill and decode pools where they serve more within the SLO (planner/disaggregate.py).
     prefilling = (d.key for d in state.deployments if d.server.role == "prefill")
-    # A model with a derived SLO is weighed by the one its slowest candidate gives
-    # (planner/candidates.py's planned_slo), not re-derived from the servers placed: placing
-    # again by a tighter SLO would leave out the slower classes and tighten it again.
     candidate_of = {id(servers[id(k)]): k for k in used}
     deployments, split = assign_roles(inv, deployments, candidate_of, prefilling)
     by_model: dict[str, list[Deployment]] = defaultdict(list)
@@ -93,6 +91,11 @@ def plan_fleet(
     counts: dict[int, int] = defaultdict(int)
     for p in placements:
         counts[id(p.cand)] += 1
+    # A model with a derived SLO keeps the one its slowest candidate gives (planner/
+    # candidates.py's planned_slo), printed and recorded as planned by, not re-derived from
+    # the servers placed: placing again by that tighter SLO would leave out the slower
+    # classes and tighten it again.
+    planned_by = {k.model.name: k.slo for k in (*rejected, *feasible) if k.slo is not None}
     summaries = tuple(
         _summary(
             m,
@@ -101,6 +104,7 @@ def plan_fleet(
             _bucket_uses(m, feasible, sol.bucket_shares, (headroom or {}).get(m.name, 1.0)),
             split.get(m.name),
             model_goodput(m, [(k, counts[id(k)]) for k in used if k.model is m]),
+            planned_by.get(m.name) or Slo.of(m.spec.slo),
         )
         for m in inv.models
     )
@@ -320,6 +324,7 @@ def _summary(
     buckets: tuple[BucketUse, ...] = (),
     split: Disaggregation | None = None,
     within_slo: float | None = None,
+    slo: Slo | None = None,
 ) -> ModelSummary:
     """Capacity against workload, and the price of a model's GPUs per output token. With an
     SLO, the capacity is `within_slo`, the placed servers' goodput (planner/queueing.py);
@@ -352,6 +357,7 @@ def _summary(
         split,
         basis,
         traffic_of(m, request_shape(m)).assumed,
+        slo,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,9 @@ from fleetctl.base.progress import progress
 from fleetctl.base.tables import Cell, Col, Records
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.slo import planned_unless_stated
+from fleetctl.model.calibration import Calibration
+from fleetctl.planner.candidates import model_slo
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.registry import policy_names
 from fleetctl.routing.scheduler import Aging
@@ -23,7 +26,14 @@ from fleetctl.sim.capacity import search_capacity
 from fleetctl.sim.compare import Comparison, compare
 from fleetctl.sim.fleet import Server, rejected_reasons
 from fleetctl.sim.multi import FleetRun, run_models, trace_by_model
-from fleetctl.sim.workload import Synthetic, WorkItem, load_trace, parse_spec
+from fleetctl.sim.workload import (
+    Synthetic,
+    WorkItem,
+    derive_workload,
+    load_trace,
+    parse_spec,
+    workload_spec,
+)
 
 
 def run_simulate(
@@ -101,13 +111,16 @@ def run_simulate(
         raise UserError("the workload has no requests", None, "raise its rate or duration")
     sdir = StateDir.of(inv)
     calibration = sdir.load_calibration() if calibrated else None
-    plan = plan_fleet(inv, sdir.load_state(), calibration)
+    state = sdir.load_state()
+    plan = plan_fleet(inv, state, calibration)
     if not any(d.model == target for d in plan.deployments):
         raise UserError(
             f"the plan places no server for {target}",
             Location(str(inv.path)),
             "run `fleetctl plan` to see why",
         )
+    if objectives is None:
+        objectives = slo_in_force(inv, target, items, state.slo, calibration)
     spec = inv.spec.router.aging
     aging = Aging(spec.factor, spec.window_s, spec.enabled and not no_aging)
     if capacity:
@@ -168,7 +181,10 @@ def _run_all_models(
         raise UserError("the trace has no requests", Location(str(trace)), "check the file")
     sdir = StateDir.of(inv)
     calibration = sdir.load_calibration() if calibrated else None
-    plan = plan_fleet(inv, sdir.load_state(), calibration)
+    state = sdir.load_state()
+    plan = plan_fleet(inv, state, calibration)
+    # Each model judged as its one-model run would be (stated, applied, else derived).
+    slos = {m: slo_in_force(inv, m, items, state.slo, calibration) for m, items in traffic.items()}
     spec = inv.spec.router.aging
     aging = Aging(spec.factor, spec.window_s, spec.enabled and not no_aging)
     with progress("simulating", len(names) * len(traffic), enabled=show_progress) as bar:
@@ -177,6 +193,7 @@ def _run_all_models(
             plan,
             traffic,
             names,
+            slos=slos,
             seed=seed,
             aging=aging,
             calibration=calibration,
@@ -205,6 +222,31 @@ def _fleet_table(run: FleetRun, names: list[str]) -> RenderableType:
         caption="minutes within SLO: one-minute windows in which every model's requests met "
         "both objectives for its SLO's share",
     )
+
+
+def slo_in_force(
+    inv: Inventory,
+    model: str,
+    items: list[WorkItem],
+    recorded: Mapping[str, Slo],
+    calibration: Calibration | None,
+) -> Slo | None:
+    """The SLO a run judges `model` by: the inventory's; else the one the applied plan was
+    made by (state.json), as route-serve judges the fleet; else, nothing applied, the one
+    `plan --workload-from` would plan by on this traffic (fleetctl/fleet/slo.py). None:
+    leave it to `compare` (no server holds the model)."""
+    m = inv.model(model)
+    stated = Slo.of(m.spec.slo)
+    if stated is not None:
+        return stated
+    applied = planned_unless_stated([m], recorded).get(model)
+    if applied is not None:
+        return applied
+    derived = derive_workload(items, inv.spec.router.long_context_tokens)
+    if derived is None:
+        return None
+    spec = m.spec.model_copy(update={"workload": workload_spec(derived, [])})
+    return model_slo(inv, dataclasses.replace(m, spec=spec), calibration)
 
 
 def class_figures(servers: Sequence[Server]) -> dict[str, Any]:
@@ -425,6 +467,8 @@ def goodput_line(result: Comparison, summaries: dict[str, dict[str, float | int]
         line += f" (next: {others[0][1]} {others[0][0]:.1%})"
     if slo.derived:
         line += f"; the SLO is derived ({slo.basis}), as none is stated"
+        if slo.recorded:
+            line += f", and {slo.recorded} records it"
     return line + "."
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +15,7 @@ from typing import Any
 from fleetctl.base.errors import Location, UserError
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Plan
+from fleetctl.fleet.slo import Slo
 from fleetctl.model.calibration import Calibration
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.compare import Comparison, compare
@@ -139,12 +140,14 @@ def run_models(
     traffic: dict[str, list[WorkItem]],
     policies: Sequence[str],
     *,
+    slos: Mapping[str, Slo | None] | None = None,
     seed: int = 0,
     aging: Aging | None = None,
     calibration: Calibration | None = None,
     progress: Callable[[float, str], None] | None = None,
 ) -> FleetRun:
-    """Simulate each model's traffic on its servers of `plan`, every policy, one clock."""
+    """Simulate each model's traffic on its servers of `plan`, every policy, one clock;
+    `slos`: the objectives each model is judged by (None: compare derives them)."""
     placed = {d.model for d in plan.deployments}
     missing = sorted(m for m in traffic if m not in placed)
     if missing:
@@ -175,5 +178,6 @@ def run_models(
             aging=aging,
             calibration=calibration,
             progress=hook,
+            slo=(slos or {}).get(model),
         )
     return FleetRun(comparisons, gpus, span)

@@ -9,16 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from fleetctl.base.errors import Location, UserError
-from fleetctl.base.limits import MAX_RATE
-from fleetctl.fleet.inventory import BucketSpec, Inventory, WorkloadSpec
+from fleetctl.fleet.inventory import Inventory
 from fleetctl.sim.workload import (
-    Bucket,
-    Derived,
     WorkItem,
     derive_workload,
     length_buckets,
     load_trace,
     trace_files,
+    workload_spec,
 )
 
 # Length buckets per model derived from traffic: 2 prompt-length halves x 2 output-length
@@ -57,32 +55,6 @@ def workloads_from(
             shown[m.name]["inventory"] = w.model_dump(exclude=set() if w.buckets else {"buckets"})
         models.append(dataclasses.replace(m, spec=m.spec.model_copy(update={"workload": spec})))
     return dataclasses.replace(inv, models=tuple(models)), shown
-
-
-def workload_spec(derived: Derived, buckets: list[Bucket]) -> WorkloadSpec:
-    """The inventory's form of a derived workload and its length buckets."""
-    return WorkloadSpec(
-        requests_per_s=min(MAX_RATE, max(derived.requests_per_s, 1e-6)),
-        mean_prompt_tokens=derived.mean_prompt_tokens,
-        mean_output_tokens=derived.mean_output_tokens,
-        prompt_tokens_p50=derived.prompt_quantiles[0],
-        prompt_tokens_p90=derived.prompt_quantiles[1],
-        prompt_tokens_p99=derived.prompt_quantiles[2],
-        max_prompt_tokens=derived.max_prompt_tokens,
-        output_tokens_p50=derived.output_quantiles[0],
-        output_tokens_p90=derived.output_quantiles[1],
-        output_tokens_p99=derived.output_quantiles[2],
-        burstiness=derived.burstiness,
-        buckets=tuple(
-            BucketSpec(
-                share=b.share,
-                mean_prompt_tokens=b.mean_prompt_tokens,
-                mean_output_tokens=b.mean_output_tokens,
-                max_tokens=b.max_tokens,
-            )
-            for b in buckets
-        ),
-    )
 
 
 def traces_from(inv: Inventory, path: Path) -> dict[str, list[WorkItem]]:

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TextIO, TypeVar
 
 from fleetctl.base.errors import Location, UserError
+from fleetctl.base.limits import MAX_RATE
+from fleetctl.fleet.inventory import BucketSpec, WorkloadSpec
 from fleetctl.routing.prefix import PromptBlocks, chain
 
 PROGRESS_ROWS = 4096  # rows between progress reports
@@ -544,3 +546,29 @@ def _quantile_groups(ordered: list[WorkItem], k: int) -> list[list[WorkItem]]:
     """`ordered` cut into `k` runs of (nearly) equal length."""
     n = len(ordered)
     return [ordered[i * n // k : (i + 1) * n // k] for i in range(k)]
+
+
+def workload_spec(derived: Derived, buckets: list[Bucket]) -> WorkloadSpec:
+    """The inventory's form of a derived workload and its length buckets."""
+    return WorkloadSpec(
+        requests_per_s=min(MAX_RATE, max(derived.requests_per_s, 1e-6)),
+        mean_prompt_tokens=derived.mean_prompt_tokens,
+        mean_output_tokens=derived.mean_output_tokens,
+        prompt_tokens_p50=derived.prompt_quantiles[0],
+        prompt_tokens_p90=derived.prompt_quantiles[1],
+        prompt_tokens_p99=derived.prompt_quantiles[2],
+        max_prompt_tokens=derived.max_prompt_tokens,
+        output_tokens_p50=derived.output_quantiles[0],
+        output_tokens_p90=derived.output_quantiles[1],
+        output_tokens_p99=derived.output_quantiles[2],
+        burstiness=derived.burstiness,
+        buckets=tuple(
+            BucketSpec(
+                share=b.share,
+                mean_prompt_tokens=b.mean_prompt_tokens,
+                mean_output_tokens=b.mean_output_tokens,
+                max_tokens=b.max_tokens,
+            )
+            for b in buckets
+        ),
+    )
