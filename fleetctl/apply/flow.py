@@ -4,9 +4,9 @@ confirmed, carried out, its start-ups recorded. What is shown and asked is the d
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
