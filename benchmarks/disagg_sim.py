@@ -66,7 +66,7 @@ CASES = {
     ),
     # The objectives derived for that fleet (fleet/slo.py), which both arrangements can meet
     # for 99% of requests: 6% of Mooncake's prompts take over 8 s to prefill alone on an A100.
-    "mooncake-mixed / Mooncake, derived SLO": (
+    "mooncake-mixed / Mooncake (derived SLO)": (
         "mooncake-mixed.yaml",
         "mooncake_conversation_trace.jsonl",
         30.0,
