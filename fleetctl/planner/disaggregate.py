@@ -42,7 +42,14 @@ from statistics import NormalDist
 from fleetctl.fleet.inventory import Model
 from fleetctl.fleet.slo import DEFAULT_SHARE, Slo
 from fleetctl.model.perf import EnginePerf, max_sequences
-from fleetctl.planner.queueing import Group, Traffic, goodput
+from fleetctl.planner.queueing import (
+    STEPS,
+    TPOT_QUANTILES,
+    Group,
+    Traffic,
+    attainment,
+    goodput,
+)
 
 # How much more the split must serve than colocated servers under `auto`: a split costs a
 # network hop per request, a second server's failure and GPUs that serve one phase only.
@@ -196,9 +203,11 @@ def prefill_rate(pool: Pool, prompt: int) -> float:
     return 1.0 / pool.perf.prefill_marginal(prompt)
 
 
-def decode_rate(pool: Pool, prompt: int, output: int, tpot_s: float | None) -> float:
+def decode_rate(
+    pool: Pool, prompt: int, output: int, tpot_s: float | None, quantile: float = TPOT_QUANTILE
+) -> float:
     """Requests/s one decode-only server of `pool` generates: the largest mean batch whose
-    quantile (Poisson arrivals) fits its KV cache (prompt and output of each) and whose step
+    `quantile` (Poisson arrivals) fits its KV cache (prompt and output of each) and whose step
     there meets the TPOT objective, no prompt stalling it."""
     p = pool.perf
     ctx = prompt + output / 2
@@ -206,7 +215,7 @@ def decode_rate(pool: Pool, prompt: int, output: int, tpot_s: float | None) -> f
     best = 0.0
     for batch in range(1, most + 1):
         if tpot_s is not None:
-            high = poisson_quantile(batch, TPOT_QUANTILE)
+            high = poisson_quantile(batch, quantile)
             if high > most or p.step_time(high, high * ctx) > tpot_s:
                 break
         best = max(best, batch / (output * p.step_time(batch, batch * ctx)))
@@ -248,30 +257,113 @@ def split_figures(
     the decode nodes' NICs, and decode),
     and a request's TTFT (prefill and transfer) and TPOT at light load. A prefill server
     whose first token, transfer included, misses the TTFT objective `ttft_s` adds nothing.
-    With `traffic`, the prefill pools' rate is their goodput on it (`prefill_goodput`)."""
-    up, down, figures = _limits(pools, prefill, prompt, output, tpot_s, ttft_s, traffic, share)
-    return Figures(min(up, down), figures.ttft_s, figures.tpot_s, figures.transfer_s)
+    With `traffic`, the rate is the split's goodput on it by the planner's queueing model."""
+    return _figures(_limits(pools, prefill, prompt, output, tpot_s, ttft_s, traffic, share), share)
 
 
-def prefill_goodput(
-    prefills: Sequence[tuple[Pool, int, float]], traffic: Traffic, ttft_s: float, share: float
-) -> float:
-    """Requests/s the prefill servers (pool, count, a prompt's KV transfer in s) serve within
-    the TTFT objective for `share` of `traffic`, by the planner's queueing model
-    (planner/queueing.py): each server prefills only (one token out), a prompt only where
-    its length fits, its first token the prefill and the slowest of the pools' transfers."""
-    groups = [
-        Group(n, q.perf, q.kv_tokens, q.max_num_seqs, q.max_model_len or 1 << 40)
-        for q, n, _ in prefills
-        if n > 0
-    ]
-    if not groups:
-        return 0.0
-    move = max(s for _, n, s in prefills if n > 0)
-    prompts = Traffic(
-        tuple((s, p, 1) for s, p, _ in traffic.points), traffic.burstiness, traffic.assumed
-    )
-    return goodput(groups, prompts, max(0.0, ttft_s - move), None, share)
+def _figures(limits: tuple[float, float, Figures, _Phases | None], share: float) -> Figures:
+    up, down, light, phases = limits
+    rate = min(up, down)
+    if phases is not None:  # both phases together, within the links' rates
+        rate = phases.goodput(share, rate)
+    return Figures(rate, light.ttft_s, light.tpot_s, light.transfer_s)
+
+
+@dataclass(frozen=True)
+class _Phases:
+    """A split's two pools as the planner's queueing model (planner/queueing.py) sees them:
+    prefill servers that prefill only (one token out), each prompt only where its length
+    fits, the first token their prefill and the slowest of the pools' KV transfers; decode
+    servers that decode only, their TPOT tail that of the batch they hold (no prompt stalls
+    it), on the workload's output lengths. Both see its bursts."""
+
+    prefill: tuple[Group, ...]
+    prompts: Traffic
+    ttft_s: float
+    decode: tuple[Group, ...]
+    outputs: Traffic
+
+    @classmethod
+    def of(
+        cls,
+        prefills: Sequence[tuple[Pool, int, float]],
+        decodes: Sequence[tuple[Pool, int]],
+        traffic: Traffic,
+        prompt: int,
+        output: int,
+        ttft_s: float,
+        tpot_s: float | None,
+    ) -> _Phases:
+        move = max((s for _, n, s in prefills if n > 0), default=0.0)
+        prefill = tuple(
+            Group(n, q.perf, q.kv_tokens, q.max_num_seqs, q.max_model_len or 1 << 40)
+            for q, n, _ in prefills
+            if n > 0
+        )
+        decode = tuple(
+            Group(
+                n,
+                q.perf,
+                q.kv_tokens,
+                q.max_num_seqs,
+                1 << 40,
+                _decode_tails(q, prompt, output, tpot_s),
+            )
+            for q, n in decodes
+            if n > 0
+        )
+        prompts = Traffic(
+            tuple((s, p, 1) for s, p, _ in traffic.points), traffic.burstiness, traffic.assumed
+        )
+        outputs = Traffic(
+            tuple((s, 1, o) for s, o in traffic.outputs), traffic.burstiness, traffic.assumed
+        )
+        return cls(prefill, prompts, max(0.0, ttft_s - move), decode, outputs)
+
+    def prefill_goodput(self, share: float) -> float:
+        """Requests/s the prefill servers serve within the TTFT objective for `share`."""
+        return (
+            goodput(self.prefill, self.prompts, self.ttft_s, None, share) if self.prefill else 0.0
+        )
+
+    def decode_goodput(self, share: float) -> float:
+        """Requests/s the decode servers serve within the TPOT objective for `share`."""
+        return goodput(self.decode, self.outputs, None, None, share) if self.decode else 0.0
+
+    def goodput(self, share: float, most: float) -> float:
+        """Requests/s, at most `most` (the least of each phase's goodput and the links'
+        rates), at which `share` of requests meet both objectives (the two phases taken as
+        independent)."""
+        if not self.prefill or not self.decode:
+            return 0.0
+
+        def met(rate: float) -> float:
+            return attainment(self.prefill, self.prompts, rate, self.ttft_s) * attainment(
+                self.decode, self.outputs, rate, None
+            )
+
+        hi = most
+        if hi <= 0:
+            return 0.0
+        if met(hi) >= share:
+            return hi
+        lo = 0.0
+        for _ in range(STEPS):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if met(mid) >= share else (lo, mid)
+            if hi - lo < 1e-4 * hi:
+                break
+        return lo
+
+
+def _decode_tails(
+    pool: Pool, prompt: int, output: int, tpot_s: float | None
+) -> tuple[tuple[float, float], ...]:
+    """Per decode-only server, the requests/s at which each TPOT quantile reaches the
+    objective, with the share over it there (queueing.Group.tpot_rates); () without one."""
+    if tpot_s is None:
+        return ()
+    return tuple((decode_rate(pool, prompt, output, tpot_s, q), 1 - q) for q in TPOT_QUANTILES)
 
 
 def _limits(
@@ -283,13 +375,15 @@ def _limits(
     ttft_s: float | None,
     traffic: Traffic | None,
     share: float,
-) -> tuple[float, float, Figures]:
+) -> tuple[float, float, Figures, _Phases | None]:
     """The split's rates that grow with its prefill servers (prefill, the prefill nodes'
-    NICs) and those that shrink (the decode nodes' NICs, decode), and its light-load
-    figures (rate 0)."""
+    NICs) and those that shrink (the decode nodes' NICs, decode), its light-load figures
+    (rate 0), and with `traffic` its pools for the queueing model (the phases' rates then
+    their goodput on it)."""
     p_rate = n_rate = in_rate = d_rate = 0.0
     ttft, tpot, move = math.inf, math.inf, 0.0
     prefills: list[tuple[Pool, int, float]] = []
+    decodes: list[tuple[Pool, int]] = []
     decoders = [q for q in pools if q.servers - prefill.get(q.key, 0) > 0]
     for q in pools:
         n_p = prefill.get(q.key, 0)
@@ -298,7 +392,7 @@ def _limits(
             links = [q.link.between(d.link) for d in decoders if q.link and d.link]
             link = min(links, key=lambda k: k.gbps) if links else None
             if link is None:
-                return 0.0, 0.0, Figures(0.0, math.inf, math.inf)
+                return 0.0, 0.0, Figures(0.0, math.inf, math.inf), None
             seconds = link.seconds(transfer_bytes(q, prompt))
             first = q.perf.prefill_time(prompt) + seconds
             if first < ttft:
@@ -311,13 +405,17 @@ def _limits(
             n_rate += n_p / q.servers_per_node / seconds if seconds > 0 else math.inf
         if n_d:
             d_rate += n_d * decode_rate(q, prompt, output, tpot_s)
+            decodes.append((q, n_d))
             tpot = min(tpot, q.perf.step_time(1, prompt + output / 2))
             # ... and a decode node's NIC receives the transfers of every decode server on it.
             arrive = q.link.seconds(transfer_bytes(q, prompt)) if q.link else math.inf
             in_rate += n_d / q.servers_per_node / arrive if arrive > 0 else math.inf
+    phases = None
     if traffic is not None and ttft_s is not None:
-        p_rate = prefill_goodput(prefills, traffic, ttft_s, share)
-    return min(p_rate, n_rate), min(in_rate, d_rate), Figures(0.0, ttft, tpot, move)
+        phases = _Phases.of(prefills, decodes, traffic, prompt, output, ttft_s, tpot_s)
+        p_rate, d_rate = phases.prefill_goodput(share), phases.decode_goodput(share)
+    light = Figures(0.0, ttft, tpot, move)
+    return min(p_rate, n_rate), min(in_rate, d_rate), light, phases
 
 
 def best_split(
@@ -352,21 +450,24 @@ def best_split(
             left -= take
         return prefill
 
-    def limits(n: int) -> tuple[float, float, Figures]:
-        return _limits(pools, first(n), prompt, output, tpot_s, ttft_s, traffic, share)
+    known: dict[int, tuple[float, float, Figures, _Phases | None]] = {}
+
+    def limits(n: int) -> tuple[float, float, Figures, _Phases | None]:
+        if n not in known:
+            known[n] = _limits(pools, first(n), prompt, output, tpot_s, ttft_s, traffic, share)
+        return known[n]
 
     counts: Sequence[int] = range(1, total)
     if traffic is not None and total > 2:
         lo, hi = 1, total - 1  # the least count whose growing rates reach the shrinking ones
         while lo < hi:
             mid = (lo + hi) // 2
-            up, down, _ = limits(mid)
+            up, down, _, _ = limits(mid)
             lo, hi = (lo, mid) if up >= down else (mid + 1, hi)
         counts = sorted({max(1, lo - 1), lo})
     best = Split()
     for n in counts:
-        up, down, light = limits(n)
-        got = Figures(min(up, down), light.ttft_s, light.tpot_s, light.transfer_s)
+        got = _figures(limits(n), share)
         if best.figures is None or got.rate > best.figures.rate:
             best = Split(first(n), got)
     return best
