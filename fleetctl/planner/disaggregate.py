@@ -19,9 +19,10 @@ Where the planner knows the model's traffic (its lengths and bursts) and its col
 servers' goodput (planner/queueing.py: the capacity `plan` prints), a split is weighed by the
 same model: its prefill pools are the queueing model's servers for the prompts alone (each
 prompt only where its length fits, the TTFT objective less the transfer), so a long-prompt
-tail that only one class holds bounds the split as it bounds the colocated servers, and the
-split's rate is the least of that goodput, the links' and the decode pool's. Without them,
-every request is the mean one.
+tail that only one class holds bounds the split as it bounds the colocated servers; its
+decode pools are its servers for the outputs alone (the TPOT tail of the batch they hold, no
+prompt stalling it); and the split's rate is the highest at which the SLO's share meets both,
+within the links' rates. Without them, every request is the mean one.
 
 The rule (`decide`): with `disaggregation: on`, split whenever both pools can exist; with
 `auto` (the default), by the model's SLO, stated or derived (disaggregation trades the first
@@ -262,6 +263,7 @@ def split_figures(
 
 
 def _figures(limits: tuple[float, float, Figures, _Phases | None], share: float) -> Figures:
+    """The split's figures from its `_limits`: its rate, both phases together."""
     up, down, light, phases = limits
     rate = min(up, down)
     if phases is not None:  # both phases together, within the links' rates
@@ -275,7 +277,8 @@ class _Phases:
     prefill servers that prefill only (one token out), each prompt only where its length
     fits, the first token their prefill and the slowest of the pools' KV transfers; decode
     servers that decode only, their TPOT tail that of the batch they hold (no prompt stalls
-    it), on the workload's output lengths. Both see its bursts."""
+    it), on the workload's output lengths (their context is not checked: the prefill side
+    already sends a prompt only where it fits). Both see its bursts."""
 
     prefill: tuple[Group, ...]
     prompts: Traffic
