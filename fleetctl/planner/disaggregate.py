@@ -44,10 +44,12 @@ from fleetctl.fleet.inventory import Model
 from fleetctl.fleet.slo import DEFAULT_SHARE, Slo
 from fleetctl.model.perf import EnginePerf, max_sequences
 from fleetctl.planner.queueing import (
+    BURST_WINDOW,
     STEPS,
     TPOT_QUANTILES,
     Group,
     Traffic,
+    _rate_factors,
     attainment,
     goodput,
 )
@@ -285,6 +287,7 @@ class _Phases:
     ttft_s: float
     decode: tuple[Group, ...]
     outputs: Traffic
+    links_rps: float = math.inf  # the KV transfers the NICs carry, requests/s
 
     @classmethod
     def of(
@@ -296,6 +299,7 @@ class _Phases:
         output: int,
         ttft_s: float,
         tpot_s: float | None,
+        links_rps: float = math.inf,
     ) -> _Phases:
         move = max((s for _, n, s in prefills if n > 0), default=0.0)
         prefill = tuple(
@@ -321,7 +325,7 @@ class _Phases:
         outputs = Traffic(
             tuple((s, 1, o) for s, o in traffic.outputs), traffic.burstiness, traffic.assumed
         )
-        return cls(prefill, prompts, max(0.0, ttft_s - move), decode, outputs)
+        return cls(prefill, prompts, max(0.0, ttft_s - move), decode, outputs, links_rps)
 
     def prefill_goodput(self, share: float) -> float:
         """Requests/s the prefill servers serve within the TTFT objective for `share`."""
@@ -341,8 +345,10 @@ class _Phases:
             return 0.0
 
         def met(rate: float) -> float:
-            return attainment(self.prefill, self.prompts, rate, self.ttft_s) * attainment(
-                self.decode, self.outputs, rate, None
+            return (
+                attainment(self.prefill, self.prompts, rate, self.ttft_s)
+                * attainment(self.decode, self.outputs, rate, None)
+                * self.carried(rate)
             )
 
         hi = most
@@ -357,6 +363,20 @@ class _Phases:
             if hi - lo < 1e-4 * hi:
                 break
         return lo
+
+    def carried(self, rate: float) -> float:
+        """The share of requests whose KV transfer the NICs carry in time at `rate`: in a
+        burst past the links' rate the transfers queue, growing by the excess over the
+        burst's span, and only those sent before the queue outgrows the first token's slack
+        make it (the queueing model's rule for its servers)."""
+        if self.links_rps == math.inf:
+            return 1.0
+        ok = 0.0
+        for weight, factor in _rate_factors(self.prompts.rate_cv2):
+            rho = rate * factor / self.links_rps
+            grow = (rho - 1.0) * BURST_WINDOW / (rate * factor)
+            ok += weight * (1.0 if rho <= 1 else min(1.0, self.ttft_s / grow))
+        return ok
 
 
 def _decode_tails(
@@ -415,7 +435,8 @@ def _limits(
             in_rate += n_d / q.servers_per_node / arrive if arrive > 0 else math.inf
     phases = None
     if traffic is not None and ttft_s is not None:
-        phases = _Phases.of(prefills, decodes, traffic, prompt, output, ttft_s, tpot_s)
+        nics = min(n_rate, in_rate)
+        phases = _Phases.of(prefills, decodes, traffic, prompt, output, ttft_s, tpot_s, nics)
         p_rate, d_rate = phases.prefill_goodput(share), phases.decode_goodput(share)
     light = Figures(0.0, ttft, tpot, move)
     return min(p_rate, n_rate), min(in_rate, d_rate), light, phases
