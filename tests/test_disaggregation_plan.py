@@ -272,3 +272,95 @@ def test_the_tpot_objective_is_held_at_its_tail_not_at_half_the_mean(catalog):
         43,
     ]  # scipy.stats.poisson.ppf
     assert poisson_quantile(1000, 0.99) == math.ceil(1000 + 2.3263 * math.sqrt(1000))
+
+
+MOONCAKE = (REPO / "inventory" / "mooncake-mixed.yaml").read_text()
+# The Mooncake conversation trace's workload as `plan --workload-from` derives it: 7% of its
+# prompts are longer than the 4090s' 47,104 tokens, so only the A100s prefill them.
+MOONCAKE_WORKLOAD = (
+    "    workload: {requests_per_s: 3.73, mean_prompt_tokens: 12035, mean_output_tokens: 343,\n"
+    "               prompt_tokens_p50: 6909, prompt_tokens_p90: 27367,"
+    " prompt_tokens_p99: 85401,\n"
+    "               max_prompt_tokens: 126195, output_tokens_p50: 350,"
+    " output_tokens_p90: 597,\n"
+    "               output_tokens_p99: 1120, burstiness: 2.32}\n"
+)
+
+
+def mooncake(slo: str, mode: str = "auto") -> str:
+    """`example:mooncake-mixed` (4 A100s, 14 RTX 4090s) on 100 Gb RDMA, its trace's lengths
+    and bursts, an SLO and a disaggregation mode."""
+    text = MOONCAKE
+    for gpu in ("A100-SXM4-80GB", "RTX-4090"):
+        line = f"    gpus: {{type: {gpu}, count: 1}}"
+        assert line in text
+        text = text.replace(line, line + "\n    network: {gbps: 100, rdma: true}")
+    start = text.index("    workload:")
+    end = text.index("\n", start) + 1
+    extra = f"    slo: {slo}\n    disaggregation: {mode}\n"
+    return text[:start] + MOONCAKE_WORKLOAD + extra + text[end:]
+
+
+def test_a_split_is_weighed_by_goodput_on_the_lengths_only_one_class_holds(tmp_path, catalog):
+    """A split is chosen by its goodput against the colocated servers' (the capacity `plan`
+    prints), on the workload's lengths, not by the mean request: on Mooncake's lengths the
+    prompts past the 4090s' context prefill only on the A100s, so the split's promised rate
+    must leave that tail's prefill within its A100 prefill servers; and where no arrangement
+    serves the SLO's share at any rate (6% of prompts take over 8 s to prefill alone on an
+    A100), the servers stay colocated."""
+    from fleetctl.planner.candidates import request_shape
+    from fleetctl.planner.queueing import traffic_of
+    from fleetctl.sim.fleet import servers_from_plan
+
+    impossible = planned(tmp_path, catalog, mooncake("{ttft_p99_s: 8, tpot_p99_ms: 50}"))
+    g = impossible.models[0].disaggregation
+    assert g is not None and not g.chosen, g
+    assert "no split serves 99% of requests within the SLO" in g.reason
+    assert {d.server.role for d in impossible.deployments} == {"both"}
+
+    # The objectives derived for this fleet: both arrangements serve some rate within them.
+    slo = "{ttft_p99_s: 30, tpot_p99_ms: 110}"
+    inv = load_inventory(write(tmp_path, mooncake(slo)), catalog)
+    plan = plan_fleet(inv)
+    colocated_rps = planned(tmp_path, catalog, mooncake(slo, "off")).models[0].capacity_rps
+    g = plan.models[0].disaggregation
+    assert g is not None and colocated_rps > 0
+    assert g.colocated_rps == pytest.approx(colocated_rps)
+    if not g.chosen:
+        return
+    assert plan.models[0].capacity_rps == pytest.approx(g.split_rps)
+    assert g.split_rps is not None and g.split_rps >= 1.2 * colocated_rps
+    # The prefill seconds a request brings the A100s: its share of the prompts no 4090 holds.
+    model = inv.models[0]
+    servers = servers_from_plan(plan.deployments, inv)
+    a100 = next(s for s in servers if s.gpu_type == "A100-SXM4-80GB")
+    rtx = next(s for s in servers if s.gpu_type == "RTX-4090")
+    tail = sum(
+        share * a100.perf.prefill_time(p)
+        for share, p, o in traffic_of(model, request_shape(model)).points
+        if p + o > rtx.max_model_len
+    )
+    a100_prefill = sum(1 for s in servers if s.gpu_type == a100.gpu_type and s.role == "prefill")
+    assert g.split_rps * tail < a100_prefill, (g.split_rps, tail, a100_prefill)
+
+
+def test_a_split_on_bursty_traffic_counts_the_transfers_its_nics_queue(tmp_path, catalog):
+    """On 10 GbE a 2,048-token prompt's KV takes 0.31 s to move, so four decode nodes
+    receive at most 13 prompts a second; the Azure code trace's bursts (an index of
+    dispersion of 134: bursts ten times its mean rate) queue them past the first token's
+    objective, and the servers stay colocated (the simulator served 90% within both at 2.92
+    req/s split against 3.38 colocated). A split that counted the links at the mean rate
+    only claimed 7.62 req/s against 2.87."""
+    workload = (
+        "    workload: {requests_per_s: 4.0, mean_prompt_tokens: 2048, mean_output_tokens: 28,\n"
+        "               prompt_tokens_p50: 1469, prompt_tokens_p90: 5194,"
+        " prompt_tokens_p99: 7436,\n"
+        "               max_prompt_tokens: 7437, output_tokens_p50: 13, output_tokens_p90: 55,\n"
+        "               output_tokens_p99: 252, burstiness: 134}\n"
+    )
+    text = fleet(gbps=10, rdma=False, slo="{ttft_p99_s: 4, tpot_p99_ms: 100}")
+    text = text.replace(WORKLOAD, workload)
+    assert "burstiness: 134" in text
+    g = planned(tmp_path, catalog, text).models[0].disaggregation
+    assert g is not None and not g.chosen, g
+    assert g.split_rps is not None and g.split_rps < 1.2 * g.colocated_rps

@@ -15,13 +15,22 @@ decodes: its batch is as large as its KV cache and the TPOT objective allow, and
 stalls it. The pools' rate is the least of the prefill pool's, the links' and the decode
 pool's; the split of servers between the pools is chosen to balance them.
 
+Where the planner knows the model's traffic (its lengths and bursts) and its colocated
+servers' goodput (planner/queueing.py: the capacity `plan` prints), a split is weighed by the
+same model: its prefill pools are the queueing model's servers for the prompts alone (each
+prompt only where its length fits, the TTFT objective less the transfer), so a long-prompt
+tail that only one class holds bounds the split as it bounds the colocated servers; its
+decode pools are its servers for the outputs alone (the TPOT tail of the batch they hold, no
+prompt stalling it); and the split's rate is the highest at which the SLO's share meets both,
+within the links' rates. Without them, every request is the mean one.
+
 The rule (`decide`): with `disaggregation: on`, split whenever both pools can exist; with
 `auto` (the default), by the model's SLO, stated or derived (disaggregation trades the first
 token's latency, a network hop and a GPU's generality for the requests that meet both
 objectives: an SLO is what weighs that), where the fleet gives the model two classes of GPU
 or more, the first token still meets the TTFT objective after the transfer, and the split
-serves at least GAIN x the colocated rate. Otherwise the servers stay colocated, and the
-reason says why.
+serves at least GAIN x the colocated rate (and more than nothing). Otherwise the servers stay
+colocated, and the reason says why.
 """
 
 from __future__ import annotations
@@ -32,8 +41,18 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 
 from fleetctl.fleet.inventory import Model
-from fleetctl.fleet.slo import Slo
+from fleetctl.fleet.slo import DEFAULT_SHARE, Slo
 from fleetctl.model.perf import EnginePerf, max_sequences
+from fleetctl.planner.queueing import (
+    BURST_WINDOW,
+    STEPS,
+    TPOT_QUANTILES,
+    Group,
+    Traffic,
+    _rate_factors,
+    attainment,
+    goodput,
+)
 
 # How much more the split must serve than colocated servers under `auto`: a split costs a
 # network hop per request, a second server's failure and GPUs that serve one phase only.
@@ -82,6 +101,7 @@ class Pool:
     max_num_seqs: int
     link: Link | None
     servers_per_node: int = 1
+    max_model_len: int | None = None  # None: it holds every request
 
 
 @dataclass(frozen=True)
@@ -101,6 +121,15 @@ class Split:
 
     prefill: dict[int, int] = field(default_factory=dict)
     figures: Figures | None = None
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """What weighs a split by the planner's capacity model: the model's traffic (lengths and
+    bursts) and its colocated servers' goodput on it, requests/s."""
+
+    traffic: Traffic
+    colocated_rps: float
 
 
 @dataclass(frozen=True)
@@ -177,9 +206,11 @@ def prefill_rate(pool: Pool, prompt: int) -> float:
     return 1.0 / pool.perf.prefill_marginal(prompt)
 
 
-def decode_rate(pool: Pool, prompt: int, output: int, tpot_s: float | None) -> float:
+def decode_rate(
+    pool: Pool, prompt: int, output: int, tpot_s: float | None, quantile: float = TPOT_QUANTILE
+) -> float:
     """Requests/s one decode-only server of `pool` generates: the largest mean batch whose
-    quantile (Poisson arrivals) fits its KV cache (prompt and output of each) and whose step
+    `quantile` (Poisson arrivals) fits its KV cache (prompt and output of each) and whose step
     there meets the TPOT objective, no prompt stalling it."""
     p = pool.perf
     ctx = prompt + output / 2
@@ -187,7 +218,7 @@ def decode_rate(pool: Pool, prompt: int, output: int, tpot_s: float | None) -> f
     best = 0.0
     for batch in range(1, most + 1):
         if tpot_s is not None:
-            high = poisson_quantile(batch, TPOT_QUANTILE)
+            high = poisson_quantile(batch, quantile)
             if high > most or p.step_time(high, high * ctx) > tpot_s:
                 break
         best = max(best, batch / (output * p.step_time(batch, batch * ctx)))
@@ -222,13 +253,160 @@ def split_figures(
     output: int,
     tpot_s: float | None,
     ttft_s: float | None = None,
+    traffic: Traffic | None = None,
+    share: float = DEFAULT_SHARE,
 ) -> Figures:
     """The rate the two pools serve together (the least of prefill, the prefill nodes' and
     the decode nodes' NICs, and decode),
     and a request's TTFT (prefill and transfer) and TPOT at light load. A prefill server
-    whose first token, transfer included, misses the TTFT objective `ttft_s` adds nothing."""
+    whose first token, transfer included, misses the TTFT objective `ttft_s` adds nothing.
+    With `traffic`, the rate is the split's goodput on it by the planner's queueing model."""
+    return _figures(_limits(pools, prefill, prompt, output, tpot_s, ttft_s, traffic, share), share)
+
+
+def _figures(limits: tuple[float, float, Figures, _Phases | None], share: float) -> Figures:
+    """The split's figures from its `_limits`: its rate, both phases together."""
+    up, down, light, phases = limits
+    rate = min(up, down)
+    if phases is not None:  # both phases together, within the links' rates
+        rate = phases.goodput(share, rate)
+    return Figures(rate, light.ttft_s, light.tpot_s, light.transfer_s)
+
+
+@dataclass(frozen=True)
+class _Phases:
+    """A split's two pools as the planner's queueing model (planner/queueing.py) sees them:
+    prefill servers that prefill only (one token out), each prompt only where its length
+    fits, the first token their prefill and the slowest of the pools' KV transfers; decode
+    servers that decode only, their TPOT tail that of the batch they hold (no prompt stalls
+    it), on the workload's output lengths (their context is not checked: the prefill side
+    already sends a prompt only where it fits). Both see its bursts."""
+
+    prefill: tuple[Group, ...]
+    prompts: Traffic
+    ttft_s: float
+    decode: tuple[Group, ...]
+    outputs: Traffic
+    links_rps: float = math.inf  # the KV transfers the NICs carry, requests/s
+
+    @classmethod
+    def of(
+        cls,
+        prefills: Sequence[tuple[Pool, int, float]],
+        decodes: Sequence[tuple[Pool, int]],
+        traffic: Traffic,
+        prompt: int,
+        output: int,
+        ttft_s: float,
+        tpot_s: float | None,
+        links_rps: float = math.inf,
+    ) -> _Phases:
+        move = max((s for _, n, s in prefills if n > 0), default=0.0)
+        prefill = tuple(
+            Group(n, q.perf, q.kv_tokens, q.max_num_seqs, q.max_model_len or 1 << 40)
+            for q, n, _ in prefills
+            if n > 0
+        )
+        decode = tuple(
+            Group(
+                n,
+                q.perf,
+                q.kv_tokens,
+                q.max_num_seqs,
+                1 << 40,
+                _decode_tails(q, prompt, output, tpot_s),
+            )
+            for q, n in decodes
+            if n > 0
+        )
+        prompts = Traffic(
+            tuple((s, p, 1) for s, p, _ in traffic.points), traffic.burstiness, traffic.assumed
+        )
+        outputs = Traffic(
+            tuple((s, 1, o) for s, o in traffic.outputs), traffic.burstiness, traffic.assumed
+        )
+        return cls(prefill, prompts, max(0.0, ttft_s - move), decode, outputs, links_rps)
+
+    def prefill_goodput(self, share: float) -> float:
+        """Requests/s the prefill servers serve within the TTFT objective for `share`."""
+        return (
+            goodput(self.prefill, self.prompts, self.ttft_s, None, share) if self.prefill else 0.0
+        )
+
+    def decode_goodput(self, share: float) -> float:
+        """Requests/s the decode servers serve within the TPOT objective for `share`."""
+        return goodput(self.decode, self.outputs, None, None, share) if self.decode else 0.0
+
+    def goodput(self, share: float, most: float) -> float:
+        """Requests/s, at most `most` (the least of each phase's goodput and the links'
+        rates), at which `share` of requests meet both objectives (the two phases taken as
+        independent)."""
+        if not self.prefill or not self.decode:
+            return 0.0
+
+        def met(rate: float) -> float:
+            return (
+                attainment(self.prefill, self.prompts, rate, self.ttft_s)
+                * attainment(self.decode, self.outputs, rate, None)
+                * self.carried(rate)
+            )
+
+        hi = most
+        if hi <= 0:
+            return 0.0
+        if met(hi) >= share:
+            return hi
+        lo = 0.0
+        for _ in range(STEPS):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if met(mid) >= share else (lo, mid)
+            if hi - lo < 1e-4 * hi:
+                break
+        return lo
+
+    def carried(self, rate: float) -> float:
+        """The share of requests whose KV transfer the NICs carry in time at `rate`: in a
+        burst past the links' rate the transfers queue, growing by the excess over the
+        burst's span, and only those sent before the queue outgrows the first token's slack
+        make it (the queueing model's rule for its servers)."""
+        if self.links_rps == math.inf:
+            return 1.0
+        ok = 0.0
+        for weight, factor in _rate_factors(self.prompts.rate_cv2):
+            rho = rate * factor / self.links_rps
+            grow = (rho - 1.0) * BURST_WINDOW / (rate * factor)
+            ok += weight * (1.0 if rho <= 1 else min(1.0, self.ttft_s / grow))
+        return ok
+
+
+def _decode_tails(
+    pool: Pool, prompt: int, output: int, tpot_s: float | None
+) -> tuple[tuple[float, float], ...]:
+    """Per decode-only server, the requests/s at which each TPOT quantile reaches the
+    objective, with the share over it there (queueing.Group.tpot_rates); () without one."""
+    if tpot_s is None:
+        return ()
+    return tuple((decode_rate(pool, prompt, output, tpot_s, q), 1 - q) for q in TPOT_QUANTILES)
+
+
+def _limits(
+    pools: Sequence[Pool],
+    prefill: dict[int, int],
+    prompt: int,
+    output: int,
+    tpot_s: float | None,
+    ttft_s: float | None,
+    traffic: Traffic | None,
+    share: float,
+) -> tuple[float, float, Figures, _Phases | None]:
+    """The split's rates that grow with its prefill servers (prefill, the prefill nodes'
+    NICs) and those that shrink (the decode nodes' NICs, decode), its light-load figures
+    (rate 0), and with `traffic` its pools for the queueing model (the phases' rates then
+    their goodput on it)."""
     p_rate = n_rate = in_rate = d_rate = 0.0
     ttft, tpot, move = math.inf, math.inf, 0.0
+    prefills: list[tuple[Pool, int, float]] = []
+    decodes: list[tuple[Pool, int]] = []
     decoders = [q for q in pools if q.servers - prefill.get(q.key, 0) > 0]
     for q in pools:
         n_p = prefill.get(q.key, 0)
@@ -237,7 +415,7 @@ def split_figures(
             links = [q.link.between(d.link) for d in decoders if q.link and d.link]
             link = min(links, key=lambda k: k.gbps) if links else None
             if link is None:
-                return Figures(0.0, math.inf, math.inf)
+                return 0.0, 0.0, Figures(0.0, math.inf, math.inf), None
             seconds = link.seconds(transfer_bytes(q, prompt))
             first = q.perf.prefill_time(prompt) + seconds
             if first < ttft:
@@ -245,15 +423,23 @@ def split_figures(
             if ttft_s is not None and first > ttft_s * SLO_HEADROOM:
                 continue
             p_rate += n_p * prefill_rate(q, prompt)
+            prefills.append((q, n_p, seconds))
             # A node's NIC carries the transfers of every prefill server on it.
             n_rate += n_p / q.servers_per_node / seconds if seconds > 0 else math.inf
         if n_d:
             d_rate += n_d * decode_rate(q, prompt, output, tpot_s)
+            decodes.append((q, n_d))
             tpot = min(tpot, q.perf.step_time(1, prompt + output / 2))
             # ... and a decode node's NIC receives the transfers of every decode server on it.
             arrive = q.link.seconds(transfer_bytes(q, prompt)) if q.link else math.inf
             in_rate += n_d / q.servers_per_node / arrive if arrive > 0 else math.inf
-    return Figures(min(p_rate, n_rate, in_rate, d_rate), ttft, tpot, move)
+    phases = None
+    if traffic is not None and ttft_s is not None:
+        nics = min(n_rate, in_rate)
+        phases = _Phases.of(prefills, decodes, traffic, prompt, output, ttft_s, tpot_s, nics)
+        p_rate, d_rate = phases.prefill_goodput(share), phases.decode_goodput(share)
+    light = Figures(0.0, ttft, tpot, move)
+    return min(p_rate, n_rate), min(in_rate, d_rate), light, phases
 
 
 def best_split(
@@ -262,18 +448,23 @@ def best_split(
     output: int,
     tpot_s: float | None,
     ttft_s: float | None = None,
+    traffic: Traffic | None = None,
+    share: float = DEFAULT_SHARE,
 ) -> Split:
     """The split of servers into prefill and decode that serves the highest rate: pools
     ordered by how much better they prefill than decode take the prefill share first, then
-    the count that balances the pools (and its neighbours) is tried."""
+    every count of prefill servers is tried; with `traffic` (each count's prefill rate a
+    goodput search), the count where the rates that grow with it meet those that shrink is
+    found by bisection, and it and the one below are tried."""
     ratio = {
         q.key: prefill_rate(q, prompt) / max(decode_rate(q, prompt, output, tpot_s), 1e-12)
         for q in pools
     }
     order = sorted(pools, key=lambda q: -ratio[q.key])
     total = sum(q.servers for q in pools)
-    best = Split()
-    for n in range(1, total):  # n prefill servers, from the pools that prefill best
+
+    def first(n: int) -> dict[int, int]:
+        """n prefill servers, from the pools that prefill best."""
         prefill: dict[int, int] = {}
         left = n
         for q in order:
@@ -281,9 +472,28 @@ def best_split(
             if take:
                 prefill[q.key] = take
             left -= take
-        got = split_figures(pools, prefill, prompt, output, tpot_s, ttft_s)
+        return prefill
+
+    known: dict[int, tuple[float, float, Figures, _Phases | None]] = {}
+
+    def limits(n: int) -> tuple[float, float, Figures, _Phases | None]:
+        if n not in known:
+            known[n] = _limits(pools, first(n), prompt, output, tpot_s, ttft_s, traffic, share)
+        return known[n]
+
+    counts: Sequence[int] = range(1, total)
+    if traffic is not None and total > 2:
+        lo, hi = 1, total - 1  # the least count whose growing rates reach the shrinking ones
+        while lo < hi:
+            mid = (lo + hi) // 2
+            up, down, _, _ = limits(mid)
+            lo, hi = (lo, mid) if up >= down else (mid + 1, hi)
+        counts = sorted({max(1, lo - 1), lo})
+    best = Split()
+    for n in counts:
+        got = _figures(limits(n), share)
         if best.figures is None or got.rate > best.figures.rate:
-            best = Split(prefill, got)
+            best = Split(first(n), got)
     return best
 
 
@@ -294,14 +504,19 @@ def decide(
     output: int,
     classes: int,
     slo: Slo | None = None,
+    weigh: Goodput | None = None,
 ) -> Choice:
     """Colocated or split for `model`'s servers (`pools`, on `classes` GPU types), and why,
-    by `slo` (the one it is planned by: planner/candidates.py)."""
+    by `slo` (the one it is planned by: planner/candidates.py); with `weigh`, both ways'
+    rates are goodput on the model's traffic by the planner's queueing model."""
     tpot_s = slo.tpot_s if slo is not None else None
     ttft_s = slo.ttft_s if slo is not None else None
     colo = [colocated(q, prompt, output, tpot_s, ttft_s) for q in pools]
+    traffic = weigh.traffic if weigh is not None and slo is not None else None
     together = Figures(
-        sum(f.rate * q.servers for f, q in zip(colo, pools, strict=True)),
+        sum(f.rate * q.servers for f, q in zip(colo, pools, strict=True))
+        if traffic is None or weigh is None
+        else weigh.colocated_rps,
         min((f.ttft_s for f in colo), default=math.inf),
         min((f.tpot_s for f in colo), default=math.inf),
     )
@@ -319,7 +534,8 @@ def decide(
         return choice(
             False, f"no network speed known for {', '.join(missing)}: set nodes[].network"
         )
-    split = best_split(pools, prompt, output, tpot_s, ttft_s)
+    share = slo.share if slo is not None else DEFAULT_SHARE
+    split = best_split(pools, prompt, output, tpot_s, ttft_s, traffic, share)
     got = split.figures
     assert got is not None
     if mode == "on":
@@ -333,6 +549,12 @@ def decide(
         why = (
             f"the KV transfer ({got.transfer_s:.2f} s) puts the first token at {got.ttft_s:.2f} s,"
             f" past the TTFT objective's share ({ttft_s * SLO_HEADROOM:.2f} s)"
+        )
+        return choice(False, why, split)
+    if got.rate <= 0 and traffic is not None and slo is not None:
+        why = (
+            f"no split serves {slo.share:.0%} of requests within the SLO at any rate "
+            f"(colocated: {together.rate:.2f} req/s)"
         )
         return choice(False, why, split)
     if got.rate < GAIN * together.rate:

@@ -11,15 +11,17 @@ from collections.abc import Iterable
 from fleetctl.base.names import natural_key
 from fleetctl.fleet.inventory import Inventory, KvTransferSpec, Node
 from fleetctl.fleet.plan import Deployment, Disaggregation, KvTransfer, Role, Server
-from fleetctl.planner.candidates import Candidate, request_shape
+from fleetctl.planner.candidates import Candidate, model_goodput, request_shape
 from fleetctl.planner.disaggregate import (
     Choice,
+    Goodput,
     Link,
     Pool,
     decide,
     decode_rate,
     prefill_rate,
 )
+from fleetctl.planner.queueing import traffic_of
 
 
 def assign_roles(
@@ -49,7 +51,13 @@ def assign_roles(
         prompt, output = request_shape(m)
         gpus = {candidate_of[key].cls.gpu.name for key in groups}
         slo = candidate_of[next(iter(groups))].slo
-        choice = decide(m, pools, prompt, output, len(gpus), slo)
+        # Weighed by the figure `plan` prints as the colocated servers' capacity (their
+        # goodput on the model's lengths and bursts), and the split by the same model.
+        colocated = model_goodput(m, [(candidate_of[key], len(g)) for key, g in groups.items()])
+        weigh = None
+        if colocated is not None:
+            weigh = Goodput(traffic_of(m, (prompt, output)), colocated)
+        choice = decide(m, pools, prompt, output, len(gpus), slo, weigh)
         choices[m.name] = _summary(choice, pools)
         if not choice.disaggregate or choice.split is None:
             continue
@@ -86,7 +94,17 @@ def _pool(key: int, group: list[Deployment], k: Candidate, nodes: dict[str, Node
         link = Link(min(x.gbps for x in known), all(x.rdma for x in known))
     per_node = max(Counter(d.node for d in group).values())
     label = f"{k.cls.gpu.name} {k.variant.format.name} TP={k.tp}"
-    return Pool(key, label, len(group), k.perf, k.budget.kv_tokens, k.max_num_seqs, link, per_node)
+    return Pool(
+        key,
+        label,
+        len(group),
+        k.perf,
+        k.budget.kv_tokens,
+        k.max_num_seqs,
+        link,
+        per_node,
+        k.max_model_len,
+    )
 
 
 def _link(node: Node) -> Link | None:
