@@ -24,6 +24,7 @@ from fleetctl.autopilot.changes import Change, Costs, Resident, changes, same_se
 from fleetctl.autopilot.forecast import Forecast, forecast
 from fleetctl.fleet.inventory import Inventory, WorkloadSpec
 from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.slo import DEFAULT_SHARE
 from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibration
 from fleetctl.planner import plan_fleet
@@ -31,6 +32,10 @@ from fleetctl.sim.workload import WorkItem
 from fleetctl.whatif.predict import what_if
 
 RATE_FLOOR = 1e-3  # req/s: the planner needs a positive rate for a model with no traffic
+MIN_JUDGED = 20  # requests an interval must finish to judge a model's attainment by
+HEADROOM_STEP = 1.25
+HEADROOM_DECAY = 0.97
+MAX_HEADROOM = 4.0
 
 
 @dataclass(frozen=True)
@@ -92,11 +97,30 @@ class Autopilot:
         self.history: dict[str, list[float]] = {m.name: [] for m in inv.models}
         self.unneeded: dict[int, int] = {}  # id of an awake deployment -> intervals unneeded
         self.moves: deque[float] = deque()  # times of recent starts and wakes
+        self.headroom: dict[str, float] = {}  # per model: traffic planned for / forecast
 
-    def record(self, counts: Mapping[str, float]) -> None:
-        """One interval's requests per model (a model left out had none)."""
+    def record(
+        self, counts: Mapping[str, float], met: Mapping[str, tuple[int, int]] | None = None
+    ) -> None:
+        """One interval's requests per model (a model left out had none), and, where known,
+        how many of the requests that finished in it met the model's objectives, of how many
+        (the router's attainment metrics). A model that missed its SLO's share is planned for
+        HEADROOM_STEP times more traffic next time, up to MAX_HEADROOM; one that met it gives
+        a little of that back: the measured correction of the planner's figures (Dynamo's
+        planner corrects by measured over expected TTFT)."""
         for name, series in self.history.items():
             series.append(float(counts.get(name, 0.0)))
+        for name, (good, total) in (met or {}).items():
+            if total < MIN_JUDGED:
+                continue
+            model = next((m for m in self.inv.models if m.name == name), None)
+            share = model.spec.slo.share if model and model.spec.slo else DEFAULT_SHARE
+            h = self.headroom.get(name, 1.0)
+            if good < share * total:
+                h = min(MAX_HEADROOM, h * HEADROOM_STEP)
+            else:
+                h = max(1.0, h * HEADROOM_DECAY)
+            self.headroom[name] = h
 
     def awake(self) -> list[Deployment]:
         return [r.deployment for r in self.residents if r.awake]
@@ -155,7 +179,8 @@ class Autopilot:
         models = []
         for m in self.inv.models:
             f = forecasts.get(m.name)
-            rate = max(RATE_FLOOR, (f.high if f else 0.0) / s.interval_s)
+            high = (f.high if f else 0.0) * self.headroom.get(m.name, 1.0)
+            rate = max(RATE_FLOOR, high / s.interval_s)
             w = m.spec.workload
             spec = (
                 w.model_copy(update={"requests_per_s": rate})

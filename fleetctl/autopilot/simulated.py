@@ -29,7 +29,7 @@ from fleetctl.planner import plan_fleet
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.sim.controls import Control, Observation
-from fleetctl.sim.fleet import Server, SimResult, servers_from_plan, simulate
+from fleetctl.sim.fleet import Outcome, Server, SimResult, servers_from_plan, simulate
 from fleetctl.sim.multi import slo_minutes
 from fleetctl.sim.workload import WorkItem
 
@@ -216,7 +216,13 @@ def run_autopilot(
         for w in arrived[seen:]:
             counts[w.model] = counts.get(w.model, 0.0) + 1
         seen = len(arrived)
-        pilot.record(counts)
+        met: dict[str, tuple[int, int]] = {}
+        for out in o.finished:
+            assert isinstance(out, Outcome)
+            good, total = met.get(out.item.model, (0, 0))
+            ok = out.met(config.slo.get(out.item.model))
+            met[out.item.model] = (good + ok, total + 1)
+        pilot.record(counts, met)
         since = o.now - GATE_INTERVALS * settings.interval_s
         recent: dict[str, list[WorkItem]] = {}
         for w in arrived:

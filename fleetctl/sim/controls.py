@@ -48,6 +48,9 @@ class Observation:
     models: dict[str, str] = field(default_factory=dict)
     waiting: dict[str, int] = field(default_factory=dict)
     queued: dict[str, int] = field(default_factory=dict)
+    # The requests that finished since the last tick (sim/fleet.py's Outcome): what the
+    # router's attainment metrics count, to judge the fleet by.
+    finished: Sequence[object] = ()
 
 
 Controller = Callable[[Observation], Sequence[Control]]

@@ -327,6 +327,7 @@ class _Run:
         self.states = {s.name: "awake" for s in servers}
         self.awake = AwakeSpans.of({s.name: s.perf.tp for s in servers}, self.states)
         self.draining: set[int] = set()  # engines of servers put down, still finishing work
+        self.done_since: list[Outcome] = []  # finished since the controller's last tick
         self.arrived = 0
 
     def control(
@@ -415,7 +416,9 @@ class _Run:
             {b.name: b.model for b in self.backends},
             {b.name: b.waiting for b in self.backends},
             queued,
+            self.done_since,
         )
+        self.done_since = []
         for c in self.controller(seen):
             check([c], self.index)
             self.push(replace(c, at=max(now, c.at)))
@@ -526,6 +529,7 @@ class _Run:
             if s.req not in self.remote:
                 o.first_token = s.first_token_at
             o.finished = s.finished_at
+            self.done_since.append(o)
             o.preemptions += s.preemptions
             release(b, self.requests[s.req])
             self.estimate.observe(o.item.model, o.item.output)
