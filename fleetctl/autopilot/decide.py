@@ -33,8 +33,8 @@ from fleetctl.whatif.predict import what_if
 
 RATE_FLOOR = 1e-3  # req/s: the planner needs a positive rate for a model with no traffic
 MIN_JUDGED = 20  # requests an interval must finish to judge a model's attainment by
-HEADROOM_STEP = 1.25
-HEADROOM_DECAY = 0.97
+HEADROOM_STEP = 1.5
+HEADROOM_DECAY = 0.98
 MAX_HEADROOM = 4.0
 
 
@@ -106,8 +106,8 @@ class Autopilot:
         how many of the requests that finished in it met the model's objectives, of how many
         (the router's attainment metrics). A model that missed its SLO's share is planned for
         HEADROOM_STEP times more traffic next time, up to MAX_HEADROOM; one that met it gives
-        a little of that back: the measured correction of the planner's figures (Dynamo's
-        planner corrects by measured over expected TTFT)."""
+        a little of that back (HEADROOM_DECAY): the measured correction of the planner's
+        figures (Dynamo's planner corrects by measured over expected TTFT)."""
         for name, series in self.history.items():
             series.append(float(counts.get(name, 0.0)))
         for name, (good, total) in (met or {}).items():
