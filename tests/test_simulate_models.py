@@ -96,3 +96,31 @@ def test_rows_that_name_no_model_or_an_unserved_one_are_refused(cli, multi, tmp_
     assert r.code == 2 and "'gpt-9'" in r.err and "t.jsonl:2" in r.err
     r = cli("simulate", multi, "--trace", trace, "--load", "0.5")
     assert r.code == 2 and "--load applies to one model's traffic" in r.err
+
+
+def test_simulate_autopilot_and_the_reactive_scaler_give_the_fleets_figures(cli, multi, tmp_path):
+    """`simulate --autopilot` and `--scaler reactive` on a multi-model trace: each model's
+    figures and the fleet's gpu_hours, slo_minutes and actions, the names the autopilot's
+    acceptance reads."""
+    multi.write_text(multi.read_text().replace("planner:\n", "planner:\n  sleep_mode: true\n"))
+    trace = tmp_path / "day.jsonl"
+    rates = {"llama-3-8b": 3.0, "llama-2-13b": 0.5, "llama-3-70b": 0.2}
+    n = _scenario(trace, rates, 600)
+    for flag in (["--autopilot"], ["--scaler", "reactive"]):
+        r = cli("simulate", multi, "--trace", trace, *flag, "--json")
+        assert r.code == 0, r.err
+        data = json.loads(r.out)
+        assert data["run"] == ("autopilot" if flag == ["--autopilot"] else "reactive")
+        assert sum(m["requests"] for m in data["models"].values()) == n
+        fleet = data["fleet"]
+        assert set(fleet) >= {"gpu_hours", "slo_minutes", "actions"}
+        assert 0 < fleet["gpu_hours"] <= 16 * 600 / 3600 + 1e-6 and 0 <= fleet["slo_minutes"] <= 1
+    text = cli("simulate", multi, "--trace", trace, "--autopilot")
+    assert text.code == 0 and "GPU-hours" in text.out
+    for bad, says in (
+        (["--autopilot", "--scaler", "reactive"], "not both"),
+        (["--scaler", "keda"], "unknown scaler"),
+        (["--autopilot", "--load", "0.5"], "multi-model trace"),
+    ):
+        r = cli("simulate", multi, "--trace", trace, *bad)
+        assert r.code == 2 and says in r.err and "Traceback" not in r.err, (bad, r.err)

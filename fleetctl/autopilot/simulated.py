@@ -16,11 +16,16 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
+
+from rich.console import Group, RenderableType
 
 from fleetctl.autopilot.changes import Costs, Resident
 from fleetctl.autopilot.decide import Autopilot, Decision, Settings
 from fleetctl.autopilot.reactive import POLL_S, Reactive
+from fleetctl.base.errors import Location, UserError
+from fleetctl.base.tables import Cell, Col, Records
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.model.calibration import Calibration
@@ -30,7 +35,7 @@ from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.sim.controls import Control, Observation
 from fleetctl.sim.fleet import Outcome, Server, SimResult, servers_from_plan, simulate
-from fleetctl.sim.multi import slo_minutes
+from fleetctl.sim.multi import slo_minutes, trace_by_model
 from fleetctl.sim.workload import WorkItem
 
 GATE_INTERVALS = 5
@@ -262,3 +267,51 @@ def _controls(
         else:
             out.append(Control(ready if c.after else now, name, c.kind))
     return out
+
+
+RUNS = ("autopilot", "reactive", "static")
+
+
+def simulate_day(
+    inv: Inventory,
+    trace: Path,
+    run: str,
+    *,
+    policy: str = "hardware-aware",
+    window: tuple[float, float] | None = None,
+    seed: int = 0,
+    calibrated: bool = True,
+) -> tuple[dict[str, Any], RenderableType]:
+    """`simulate --autopilot` / `--scaler reactive`: every model of a multi-model trace on the
+    inventory's fleet, moved by `run`; its JSON (each model's figures, the fleet's
+    gpu_hours, slo_minutes and actions by kind) and its table."""
+    from fleetctl.fleet.statedir import StateDir
+
+    traffic = trace_by_model(trace, [m.name for m in inv.models], window)
+    if not traffic:
+        raise UserError("the trace has no requests", Location(str(trace)), "check the file")
+    calibration = StateDir.of(inv).load_calibration() if calibrated else None
+    if run == "autopilot":
+        day = run_autopilot(inv, traffic, policy=policy, calibration=calibration, seed=seed)
+    elif run == "reactive":
+        day = run_reactive(inv, traffic, policy=policy, calibration=calibration, seed=seed)
+    else:
+        day = run_static(inv, traffic, policy=policy, calibration=calibration, seed=seed)
+    data = {"run": run, "policy": policy, **day.to_json(), "span_s": round(day.span_s, 3)}
+    if day.decisions:
+        data["decisions"] = [d.to_json() for d in day.decisions if d.changes or d.held]
+    fleet = data["fleet"]
+    rows: list[list[Cell]] = [
+        [m, f"{v['requests']:,}", f"{v['slo_attainment']:.1%}"] for m, v in data["models"].items()
+    ]
+    acts = ", ".join(f"{n} {k}" for k, n in fleet["actions"].items()) or "none"
+    table = Records(
+        f"The fleet moved by the {run} over {day.span_s / 3600:.2f} h: "
+        f"{fleet['gpu_hours']:,.1f} GPU-hours, {fleet['slo_minutes']:.1%} of minutes within "
+        f"the objectives; actions: {acts}",
+        [Col("model", head=True), Col("requests", numeric=True), Col("SLO met", numeric=True)],
+        rows,
+        caption="minutes within the objectives: one-minute windows in which every model's "
+        "requests met both objectives for its SLO's share",
+    )
+    return data, Group(table)

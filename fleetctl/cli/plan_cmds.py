@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
+from fleetctl.base.errors import UserError
 from fleetctl.base.jsonout import dump_json, print_json
 from fleetctl.base.public_traces import resolve_trace
 from fleetctl.cli import common
@@ -20,6 +21,10 @@ from fleetctl.cli.options import (
     ProfilesOpt,
     StateDirOpt,
 )
+
+# simulate's --policies default: a literal, so `--help` loads no routing code
+# (tests/test_policy_registry.py checks it names the registry's compared policies).
+DEFAULT_SIM_POLICIES = "round-robin,least-outstanding,power-of-two,kv-aware,hardware-aware"
 
 if TYPE_CHECKING:
     from fleetctl.fleet.plan import Plan
@@ -244,7 +249,7 @@ def simulate(
         "(END may be left out).",
     ),
     policies: str = typer.Option(
-        "round-robin,least-outstanding,power-of-two,kv-aware,hardware-aware",
+        DEFAULT_SIM_POLICIES,
         "--policies",
         metavar="A,B,...",
         help="Comma-separated routing policies to compare.",
@@ -299,6 +304,21 @@ def simulate(
         "within both objectives; bisected to within 5%, replaying the traffic whole, or "
         "four windows of 1,000 requests spread over it.",
     ),
+    autopilot: bool = typer.Option(
+        False,
+        "--autopilot",
+        help="With a multi-model trace: the autopilot moves the fleet as the traffic moves "
+        "(sleeps, wakes, starts, stops at their modelled seconds); the JSON gives each "
+        "model's figures and the fleet's gpu_hours, slo_minutes and actions.",
+    ),
+    scaler: str | None = typer.Option(
+        None,
+        "--scaler",
+        metavar="KIND",
+        help="With a multi-model trace: the field's scaler instead, for comparison. "
+        "reactive: KEDA on waiting requests through the HPA (30 s polls, 300 s "
+        "scale-down window, cold starts).",
+    ),
 ) -> None:
     """Replay a workload over the planned fleet with each policy; compare goodput, TTFT, TPOT."""
     from fleetctl.sim.command import require_matplotlib, run_simulate
@@ -306,6 +326,17 @@ def simulate(
     if plot is not None:  # before loading anything: a missing matplotlib wastes no simulation
         require_matplotlib()
     inv, _ = common.load(inventory, profiles)
+    if autopilot or scaler is not None:
+        data, renderable = _moved(
+            inv, trace, window, policies, seed, not no_calibration, autopilot, scaler,
+            workload is not None or load is not None or rate is not None or slo is not None
+            or model is not None or limit is not None or capacity or plot is not None,
+        )  # fmt: skip
+        if as_json:
+            print_json(data)
+        else:
+            common.console().print(renderable)
+        return
     data, renderable = run_simulate(
         inv,
         workload,
@@ -328,3 +359,39 @@ def simulate(
         print_json(data)
     else:
         common.console().print(renderable)
+
+
+def _moved(
+    inv: Any,
+    trace: Path | None,
+    window: str | None,
+    policies: str,
+    seed: int,
+    calibrated: bool,
+    autopilot: bool,
+    scaler: str | None,
+    one_model_options: bool,
+) -> tuple[dict[str, Any], Any]:
+    """`simulate --autopilot` or `--scaler`: checked, then run (autopilot/simulated.py)."""
+    from fleetctl.autopilot.simulated import simulate_day
+    from fleetctl.sim.command import parse_window
+
+    if autopilot and scaler is not None:
+        raise UserError("give --autopilot or --scaler, not both", None, "drop one of them")
+    if scaler is not None and scaler != "reactive":
+        raise UserError(f"unknown scaler {scaler!r}", None, "the one scaler is: reactive")
+    if trace is None or one_model_options:
+        raise UserError(
+            "--autopilot and --scaler run every model of a multi-model trace on one fleet",
+            None,
+            "give --trace alone (and --window, --policies with one policy, --seed)",
+        )
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    policy = "hardware-aware" if policies == DEFAULT_SIM_POLICIES else names[0]
+    if len(names) != 1 and policies != DEFAULT_SIM_POLICIES:
+        raise UserError("--autopilot and --scaler route by one policy", None, "give one")
+    cut = parse_window(window) if window is not None else None
+    run = "autopilot" if autopilot else "reactive"
+    return simulate_day(
+        inv, trace, run, policy=policy, window=cut, seed=seed, calibrated=calibrated
+    )
