@@ -72,7 +72,8 @@ def same_server(a: Deployment, b: Deployment) -> bool:
     return a.key == b.key and a.vllm_args == b.vllm_args
 
 
-def _overlaps(a: Deployment, b: Deployment) -> bool:
+def overlaps(a: Deployment, b: Deployment) -> bool:
+    """Whether `a` and `b` hold a GPU in common."""
     return a.node == b.node and bool(set(a.gpu_indices) & set(b.gpu_indices))
 
 
@@ -107,7 +108,7 @@ def changes(
     arriving = [t for t in target if t not in keep]
     for r in leaving:
         d = r.deployment
-        after = not any(_overlaps(d, t) for t in arriving)
+        after = not any(overlaps(d, t) for t in arriving)
         if not _sleeps(d):
             why = "not in the target; started without sleep mode"
             out.append(Change("stop", d, 0.0, why=why, after=after))
@@ -147,6 +148,6 @@ def conflicts(target: Sequence[Deployment]) -> list[tuple[Deployment, Deployment
     found = []
     for i, a in enumerate(target):
         for b in target[i + 1 :]:
-            if _overlaps(a, b):
+            if overlaps(a, b):
                 found.append((a, b))
     return found

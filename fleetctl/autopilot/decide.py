@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetctl.autopilot.changes import Change, Costs, Resident, changes, same_server
+from fleetctl.autopilot.changes import Change, Costs, Resident, changes, overlaps, same_server
 from fleetctl.autopilot.forecast import Forecast, forecast
 from fleetctl.fleet.inventory import Inventory, WorkloadSpec
 from fleetctl.fleet.plan import Deployment
@@ -70,14 +70,6 @@ class Decision:
             "changes": [c.to_json() for c in self.changes],
             "held": self.held,
         }
-
-
-def _group(d: Deployment) -> tuple[str, frozenset[int]]:
-    return d.node, frozenset(d.gpu_indices)
-
-
-def _overlap(a: Deployment, b: Deployment) -> bool:
-    return a.node == b.node and bool(set(a.gpu_indices) & set(b.gpu_indices))
 
 
 class Autopilot:
@@ -222,7 +214,7 @@ class Autopilot:
             free = [
                 r
                 for r in sleepers
-                if r.deployment.model == model and not any(_overlap(r.deployment, o) for o in rest)
+                if r.deployment.model == model and not any(overlaps(r.deployment, o) for o in rest)
             ]
             free.sort(key=lambda r: (self.costs.wake_s(r.deployment, r.level), r.deployment.key))
             chosen: list[Deployment] = []
@@ -230,7 +222,7 @@ class Autopilot:
             for r in free:
                 if capacity >= need:
                     break
-                if any(_overlap(r.deployment, c) for c in chosen):
+                if any(overlaps(r.deployment, c) for c in chosen):
                     continue
                 chosen.append(r.deployment)
                 capacity += r.deployment.capacity_rps
@@ -254,7 +246,7 @@ class Autopilot:
             if n < s.down_after or mine < s.floor:
                 why = "floor" if mine < s.floor else f"unneeded {n} of {s.down_after} intervals"
                 held.append(f"keep {d.model} on {d.node} {list(d.gpu_indices)}: {why}")
-                target = [t for t in target if not _overlap(t, d)] + [d]
+                target = [t for t in target if not overlaps(t, d)] + [d]
         return target, held
 
     def _budget(self, now: float, steps: list[Change]) -> tuple[list[Change], list[str]]:
@@ -276,7 +268,7 @@ class Autopilot:
                 if c in keep_up:
                     out.append(c)
                 continue
-            if any(_overlap(c.deployment, u.deployment) for u in dropped):
+            if any(overlaps(c.deployment, u.deployment) for u in dropped):
                 continue
             out.append(c)
         return out, [

@@ -13,6 +13,7 @@ serve after their seconds, servers that wait for the arrivals leave when the slo
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,7 @@ from fleetctl.model.startup import wake_seconds, warmup_seconds
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
+from fleetctl.sim.compare import mean_shape
 from fleetctl.sim.controls import Control, Observation
 from fleetctl.sim.fleet import Outcome, Server, SimResult, servers_from_plan, simulate
 from fleetctl.sim.multi import slo_minutes, trace_by_model
@@ -122,14 +124,7 @@ def _merged(traffic: Mapping[str, Sequence[WorkItem]]) -> list[WorkItem]:
 def _config(
     inv: Inventory, servers: Sequence[Server], traffic: Mapping[str, Sequence[WorkItem]]
 ) -> RoutingConfig:
-    shapes = {
-        m: (
-            max(1, round(sum(w.prompt for w in ws) / len(ws))),
-            max(1, round(sum(w.output for w in ws) / len(ws))),
-        )
-        for m, ws in traffic.items()
-        if ws
-    }
+    shapes = {m: mean_shape(ws) for m, ws in traffic.items() if ws}
     engines = [(s.model, s.perf, s.max_model_len) for s in servers]
     return RoutingConfig.of(inv, engines, shapes)
 
@@ -230,10 +225,10 @@ def run_autopilot(
         pilot.record(counts, met)
         since = o.now - GATE_INTERVALS * settings.interval_s
         recent: dict[str, list[WorkItem]] = {}
-        for w in arrived:
-            if w.arrival >= since:
-                mine = recent.setdefault(w.model, [])
-                mine.append(replace(w, id=len(mine), arrival=w.arrival - since))
+        # Arrivals are in time order: only the last intervals' are read, not the whole day's.
+        for w in arrived[bisect.bisect_left(arrived, since, key=lambda w: w.arrival) :]:
+            mine = recent.setdefault(w.model, [])
+            mine.append(replace(w, id=len(mine), arrival=w.arrival - since))
         decision = pilot.decide(o.now, recent)
         decisions.append(decision)
         pilot.carried_out(decision)
