@@ -78,7 +78,46 @@ CASES = [
         lambda d: {**d, "deployments": [*d["deployments"], d["deployments"][0]]},
         ["recorded twice", "(first at deployments[0])"],
     ),
+    # A sleeper shares its slot's GPUs, never an awake server's port on the same node.
+    (
+        "sleeper-on-a-port",
+        lambda d: {**d, "asleep": [{"deployment": d["deployments"][0], "level": 1}]},
+        ["asleep[0]: node", "recorded twice (first at deployments[0])"],
+    ),
+    (
+        "sleep-level-3",
+        lambda d: {**d, "asleep": [{"deployment": _moved(d["deployments"][0]), "level": 3}]},
+        ["asleep[0].level"],
+    ),
+    ("draining-unknown", lambda d: {**d, "draining": ["nowhere:1"]}, ["draining[0]: nowhere:1"]),
 ]
+
+
+def _moved(record: dict) -> dict:
+    """The record on another port: a sleeper beside its slot's awake server."""
+    port = record["port"] + 100
+    args = list(record["vllm_args"])
+    args[args.index("--port") + 1] = str(port)
+    return {**record, "port": port, "vllm_args": args}
+
+
+def test_sleepers_and_draining_servers_round_trip(applied):
+    """A slot's awake server and a sleeper on the same GPUs, and a draining server, read back
+    as written; a state without them writes neither key (older readers' files stay as
+    they were)."""
+    from fleetctl.fleet.state import State
+
+    _, doc = applied
+    plain = State.from_json(doc)
+    assert "asleep" not in plain.to_json() and "draining" not in plain.to_json()
+    first = doc["deployments"][0]
+    name = f"{first['node']}:{first['port']}"
+    rich = {**doc, "asleep": [{"deployment": _moved(first), "level": 2}], "draining": [name]}
+    state = State.from_json(rich)
+    (sleeper,) = state.asleep
+    assert sleeper.level == 2 and sleeper.deployment.key == plain.deployments[0].key
+    assert state.draining == {name}
+    assert State.from_json(state.to_json()) == state
 
 
 @pytest.mark.parametrize(("how", "words"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
