@@ -20,6 +20,7 @@ from harness.vllm_server import (
     MODEL_SUBDIR,
     ensure_env,
     log_tail,
+    server_env,
     start_vllm,
     stop,
     tiny_profile,
@@ -30,6 +31,7 @@ from tests.test_vllm_real import STARTUP_TIMEOUT_S, _free_port
 pytestmark = pytest.mark.vllm_real
 
 BUILDER = Path(__file__).parent / "vllm_real" / "build_tiny_adapters.py"
+MEASURE = Path(__file__).parent / "vllm_real" / "lora_slot_bytes.py"
 KV_SPACE_GIB = 1  # harness.vllm_server's VLLM_CPU_KVCACHE_SPACE
 ADAPTERS = ("tiny-support", "tiny-legal", "tiny-sql")
 RANK = 8
@@ -96,3 +98,18 @@ def test_kv_cache_with_and_without_lora_slots_matches_the_model(tmp_path):
     )
     for measured in (plain, with_lora):
         assert abs(modelled - measured) <= 0.05 * measured, (modelled, measured)
+
+
+def test_lora_slot_bytes_are_what_vllm_allocates():
+    """vLLM's own LoRA tensors on tiny-llama (2 slots of rank 8), summed in its process,
+    against perf.lora_slot_bytes: the structure the GPU KV budget subtracts."""
+    env = ensure_env()
+    r = subprocess.run(
+        [str(env / "bin" / "python"), str(MEASURE), str(env / MODEL_SUBDIR), "2", str(RANK)],
+        env=server_env(env), cwd=env, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    measured = int(r.stdout.split()[-1])
+    with_profiles = load_catalog([tiny_profile(env, Path(env / "tmp" / "lora-profiles"))])
+    profile = with_profiles.model(MODEL_SUBDIR.name)
+    assert lora_slot_bytes(profile, 2, RANK) == measured
