@@ -241,3 +241,20 @@ def test_route_serve_refuses_the_adapter_loading_endpoints(tmp_path):
     finally:
         r.stop()
         standin.stop()
+
+
+def test_a_saved_plan_with_runtime_loading_matches_its_inventory(tmp_path):
+    """apply takes back a saved plan whose servers carry the runtime-loading variable the
+    planner set, and still refuses one whose environment was edited to open it."""
+    from fleetctl.apply.flow import check_saved_plan
+    from fleetctl.base.errors import UserError
+    from fleetctl.fleet.plan import Deployment
+
+    path = write(tmp_path, GOOD + "    adapters_runtime: true\n")
+    inv = load_inventory(path, load_catalog())
+    saved = [Deployment.from_json(d.to_json()) for d in plan_fleet(inv).deployments]
+    assert all(dict(d.server.env) for d in saved)
+    check_saved_plan(path, saved, inv)
+    inv = load_inventory(write(tmp_path, GOOD, "static.yaml"), load_catalog())
+    with pytest.raises(UserError, match="environment differs"):
+        check_saved_plan(path, saved, inv)

@@ -86,6 +86,12 @@ def slots(model: Model, gpu_type: str) -> Slots | None:
     return Slots(max_loras, rank, max(max_loras, len(preloaded)), preloaded, runtime)
 
 
+def env_of(model: Model, gpu_type: str) -> dict[str, str]:
+    """The variables the plan adds for LoRA to a server of `model` on `gpu_type`."""
+    s = slots(model, gpu_type)
+    return s.env() if s is not None else {}
+
+
 def server(
     model: Model,
     gpu_type: str,
