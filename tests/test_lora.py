@@ -98,6 +98,18 @@ CASES = [
     ),
     ("max-loras-zero", GOOD + "    max_loras: 0\n", 28, ["greater than or equal to 1"]),
     (
+        "copy-to-a-relative-source",
+        bad("source: ./adapters/sql", "source: ./adapters/sql\n        copy_from: ./built/sql"),
+        26,
+        ["has copy_from", "must be an absolute path"],
+    ),
+    (
+        "copy-from-dot-dot",
+        bad("source: ./adapters/sql", "source: /srv/sql\n        copy_from: ../built/sql"),
+        27,
+        ["copy_from '../built/sql' is not a plain path"],
+    ),
+    (
         "lora-flag-in-vllm-args",
         GOOD + "    vllm_args: [--max-lora-rank, '8']\n",
         28,
@@ -258,3 +270,33 @@ def test_a_saved_plan_with_runtime_loading_matches_its_inventory(tmp_path):
     inv = load_inventory(write(tmp_path, GOOD, "static.yaml"), load_catalog())
     with pytest.raises(UserError, match="environment differs"):
         check_saved_plan(path, saved, inv)
+
+
+def test_apply_reads_each_adapter_to_copy_once_and_refuses_a_folder_without_one(tmp_path):
+    """apply reads copy_from folders before any node is touched: their plain files only,
+    for every server that may load the adapter; a folder without adapter_config.json is a
+    located error."""
+    from fleetctl.apply.adapters import read_uploads, uploads_for
+    from fleetctl.base.errors import UserError
+
+    built = tmp_path / "built"
+    built.mkdir()
+    (built / "adapter_config.json").write_text("{}")
+    (built / "adapter_model.safetensors").write_bytes(b"\0weights")
+    (built / "sub").mkdir()  # not copied: the top level only
+    text = bad(
+        "source: /srv/adapters/support-en", f"source: /srv/support-en\n        copy_from: {built}"
+    )
+    inv = load_inventory(write(tmp_path, text), load_catalog())
+    read = read_uploads(inv)
+    assert [f for f, _ in read["support-en"].files] == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    assert read["support-en"].dest == "/srv/support-en"
+    for d in plan_fleet(inv).deployments:
+        assert [u.name for u in uploads_for(inv, d, read)] == ["support-en"]
+    (built / "adapter_config.json").unlink()
+    with pytest.raises(UserError, match=r"holds no adapter_config\.json") as e:
+        read_uploads(inv)
+    assert e.value.where is not None and e.value.where.line == 18

@@ -1,6 +1,7 @@
 """`fleetctl apply` of a plan with LoRA adapters onto real vLLM (the CPU build) over real SSH:
-the server starts with the plan's LoRA flags, serves each adapter it preloads by name, and
-answers vLLM's runtime loading endpoint because the plan set the variable for it."""
+adapter files copied from `copy_from` onto the node, the server started with the plan's LoRA
+flags, each adapter it preloads served by name, and vLLM's runtime loading endpoint open
+because the plan set the variable for it."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def test_apply_starts_lora_servers_that_serve_each_adapter(cli, tmp_path, monkey
          str(adapters), "8", *names],
         check=True, capture_output=True,
     )  # fmt: skip
+    # Two adapters the node gets from apply (copy_from): one loaded at start, one at runtime.
+    on_node = tmp_path / "node-adapters"
     monkeypatch.setenv("VLLM_API_KEY", API_KEY)
     monkeypatch.setenv("FLEETCTL_PROFILES", str(PROFILES))
     with TestHosts(1, names=["cpu-1"]) as hosts:
@@ -65,9 +68,11 @@ def test_apply_starts_lora_servers_that_serve_each_adapter(cli, tmp_path, monkey
             "    adapters:\n"
             f"      - {{name: tiny-support, source: {adapters / 'tiny-support'}, rank: 8,\n"
             "         workload: {requests_per_s: 3, mean_prompt_tokens: 8, mean_output_tokens: 4}}\n"
-            f"      - {{name: tiny-legal, source: {adapters / 'tiny-legal'}, rank: 8,\n"
+            f"      - {{name: tiny-legal, source: {on_node / 'tiny-legal'}, rank: 8,\n"
+            f"         copy_from: {adapters / 'tiny-legal'},\n"
             "         workload: {requests_per_s: 2, mean_prompt_tokens: 8, mean_output_tokens: 4}}\n"
-            f"      - {{name: tiny-sql, source: {adapters / 'tiny-sql'}, rank: 8}}\n"
+            f"      - {{name: tiny-sql, source: {on_node / 'tiny-sql'}, rank: 8,\n"
+            f"         copy_from: {adapters / 'tiny-sql'}}}\n"
             "planner: {enforce_eager: true}\n"
             "apply:\n"
             f"  vllm_command: {env_dir / 'bin' / 'vllm'}\n"
@@ -76,9 +81,13 @@ def test_apply_starts_lora_servers_that_serve_each_adapter(cli, tmp_path, monkey
             "  secrets: [VLLM_API_KEY]\n"
         )
         known = ["--known-hosts", str(hosts.known_hosts)]
+        assert not on_node.exists()
         r = cli("apply", inv, "--yes", "--json", *known)
         assert r.code == 0, r.out + r.err
         try:
+            for name in ("tiny-legal", "tiny-sql"):
+                for f in (adapters / name).iterdir():
+                    assert (on_node / name / f.name).read_bytes() == f.read_bytes()
             [d] = json.loads((tmp_path / ".fleetctl" / "state.json").read_text())["deployments"]
             assert d["env"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
             url = f"http://{d['host']}:{d['port']}"
@@ -92,7 +101,7 @@ def test_apply_starts_lora_servers_that_serve_each_adapter(cli, tmp_path, monkey
                 status, body = _call(url + "/v1/completions", req)
                 assert status == 200 and json.loads(body)["model"] == name, body
             # The variable the plan set opened the runtime endpoint on this server.
-            load = {"lora_name": "tiny-sql", "lora_path": str(adapters / "tiny-sql")}
+            load = {"lora_name": "tiny-sql", "lora_path": str(on_node / "tiny-sql")}
             status, body = _call(url + "/v1/load_lora_adapter", load)
             assert status == 200, body
             req = {"model": "tiny-sql", "prompt": "The fleet", "max_tokens": 4}

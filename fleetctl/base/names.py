@@ -150,13 +150,30 @@ def adapter_source(value: str) -> str:
     source(value)
     if _HF_ID.fullmatch(value) and not value.startswith(("./", "../", "~/")):
         return value
-    head, _, rest = value.partition("/")
-    parts = [p for p in rest.split("/") if p]
-    if head not in ("", ".", "~") or not parts or not all(_PATH_PART.fullmatch(p) for p in parts):
+    try:
+        return plain_path(value)
+    except ValueError:
         raise ValueError(
             f"adapter source {shown(value)} is not a plain path | write org/name, or a path "
             "starting with /, ./ or ~/ whose parts use letters, digits, '.', '_' and '-' "
             "(no '..')"
+        ) from None
+
+
+def plain_path(value: str, what: str = "path") -> str:
+    """A path whose every part is a plain file name, absolute or from ./ or ~/: what may
+    reach a shell and a file system on either side of a copy."""
+    head, _, rest = value.partition("/")
+    parts = [p for p in rest.split("/") if p]
+    if (
+        len(value) > MAX_TEXT
+        or head not in ("", ".", "~")
+        or not parts
+        or not all(_PATH_PART.fullmatch(p) for p in parts)
+    ):
+        raise ValueError(
+            f"{what} {shown(value)} is not a plain path | write a path starting with /, ./ or "
+            "~/ whose parts use letters, digits, '.', '_' and '-' (no '..')"
         )
     return value
 

@@ -234,6 +234,14 @@ class AdapterSpec(Strict):
         description="its r (adapter_config.json); servers get the smallest --max-lora-rank "
         "vLLM takes (1, 8, 16, 32, 64, 128, 256, 320, 512) that holds their largest",
     )
+    copy_from: Annotated[
+        str | None,
+        Field(
+            description="a folder on the machine that runs apply: apply copies its files to "
+            "`source` (then an absolute path) on every node whose servers may load the adapter",
+        ),
+        AfterValidator(lambda v: v if v is None else names.plain_path(v, "copy_from")),
+    ] = None
     # Its own traffic and objectives, as the model's: its capacity is judged on them.
     workload: WorkloadSpec | None = None
     slo: SloSpec | None = None
@@ -898,6 +906,13 @@ def _resolve_adapters(
 ) -> tuple[Adapter, ...]:
     out = []
     for j, a in enumerate(ms.adapters):
+        if a.copy_from is not None and not a.source.startswith("/"):
+            raise UserError(
+                f"adapter '{a.name}' has copy_from, so its source {shown(a.source)} is where "
+                "apply copies it on the nodes, and must be an absolute path",
+                src.at((*at, "adapters", j, "source")),
+                "write source as /path/on/the/nodes, e.g. /srv/adapters/" + a.name.split("/")[-1],
+            )
         types = []
         for k, t in enumerate(a.gpu_types):
             where = (*at, "adapters", j, "gpu_types", k)
