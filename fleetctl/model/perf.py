@@ -2,6 +2,8 @@
 
 The planner, the router's estimates and the simulator all call this module, so they never
 disagree about how much fits on a GPU or how fast it runs. Everything here is pure arithmetic.
+Kept whole because it is the one model, past 500 lines: memory (weights, LoRA slots, KV) and
+speed read the same figures of the same engine, and split they could drift apart.
 
 Memory model (per GPU of a tensor-parallel group), by the profiling rules of the vLLM release
 it runs (vllm/release.py, read from each release's source): vLLM may use what CUDA reports of
