@@ -13,11 +13,12 @@ import dataclasses
 import datetime as dt
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fleetctl.apply.adapters import Upload, read_uploads, uploads_for
 from fleetctl.apply.node import NodeAgent, StartError, Supervisor, server_id
 from fleetctl.apply.steps import Step, node_steps
 from fleetctl.base.names import natural_key
@@ -209,9 +210,11 @@ def apply_fleet(
     targets = node_targets(inv, recorded)
     names = sorted(set(want) | {d.node for d in recorded}, key=natural_key)
     base = inv.spec.planner.port_base
+    read = read_uploads(inv)
+    files = {id(d): uploads_for(inv, d, read) for d in deployments}
 
     def one(name: str) -> list[Outcome]:
-        return _apply_node(targets[name], want.get(name, []), book, opts, emit, base)
+        return _apply_node(targets[name], want.get(name, []), book, opts, emit, base, files)
 
     return _each_node(names, opts.parallel, one, started, done)
 
@@ -223,12 +226,13 @@ def _apply_node(
     opts: ApplyOptions,
     emit: Emit,
     port_base: int,
+    files: Mapping[int, list[Upload]] | None = None,
 ) -> list[Outcome]:
     node = t.name
     try:
         with SshSession(t, opts.ssh) as session:
             agent = NodeAgent(session, opts.vllm_command, opts.ssh.command_timeout_s)
-            return _converge(node, agent, want, book, opts, emit, port_base)
+            return _converge(node, agent, want, book, opts, emit, port_base, files or {})
     except NodeError as e:
         # Not emitted here: the report lists each failure once, after the node's progress.
         why = _unreachable(e)
@@ -245,6 +249,7 @@ def _converge(
     opts: ApplyOptions,
     emit: Emit,
     port_base: int,
+    files: Mapping[int, list[Upload]] | None = None,
 ) -> list[Outcome]:
     recorded = book.recorded(node)
     live = agent.inspect()
@@ -271,6 +276,7 @@ def _converge(
     waiting: dict[str, Step] = {}
     began: dict[str, float] = {}  # when each server's start command was sent
     refused: set[str] = set()  # servers that could not even start
+    copied: set[str] = set()  # adapters put on this node by this apply
     for st in steps:
         d = st.deployment
         if d is None or st.kind == "keep":
@@ -280,6 +286,7 @@ def _converge(
             continue
         t0 = time.monotonic()
         try:
+            _copy(node, agent, (files or {}).get(id(d), []), copied, emit)
             sid, how = agent.start(d, opts.secrets, _now(), opts.supervisor)
         except StartError as e:
             outcomes.append(_outcome(st, "failed", f"{e.kind}: {e.detail}"))
@@ -331,6 +338,18 @@ def _converge(
     if first or last or healthy or failed or set(running) != set(recorded_by_sid):
         book.set_node(node, running.values())
     return outcomes
+
+
+def _copy(node: str, agent: NodeAgent, uploads: list[Upload], done: set[str], emit: Emit) -> None:
+    """Put each adapter's files on the node once per apply, before a server that loads it
+    starts (vLLM refuses to start when a --lora-modules path is missing)."""
+    for u in uploads:
+        if u.name in done:
+            continue
+        emit(node, f"copying adapter {u.name} to {u.dest}")
+        for name, data in u.files:
+            agent.put_file(u.dest, name, data)
+        done.add(u.name)
 
 
 def _wait(

@@ -26,6 +26,7 @@ from fleetctl.fleet.slo import Slo, recorded_slos
 from fleetctl.fleet.ssh import SshOptions
 from fleetctl.fleet.state import State
 from fleetctl.fleet.statedir import StateDir
+from fleetctl.planner import lora
 from fleetctl.planner.diff import diff
 
 
@@ -111,7 +112,7 @@ def check_saved_plan(path: Path, deployments: list[Deployment], inv: Inventory) 
             problem = f"node {shown(d.node)} at {shown(d.host)} is not in the inventory"
         elif model is None or d.server.source not in {v.source for v in model.variants}:
             problem = f"model {shown(d.model)} with its source is not in the inventory"
-        elif dict(d.server.env) != dict(model.spec.env):
+        elif dict(d.server.env) != {**model.spec.env, **lora.env_of(model, d.gpu_type)}:
             problem = "its environment differs from the inventory's"
         if problem:
             raise UserError(

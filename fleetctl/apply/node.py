@@ -12,6 +12,7 @@ file and never appear on a command line. The scripts need only POSIX sh, awk and
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import secrets
@@ -206,6 +207,14 @@ done
 """
 
 
+# Writes stdin (base64) to folder $1, file $2, through a temporary name: a half-copied file
+# never stands where vLLM reads it.
+_PUT = r"""
+mkdir -p "$1" || exit 1
+base64 -d > "$1/.$2.part" && mv -f "$1/.$2.part" "$1/$2"
+"""
+
+
 def _script(body: str, *args: str) -> str:
     return "sh -c " + shlex.quote(_PRELUDE + body) + " fleetctl " + quote(*args)
 
@@ -289,6 +298,15 @@ class NodeAgent:
         self.session = session
         self.vllm = shlex.split(vllm_command)
         self.timeout_s = timeout_s
+
+    def put_file(self, folder: str, name: str, data: bytes) -> None:
+        """Write `data` to `folder`/`name` on the node (the folder made if need be). Raises
+        StartError("copy-failed")."""
+        text = base64.b64encode(data).decode()
+        res = self.session.run(_script(_PUT, folder, name), self.timeout_s, stdin=text)
+        if not res.ok:
+            detail = (res.stderr or res.stdout).strip()[-300:]
+            raise StartError("copy-failed", f"{folder}/{name}: {detail}")
 
     def start(
         self,

@@ -38,6 +38,7 @@ MAX_GPUS_PER_NODE = 64
 MAX_NODES = _env_int("FLEETCTL_MAX_NODES", 10_000)
 MAX_GPUS = 8 * MAX_NODES
 MAX_MODELS = 1_000
+MAX_ADAPTERS = 1_000  # LoRA adapters of one model
 
 MAX_NAME = 63  # node, label and variant names: one DNS label
 MAX_MODEL_NAME = 128

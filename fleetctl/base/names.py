@@ -140,6 +140,44 @@ def source(value: str) -> str:
     )
 
 
+_PATH_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+
+
+def adapter_source(value: str) -> str:
+    """A LoRA adapter's files: a Hugging Face id, or a path on the node whose every part is a
+    plain file name. The path reaches `--lora-modules name=path` on a shell's command line and,
+    copied to nodes, a file system: no '..', no shell metacharacters, no spaces, no '='."""
+    source(value)
+    if _HF_ID.fullmatch(value) and not value.startswith(("./", "../", "~/")):
+        return value
+    try:
+        return plain_path(value)
+    except ValueError:
+        raise ValueError(
+            f"adapter source {shown(value)} is not a plain path | write org/name, or a path "
+            "starting with /, ./ or ~/ whose parts use letters, digits, '.', '_' and '-' "
+            "(no '..')"
+        ) from None
+
+
+def plain_path(value: str, what: str = "path") -> str:
+    """A path whose every part is a plain file name, absolute or from ./ or ~/: what may
+    reach a shell and a file system on either side of a copy."""
+    head, _, rest = value.partition("/")
+    parts = [p for p in rest.split("/") if p]
+    if (
+        len(value) > MAX_TEXT
+        or head not in ("", ".", "~")
+        or not parts
+        or not all(_PATH_PART.fullmatch(p) for p in parts)
+    ):
+        raise ValueError(
+            f"{what} {shown(value)} is not a plain path | write a path starting with /, ./ or "
+            "~/ whose parts use letters, digits, '.', '_' and '-' (no '..')"
+        )
+    return value
+
+
 def revision(value: str) -> str:
     if len(value) > 255 or not _REVISION.fullmatch(value):
         raise ValueError(

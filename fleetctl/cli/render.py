@@ -246,6 +246,25 @@ def context_lines(plan: Plan) -> list[str]:
     return [out[k] for k in sorted(out, key=str)]
 
 
+def adapter_lines(plan: Plan) -> list[str]:
+    """Each LoRA adapter: where it loads at start, its demand and its capacity at its SLO."""
+    out = []
+    for m in plan.models:
+        for a in m.adapters:
+            pinned = f", pinned to {', '.join(a.gpu_types)}" if a.gpu_types else ""
+            demand = f", {a.demand_rps:g} req/s asked" if a.demand_rps is not None else ""
+            cap = (
+                f"; {a.capacity_rps:.2f} req/s within its SLO ({a.capacity_basis})"
+                if a.capacity_rps is not None
+                else ""
+            )
+            out.append(
+                f"adapter {a.name} of {m.model} (rank {a.rank}{pinned}): loaded at start on "
+                f"{plural(a.servers, 'server')}{demand}{cap}"
+            )
+    return out
+
+
 def _at_max(reason: str) -> bool:
     return reason.endswith("= max_context")
 
@@ -272,6 +291,7 @@ def render_plan(
                 )
             )
             parts.extend(Text(f"  - {r}") for r in d.server.reasons)
+        parts.extend(Text(line) for line in adapter_lines(plan))
     replaced: dict[tuple[str, str], list[str]] = defaultdict(list)
     for a in plan.actions:
         if a.op == "replace":

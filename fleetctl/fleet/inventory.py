@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, ValidationInfo, fie
 from fleetctl.base import names
 from fleetctl.base.errors import UserError, shown, what_and_fix
 from fleetctl.base.limits import (
+    MAX_ADAPTERS,
     MAX_CONNECT_TIMEOUT_S,
     MAX_GPUS,
     MAX_GPUS_PER_NODE,
@@ -39,7 +40,7 @@ from fleetctl.base.text import plural
 from fleetctl.base.validation import Strict, validate
 from fleetctl.base.yamlsrc import Source, load_yaml
 from fleetctl.model.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile
-from fleetctl.vllm.flags import check_args
+from fleetctl.vllm.flags import LORA_PINNED, check_args
 
 # --- the schema, as written in YAML ------------------------------------------------------------
 
@@ -209,6 +210,49 @@ class PlacementSpec(Strict):
     labels: Labels = Field(default_factory=dict)
 
 
+# vLLM's --max-lora-rank takes only these (vllm/config/lora.py, MaxLoRARanks); an adapter of
+# any rank up to the largest is served by the smallest of them that holds it.
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class AdapterSpec(Strict):
+    """A LoRA adapter on the model: clients ask for it by `name` as their request's model."""
+
+    name: Annotated[str, AfterValidator(names.model_name), _schema_max(MAX_MODEL_NAME)]
+    source: Annotated[
+        str,
+        Field(
+            min_length=1,
+            description="a Hugging Face id, or a path on the nodes whose parts are plain names "
+            "(no '..', no shell metacharacters): it reaches a shell and a file system",
+        ),
+        AfterValidator(names.adapter_source),
+    ]
+    rank: int = Field(
+        ge=1,
+        le=LORA_RANKS[-1],
+        description="its r (adapter_config.json); servers get the smallest --max-lora-rank "
+        "vLLM takes (1, 8, 16, 32, 64, 128, 256, 320, 512) that holds their largest",
+    )
+    copy_from: Annotated[
+        str | None,
+        Field(
+            description="a folder on the machine that runs apply: apply copies its files to "
+            "`source` (then an absolute path) on every node whose servers may load the adapter",
+        ),
+        AfterValidator(lambda v: v if v is None else names.plain_path(v, "copy_from")),
+    ] = None
+    # Its own traffic and objectives, as the model's: its capacity is judged on them.
+    workload: WorkloadSpec | None = None
+    slo: SloSpec | None = None
+    gpu_types: tuple[str, ...] = Field(
+        (),
+        max_length=64,
+        description="pinned: only servers on these GPU types load it; empty: every server "
+        "of the model",
+    )
+
+
 def _on_off(value: Any) -> Any:
     """YAML 1.1 reads a bare `on` or `off` as true or false: take them as written."""
     return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
@@ -238,6 +282,20 @@ class ModelSpec(Strict):
     vllm_args: tuple[str, ...] = Field((), max_length=256)  # checked against vLLM's flags
     env: dict[Annotated[str, AfterValidator(_env_key)], str] = Field(
         default_factory=dict, max_length=256
+    )
+    # LoRA adapters on this base model; the plan enables LoRA on the servers that load them.
+    adapters: tuple[AdapterSpec, ...] = Field((), max_length=MAX_ADAPTERS)
+    max_loras: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_ADAPTERS,
+        description="adapters a server batches at once (--max-loras), each slot taking GPU "
+        "memory from the KV cache; null: as many as it loads, at most 4",
+    )
+    adapters_runtime: bool = Field(
+        False,
+        description="servers load and unload adapters at runtime "
+        "(VLLM_ALLOW_RUNTIME_LORA_UPDATING): only the max_loras most requested load at start",
     )
 
 
@@ -443,11 +501,22 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class Adapter:
+    spec: AdapterSpec
+    gpu_types: tuple[str, ...]  # canonical names of the GPU types it is pinned to; empty: any
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+@dataclass(frozen=True)
 class Model:
     spec: ModelSpec
     profile: ModelProfile
     variants: tuple[Variant, ...]
     gpu_types: tuple[str, ...]  # canonical names of allowed GPU types; empty means any
+    adapters: tuple[Adapter, ...] = ()
 
     @property
     def name(self) -> str:
@@ -774,7 +843,9 @@ def _resolve_models(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple
             flags = flags or catalog.serve_flags(
                 spec.apply.vllm_version, src.at(("apply", "vllm_version"))
             )
-            _checked(partial(check_args, flags=flags), ms.vllm_args, src, (*at, "vllm_args"))
+            pinned = LORA_PINNED if ms.adapters else {}
+            check = partial(check_args, flags=flags, pinned_too=pinned)
+            _checked(check, ms.vllm_args, src, (*at, "vllm_args"))
         for key in ms.env:
             if key in secrets:
                 raise UserError(
@@ -824,8 +895,62 @@ def _resolve_models(spec: InventorySpec, src: Source, catalog: Catalog) -> tuple
             catalog.gpu(t, src.at((*at, "placement", "gpu_types", j))).name
             for j, t in enumerate(ms.placement.gpu_types)
         )
-        out.append(Model(ms, profile, tuple(variants), gpu_types))
+        adapters = _resolve_adapters(ms, at, gpu_types, src, catalog)
+        out.append(Model(ms, profile, tuple(variants), gpu_types, adapters))
+    _check_adapter_names(spec, src)
     return tuple(out)
+
+
+def _resolve_adapters(
+    ms: ModelSpec, at: tuple[Any, ...], allowed: tuple[str, ...], src: Source, catalog: Catalog
+) -> tuple[Adapter, ...]:
+    out = []
+    for j, a in enumerate(ms.adapters):
+        if a.copy_from is not None and not a.source.startswith("/"):
+            raise UserError(
+                f"adapter '{a.name}' has copy_from, so its source {shown(a.source)} is where "
+                "apply copies it on the nodes, and must be an absolute path",
+                src.at((*at, "adapters", j, "source")),
+                "write source as /path/on/the/nodes, e.g. /srv/adapters/" + a.name.split("/")[-1],
+            )
+        types = []
+        for k, t in enumerate(a.gpu_types):
+            where = (*at, "adapters", j, "gpu_types", k)
+            name = catalog.gpu(t, src.at(where)).name
+            if allowed and name not in allowed:
+                raise UserError(
+                    f"adapter '{a.name}' is pinned to {name}, where model '{ms.name}' never "
+                    f"runs (its placement.gpu_types: {', '.join(allowed)})",
+                    src.at(where),
+                    "pin it to one of the model's GPU types, or add this one to the model's",
+                )
+            types.append(name)
+        out.append(Adapter(a, tuple(types)))
+    return tuple(out)
+
+
+def _check_adapter_names(spec: InventorySpec, src: Source) -> None:
+    """An adapter's name is what a request's `model` names: it must pick one thing only."""
+    models = {m.name: i for i, m in enumerate(spec.models)}
+    seen: dict[str, tuple[int, int]] = {}
+    for i, ms in enumerate(spec.models):
+        for j, a in enumerate(ms.adapters):
+            where = src.at(("models", i, "adapters", j, "name"))
+            if a.name in models:
+                raise UserError(
+                    f"adapter name '{a.name}' is also a model's name "
+                    f"(models[{models[a.name]}]): a request for it would be ambiguous",
+                    where,
+                    "give the adapter a name of its own",
+                )
+            if a.name in seen:
+                mi, mj = seen[a.name]
+                raise UserError(
+                    f"duplicate adapter name '{a.name}' (first in models[{mi}].adapters[{mj}])",
+                    where,
+                    "adapter names must be unique across the inventory",
+                )
+            seen[a.name] = (i, j)
 
 
 def _same_address(host: str) -> str:

@@ -423,6 +423,49 @@ class Disaggregation:
 
 
 @dataclass(frozen=True)
+class LoraUse:
+    """LoRA on a model's servers of one GPU type: the slots vLLM is started with, the memory
+    they take from each GPU's KV cache, and the adapters loaded at start, most requested
+    first (planner/lora.py)."""
+
+    gpu_type: str
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    slot_bytes_per_gpu: int
+    kv_tokens_given_up: int  # per server: what the slots' memory would have held of KV
+    preloaded: tuple[str, ...]
+    runtime_loading: bool
+
+    def to_json(self) -> dict[str, Any]:
+        d = fields_of(self)
+        d["preloaded"] = list(self.preloaded)
+        return d
+
+
+@dataclass(frozen=True)
+class AdapterUse:
+    """One LoRA adapter in the plan: where it is loaded at start, its demand, and the
+    requests/s its servers serve within its SLO on its own lengths (the promise-keeping
+    planner's goodput, as if they served it alone: the base model's traffic shares them)."""
+
+    name: str
+    rank: int
+    gpu_types: tuple[str, ...]  # pinned to these; empty: any of the model's
+    servers: int  # servers that load it at start
+    demand_rps: float | None
+    capacity_rps: float | None  # None: no workload or SLO of its own, or no server
+    capacity_basis: str
+
+    def to_json(self) -> dict[str, Any]:
+        d = fields_of(self)
+        d["gpu_types"] = list(self.gpu_types)
+        if self.capacity_rps is not None:
+            d["capacity_rps"] = round(self.capacity_rps, 3)
+        return d
+
+
+@dataclass(frozen=True)
 class ModelSummary:
     """Planned capacity against the workload, per model, and what its GPUs cost."""
 
@@ -452,6 +495,10 @@ class ModelSummary:
     # (fleetctl/fleet/slo.py); None where no server could hold the model. Plan.to_json
     # writes it under `slo`.
     slo: Slo | None = None
+    # LoRA per GPU type and per adapter; empty for a model without adapters, whose JSON
+    # then has neither key (plans without adapters read as before).
+    lora: tuple[LoraUse, ...] = ()
+    adapters: tuple[AdapterUse, ...] = ()
 
     @property
     def cost_per_million_output_tokens(self) -> float | None:
@@ -459,7 +506,10 @@ class ModelSummary:
 
     def to_json(self) -> dict[str, Any]:
         d = fields_of(self)
-        del d["slo"]
+        del d["slo"], d["lora"], d["adapters"]
+        if self.adapters:
+            d["lora"] = [u.to_json() for u in self.lora]
+            d["adapters"] = [a.to_json() for a in self.adapters]
         d["buckets"] = [b.to_json() for b in self.buckets]
         d["disaggregation"] = self.disaggregation.to_json() if self.disaggregation else None
         d["capacity_rps"] = round(self.capacity_rps, 3)

@@ -2,6 +2,8 @@
 
 The planner, the router's estimates and the simulator all call this module, so they never
 disagree about how much fits on a GPU or how fast it runs. Everything here is pure arithmetic.
+Kept whole because it is the one model, past 500 lines: memory (weights, LoRA slots, KV) and
+speed read the same figures of the same engine, and split they could drift apart.
 
 Memory model (per GPU of a tensor-parallel group), by the profiling rules of the vLLM release
 it runs (vllm/release.py, read from each release's source): vLLM may use what CUDA reports of
@@ -96,6 +98,7 @@ class KvBudget:
     kv_per_gpu: int  # what is left for the KV cache on each GPU (may be negative)
     kv_tokens: int  # tokens of KV the whole group holds, rounded down to whole blocks
     tensor_parallel_size: int
+    lora: int = 0  # this GPU's LoRA slots (--enable-lora), taken before the KV cache
 
     @property
     def kv_total(self) -> int:
@@ -164,6 +167,39 @@ def activation_peak_bytes(
     return int(max(forward, sampler))
 
 
+def lora_slot_bytes(
+    model: ModelProfile,
+    max_loras: int,
+    max_lora_rank: int,
+    tp: int = 1,
+    dtype_bytes: int = 2,
+) -> int:
+    """Bytes one GPU of a TP group holds for `--max-loras` slots of `--max-lora-rank`.
+
+    vLLM allocates every slot at full rank when it wraps the model, whether an adapter is
+    loaded or not (vllm/lora/model_manager.py wraps every linear layer and the embedding
+    modules; each wrapper's create_lora_weights in vllm/lora/layers/ makes zeroed stacks of
+    max_loras x rank x in for A and max_loras x out x rank for B, in the model's dtype). Per
+    decoder layer: qkv_proj (A: 3 x rank x hidden; B: (q + k + v outputs) / TP x rank),
+    o_proj (A: rank x q width / TP; B: hidden x rank), gate_up_proj (A: 2 x rank x hidden;
+    B: 2 x intermediate / TP x rank), down_proj (A: rank x intermediate / TP; B: hidden x
+    rank); a MoE model holds the MLP's stacks once per expert (vllm/lora/layers/fused_moe.py).
+    Outside the layers: embed_tokens (A: vocab x rank; B: hidden x rank) and lm_head through
+    the logits processor (A: rank x hidden; B: vocab / TP x rank).
+    """
+    if max_loras <= 0:
+        return 0
+    h, r = model.hidden_size, max_lora_rank
+    q = model.num_attention_heads * model.head_dim
+    kv = kv_heads_per_gpu(model, tp) * model.head_dim
+    inter = model.intermediate_size
+    attn = 3 * r * h + (q // tp + 2 * kv) * r + r * (q // tp) + h * r
+    mlp = 2 * r * h + 2 * (inter // tp) * r + r * (inter // tp) + h * r
+    mlp *= model.num_experts or 1
+    outside = model.vocab_size * r + h * r + r * h + (model.vocab_size // tp) * r
+    return max_loras * (model.num_layers * (attn + mlp) + outside) * dtype_bytes
+
+
 def kv_budget(
     gpu: GpuProfile,
     model: ModelProfile,
@@ -177,9 +213,14 @@ def kv_budget(
     max_model_len: int | None = None,
     vllm_version: str | None = None,
     chunked_prefill: bool | None = None,
+    lora_bytes: int = 0,
 ) -> KvBudget:
     """The KV cache a tensor-parallel group of `tp` GPUs has left after weights and reserves,
-    by the memory-profiling rules of `vllm_version` (default: the release fleetctl targets)."""
+    by the memory-profiling rules of `vllm_version` (default: the release fleetctl targets).
+
+    `lora_bytes` (lora_slot_bytes) comes off with the weights: vLLM's GPU model runner wraps
+    the model for LoRA inside the same memory profiler that measures the weights it loaded
+    (vllm/v1/worker/gpu_model_runner.py, load_model), so the slots count as model memory."""
     rel = release(vllm_version)
     max_len = max_model_len or model.max_context
     chunked = rel.chunked_by_default(max_len) if chunked_prefill is None else chunked_prefill
@@ -200,12 +241,31 @@ def kv_budget(
     if tp > 1 and rel.counts_nccl:
         non_torch += NCCL_BYTES
     graphs = CUDA_GRAPH_BYTES if rel.subtracts_cuda_graphs and not enforce_eager else 0
-    kv_per_gpu = usable - weights - activation - non_torch - graphs
+    kv_per_gpu = usable - weights - lora_bytes - activation - non_torch - graphs
     per_token = kv_bytes_per_token(model, kv_dtype_bytes(kv_cache_dtype, fmt), tp)
     blocks = max(0, kv_per_gpu) // (per_token * BLOCK_SIZE)
     return KvBudget(
-        usable, weights, activation, non_torch, graphs, kv_per_gpu, blocks * BLOCK_SIZE, tp
+        usable,
+        weights,
+        activation,
+        non_torch,
+        graphs,
+        kv_per_gpu,
+        blocks * BLOCK_SIZE,
+        tp,
+        lora_bytes,
     )
+
+
+def cpu_kv_tokens(
+    kv_cache_space_bytes: int, model: ModelProfile, kv_cache_dtype: str, fmt: FormatProfile
+) -> int:
+    """The KV cache of vLLM's CPU backend, in tokens: a fixed size, VLLM_CPU_KVCACHE_SPACE
+    (or --kv-cache-memory-bytes), whatever the weights or LoRA slots take; its worker returns
+    that size as the memory available (vllm/v1/worker/cpu_worker.py,
+    determine_available_memory), so LoRA slots leave it as it is."""
+    per_token = kv_bytes_per_token(model, kv_dtype_bytes(kv_cache_dtype, fmt))
+    return kv_cache_space_bytes // (per_token * BLOCK_SIZE) * BLOCK_SIZE
 
 
 def max_sequences(kv_tokens: int, context_tokens: int) -> int:

@@ -22,6 +22,7 @@ from fleetctl.model.perf import (
     vllm_batch_defaults,
 )
 from fleetctl.planner.disaggregate import Pool, colocated
+from fleetctl.planner.lora import slots
 from fleetctl.planner.queueing import TPOT_QUANTILES, Group, goodput, traffic_of
 
 TP_SIZES = (1, 2, 4, 8)
@@ -182,6 +183,7 @@ def evaluate(
     max_len = max_len or model.spec.max_context
     tokens, seqs = vllm_batch_defaults(cls.gpu, version, max_len)
     tokens = planner.max_num_batched_tokens or tokens
+    lora = slots(model, cls.gpu.name)
     budget = kv_budget(
         cls.gpu,
         model.profile,
@@ -194,6 +196,7 @@ def evaluate(
         planner.enforce_eager,
         max_len,
         version,
+        lora_bytes=lora.slot_bytes(model.profile, variant.format, tp) if lora else 0,
     )
     perf = EnginePerf(
         cls.gpu,

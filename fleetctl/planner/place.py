@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fleetctl.base.errors import UserError
@@ -27,7 +27,7 @@ from fleetctl.fleet.slo import Slo
 from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibration
 from fleetctl.model.startup import replacement_minutes, stay_bonus, warmup_seconds
-from fleetctl.planner import explain
+from fleetctl.planner import adapters, explain, lora
 from fleetctl.planner.candidates import (
     Candidate,
     NodeClass,
@@ -103,7 +103,7 @@ def plan_fleet(
             target,
             _bucket_uses(m, feasible, sol.bucket_shares, (headroom or {}).get(m.name, 1.0)),
             split.get(m.name),
-            model_goodput(m, [(k, counts[id(k)]) for k in used if k.model is m]),
+            [(k, counts[id(k)]) for k in used if k.model is m],
             planned_by.get(m.name) or Slo.of(m.spec.slo),
         )
         for m in inv.models
@@ -323,17 +323,16 @@ def _summary(
     target: float,
     buckets: tuple[BucketUse, ...] = (),
     split: Disaggregation | None = None,
-    within_slo: float | None = None,
+    cands: Sequence[tuple[Candidate, int]] = (),
     slo: Slo | None = None,
 ) -> ModelSummary:
-    """Capacity against workload, and the price of a model's GPUs per output token. With an
-    SLO, the capacity is `within_slo`, the placed servers' goodput (planner/queueing.py);
-    without, their saturation throughput. A split model's capacity is its pools' together
-    (the least of prefill, network and decode)."""
+    """Capacity against workload (with an SLO the goodput of the placed `cands`, candidate and
+    count; without, saturation's; a split model's its pools' together), the price of its GPUs
+    per output token, and its LoRA adapters (planner/adapters.py)."""
     capacity = sum(d.capacity_rps for d in placed)
     # Saturation only where no SLO is known: none stated, and no server to derive one from.
     basis = "saturation" if m.spec.slo is None else "goodput"
-    if within_slo is not None:
+    if (within_slo := model_goodput(m, cands)) is not None:
         capacity, basis = within_slo, "goodput"
     if split is not None and split.chosen and split.split_rps is not None:
         capacity, basis = split.split_rps, "split"
@@ -344,7 +343,7 @@ def _summary(
         short = sum(max(0.0, b.requests_per_s - sum(r for _, r in b.served_by)) for b in buckets)
         short = 0.0 if short < 1e-6 * (d or 1.0) else short
         served = (d or 0.0) - short
-    return ModelSummary(
+    summary = ModelSummary(
         m.name,
         len(placed),
         sum(p.tensor_parallel_size for p in placed),
@@ -359,6 +358,7 @@ def _summary(
         traffic_of(m, request_shape(m)).assumed,
         slo,
     )
+    return adapters.with_adapters(summary, m, cands)
 
 
 def _stay(k: Candidate, inv: Inventory, calibration: Calibration | None, objective: str) -> float:
@@ -469,6 +469,7 @@ def _server(k: Candidate, inv: Inventory, reasons: tuple[str, ...]) -> Server:
             "/wake_up, /collective_rpc) answer on its port, for route-serve and the autopilot "
             "alone",
         )
+    tail, reasons = lora.server(model, k.cls.gpu.name, k.budget.lora, k.perf, tail, env, reasons)
     tail += model.spec.vllm_args
     return Server(
         model=model.name,

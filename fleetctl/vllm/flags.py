@@ -4,6 +4,7 @@ an inventory's `vllm_args` against them and against what the plan pins."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fleetctl.base.errors import did_you_mean, shown
@@ -33,6 +34,15 @@ PINNED: dict[str, str] = {
     "--config": "write the flags in vllm_args (a config file could set any pinned flag)",
     "--headless": "every server fleetctl starts serves HTTP: leave it out",
     "--kv-events-config": "set router.prefix_cache.kv_events (each server gets its own ports)",
+}
+
+# Flags the plan sets on the servers of a model with LoRA adapters (planner/lora.py).
+LORA_PINNED: dict[str, str] = {
+    "--enable-lora": "list the model's 'adapters': the plan enables LoRA where they load",
+    "--max-loras": "set the model's 'max_loras'",
+    "--max-lora-rank": "set each adapter's 'rank': the plan takes the smallest that holds all",
+    "--max-cpu-loras": "the plan sizes it from the adapters each server loads: leave it out",
+    "--lora-modules": "list the model's 'adapters' (name, source, rank)",
 }
 
 _OPTION_LINE = re.compile(r"^  (-[^\s].*?)(?:\s{2,}|$)")
@@ -85,9 +95,13 @@ def parse_help(text: str, version: str) -> ServeFlags:
     return out
 
 
-def check_args(args: tuple[str, ...] | list[str], flags: ServeFlags) -> None:
+def check_args(
+    args: tuple[str, ...] | list[str],
+    flags: ServeFlags,
+    pinned_too: Mapping[str, str] | None = None,
+) -> None:
     """Raise ValueError("what | fix") for the first argument vLLM would not take as given,
-    or that would override what the plan pins."""
+    or that would override what the plan pins (PINNED, and `pinned_too` for this model)."""
     i = 0
     while i < len(args):
         arg = args[i]
@@ -107,7 +121,8 @@ def check_args(args: tuple[str, ...] | list[str], flags: ServeFlags) -> None:
                 f"vllm_args[{i - 1}] {shown(spelling)} is not a flag of vLLM {flags.version} "
                 f"| {fix}"
             )
-        pinned = PINNED.get(flag.name.split(".", 1)[0])
+        name = flag.name.split(".", 1)[0]
+        pinned = PINNED.get(name) or (pinned_too or {}).get(name)
         if pinned is not None:
             raise ValueError(f"vllm_args[{i - 1}] {shown(spelling)} is set by the plan | {pinned}")
         if not flag.takes_value or eq:
