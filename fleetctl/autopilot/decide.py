@@ -4,8 +4,10 @@ hysteresis, a change budget and floors, and gated by a what-if replay.
 
 The plan is `plan_fleet` with the cost objective, the state of what runs as its input (a
 replica that stays is preferred to a move, planner/place.py) and each model's workload at its
-forecast's band (`Forecast.high`) per second; the lengths and burstiness stay the inventory's
-or those derived from the traffic seen so far. What the plan asks for arrives at once; what it
+forecast's band (`Forecast.high`) per second, and the lengths, length buckets and
+burstiness of the model's last SHAPE_WINDOW requests (the inventory's until MIN_SHAPE have
+arrived): a plan sized for the inventory's guess at the shapes keeps no promise on traffic
+whose prompts are twice as long. What the plan asks for arrives at once; what it
 lets go leaves only after `down_after` intervals in a row without it (a burst's tail is not a
 reason to sleep a server that the next minute needs). Each hour allows `moves_per_hour`
 starts and wakes. Every decision is kept with its figures (`Decision.to_json`), for the audit
@@ -22,20 +24,26 @@ from typing import Any
 
 from fleetctl.autopilot.changes import Change, Costs, Resident, changes, overlaps, same_server
 from fleetctl.autopilot.forecast import Forecast, forecast
-from fleetctl.fleet.inventory import Inventory, WorkloadSpec
+from fleetctl.fleet.inventory import Inventory, SloSpec, WorkloadSpec
 from fleetctl.fleet.plan import Deployment
 from fleetctl.fleet.slo import DEFAULT_SHARE
 from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibration
 from fleetctl.planner import plan_fleet
-from fleetctl.sim.workload import WorkItem
+from fleetctl.sim.traffic import BUCKETS
+from fleetctl.sim.workload import WorkItem, spec_of
 from fleetctl.whatif.predict import what_if
+from fleetctl.whatif.slo_check import plan_within_slos
 
 RATE_FLOOR = 1e-3  # req/s: the planner needs a positive rate for a model with no traffic
 MIN_JUDGED = 20  # requests an interval must finish to judge a model's attainment by
 HEADROOM_STEP = 1.5
 HEADROOM_DECAY = 0.98
 MAX_HEADROOM = 4.0
+# Each model's recent requests its plan takes the lengths and burstiness from: enough for a
+# p99 and for burstiness's windows of 100 requests, recent enough to follow a change of mix.
+SHAPE_WINDOW = 2000
+MIN_SHAPE = 100
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,11 @@ class Settings:
     moves_per_hour: int = 30  # starts and wakes
     floor: int = 1  # awake servers each model keeps, whatever its traffic
     gate: bool = True  # replay the recent traffic on the new fleet before moving
+    # Every this many intervals the plan is checked by the simulator on the recent traffic
+    # (as `plan` checks a cost plan; 0: never); the headroom each model needed then sizes the
+    # plans between, since a check costs seconds of simulation per model and the shapes
+    # move by the hour, not the minute.
+    check_every: int = 10
 
 
 @dataclass
@@ -72,6 +85,17 @@ class Decision:
         }
 
 
+def at_rate(items: Sequence[WorkItem], rate: float) -> list[WorkItem]:
+    """`items` (in arrival order) with their times stretched or squeezed to arrive at
+    `rate` per second: the same requests and bursts, at the traffic the plan is for."""
+    span = items[-1].arrival - items[0].arrival
+    if span <= 0 or rate <= 0:
+        return list(items)
+    k = (len(items) - 1) / span / rate
+    t0 = items[0].arrival
+    return [dataclasses.replace(w, id=i, arrival=(w.arrival - t0) * k) for i, w in enumerate(items)]
+
+
 class Autopilot:
     """The decisions of one fleet over time: what it has seen, what runs, what it did."""
 
@@ -90,11 +114,30 @@ class Autopilot:
         self.unneeded: dict[int, int] = {}  # id of an awake deployment -> intervals unneeded
         self.moves: deque[float] = deque()  # times of recent starts and wakes
         self.headroom: dict[str, float] = {}  # per model: traffic planned for / forecast
+        self.checked: dict[str, float] = {}  # per model: headroom its last check needed
+        self.plans = 0
+        self.shapes: dict[str, deque[WorkItem]] = {
+            m.name: deque(maxlen=SHAPE_WINDOW) for m in inv.models
+        }
+        # The SLO each model is planned and judged by: the inventory's, else the one its
+        # first plan derived (the one route-serve and the simulator judge by).
+        self.slos = {
+            name: SloSpec(
+                ttft_p99_s=slo.ttft_s,
+                tpot_p99_ms=None if slo.tpot_s is None else slo.tpot_s * 1000,
+                share=slo.share,
+            )
+            for name, slo in plan_fleet(inv, None, calibration).slos.items()
+        }
 
     def record(
-        self, counts: Mapping[str, float], met: Mapping[str, tuple[int, int]] | None = None
+        self,
+        counts: Mapping[str, float],
+        met: Mapping[str, tuple[int, int]] | None = None,
+        arrived: Mapping[str, Sequence[WorkItem]] | None = None,
     ) -> None:
-        """One interval's requests per model (a model left out had none), and, where known,
+        """One interval's requests per model (a model left out had none), those requests
+        where known (`arrived`: their lengths and times shape the next plans), and, where known,
         how many of the requests that finished in it met the model's objectives, of how many
         (the router's attainment metrics). A model that missed its SLO's share is planned for
         HEADROOM_STEP times more traffic next time, up to MAX_HEADROOM; one that met it gives
@@ -102,6 +145,9 @@ class Autopilot:
         figures (Dynamo's planner corrects by measured over expected TTFT)."""
         for name, series in self.history.items():
             series.append(float(counts.get(name, 0.0)))
+        for name, items in (arrived or {}).items():
+            if name in self.shapes:
+                self.shapes[name].extend(items)
         for name, (good, total) in (met or {}).items():
             if total < MIN_JUDGED:
                 continue
@@ -124,11 +170,12 @@ class Autopilot:
         replayed on the new fleet by the gate (no gate without them)."""
         s = self.settings
         forecasts = {m: forecast(series) for m, series in self.history.items() if series}
-        planned = self._wake_first(self._plan(forecasts), forecasts)
+        planned = self._wake_first(self._plan(forecasts, recent), forecasts)
         target, held = self._hold(planned)
         steps = changes(self.residents, target, self.costs)
+        steps, uncovered = self._covered(steps, forecasts)
         steps, over = self._budget(now, steps)
-        held += over
+        held += uncovered + over
         if steps and s.gate and recent:
             why = self._gate(target, recent, forecasts)
             if why:
@@ -165,15 +212,29 @@ class Autopilot:
 
     # --- the steps ------------------------------------------------------------------------
 
-    def _plan(self, forecasts: Mapping[str, Forecast]) -> list[Deployment]:
-        """The cheapest fleet for the forecasts, from what runs (state)."""
+    def _plan(
+        self,
+        forecasts: Mapping[str, Forecast],
+        recent: Mapping[str, Sequence[WorkItem]] | None = None,
+    ) -> list[Deployment]:
+        """The cheapest fleet for the forecasts, from what runs (state), checked by the
+        simulator as `plan` checks a cost plan (whatif/slo_check.py): on each model's recent
+        requests replayed at the forecast's rate, its arrivals' bursts and lengths as they
+        came; more capacity for a model whose SLO the replay misses."""
         s = self.settings
+        long_tokens = self.inv.spec.router.long_context_tokens
         models = []
+        traces: dict[str, list[WorkItem]] = {}
         for m in self.inv.models:
             f = forecasts.get(m.name)
             high = (f.high if f else 0.0) * self.headroom.get(m.name, 1.0)
             rate = max(RATE_FLOOR, high / s.interval_s)
-            w = m.spec.workload
+            seen = self.shapes.get(m.name, ())
+            w = (
+                spec_of(list(seen), long_tokens, BUCKETS)
+                if len(seen) >= MIN_SHAPE
+                else m.spec.workload
+            )
             spec = (
                 w.model_copy(update={"requests_per_s": rate})
                 if w is not None
@@ -181,10 +242,35 @@ class Autopilot:
                     requests_per_s=rate, mean_prompt_tokens=512, mean_output_tokens=128
                 )
             )
-            models.append(dataclasses.replace(m, spec=m.spec.model_copy(update={"workload": spec})))
+            slo = m.spec.slo or self.slos.get(m.name)
+            update = {"workload": spec, "slo": slo}
+            models.append(dataclasses.replace(m, spec=m.spec.model_copy(update=update)))
+            mine = (recent or {}).get(m.name, ())
+            if len(mine) >= MIN_SHAPE:
+                traces[m.name] = at_rate(mine, rate)
         inv = dataclasses.replace(self.inv, models=tuple(models))
         state = State(deployments=tuple(r.deployment for r in self.residents))
-        return list(plan_fleet(inv, state, self.calibration, objective="cost").deployments)
+        self.plans += 1
+        every = self.settings.check_every
+        if not every or (self.plans - 1) % every or not traces:
+            headroom = {m.name: self.checked.get(m.name, 1.0) for m in inv.models}
+            return list(
+                plan_fleet(
+                    inv, state, self.calibration, objective="cost", headroom=headroom
+                ).deployments
+            )
+        plan = plan_within_slos(
+            inv,
+            lambda headroom: plan_fleet(
+                inv, state, self.calibration, objective="cost", headroom=headroom
+            ),
+            traces,
+            self.calibration,
+        )
+        for c in plan.slo_checks:
+            if c.traffic == "trace":
+                self.checked[c.model] = c.headroom
+        return list(plan.deployments)
 
     def _wake_first(
         self, planned: list[Deployment], forecasts: Mapping[str, Forecast]
@@ -248,6 +334,52 @@ class Autopilot:
                 held.append(f"keep {d.model} on {d.node} {list(d.gpu_indices)}: {why}")
                 target = [t for t in target if not overlaps(t, d)] + [d]
         return target, held
+
+    def _covered(
+        self, steps: list[Change], forecasts: Mapping[str, Forecast]
+    ) -> tuple[list[Change], list[str]]:
+        """Make before break, per model: a server that would leave at once to free its GPUs
+        for another model's arrival stays (and that arrival waits) while its model's servers
+        that stay awake cannot carry the model's forecast until its own arrivals serve. A
+        start takes minutes; a model left short for them misses its objectives for each of
+        them, which no saving of GPU time pays for."""
+        target_util = self.inv.spec.planner.target_utilization
+        leaving = [c for c in steps if c.kind in ("sleep", "stop") and not c.after]
+        kept: list[Change] = []  # leavers that must stay
+        for model in sorted({c.deployment.model for c in leaving}):
+            f = forecasts.get(model)
+            required = (f.high if f else 0.0) / self.settings.interval_s / target_util
+            mine = [c for c in leaving if c.deployment.model == model]
+            stay = [
+                d
+                for d in self.awake()
+                if d.model == model and not any(same_server(c.deployment, d) for c in mine)
+            ]
+            capacity = sum(d.capacity_rps for d in stay)
+            for c in sorted(mine, key=lambda c: -c.deployment.capacity_rps):
+                if capacity >= required:
+                    break
+                kept.append(c)
+                capacity += c.deployment.capacity_rps
+        if not kept:
+            return steps, []
+        ups = [c for c in steps if c.kind in ("start", "wake")]
+        blocked = [u for u in ups if any(overlaps(u.deployment, k.deployment) for k in kept)]
+        going = [u for u in ups if u not in blocked]
+        # A server that left only to make room for a blocked arrival stays too.
+        idle = [
+            c
+            for c in leaving
+            if c not in kept
+            and any(overlaps(c.deployment, b.deployment) for b in blocked)
+            and not any(overlaps(c.deployment, g.deployment) for g in going)
+        ]
+        out = [c for c in steps if c not in kept and c not in blocked and c not in idle]
+        return out, [
+            f"keep {k.deployment.model} on {k.deployment.node} {list(k.deployment.gpu_indices)}: "
+            f"its model's other servers cannot carry its forecast until its arrivals serve"
+            for k in kept
+        ]
 
     def _budget(self, now: float, steps: list[Change]) -> tuple[list[Change], list[str]]:
         """At most `moves_per_hour` starts and wakes in any hour: the moves beyond it wait,

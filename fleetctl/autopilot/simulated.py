@@ -213,8 +213,10 @@ def run_autopilot(
             return []
         arrived: Sequence[Any] = o.arrived
         counts: dict[str, float] = {}
+        fresh: dict[str, list[WorkItem]] = {}
         for w in arrived[seen:]:
             counts[w.model] = counts.get(w.model, 0.0) + 1
+            fresh.setdefault(w.model, []).append(w)
         seen = len(arrived)
         met: dict[str, tuple[int, int]] = {}
         for out in o.finished:
@@ -222,7 +224,7 @@ def run_autopilot(
             good, total = met.get(out.item.model, (0, 0))
             ok = out.met(config.slo.get(out.item.model))
             met[out.item.model] = (good + ok, total + 1)
-        pilot.record(counts, met)
+        pilot.record(counts, met, fresh)
         since = o.now - GATE_INTERVALS * settings.interval_s
         recent: dict[str, list[WorkItem]] = {}
         # Arrivals are in time order: only the last intervals' are read, not the whole day's.

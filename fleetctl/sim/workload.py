@@ -548,6 +548,13 @@ def _quantile_groups(ordered: list[WorkItem], k: int) -> list[list[WorkItem]]:
     return [ordered[i * n // k : (i + 1) * n // k] for i in range(k)]
 
 
+def spec_of(items: list[WorkItem], long_tokens: int, buckets: int) -> WorkloadSpec | None:
+    """The workload `items` (one model's, in arrival order) amount to, in the inventory's
+    form with at most `buckets` length buckets; None for no requests."""
+    derived = derive_workload(items, long_tokens)
+    return None if derived is None else workload_spec(derived, length_buckets(items, buckets))
+
+
 def workload_spec(derived: Derived, buckets: list[Bucket]) -> WorkloadSpec:
     """The inventory's form of a derived workload and its length buckets."""
     return WorkloadSpec(
