@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Group, RenderableType
+from rich.text import Text
 
 from fleetctl.autopilot.changes import Costs, Resident
 from fleetctl.autopilot.decide import Autopilot, Decision, Settings
@@ -34,10 +35,11 @@ from fleetctl.model.startup import wake_seconds, warmup_seconds
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
+from fleetctl.sim.command import write_day_plot
 from fleetctl.sim.compare import mean_shape
 from fleetctl.sim.controls import Control, Observation
 from fleetctl.sim.fleet import Outcome, Server, SimResult, servers_from_plan, simulate
-from fleetctl.sim.multi import slo_minutes, trace_by_model
+from fleetctl.sim.multi import MINUTE_S, gpus_by_owner, slo_minutes, timeline, trace_by_model
 from fleetctl.sim.workload import WorkItem
 
 GATE_INTERVALS = 5
@@ -99,12 +101,15 @@ class FleetDay:
     def fleet(self) -> dict[str, Any]:
         models = self.by_model()
         share, minutes = slo_minutes(list(models.values()), self.span_s)
-        assert self.result.awake is not None
+        awake = self.result.awake
+        assert awake is not None
+        gpus = gpus_by_owner(awake.per_minute(self.span_s, MINUTE_S), awake.owners)
         return {
-            "gpu_hours": round(self.result.awake.gpu_hours(self.span_s), 3),
+            "gpu_hours": round(awake.gpu_hours(self.span_s), 3),
             "slo_minutes": round(share, 4),
             "minutes": minutes,
-            "actions": dict(sorted(self.result.awake.actions.items())),
+            "actions": dict(sorted(awake.actions.items())),
+            "timeline": timeline(models, self.span_s, gpus),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -278,10 +283,12 @@ def simulate_day(
     window: tuple[float, float] | None = None,
     seed: int = 0,
     calibrated: bool = True,
+    plot: Path | None = None,
 ) -> tuple[dict[str, Any], RenderableType]:
     """`simulate --autopilot` / `--scaler reactive`: every model of a multi-model trace on the
     inventory's fleet, moved by `run`; its JSON (each model's figures, the fleet's
-    gpu_hours, slo_minutes and actions by kind) and its table."""
+    gpu_hours, slo_minutes and actions by kind, and its minute-by-minute timeline) and its
+    table; `plot`: the day's picture written there (sim/dayplot.py)."""
     from fleetctl.fleet.statedir import StateDir
 
     traffic = trace_by_model(trace, [m.name for m in inv.models], window)
@@ -311,4 +318,9 @@ def simulate_day(
         caption="minutes within the objectives: one-minute windows in which every model's "
         "requests met both objectives for its SLO's share",
     )
-    return data, Group(table)
+    if plot is None:
+        return data, Group(table)
+    title = f"{Path(inv.path).stem}: every model of {trace.name} moved by the {run}"
+    line = write_day_plot(plot, title, [(f"{run}, {policy} routing", fleet)])
+    data["plot"] = str(plot)
+    return data, Group(table, Text(line))

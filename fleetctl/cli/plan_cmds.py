@@ -292,8 +292,12 @@ def simulate(
     plot: Path | None = typer.Option(
         None,
         "--plot",
-        metavar="FILE.png",
-        help="Write log-log latency tails (TTFT, e2e) per policy (PNG).",
+        metavar="FILE",
+        help="One model's run: write log-log latency tails (TTFT, e2e) per policy (PNG, "
+        "needs matplotlib). Every model of a multi-model trace (also with --autopilot or "
+        "--scaler): write the day's picture (FILE.html, one page, no scripts): demand per "
+        "model, GPUs per model and role awake and asleep, and the share within the "
+        "objectives, minute by minute.",
     ),
     no_calibration: bool = NoCalibrationOpt,
     capacity: bool = typer.Option(
@@ -321,16 +325,17 @@ def simulate(
     ),
 ) -> None:
     """Replay a workload over the planned fleet with each policy; compare goodput, TTFT, TPOT."""
-    from fleetctl.sim.command import require_matplotlib, run_simulate
+    from fleetctl.sim.command import check_day_plot, run_simulate
 
-    if plot is not None:  # before loading anything: a missing matplotlib wastes no simulation
-        require_matplotlib()
+    moved = autopilot or scaler is not None
+    if moved and plot is not None:  # before loading anything: a bad path wastes no simulation
+        check_day_plot(plot)
     inv, _ = common.load(inventory, profiles)
-    if autopilot or scaler is not None:
+    if moved:
         data, renderable = _moved(
             inv, trace, window, policies, seed, not no_calibration, autopilot, scaler,
             workload is not None or load is not None or rate is not None or slo is not None
-            or model is not None or limit is not None or capacity or plot is not None,
+            or model is not None or limit is not None or capacity, plot,
         )  # fmt: skip
         if as_json:
             print_json(data)
@@ -371,6 +376,7 @@ def _moved(
     autopilot: bool,
     scaler: str | None,
     one_model_options: bool,
+    plot: Path | None,
 ) -> tuple[dict[str, Any], Any]:
     """`simulate --autopilot` or `--scaler`: checked, then run (autopilot/simulated.py)."""
     from fleetctl.autopilot.simulated import simulate_day
@@ -393,5 +399,5 @@ def _moved(
     cut = parse_window(window) if window is not None else None
     run = "autopilot" if autopilot else "reactive"
     return simulate_day(
-        inv, trace, run, policy=policy, window=cut, seed=seed, calibrated=calibrated
+        inv, trace, run, policy=policy, window=cut, seed=seed, calibrated=calibrated, plot=plot
     )

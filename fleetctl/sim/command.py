@@ -63,8 +63,12 @@ def run_simulate(
     from fleetctl.fleet.statedir import StateDir
     from fleetctl.planner import plan_fleet
 
+    every_model = model is None and len(inv.models) > 1 and trace is not None
     if plot is not None:
-        require_matplotlib()
+        if every_model:
+            check_day_plot(plot)
+        else:
+            require_matplotlib()
     names = [p.strip() for p in policies.split(",") if p.strip()]
     unknown = [p for p in names if p not in policy_names()]
     if unknown:
@@ -83,13 +87,13 @@ def run_simulate(
         if value is not None and not (0 < value < math.inf):
             raise UserError(f"{flag} must be a positive number, got {value:g}", None, "see --help")
     objectives = parse_slo(slo) if slo is not None else None
-    if model is None and len(inv.models) > 1 and trace is not None:
+    if every_model:
+        assert trace is not None
         for flag, given in (
             ("--load", load is not None),
             ("--rate", rate is not None),
             ("--capacity", capacity),
             ("--slo", slo is not None),
-            ("--plot", plot is not None),
             ("--limit", limit is not None),
         ):
             if given:
@@ -98,7 +102,9 @@ def run_simulate(
                     None,
                     "give --model with it, or drop it to simulate every model of the trace",
                 )
-        return _run_all_models(inv, trace, names, seed, no_aging, show_progress, calibrated, window)
+        return _run_all_models(
+            inv, trace, names, seed, no_aging, show_progress, calibrated, window, plot
+        )
     target = _target_model(inv, model)
     stated = inv.model(target).spec.slo
     if objectives is not None and stated is not None:  # --slo replaces the objectives alone
@@ -170,8 +176,10 @@ def _run_all_models(
     show_progress: bool,
     calibrated: bool,
     window: str | None,
+    plot: Path | None = None,
 ) -> tuple[dict[str, Any], RenderableType]:
-    """Every model of a multi-model trace on the inventory's plan (sim/multi.py)."""
+    """Every model of a multi-model trace on the inventory's plan (sim/multi.py); `plot`: the
+    day's picture, one run a policy (sim/dayplot.py)."""
     from fleetctl.fleet.statedir import StateDir
     from fleetctl.planner import plan_fleet
 
@@ -202,6 +210,11 @@ def _run_all_models(
     data = run.to_json(names)
     parts: list[RenderableType] = [render(c) for c in run.comparisons.values()]
     parts.append(_fleet_table(run, names))
+    if plot is not None:
+        title = f"{_fleet_name(inv)}: every model of {trace.name} on the static plan"
+        runs = [(f"static plan, {name} routing", data["fleet"][name]) for name in names]
+        parts.append(Text(write_day_plot(plot, title, runs)))
+        data["plot"] = str(plot)
     return data, Group(*parts)
 
 
@@ -271,6 +284,39 @@ def calibration_lines(servers: Sequence[Server]) -> list[str]:
         f"{gpu}/{fmt} ({plural(n, 'server')}): {text}"
         for (gpu, fmt, text), n in sorted(groups.items())
     ]
+
+
+HTML_SUFFIXES = (".html", ".htm")
+
+
+def check_day_plot(path: Path) -> None:
+    """Refuse a day's --plot path before any work: an HTML file in a folder that exists."""
+    if path.suffix.lower() not in HTML_SUFFIXES:
+        raise UserError(
+            f"--plot {path}: the day's picture is an HTML page",
+            None,
+            "name it FILE.html; one model's run (--model) writes PNG latency tails",
+        )
+    if path.is_dir() or not path.parent.is_dir():
+        raise UserError(
+            f"--plot {path}: "
+            + ("that is a folder" if path.is_dir() else f"no folder {path.parent}"),
+            None,
+            "give a file path in a folder that exists",
+        )
+
+
+def write_day_plot(path: Path, title: str, runs: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
+    """The day's picture (sim/dayplot.py) written to `path`; the line that says so."""
+    from fleetctl.sim.dayplot import page
+
+    try:
+        path.write_text(page(title, runs), encoding="utf-8")
+    except OSError as e:
+        raise UserError(
+            f"cannot write --plot {path}: {e.strerror}", None, "give a writable path"
+        ) from None
+    return f"Wrote the day's picture to {path}"
 
 
 def require_matplotlib() -> None:

@@ -11,6 +11,7 @@ until then.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -64,6 +65,10 @@ class AwakeSpans:
     since: dict[str, float] = field(default_factory=dict)
     spans: list[tuple[str, float, float]] = field(default_factory=list)
     actions: dict[str, int] = field(default_factory=dict)
+    # (when, server, state) as each server's state changed: what the day's plot draws asleep.
+    states: list[tuple[float, str, str]] = field(default_factory=list)
+    # Each server's (model, role), to group its GPUs by.
+    owners: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, gpus: dict[str, int], awake: Iterable[str], at: float = 0.0) -> AwakeSpans:
@@ -89,15 +94,61 @@ class AwakeSpans:
         total += sum((max(a, end) - a) * self.gpus[n] for n, a in self.since.items())
         return total / 3600
 
-    def timeline(self, end: float, step: float = 60.0) -> list[dict[str, int]]:
-        """GPUs awake per server name, sampled every `step` seconds from 0 to `end`."""
-        spans = [*self.spans, *((n, a, max(a, end)) for n, a in self.since.items())]
-        out = []
-        t = 0.0
-        while t < end:
-            out.append({n: self.gpus[n] for n, a, b in spans if a <= t < b})
-            t += step
+    def mark(self, name: str, at: float, state: str) -> None:
+        self.states.append((at, name, state))
+
+    def per_minute(
+        self, end: float, step: float = 60.0
+    ) -> dict[str, tuple[list[float], list[float]]]:
+        """Per server, (GPUs awake, GPUs asleep) in each `step` from 0 to `end`, averaged over
+        the part of the step before `end`: the awake ones add up to `gpu_hours(end)` over
+        the spans within the run. Asleep: put to sleep and not still draining, until woken."""
+        n = max(1, math.ceil(end / step))
+        awake: dict[str, list[tuple[float, float]]] = {}
+        for name, a, b in [*self.spans, *((n_, a, max(a, end)) for n_, a in self.since.items())]:
+            awake.setdefault(name, []).append((a, b))
+        asleep: dict[str, list[tuple[float, float]]] = {}
+        since: dict[str, float] = {}
+        for at, name, state in sorted(self.states, key=lambda s: s[0]):
+            start = since.pop(name, None)
+            if start is not None:
+                asleep.setdefault(name, []).append((start, at))
+            if state == "asleep":
+                since[name] = at
+        for name, start in since.items():
+            asleep.setdefault(name, []).append((start, max(start, end)))
+        out = {}
+        for name, g in self.gpus.items():
+            up = awake.get(name, [])
+            down = [p for a, b in asleep.get(name, []) for p in _minus((a, b), up)]
+            out[name] = (_spread(up, g, n, step, end), _spread(down, g, n, step, end))
         return out
+
+
+def _minus(
+    span: tuple[float, float], others: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """The parts of `span` outside every one of `others`."""
+    parts = [span]
+    for c, d in others:
+        parts = [q for a, b in parts for q in ((a, min(b, c)), (max(a, d), b)) if q[1] > q[0]]
+    return parts
+
+
+def _spread(
+    spans: Sequence[tuple[float, float]], gpus: int, n: int, step: float, end: float
+) -> list[float]:
+    """`gpus` over `spans`, as the mean held in each of `n` steps (cut at `end`)."""
+    out = [0.0] * n
+    for a, b in spans:
+        a, b = max(a, 0.0), min(b, end)
+        k = int(a // step)
+        while k < n and k * step < b:
+            lo, hi = max(a, k * step), min(b, (k + 1) * step)
+            if hi > lo:
+                out[k] += gpus * (hi - lo)
+            k += 1
+    return [v / (min(end, (k + 1) * step) - k * step or step) for k, v in enumerate(out)]
 
 
 def check(controls: Sequence[Control], servers: Iterable[str]) -> None:

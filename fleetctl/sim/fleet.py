@@ -326,6 +326,7 @@ class _Run:
         self.next_tick = math.inf
         self.states = {s.name: "awake" for s in servers}
         self.awake = AwakeSpans.of({s.name: s.perf.tp for s in servers}, self.states)
+        self.awake.owners = {s.name: (s.model, s.role) for s in servers}
         self.draining: set[int] = set()  # engines of servers put down, still finishing work
         self.done_since: list[Outcome] = []  # finished since the controller's last tick
         self.arrived = 0
@@ -344,6 +345,7 @@ class _Run:
             self.backends[i].healthy = False
             self.states[name] = "asleep"
             self.awake.since.pop(name, None)
+            self.awake.mark(name, 0.0, "asleep")
         for c in controls:
             self.push(c)
         self.controller = controller
@@ -364,6 +366,7 @@ class _Run:
         if c.action in DOWN:
             b.healthy = False
             self.states[c.server] = "asleep" if c.action == "sleep" else "stopped"
+            self.awake.mark(c.server, now, self.states[c.server])
             # It drains: what it runs finishes, and its GPUs count until then.
             if self.engines[i].idle:
                 self.awake.down(c.server, now)
@@ -375,6 +378,7 @@ class _Run:
             return  # already up, or on its way
         self.draining.discard(i)  # woken before its drain ended: its span goes on
         self.states[c.server] = "waking"
+        self.awake.mark(c.server, now, "waking")
         self.awake.up(c.server, now)
         self.awake.count(c.action)
         ready = Control(now + c.ready_s, c.server, "ready")
@@ -391,6 +395,7 @@ class _Run:
         self.version.append(0)
         self.states[s.name] = "stopped"
         self.awake.gpus[s.name] = s.perf.tp
+        self.awake.owners[s.name] = (s.model, s.role)
         if self.caches is not None:
             self.caches.engines[s.name] = e
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -80,15 +79,25 @@ def trace_by_model(
     return out
 
 
-def slo_minutes(results: Sequence[SimResult], span_s: float) -> tuple[float, int]:
-    """(share of the run's one-minute windows in which every model's requests arriving then
-    met its objectives for at least its SLO's share, how many windows). A window in which a
-    model had no requests holds for that model; a model without an SLO holds when served."""
+@dataclass(frozen=True)
+class Minutes:
+    """The run's one-minute windows: per model (in the order given) the requests that arrived
+    in each and those that met its objectives, and whether the window held for every model."""
+
+    arrived: list[list[int]]
+    met: list[list[int]]
+    held: list[bool]
+
+
+def judge_minutes(results: Sequence[SimResult], span_s: float) -> Minutes:
+    """Each one-minute window judged: it holds when every model's requests arriving in it met
+    its objectives for at least its SLO's share. A window in which a model had no requests
+    holds for that model; a model without an SLO holds when served."""
     minutes = max(1, math.ceil(span_s / MINUTE_S))
-    arrived: list[Counter[int]] = []
-    met: list[Counter[int]] = []
+    arrived: list[list[int]] = []
+    met: list[list[int]] = []
     for r in results:
-        a, m = Counter[int](), Counter[int]()
+        a, m = [0] * minutes, [0] * minutes
         for o in r.outcomes:
             k = min(minutes - 1, int(o.item.arrival // MINUTE_S))
             a[k] += 1
@@ -96,14 +105,70 @@ def slo_minutes(results: Sequence[SimResult], span_s: float) -> tuple[float, int
                 m[k] += 1
         arrived.append(a)
         met.append(m)
-    good = 0
-    for k in range(minutes):
-        if all(
+    held = [
+        all(
             a[k] == 0 or m[k] >= (r.slo.share if r.slo is not None else 1.0) * a[k] - 1e-9
             for r, a, m in zip(results, arrived, met, strict=True)
-        ):
-            good += 1
-    return good / minutes, minutes
+        )
+        for k in range(minutes)
+    ]
+    return Minutes(arrived, met, held)
+
+
+def slo_minutes(results: Sequence[SimResult], span_s: float) -> tuple[float, int]:
+    """(share of the run's one-minute windows that held (judge_minutes), how many windows)."""
+    held = judge_minutes(results, span_s).held
+    return sum(held) / len(held), len(held)
+
+
+# Per model, per role: (GPUs awake, GPUs asleep) in each minute.
+GpuSeries = Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]]
+
+
+def timeline(results: Mapping[str, SimResult], span_s: float, gpus: GpuSeries) -> dict[str, Any]:
+    """The run minute by minute, as the JSON carries it and the day's plot draws it: per model
+    the requests that arrived and those within its objectives (the windows slo_minutes
+    counts), whether each minute held, and per model and role the GPUs awake and asleep."""
+    judged = judge_minutes(list(results.values()), span_s)
+    return {
+        "minute_s": MINUTE_S,
+        "minutes": len(judged.held),
+        "held": judged.held,
+        "models": {
+            m: {
+                "requests": a,
+                "met": mt,
+                "slo_share": r.slo.share if r.slo is not None else None,
+            }
+            for (m, r), a, mt in zip(results.items(), judged.arrived, judged.met, strict=True)
+        },
+        "gpus": {
+            m: {
+                role: {"awake": [round(v, 3) for v in up], "asleep": [round(v, 3) for v in down]}
+                for role, (up, down) in sorted(roles.items())
+            }
+            for m, roles in sorted(gpus.items())
+        },
+    }
+
+
+def gpus_by_owner(
+    per_server: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    owners: Mapping[str, tuple[str, str]],
+) -> dict[str, dict[str, tuple[list[float], list[float]]]]:
+    """Servers' (awake, asleep) GPU series summed per model and role."""
+    out: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    for name, (up, down) in per_server.items():
+        model, role = owners[name]
+        have = out.setdefault(model, {}).get(role)
+        if have is None:
+            out[model][role] = (list(up), list(down))
+        else:
+            out[model][role] = (
+                [x + y for x, y in zip(have[0], up, strict=True)],
+                [x + y for x, y in zip(have[1], down, strict=True)],
+            )
+    return out
 
 
 @dataclass
@@ -113,16 +178,23 @@ class FleetRun:
     comparisons: dict[str, Comparison]
     gpus: int  # GPUs with a server on them (a static plan keeps every one awake)
     span_s: float  # from the first arrival to the last, whichever model
+    # GPUs per model and role, every one awake throughout: the timeline's GPU series.
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def fleet(self, policy: str) -> dict[str, Any]:
         """The fleet's figures under one routing policy (every model routed by it)."""
-        results = [c.results[policy] for c in self.comparisons.values()]
-        share, minutes = slo_minutes(results, self.span_s)
+        results = {m: c.results[policy] for m, c in self.comparisons.items()}
+        share, minutes = slo_minutes(list(results.values()), self.span_s)
+        series = {
+            m: {role: ([float(n)] * minutes, [0.0] * minutes) for role, n in roles.items()}
+            for m, roles in self.groups.items()
+        }
         return {
             "gpu_hours": round(self.gpus * self.span_s / 3600, 3),
             "slo_minutes": round(share, 4),
             "minutes": minutes,
             "actions": {},  # a static plan changes nothing while it runs
+            "timeline": timeline(results, self.span_s, series),
         }
 
     def to_json(self, policies: Sequence[str]) -> dict[str, Any]:
@@ -180,4 +252,8 @@ def run_models(
             progress=hook,
             slo=(slos or {}).get(model),
         )
-    return FleetRun(comparisons, gpus, span)
+    groups: dict[str, dict[str, int]] = {}
+    for s in servers:
+        roles = groups.setdefault(s.model, {})
+        roles[s.role] = roles.get(s.role, 0) + s.perf.tp
+    return FleetRun(comparisons, gpus, span, groups)
