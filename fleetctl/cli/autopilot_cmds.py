@@ -1,0 +1,171 @@
+"""`autopilot`: the fleet following its traffic, live (fleetctl/autopilot/live.py)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import typer
+
+from fleetctl.cli import common
+from fleetctl.cli.app import app
+from fleetctl.cli.options import InventoryArg, ProfilesOpt, StateDirOpt, no_calibration
+
+
+@app.command("autopilot")
+def autopilot(
+    inventory: str = InventoryArg,
+    router: str = typer.Option(
+        ...,
+        "--router",
+        metavar="URL",
+        help="route-serve's base URL (http://host:port): the autopilot reads its /metrics to "
+        "drain a server before it sleeps.",
+        show_default=False,
+    ),
+    request_log: Path | None = typer.Option(
+        None,
+        "--request-log",
+        metavar="PATH",
+        help="route-serve's request log, its folder or one file (default: the state folder's "
+        "requests/).",
+    ),
+    interval: float = typer.Option(
+        60.0, "--interval", metavar="SECONDS", help="Seconds between decisions."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print what it would do and why; change nothing."
+    ),
+    audit_log: Path | None = typer.Option(
+        None,
+        "--audit-log",
+        metavar="FILE",
+        help="Where every decision is appended as a JSON line, 0600 (default: the state "
+        "folder's autopilot.jsonl).",
+    ),
+    once: bool = typer.Option(
+        False, "--once", help="Decide and carry out one interval, then exit."
+    ),
+    moves_per_hour: int = typer.Option(
+        30, "--moves-per-hour", metavar="N", help="Starts and wakes allowed in any hour."
+    ),
+    down_after: int = typer.Option(
+        5,
+        "--down-after",
+        metavar="N",
+        help="Intervals in a row a server must be unneeded before it sleeps or stops.",
+    ),
+    floor: int = typer.Option(
+        1, "--floor", metavar="N", help="Awake servers each model keeps, whatever its traffic."
+    ),
+    drain_timeout: float = typer.Option(
+        120.0,
+        "--drain-timeout",
+        metavar="SECONDS",
+        help="Longest wait for route-serve's requests in flight at a server before it sleeps.",
+    ),
+    no_calibration_: bool = no_calibration(),
+    state_dir: Path | None = StateDirOpt,
+    profiles: list[Path] = ProfilesOpt,
+) -> None:
+    """Move the fleet with its traffic: sleep and wake servers (vLLM's sleep mode) as the
+    forecast asks, each decision and its figures in an audit log."""
+    from fleetctl.autopilot.decide import Settings
+    from fleetctl.autopilot.live import Live, LiveOptions
+
+    _check(router, interval, moves_per_hour, down_after, floor, drain_timeout)
+    inv, _ = common.load(inventory, profiles)
+    sdir = common.state_dir(inv, state_dir)
+    log = request_log if request_log is not None else sdir.requests_path
+    _check_paths(log, audit_log)
+    calibration = None if no_calibration_ else sdir.load_calibration()
+    settings = Settings(
+        interval_s=interval, down_after=down_after, moves_per_hour=moves_per_hour, floor=floor
+    )
+    options = LiveOptions(
+        router,
+        log,
+        audit_log if audit_log is not None else sdir.autopilot_log_path,
+        dry_run,
+        once,
+        drain_timeout,
+    )
+    stop = threading.Event()
+    live = Live(inv, sdir, options, settings, calibration, stop)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    live.run(_render)
+    if stop.is_set():
+        typer.echo("stopped; every server is left as it is")
+
+
+def _check(
+    router: str,
+    interval: float,
+    moves_per_hour: int,
+    down_after: int,
+    floor: int,
+    drain_timeout: float,
+) -> None:
+    from fleetctl.base.errors import Location, UserError
+
+    try:
+        parts = urlsplit(router)
+        port = parts.port
+    except ValueError:
+        parts, port = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(
+            f"--router {router!r} is not an http(s) URL",
+            Location("--router"),
+            "give route-serve's base URL, e.g. http://127.0.0.1:8080",
+        )
+    if port is None and parts.netloc.endswith(":"):
+        raise UserError(f"--router {router!r} has no port", Location("--router"), "add :PORT")
+    checks = [
+        ("--interval", interval > 0, "a number of seconds above 0"),
+        ("--moves-per-hour", moves_per_hour >= 0, "0 or more"),
+        ("--down-after", down_after >= 1, "1 or more intervals"),
+        ("--floor", floor >= 0, "0 or more servers"),
+        ("--drain-timeout", drain_timeout >= 0, "0 or more seconds"),
+    ]
+    for name, ok, want in checks:
+        if not ok:
+            raise UserError(f"{name} is out of range", Location(name), f"give {want}")
+
+
+def _check_paths(log: Path, audit: Path | None) -> None:
+    from fleetctl.base.errors import Location, UserError
+
+    if not log.exists():
+        raise UserError(
+            "no request log there",
+            Location(str(log)),
+            "point --request-log at route-serve's requests folder (route-serve keeps it unless "
+            "started with --no-request-log)",
+        )
+    if audit is not None and not audit.parent.is_dir():
+        raise UserError(
+            "the audit log's folder does not exist", Location(str(audit)), "create it first"
+        )
+
+
+def _render(record: dict[str, Any]) -> None:
+    """One decision: when, what came of it, the traffic, and each change with its result."""
+    requests = ", ".join(f"{m} {n:g}" for m, n in sorted(record["requests"].items())) or "none"
+    servers = ", ".join(f"{m} {n}" for m, n in sorted(record["servers"].items())) or "none"
+    typer.echo(
+        f"{record['at']}  {record['outcome']}: requests {requests}; awake servers planned: "
+        f"{servers}"
+    )
+    for change, result in zip(record["changes"], record["carried_out"], strict=True):
+        where = f"{change['model']} on {result['server']} (GPUs {change['gpus']})"
+        if result["result"] == "dry_run":
+            typer.echo(f"  would {change['kind']} {where}: {change['why']}")
+        else:
+            typer.echo(f"  {change['kind']} {where}: {result['result']}: {result['detail']}")
+    for why in record["held"]:
+        typer.echo(f"  held: {why}")
