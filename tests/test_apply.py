@@ -69,7 +69,9 @@ class Fleet:
         self.hosts, self.tmp = hosts, tmp
         self.inv = self.inventory()
 
-    def inventory(self, extra: str = "", max_context: int = 8192, util: float = 0.92) -> Path:
+    def inventory(
+        self, extra: str = "", max_context: int = 8192, util: float = 0.92, sleep: bool = False
+    ) -> Path:
         lines = [
             f"ssh: {{user: root, identity_file: {self.hosts.client_key}, connect_timeout_s: 30}}",
             "nodes:",
@@ -92,7 +94,7 @@ class Fleet:
             # one TP=2 server, as it does at 0.45 (where the replacement tests want that).
             f"    min_replicas: {4 if util > 0.5 else 1}",
             "    env: {VLLM_LOGGING_LEVEL: INFO}",
-            f"planner: {{gpu_memory_utilization: {util}}}",
+            f"planner: {{gpu_memory_utilization: {util}, sleep_mode: {str(sleep).lower()}}}",
             # health_timeout_s only bounds a server that never becomes healthy (a healthy one
             # ends the wait at once): wide, for a loaded machine starting four at once.
             "apply: {health_timeout_s: 60, stop_timeout_s: 5, secrets: [HF_TOKEN]}",
@@ -791,3 +793,62 @@ def test_apply_times_each_start_up_and_keeps_it_in_the_calibration(cli, fleet):
     r = cli("plan", fleet.inv)
     assert "Disruption: 4 servers start" in r.out and "4 replacements stop the old" in r.out
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+# --- the autopilot's sleepers ------------------------------------------------------------------
+
+
+def _put_to_sleep(fleet: Fleet, node: str) -> int:
+    """Sleep `node`'s server as the autopilot does: `POST /sleep`, then state.json lists it
+    asleep. Its port."""
+    import dataclasses
+    import urllib.request
+
+    from fleetctl.fleet.state import Sleeper
+    from fleetctl.fleet.statedir import StateDir
+
+    sdir = StateDir(fleet.tmp / ".fleetctl")
+    state = sdir.load_state()
+    [d] = [d for d in state.deployments if d.node == node]
+    req = urllib.request.Request(fleet.url(node, d.port) + "/sleep?level=1", b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+    awake = tuple(x for x in state.deployments if x is not d)
+    sdir.save_state(dataclasses.replace(state, deployments=awake, asleep=(Sleeper(d, 1),)))
+    return d.port
+
+
+def _sleeping(fleet: Fleet, node: str, port: int) -> bool:
+    status, body = get(fleet.url(node, port) + "/is_sleeping")
+    assert status == 200, body
+    return bool(json.loads(body)["is_sleeping"])
+
+
+def test_apply_wakes_a_sleeper_it_wants_and_stops_one_whose_gpus_it_gives_away(cli, fleet):
+    """A server the autopilot put to sleep is the plan's business too: a plan that wants it
+    wakes it (the same process, no cold start) and records it awake; a plan that gives its
+    GPUs to another server stops it first and drops it from state.json's sleepers."""
+    inv = fleet.inventory(sleep=True)
+    r = cli("apply", *fleet.args(inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    port = _put_to_sleep(fleet, "rtx-1")
+    pid = fleet.pid("rtx-1", port)
+
+    r = cli("apply", *fleet.args(inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    assert not _sleeping(fleet, "rtx-1", port)
+    assert fleet.pid("rtx-1", port) == pid  # woken, not started again
+    state = fleet.state()
+    assert len(state["deployments"]) == 4 and "asleep" not in state
+    assert ("rtx-1", "start") not in {(o["node"], o["action"]) for o in outcomes(r)}
+
+    port = _put_to_sleep(fleet, "rtx-1")
+    r = cli("apply", *fleet.args(fleet.inventory(max_context=4096, sleep=True), "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    stops = [o for o in outcomes(r) if o["node"] == "rtx-1" and o["action"] == "stop"]
+    assert stops and "asleep" in stops[0]["detail"], outcomes(r)
+    state = fleet.state()
+    assert len(state["deployments"]) == 4 and "asleep" not in state
+    assert fleet.pid("rtx-1", port) != pid
+    assert not _sleeping(fleet, "rtx-1", port)
+    cli("destroy", *fleet.args(inv, "--yes"))

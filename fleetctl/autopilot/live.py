@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleetctl.apply import sleepmode
 from fleetctl.apply.lock import StateLock
+from fleetctl.apply.sleepmode import SleepModeError
 from fleetctl.autopilot import edge
 from fleetctl.autopilot.changes import Change, Resident, same_server
 from fleetctl.autopilot.decide import Autopilot, Decision, Settings
@@ -151,7 +153,7 @@ class Live:
             return self._wake(c)
         except Stopped:
             return _result(c, "abandoned", "stopped while draining; the server stays awake")
-        except edge.EdgeError as e:
+        except SleepModeError as e:
             return _result(c, "fault", str(e))
 
     def _sleep(self, c: Change) -> dict[str, Any]:
@@ -159,12 +161,12 @@ class Live:
         with self.sdir.write_lock():
             state = self.sdir.load_state()
             if not any(server_name(x) == name for x in state.deployments):
-                raise edge.EdgeError(f"{name} is no longer an awake server in state.json")
+                raise SleepModeError(f"{name} is no longer an awake server in state.json")
             self.sdir.save_state(dataclasses.replace(state, draining=state.draining | {name}))
         try:
             note = self._drain(d)
-            edge.sleep(d, c.level)
-        except (Stopped, edge.EdgeError):
+            sleepmode.sleep(d, c.level)
+        except (Stopped, SleepModeError):
             self._update(lambda s: dataclasses.replace(s, draining=s.draining - {name}))
             raise
 
@@ -194,8 +196,8 @@ class Live:
     def _wake(self, c: Change) -> dict[str, Any]:
         d, name = c.deployment, server_name(c.deployment)
         note = ""
-        if edge.is_sleeping(d):
-            edge.wake(d)
+        if sleepmode.is_sleeping(d):
+            sleepmode.wake(d)
         else:
             note = " (it was awake already)"
 
@@ -204,7 +206,7 @@ class Live:
             back = mine.deployment if mine is not None else d
             clash = [x for x in s.deployments if x.key == back.key]
             if clash:
-                raise edge.EdgeError(
+                raise SleepModeError(
                     f"woken, but state.json has {server_name(clash[0])} awake on its GPUs"
                 )
             asleep = tuple(x for x in s.asleep if x.name != name)

@@ -1,0 +1,84 @@
+"""vLLM's sleep-mode dev endpoints on a server, for apply and the autopilot: `POST /sleep`,
+`POST /wake_up`, `GET /is_sleeping` (served with VLLM_SERVER_DEV_MODE=1). Each call is bounded
+and fails with `SleepModeError`, one line saying why."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from fleetctl.fleet import http
+from fleetctl.fleet.plan import Deployment
+
+TIMEOUT_S = 10.0
+# A wake reads the weights back (level 1 over PCIe, level 2 from disk): seconds to minutes.
+WAKE_TIMEOUT_S = 600.0
+
+
+class SleepModeError(Exception):
+    """A server did not do what was asked; the text is one line."""
+
+
+def _post(url: str, timeout: float) -> dict[str, object]:
+    req = urllib.request.Request(url, data=b"", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            body = resp.read(1 << 20)
+    except urllib.error.HTTPError as e:
+        text = e.read(4096).decode("utf-8", "replace")
+        raise SleepModeError(f"HTTP {e.code}: {_message(text)}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise SleepModeError(str(reason).lower() or type(e).__name__) from None
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        raise SleepModeError(f"not JSON: {body[:80]!r}") from None
+    return answer if isinstance(answer, dict) else {}
+
+
+def _message(text: str) -> str:
+    """vLLM's error answer's message (`{"error": {"message": ...}}`), else the text."""
+    try:
+        doc = json.loads(text)
+        err = doc.get("error", doc)
+        msg = err.get("message") if isinstance(err, dict) else err
+        text = str(msg or text)
+    except (ValueError, AttributeError):
+        pass
+    return " ".join(text.split())[:300]
+
+
+def is_sleeping(d: Deployment) -> bool:
+    try:
+        reply = http.get(d.url("/is_sleeping"), TIMEOUT_S)
+    except http.HttpError as e:
+        raise SleepModeError(f"GET /is_sleeping: {e}") from None
+    if reply.status != 200:
+        raise SleepModeError(
+            f"GET /is_sleeping answered {reply.status}: is it started with "
+            "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1?"
+        )
+    try:
+        return bool(reply.json()["is_sleeping"])
+    except (ValueError, KeyError, TypeError):
+        raise SleepModeError(f"GET /is_sleeping: unexpected answer {reply.text[:80]!r}") from None
+
+
+def sleep(d: Deployment, level: int) -> None:
+    try:
+        _post(d.url(f"/sleep?level={level}"), TIMEOUT_S)
+    except SleepModeError as e:
+        raise SleepModeError(f"POST /sleep?level={level}: {e}") from None
+
+
+def wake(d: Deployment) -> None:
+    """Wake `d`; raises SleepModeError where the wake failed (out of memory among them) or the
+    server still sleeps after it."""
+    try:
+        answer = _post(d.url("/wake_up"), WAKE_TIMEOUT_S)
+    except SleepModeError as e:
+        raise SleepModeError(f"POST /wake_up: {e}") from None
+    if answer.get("status") == "sleeping" or is_sleeping(d):
+        raise SleepModeError("POST /wake_up: the server still sleeps after it")
