@@ -81,6 +81,8 @@ class Fleet:
         self.router_port = free_port()
         cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(self.inv)]
         cmd += ["--state-dir", str(self.sdir.root), "--listen", f"127.0.0.1:{self.router_port}"]
+        self.audit = tmp / "audit.jsonl"  # the autopilot's audit log route-serve shows
+        cmd += ["--autopilot-log", str(self.audit)]
         self.router = Proc("route-serve", cmd, tmp, own_group=False)
         self.procs.append(self.router)
         wait_status(self.router_port, "/health", self.router, 200)
@@ -283,6 +285,38 @@ def wait_status_on(proc: Proc, host: str, port: int) -> None:
         assert proc.alive(), proc.tail()
         assert time.monotonic() < end, proc.tail()
         time.sleep(0.05)
+
+
+def _metric(fleet: Fleet, name: str, **labels: str) -> float | None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, _, body = http_request(fleet.router_port, "GET", "/metrics")
+    for family in text_string_to_metric_families(body.decode()):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return None
+
+
+def test_route_serve_shows_the_autopilots_decisions_from_its_audit_log(fleet):
+    """route-serve --autopilot-log: each decision, each action carried out, the forecast and
+    the time of the last decision are on its /metrics, by the names the dashboard reads."""
+    fleet.reset()
+    assert _metric(fleet, "fleetctl_autopilot_decisions_total", outcome="dry_run") == 0
+    assert _metric(fleet, "fleetctl_autopilot_last_decision_timestamp_seconds") == 0
+    before = time.time()
+    run = fleet.autopilot(fleet.audit, "--interval", "2", "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert _metric(fleet, "fleetctl_autopilot_decisions_total", outcome="dry_run") == 1
+    assert _metric(fleet, "fleetctl_autopilot_actions_total", kind="sleep") == 0
+    forecast = _metric(fleet, "fleetctl_autopilot_forecast_requests", model=NAME)
+    assert forecast is not None and forecast >= 0
+    last = _metric(fleet, "fleetctl_autopilot_last_decision_timestamp_seconds")
+    assert last is not None and last >= int(before)
+    run = fleet.autopilot(fleet.audit, "--interval", "2")
+    assert run.returncode == 0, run.stderr
+    assert _metric(fleet, "fleetctl_autopilot_decisions_total", outcome="moved") == 1
+    assert _metric(fleet, "fleetctl_autopilot_actions_total", kind="sleep") == 1
 
 
 @pytest.mark.parametrize(
