@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -25,9 +26,12 @@ from harness.commands import emulate_cmd
 from harness.procs import Proc
 from harness.ready import http_request, wait_status
 from tests.conftest import REPO
-from tests.procs import NAME, SCALE, SOURCE, free_port
+from tests.procs import NAME, SOURCE, free_port
 
 DEV = {"VLLM_SERVER_DEV_MODE": "1"}
+# Four times faster than life: short requests and wakes take a moment, a long answer streams
+# long enough to be in flight while the autopilot drains its server.
+SCALE = "4"
 # Two one-GPU nodes on two loopback addresses, one port: each server's slot is its own.
 # Long requests in the workload make one server carry a fraction of a request a second, so a
 # handful of requests in an interval asks for both.
@@ -317,6 +321,63 @@ def test_route_serve_shows_the_autopilots_decisions_from_its_audit_log(fleet):
     assert run.returncode == 0, run.stderr
     assert _metric(fleet, "fleetctl_autopilot_decisions_total", outcome="moved") == 1
     assert _metric(fleet, "fleetctl_autopilot_actions_total", kind="sleep") == 1
+
+
+def _in_flight(fleet: Fleet) -> socket.socket:
+    """A long streamed answer through route-serve, once its first bytes arrived; closing the
+    socket ends it."""
+    body = json.dumps({"model": NAME, "prompt": "hi", "max_tokens": 4000, "stream": True})
+    sock = socket.create_connection(("127.0.0.1", fleet.router_port), timeout=60)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    )
+    sock.sendall(head.encode())
+    assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+def test_a_stop_while_draining_abandons_the_sleep_and_leaves_the_server_awake(fleet, tmp_path):
+    """The loop (no --once) drains a server that still has answers in flight; SIGTERM then
+    ends the drain: the server stays awake and is no longer draining, the audit log says the
+    change was abandoned, and the process exits 0 at once."""
+    fleet.reset()
+    socks = []
+    try:
+        while not all(
+            _metric(fleet, "fleetctl_backend_outstanding_requests", backend=b)
+            for b in (f"http://{d.host}:{d.port}" for d in fleet.deployments)
+        ):
+            assert len(socks) < 16, "route-serve never spread the answers over both servers"
+            socks.append(_in_flight(fleet))
+        audit = tmp_path / "audit.jsonl"
+        cmd = [sys.executable, "-m", "fleetctl", "autopilot", str(fleet.inv), "--interval", "2"]
+        cmd += ["--state-dir", str(fleet.sdir.root), "--router", fleet.router_url]
+        cmd += ["--audit-log", str(audit), "--down-after", "1", "--drain-timeout", "300"]
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+        )
+        try:
+            end = time.monotonic() + 120  # only stops a hang
+            while not fleet.sdir.load_state().draining:
+                assert proc.poll() is None, proc.communicate()
+                assert time.monotonic() < end, "the autopilot never drained a server"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert proc.returncode == 0, err
+        assert "stopped; every server is left as it is" in out
+        state = fleet.sdir.load_state()
+        assert len(state.deployments) == 2 and not state.asleep and not state.draining
+        assert not fleet.sleeping("127.0.0.1") and not fleet.sleeping("127.0.0.2")
+        [line] = _audit(audit)
+        assert [r["result"] for r in line["carried_out"]] == ["abandoned"], line
+    finally:
+        for s in socks:
+            s.close()  # the last test on the fleet: its servers may finish these at leisure
 
 
 @pytest.mark.parametrize(
