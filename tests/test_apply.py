@@ -70,7 +70,13 @@ class Fleet:
         self.inv = self.inventory()
 
     def inventory(
-        self, extra: str = "", max_context: int = 8192, util: float = 0.92, sleep: bool = False
+        self,
+        extra: str = "",
+        max_context: int = 8192,
+        util: float = 0.92,
+        sleep: bool = False,
+        replicas: int | None = None,
+        workload: str = "",
     ) -> Path:
         lines = [
             f"ssh: {{user: root, identity_file: {self.hosts.client_key}, connect_timeout_s: 30}}",
@@ -92,7 +98,8 @@ class Fleet:
             # At 0.92, four servers (two TP=1 on the A100 pair): the apply tests count on
             # them, and by goodput at its derived SLO the planner alone would make the pair
             # one TP=2 server, as it does at 0.45 (where the replacement tests want that).
-            f"    min_replicas: {4 if util > 0.5 else 1}",
+            f"    min_replicas: {replicas or (4 if util > 0.5 else 1)}",
+            *([f"    workload: {workload}"] if workload else []),
             "    env: {VLLM_LOGGING_LEVEL: INFO}",
             f"planner: {{gpu_memory_utilization: {util}, sleep_mode: {str(sleep).lower()}}}",
             # health_timeout_s only bounds a server that never becomes healthy (a healthy one
@@ -852,3 +859,62 @@ def test_apply_wakes_a_sleeper_it_wants_and_stops_one_whose_gpus_it_gives_away(c
     assert fleet.pid("rtx-1", port) != pid
     assert not _sleeping(fleet, "rtx-1", port)
     cli("destroy", *fleet.args(inv, "--yes"))
+
+
+def test_the_autopilot_stops_and_starts_servers_through_apply(cli, fleet):
+    """Live, with servers started without sleep mode: a quiet interval stops the servers the
+    forecast does not need, through apply's code over SSH (state.json and the nodes agree),
+    and a busy one starts a bigger server cold, the small one stopping once it is healthy."""
+    from harness.procs import Proc, free_port
+    from harness.ready import http_request, wait_status
+
+    work = "{requests_per_s: 0.3, mean_prompt_tokens: 2000, mean_output_tokens: 1000}"
+    inv = fleet.inventory(replicas=1, workload=work)
+    r = cli("apply", *fleet.args(inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    assert len(fleet.state()["deployments"]) == 3  # the A100 pair as one server, each RTX
+    sdir = fleet.tmp / ".fleetctl"
+    port = free_port()
+    cmd = [PY, "-m", "fleetctl", "route-serve", str(inv), "--listen", f"127.0.0.1:{port}"]
+    router = Proc("route-serve", cmd, fleet.tmp, own_group=False)
+    try:
+        wait_status(port, "/health", router, 200)
+        audit = fleet.tmp / "audit.jsonl"
+
+        def autopilot() -> dict:
+            before = len(audit.read_text().splitlines()) if audit.exists() else 0
+            cmd = [PY, "-m", "fleetctl", "autopilot", str(inv), "--once", "--interval", "30"]
+            cmd += ["--router", f"http://127.0.0.1:{port}", "--down-after", "1"]
+            cmd += ["--audit-log", str(audit), "--known-hosts", str(fleet.hosts.known_hosts)]
+            run = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert run.returncode == 0, run.stdout + run.stderr
+            lines = audit.read_text().splitlines()
+            assert len(lines) == before + 1
+            return json.loads(lines[-1])
+
+        quiet = autopilot()
+        results = {(c["kind"], c["server"], c["result"]) for c in quiet["carried_out"]}
+        assert results == {("stop", "a100-1:8000", "done"), ("stop", "rtx-2:8000", "done")}, quiet
+        state = fleet.state()
+        assert [(d["node"], d["port"]) for d in state["deployments"]] == [("rtx-1", 8000)]
+        assert len(servers_running(fleet.hosts)) == 1
+
+        body = {"model": "llama-3-8b", "prompt": "hello there", "max_tokens": 4}
+        for _ in range(24):
+            assert http_request(port, "POST", "/v1/completions", body, None, 60)[0] == 200
+        logs = sdir / "requests"
+        wait_until(lambda: sum(len(p.read_text().splitlines()) for p in logs.glob("*.jsonl")) >= 24)
+        busy = autopilot()
+        kinds = [(c["kind"], c["result"]) for c in busy["carried_out"]]
+        assert ("start", "done") in kinds and ("stop", "done") in kinds, busy
+        state = fleet.state()
+        assert [(d["node"], d["gpu_indices"]) for d in state["deployments"]] == [("a100-1", [0])]
+        assert len(servers_running(fleet.hosts)) == 1
+    finally:
+        router.stop()
+        cli("destroy", *fleet.args(inv, "--yes"))

@@ -11,42 +11,50 @@ write lock, atomically) and route-serve's /metrics:
   sleep (`POST /sleep?level=N`) and moved from `deployments` to `asleep`;
 - wake: `GET /is_sleeping`, `POST /wake_up` (a wake that fails, out of memory among others,
   is a fault and the server stays asleep), then back to `deployments`;
-- start and stop are apply's (a server's process over SSH): the live loop does not carry them
-  out yet; they are logged as such, and so are the sleeps that would free GPUs for a start.
-The whole change set runs under apply's state lock, so that apply and the autopilot never
-change one fleet at once. A stop (SIGINT, SIGTERM) abandons a drain under way (the server is
+- start and stop go through apply's code (apply/flow.py, over SSH, as `fleetctl apply` with a
+  plan given): the nodes converge to what runs, less what leaves, plus what starts; a server
+  in the way of a start is drained first, one that leaves once the arrivals are ready stops
+  after they are healthy (apply's start before stop). A sleep that only frees GPUs for a
+  start is carried out as a stop (apply puts one server on a GPU group). Without a way to
+  the nodes (`LiveOptions.apply`), they are logged as not carried out.
+Every change runs under apply's state lock, so that an apply and the autopilot never change
+one fleet at once. A stop (SIGINT, SIGTERM) abandons a drain under way (the server is
 no longer draining, and stays awake) and leaves every server as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fleetctl.apply import sleepmode
+from fleetctl.apply.execute import ApplyOptions, Outcome
+from fleetctl.apply.flow import PlanFile, apply_plan
 from fleetctl.apply.lock import StateLock
+from fleetctl.apply.node import server_id
 from fleetctl.apply.sleepmode import SleepModeError
 from fleetctl.autopilot import edge
 from fleetctl.autopilot.changes import Change, Resident, same_server
 from fleetctl.autopilot.decide import Autopilot, Decision, Settings
 from fleetctl.autopilot.simulated import GATE_INTERVALS, default_costs
 from fleetctl.autopilot.traffic import Interval, LogTail
-from fleetctl.base.errors import OperationError
+from fleetctl.base.errors import OperationError, UserError
 from fleetctl.fleet.inventory import Inventory
-from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.plan import Deployment, Plan
 from fleetctl.fleet.state import Sleeper, State, server_name
 from fleetctl.fleet.statedir import StateDir
 from fleetctl.model.calibration import Calibration
 
-NOT_LIVE = "not carried out live yet: run `fleetctl apply` for starts and stops"
+NOT_LIVE = "not carried out: the autopilot was given no way to the nodes (run `fleetctl apply`)"
 OUTCOMES = ("moved", "held", "gated", "dry_run", "idle")
 
 
@@ -59,6 +67,7 @@ class LiveOptions:
     once: bool = False
     drain_timeout_s: float = 120.0
     poll_s: float = 0.2  # how often a drain or a wake is looked at
+    apply: ApplyOptions | None = None  # how starts and stops reach the nodes; None: they don't
 
 
 class Stopped(Exception):
@@ -114,37 +123,97 @@ class Live:
     # --- carrying a decision out -------------------------------------------------------------
 
     def _carry_out(self, decision: Decision) -> list[dict[str, Any]]:
+        """Each change's result, in the changes' order. Sleeps and wakes go first (under the
+        state lock), then the starts and stops through apply (which takes the lock itself),
+        then the servers that leave once their model's arrivals are ready."""
         changes = decision.changes
         if self.options.dry_run or not changes:
             return [_result(c, "dry_run", f"would {c.kind}: {c.why}") for c in changes]
+        starts = [c for c in changes if c.kind == "start"]
+        # A sleep that only frees GPUs for a start is a stop: apply puts one server on a GPU
+        # group (a sleeper whose GPUs a plan gives away is stopped by it).
+        by_apply = [
+            c
+            for c in changes
+            if c.kind in ("start", "stop")
+            or (c.kind == "sleep" and not c.after and any(_frees(c, s) for s in starts))
+        ]
+        results: dict[int, dict[str, Any]] = {}
+        first = [c for c in changes if c not in by_apply and not c.after]
+        last = [c for c in changes if c not in by_apply and c.after]
+        failed: set[str] = set()  # models an arrival of which did not arrive
+        self._locked(first, failed, results)
+        if by_apply:
+            for c, r in zip(by_apply, self._apply(by_apply), strict=True):
+                results[id(c)] = r
+                if c.kind == "start" and r["result"] != "done":
+                    failed.add(c.deployment.model)
+        self._locked(last, failed, results)
+        return [results[id(c)] for c in changes]
+
+    def _locked(
+        self, changes: list[Change], failed: set[str], results: dict[int, dict[str, Any]]
+    ) -> None:
+        """Sleeps and wakes one by one under the state lock."""
+        if not changes:
+            return
         try:
             with StateLock(self.sdir, "autopilot"):
-                return self._each(changes)
+                for c in changes:
+                    results[id(c)] = self._guarded(c, failed)
         except OperationError as e:
-            return [_result(c, "fault", f"not carried out: {e}") for c in changes]
+            for c in changes:
+                results.setdefault(id(c), _result(c, "fault", f"not carried out: {e}"))
 
-    def _each(self, changes: list[Change]) -> list[dict[str, Any]]:
-        starts = [c for c in changes if c.kind == "start"]
-        failed: set[str] = set()  # models an arrival of which did not arrive
-        out: list[dict[str, Any]] = []
+    def _guarded(self, c: Change, failed: set[str]) -> dict[str, Any]:
+        if self.stop.is_set():
+            return _result(c, "abandoned", "the autopilot was stopped")
+        if c.after and c.deployment.model in failed:
+            return _result(c, "skipped", "held: an arrival for its model is not ready")
+        r = self._one(c)
+        if c.kind == "wake" and r["result"] != "done":
+            failed.add(c.deployment.model)
+        return r
+
+    def _apply(self, changes: list[Change]) -> list[dict[str, Any]]:
+        """Starts and stops (and sleeps that only free GPUs for a start, as stops) through
+        apply's code: the nodes converge to what runs, less what leaves, plus what starts."""
+        opts = self.options.apply
+        if opts is None:
+            return [_result(c, "skipped", NOT_LIVE) for c in changes]
+        if self.stop.is_set():
+            return [_result(c, "abandoned", "the autopilot was stopped") for c in changes]
+        leaving = [c.deployment for c in changes if c.kind != "start"]
+        # Those in the way of a start stop first: drained, so that nothing is cut.
         for c in changes:
-            d = c.deployment
-            if self.stop.is_set():
-                out.append(_result(c, "abandoned", "the autopilot was stopped"))
-            elif c.kind in ("start", "stop"):
-                failed.update([d.model] if c.kind == "start" else [])
-                out.append(_result(c, "skipped", NOT_LIVE))
-            elif c.kind == "sleep" and not c.after and any(_frees(c, s) for s in starts):
-                out.append(_result(c, "skipped", f"it would free its GPUs for a start; {NOT_LIVE}"))
-            elif c.kind == "sleep" and c.after and d.model in failed:
-                why = "held: an arrival for its model is not ready, so it keeps serving"
-                out.append(_result(c, "skipped", why))
-            else:
-                r = self._one(c)
-                if c.kind == "wake" and r["result"] != "done":
-                    failed.add(d.model)
-                out.append(r)
-        return out
+            if c.kind != "start" and not c.after:
+                try:
+                    self._mark_draining(c.deployment)
+                    self._drain(c.deployment)
+                except (Stopped, SleepModeError) as e:
+                    self._undrain(leaving)
+                    why = "the autopilot was stopped" if isinstance(e, Stopped) else str(e)
+                    return [_result(x, "abandoned", why) for x in changes]
+        state = self.sdir.load_state()
+        gone = {server_name(d) for d in leaving}
+        target = [d for d in state.deployments if server_name(d) not in gone]
+        target += [c.deployment for c in changes if c.kind == "start"]
+        plan = PlanFile(self.sdir.state_path, state.serial, target, dict(state.slo))
+        try:
+            run = apply_plan(self.inv, self.sdir, opts, _no_plan, plan, _Unattended())
+        except (UserError, OperationError) as e:
+            self._undrain(leaving)
+            return [_result(c, "fault", f"apply: {e}") for c in changes]
+        self._undrain(leaving)
+        return [_applied(c, run.outcomes) for c in changes]
+
+    def _mark_draining(self, d: Deployment) -> None:
+        name = server_name(d)
+        self._update(lambda s: dataclasses.replace(s, draining=s.draining | {name}))
+
+    def _undrain(self, ds: list[Deployment]) -> None:
+        names = {server_name(d) for d in ds}
+        self._update(lambda s: dataclasses.replace(s, draining=s.draining - names))
 
     def _one(self, c: Change) -> dict[str, Any]:
         try:
@@ -223,6 +292,66 @@ class Live:
 def _frees(leave: Change, start: Change) -> bool:
     a, b = leave.deployment, start.deployment
     return a.node == b.node and bool(set(a.gpu_indices) & set(b.gpu_indices))
+
+
+def _no_plan(state: State) -> Plan:
+    raise AssertionError("the autopilot's target is carried out as given, never re-planned")
+
+
+class _Unattended:
+    """apply's driver for the autopilot: nothing to show, every change confirmed (the
+    autopilot decided it), progress not shown (the audit log keeps the outcomes)."""
+
+    def proposed(self, proposal: object) -> None:
+        pass
+
+    def gated(self, result: object) -> None:
+        pass
+
+    def confirm(self, question: str) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def progress(self, what: str) -> Iterator[_Unattended]:
+        yield self
+
+    def warn(self, msg: str) -> None:
+        pass
+
+    def emit(self, node: str, msg: str) -> None:
+        pass
+
+    def started(self, nodes: int) -> None:
+        pass
+
+    def done(self, node: str) -> None:
+        pass
+
+
+def _applied(c: Change, outcomes: list[Outcome]) -> dict[str, Any]:
+    """A start's or a stop's result from apply's outcomes."""
+    d = c.deployment
+    if c.kind == "start":
+        mine = [
+            o
+            for o in outcomes
+            if o.node == d.node and tuple(o.gpus) == d.gpu_indices and o.action != "stop"
+        ]
+    else:
+        sid = server_id(d)
+        mine = [
+            o
+            for o in outcomes
+            if o.node == d.node
+            and (sid in o.detail or (o.action == "replace" and set(o.gpus) & set(d.gpu_indices)))
+        ]
+    if not mine:
+        return _result(c, "fault", "apply did not report it")
+    o = mine[0]
+    if o.status != "ok":
+        return _result(c, "fault", f"apply: {o.action} failed: {o.detail}")
+    took = f" after {o.startup_s:.0f} s" if o.startup_s is not None else ""
+    return _result(c, "done", f"apply: {o.action} ({o.detail}){took}")
 
 
 def _residents(state: State, known: list[Resident]) -> list[Resident]:

@@ -12,7 +12,17 @@ import typer
 
 from fleetctl.cli import common
 from fleetctl.cli.app import app
-from fleetctl.cli.options import InventoryArg, ProfilesOpt, StateDirOpt, no_calibration
+from fleetctl.cli.options import (
+    AcceptNewOpt,
+    InventoryArg,
+    KnownHostsOpt,
+    ProfilesOpt,
+    SecretsFileOpt,
+    StateDirOpt,
+    no_calibration,
+    parallel,
+    timeout,
+)
 
 
 @app.command("autopilot")
@@ -68,11 +78,18 @@ def autopilot(
         help="Longest wait for route-serve's requests in flight at a server before it sleeps.",
     ),
     no_calibration_: bool = no_calibration(),
+    secrets_file: Path | None = SecretsFileOpt,
+    accept_new: bool = AcceptNewOpt,
+    known_hosts: Path | None = KnownHostsOpt,
+    timeout: float = timeout(60.0),
+    parallel_: int = parallel("started or stopped on"),
     state_dir: Path | None = StateDirOpt,
     profiles: list[Path] = ProfilesOpt,
 ) -> None:
-    """Move the fleet with its traffic: sleep and wake servers (vLLM's sleep mode) as the
-    forecast asks, each decision and its figures in an audit log."""
+    """Move the fleet with its traffic: sleep and wake servers (vLLM's sleep mode), start and
+    stop them over SSH as apply does, as the forecast asks; each decision and its figures in
+    an audit log."""
+    from fleetctl.apply.flow import Access, options
     from fleetctl.autopilot.decide import Settings
     from fleetctl.autopilot.live import Live, LiveOptions
 
@@ -85,16 +102,18 @@ def autopilot(
     settings = Settings(
         interval_s=interval, down_after=down_after, moves_per_hour=moves_per_hour, floor=floor
     )
-    options = LiveOptions(
+    access = Access(known_hosts, accept_new, timeout, parallel_, state_dir)
+    live_options = LiveOptions(
         router,
         log,
         audit_log if audit_log is not None else sdir.autopilot_log_path,
         dry_run,
         once,
         drain_timeout,
+        apply=options(inv, access, secrets_file),
     )
     stop = threading.Event()
-    live = Live(inv, sdir, options, settings, calibration, stop)
+    live = Live(inv, sdir, live_options, settings, calibration, stop)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     live.run(_render)
