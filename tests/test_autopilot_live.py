@@ -267,6 +267,7 @@ def test_a_wake_refused_for_memory_is_that_change_s_fault(fleet, tmp_path):
         [line] = _audit(audit)
         [result] = line["carried_out"]
         assert result["kind"] == "wake" and result["result"] == "fault", line
+        assert line["outcome"] == "held"  # nothing moved
         assert "out of memory" in result["detail"], result
         state = fleet.sdir.load_state()
         assert len(state.asleep) == 1 and len(state.deployments) == 1
@@ -375,6 +376,7 @@ def test_a_stop_while_draining_abandons_the_sleep_and_leaves_the_server_awake(fl
         assert not fleet.sleeping("127.0.0.1") and not fleet.sleeping("127.0.0.2")
         [line] = _audit(audit)
         assert [r["result"] for r in line["carried_out"]] == ["abandoned"], line
+        assert line["outcome"] == "held"
     finally:
         for s in socks:
             s.close()  # the last test on the fleet: its servers may finish these at leisure

@@ -377,10 +377,13 @@ def _result(c: Change, result: str, detail: str) -> dict[str, Any]:
     }
 
 
-def outcome(decision: Decision, dry_run: bool) -> str:
-    """moved, held, gated, dry_run or idle: what became of a decision."""
+def outcome(decision: Decision, results: list[dict[str, Any]], dry_run: bool) -> str:
+    """moved, held, gated, dry_run or idle: what became of a decision. One whose changes were
+    all refused on the way (faults, a stop) moved nothing: held, its results say why."""
     if decision.changes:
-        return "dry_run" if dry_run else "moved"
+        if dry_run:
+            return "dry_run"
+        return "moved" if any(r["result"] == "done" for r in results) else "held"
     if any(h.startswith("gate:") for h in decision.held):
         return "gated"
     return "held" if decision.held else "idle"
@@ -392,7 +395,7 @@ def _record(
     at = dt.datetime.fromtimestamp(decision.at, dt.UTC).isoformat(timespec="seconds")
     return {
         "at": at,
-        "outcome": outcome(decision, dry_run),
+        "outcome": outcome(decision, results, dry_run),
         "requests": seen.counts,
         "met": {m: list(v) for m, v in seen.met.items()},
         **decision.to_json(),

@@ -33,8 +33,8 @@ class AutopilotLog:
         self.decisions = Counter(
             "fleetctl_autopilot_decisions_total",
             "The autopilot's decisions by what came of them: moved (changes carried out), held "
-            "(changes held back by hysteresis, floors or the hour's budget), gated (the what-if "
-            "replay refused the new fleet), dry_run, idle.",
+            "(changes held back by hysteresis, floors or the hour's budget, or none carried "
+            "out), gated (the what-if replay refused the new fleet), dry_run, idle.",
             ("outcome",),
         )
         for o in OUTCOMES:  # every series from the start, as rate() wants
