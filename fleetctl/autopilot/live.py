@@ -190,10 +190,12 @@ class Live:
                 try:
                     self._mark_draining(c.deployment)
                     self._drain(c.deployment)
-                except (Stopped, SleepModeError) as e:
+                except Stopped:
                     self._undrain(leaving)
-                    why = "the autopilot was stopped" if isinstance(e, Stopped) else str(e)
-                    return [_result(x, "abandoned", why) for x in changes]
+                    return [_result(x, "abandoned", "the autopilot was stopped") for x in changes]
+                except SleepModeError as e:
+                    self._undrain(leaving)
+                    return [_result(x, "fault", f"not drained: {e}") for x in changes]
         state = self.sdir.load_state()
         gone = {server_name(d) for d in leaving}
         target = [d for d in state.deployments if server_name(d) not in gone]

@@ -121,12 +121,14 @@ class LogTail:
         recent ones of the last `keep_s`, their arrivals from the window's start."""
         bad = self.bad_lines
         new = self.read(slos)
-        if first:
-            new = [f for f in new if f.item.arrival >= now - interval_s]
         since = now - self.keep_s
-        self.window.extend(sorted(new, key=lambda f: f.item.arrival))
+        # The window takes everything recent (the gate replays it from the first interval on);
+        # the first interval counts only what arrived in it.
+        self.window.extend(new)
         kept = sorted((f for f in self.window if f.item.arrival >= since), key=_arrival)
         self.window = deque(kept)
+        if first:
+            new = [f for f in new if f.item.arrival >= now - interval_s]
         counts: dict[str, float] = {}
         met: dict[str, tuple[int, int]] = {}
         for f in new:

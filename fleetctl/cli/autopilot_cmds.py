@@ -110,7 +110,8 @@ def autopilot(
         dry_run,
         once,
         drain_timeout,
-        apply=options(inv, access, secrets_file),
+        # A dry run reaches no node: it needs no secrets.
+        apply=None if dry_run else options(inv, access, secrets_file),
     )
     stop = threading.Event()
     live = Live(inv, sdir, live_options, settings, calibration, stop)
