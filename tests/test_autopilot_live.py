@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -166,8 +169,10 @@ class Fleet:
             assert time.monotonic() < end, "the request log never held the requests"
             time.sleep(0.05)
 
-    def autopilot(self, audit: Path, *args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "fleetctl", "autopilot", str(self.inv), "--once"]
+    def autopilot(
+        self, audit: Path, *args: str, inv: Path | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "fleetctl", "autopilot", str(inv or self.inv), "--once"]
         cmd += ["--state-dir", str(self.sdir.root), "--router", self.router_url]
         cmd += ["--request-log", str(self.sdir.requests_path), "--audit-log", str(audit)]
         return subprocess.run(
@@ -205,8 +210,9 @@ def test_low_traffic_sleeps_a_server(fleet, tmp_path):
     run = fleet.autopilot(audit, "--interval", "2")
     assert run.returncode == 0, run.stderr
     state = fleet.sdir.load_state()
-    assert len(state.deployments) == 1 and len(state.asleep) == 1, run.stdout
-    assert not state.draining
+    said = run.stdout + run.stderr + (audit.read_text() if audit.exists() else "")
+    assert len(state.deployments) == 1 and len(state.asleep) == 1, said
+    assert not state.draining, said
     slept = state.asleep[0].deployment
     assert fleet.sleeping(slept.host) and not fleet.sleeping(state.deployments[0].host)
     [line] = _audit(audit)
@@ -275,6 +281,74 @@ def test_a_wake_refused_for_memory_is_that_change_s_fault(fleet, tmp_path):
         assert "wake llama-3-8b on box-2" in run.stdout and "fault" in run.stdout
     finally:
         squatter.stop()
+
+
+def _dcgm_from_ledger(ledger: Path, total: int) -> ThreadingHTTPServer:
+    """A dcgm-exporter stand-in on 127.0.0.2 whose GPU 0 has free what the emulators sharing
+    `ledger` leave of `total` bytes (its port: server_address[1])."""
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            held = 0
+            for path in ledger.glob("*.json"):
+                entry = json.loads(path.read_text())
+                try:
+                    os.kill(int(entry["pid"]), 0)
+                except OSError:
+                    continue
+                held += int(entry["bytes"])
+            free_mib = (total - held) // 2**20
+            body = f'DCGM_FI_DEV_FB_FREE{{gpu="0",device="nvidia0"}} {free_mib}\n'.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.2", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_a_wake_is_refused_before_it_is_tried_where_dcgm_shows_the_memory_taken(fleet, tmp_path):
+    """With a dcgm-exporter port in the inventory, the autopilot reads the node's free GPU
+    memory before a wake: taken by another process, the wake is not tried (a fault naming the
+    free and the needed GiB, not vLLM's out-of-memory answer); once it is free, it wakes."""
+    from fleetctl.model.catalog import load_catalog
+
+    fleet.reset(asleep=True)
+    total = load_catalog().gpu("RTX-4090").memory_bytes
+    dcgm = _dcgm_from_ledger(fleet.ledger, total)
+    inv = tmp_path / "inv-dcgm.yaml"
+    port = dcgm.server_address[1]
+    inv.write_text(INVENTORY.format(port=fleet.port) + f"router: {{dcgm_exporter_port: {port}}}\n")
+    squatter_port = free_port()
+    cmd = emulate_cmd(squatter_port, "RTX-4090", NAME, SOURCE, NAME, SCALE, "--host", "127.0.0.2")
+    cmd += ["--gpu-ledger", str(fleet.ledger), "--gpu-memory-utilization", "0.8"]
+    squatter = Proc("squatter-dcgm", cmd, fleet.tmp, own_group=False)
+    try:
+        wait_status_on(squatter, "127.0.0.2", squatter_port)
+        fleet.traffic(12)
+        audit = tmp_path / "audit.jsonl"
+        run = fleet.autopilot(audit, "--interval", "30", inv=inv)
+        assert run.returncode == 0, run.stderr
+        [result] = _audit(audit)[-1]["carried_out"]
+        assert result["kind"] == "wake" and result["result"] == "fault", result
+        assert "not woken: GPU 0 of box-2 has" in result["detail"], result
+        assert "CUDA out of memory" not in result["detail"]
+        assert fleet.sleeping("127.0.0.2")
+        squatter.stop()
+        fleet.traffic(12)
+        run = fleet.autopilot(audit, "--interval", "30", inv=inv)
+        assert run.returncode == 0, run.stderr
+        [result] = _audit(audit)[-1]["carried_out"]
+        assert (result["kind"], result["result"]) == ("wake", "done"), result
+        assert not fleet.sleeping("127.0.0.2")
+    finally:
+        squatter.stop()
+        dcgm.shutdown()
 
 
 def wait_status_on(proc: Proc, host: str, port: int) -> None:

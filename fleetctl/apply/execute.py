@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fleetctl.apply.node import NodeAgent, StartError, Supervisor, server_id
-from fleetctl.apply.sleepmode import SleepModeError, wake
+from fleetctl.apply.sleepmode import SleepModeError, check_room, wake, wake_bytes
 from fleetctl.apply.steps import Step, node_steps, sleepers_under
 from fleetctl.base.names import natural_key
 from fleetctl.base.text import plural
@@ -53,6 +53,10 @@ class ApplyOptions:
     health_timeout_s: float = 900.0
     stop_timeout_s: int = 30
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    # Where a wake's room is read before it is tried (apply/sleepmode.py check_room): the
+    # nodes' dcgm-exporter port, and each node's GPU memory in bytes.
+    dcgm_port: int | None = None
+    gpu_memory: dict[str, int] = field(default_factory=dict)
 
     @property
     def api_key(self) -> str | None:
@@ -386,6 +390,9 @@ def _sleepers(
     for s in fate.wake:
         d = s.deployment
         try:
+            memory = opts.gpu_memory.get(node)
+            if opts.dcgm_port is not None and memory is not None:
+                check_room(d, opts.dcgm_port, wake_bytes(d, memory))
             wake(d)
         except SleepModeError as e:
             left.append(s)

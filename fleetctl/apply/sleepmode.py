@@ -8,12 +8,19 @@ import json
 import urllib.error
 import urllib.request
 
+from fleetctl.base.names import http_url
+from fleetctl.daemon.dcgm import DCGM_FB_FREE, parse_dcgm
 from fleetctl.fleet import http
 from fleetctl.fleet.plan import Deployment
 
 TIMEOUT_S = 10.0
 # A wake reads the weights back (level 1 over PCIe, level 2 from disk): seconds to minutes.
 WAKE_TIMEOUT_S = 600.0
+MIB = 2**20
+GIB = 2**30
+# What a sleeping vLLM server keeps on each GPU (its CUDA context and allocator's slack): a
+# wake takes back its share of the GPU less this.
+ASLEEP_BYTES = GIB
 
 
 class SleepModeError(Exception):
@@ -82,3 +89,31 @@ def wake(d: Deployment) -> None:
         raise SleepModeError(f"POST /wake_up: {e}") from None
     if answer.get("status") == "sleeping" or is_sleeping(d):
         raise SleepModeError("POST /wake_up: the server still sleeps after it")
+
+
+def wake_bytes(d: Deployment, gpu_memory_bytes: int) -> int:
+    """What a wake of `d` takes on each of its GPUs: its share of the GPU, less what it kept
+    asleep."""
+    return max(0, int(d.server.gpu_memory_utilization * gpu_memory_bytes) - ASLEEP_BYTES)
+
+
+def check_room(d: Deployment, dcgm_port: int, need: int) -> str:
+    """Raise SleepModeError where the node's dcgm-exporter says one of `d`'s GPUs has less
+    than `need` bytes free (the wake would fail out of memory, and a failed wake can leave
+    the server half awake); "" where each has room, a note where the exporter cannot say."""
+    try:
+        reply = http.get(http_url(d.host, dcgm_port, "/metrics"), TIMEOUT_S)
+    except http.HttpError as e:
+        return f" (free GPU memory unchecked: dcgm-exporter: {e})"
+    free = parse_dcgm(reply.text, DCGM_FB_FREE) if reply.status == 200 else {}
+    if not all(g in free for g in d.gpu_indices):
+        return " (free GPU memory unchecked: dcgm-exporter lists no DCGM_FI_DEV_FB_FREE for it)"
+    for g in d.gpu_indices:
+        have = free[g] * MIB
+        if have < need:
+            raise SleepModeError(
+                f"not woken: GPU {g} of {d.node} has {have / GIB:.1f} GiB free and its wake "
+                f"needs {need / GIB:.1f} GiB (another process holds the memory; vLLM's wake "
+                "would fail out of memory)"
+            )
+    return ""

@@ -9,8 +9,10 @@ write lock, atomically) and route-serve's /metrics:
 - sleep: the server is marked draining in state.json (route-serve sends it nothing new), its
   requests in flight at route-serve are waited for (up to the drain timeout), it is put to
   sleep (`POST /sleep?level=N`) and moved from `deployments` to `asleep`;
-- wake: `GET /is_sleeping`, `POST /wake_up` (a wake that fails, out of memory among others,
-  is a fault and the server stays asleep), then back to `deployments`;
+- wake: `GET /is_sleeping`; where the inventory names a dcgm-exporter port, the node's free
+  memory on the server's GPUs (DCGM_FI_DEV_FB_FREE) against what the wake takes back; `POST
+  /wake_up` (a wake refused for memory, or one that fails, is a fault and the server stays
+  asleep), then back to `deployments`;
 - start and stop go through apply's code (apply/flow.py, over SSH, as `fleetctl apply` with a
   plan given): the nodes converge to what runs, less what leaves, plus what starts; a server
   in the way of a start is drained first, one that leaves once the arrivals are ready stops
@@ -268,6 +270,10 @@ class Live:
         d, name = c.deployment, server_name(c.deployment)
         note = ""
         if sleepmode.is_sleeping(d):
+            port = self.inv.spec.router.dcgm_exporter_port
+            gpu = next((n.gpu for n in self.inv.nodes if n.name == d.node), None)
+            if port is not None and gpu is not None:
+                note = sleepmode.check_room(d, port, sleepmode.wake_bytes(d, gpu.memory_bytes))
             sleepmode.wake(d)
         else:
             note = " (it was awake already)"
