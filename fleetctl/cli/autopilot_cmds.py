@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 import typer
 
+from fleetctl.cli import autopilot_options as ao
 from fleetctl.cli import common
 from fleetctl.cli.app import app
 from fleetctl.cli.options import (
@@ -28,55 +29,16 @@ from fleetctl.cli.options import (
 @app.command("autopilot")
 def autopilot(
     inventory: str = InventoryArg,
-    router: str = typer.Option(
-        ...,
-        "--router",
-        metavar="URL",
-        help="route-serve's base URL (http://host:port): the autopilot reads its /metrics to "
-        "drain a server before it sleeps.",
-        show_default=False,
-    ),
-    request_log: Path | None = typer.Option(
-        None,
-        "--request-log",
-        metavar="PATH",
-        help="route-serve's request log, its folder or one file (default: the state folder's "
-        "requests/).",
-    ),
-    interval: float = typer.Option(
-        60.0, "--interval", metavar="SECONDS", help="Seconds between decisions."
-    ),
-    dry_run: bool = typer.Option(
-        False, "--dry-run", help="Print what it would do and why; change nothing."
-    ),
-    audit_log: Path | None = typer.Option(
-        None,
-        "--audit-log",
-        metavar="FILE",
-        help="Where every decision is appended as a JSON line, 0600 (default: the state "
-        "folder's autopilot.jsonl).",
-    ),
-    once: bool = typer.Option(
-        False, "--once", help="Decide and carry out one interval, then exit."
-    ),
-    moves_per_hour: int = typer.Option(
-        30, "--moves-per-hour", metavar="N", help="Starts and wakes allowed in any hour."
-    ),
-    down_after: int = typer.Option(
-        5,
-        "--down-after",
-        metavar="N",
-        help="Intervals in a row a server must be unneeded before it sleeps or stops.",
-    ),
-    floor: int = typer.Option(
-        1, "--floor", metavar="N", help="Awake servers each model keeps, whatever its traffic."
-    ),
-    drain_timeout: float = typer.Option(
-        120.0,
-        "--drain-timeout",
-        metavar="SECONDS",
-        help="Longest wait for route-serve's requests in flight at a server before it sleeps.",
-    ),
+    router: str = ao.Router,
+    request_log: Path | None = ao.RequestLog,
+    interval: float = ao.Interval,
+    dry_run: bool = ao.DryRun,
+    audit_log: Path | None = ao.AuditLog,
+    once: bool = ao.Once,
+    moves_per_hour: int = ao.MovesPerHour,
+    down_after: int = ao.DownAfter,
+    floor: int = ao.Floor,
+    drain_timeout: float = ao.DrainTimeout,
     no_calibration_: bool = no_calibration(),
     secrets_file: Path | None = SecretsFileOpt,
     accept_new: bool = AcceptNewOpt,
