@@ -69,7 +69,15 @@ class Fleet:
         self.hosts, self.tmp = hosts, tmp
         self.inv = self.inventory()
 
-    def inventory(self, extra: str = "", max_context: int = 8192, util: float = 0.92) -> Path:
+    def inventory(
+        self,
+        extra: str = "",
+        max_context: int = 8192,
+        util: float = 0.92,
+        sleep: bool = False,
+        replicas: int | None = None,
+        workload: str = "",
+    ) -> Path:
         lines = [
             f"ssh: {{user: root, identity_file: {self.hosts.client_key}, connect_timeout_s: 30}}",
             "nodes:",
@@ -90,9 +98,10 @@ class Fleet:
             # At 0.92, four servers (two TP=1 on the A100 pair): the apply tests count on
             # them, and by goodput at its derived SLO the planner alone would make the pair
             # one TP=2 server, as it does at 0.45 (where the replacement tests want that).
-            f"    min_replicas: {4 if util > 0.5 else 1}",
+            f"    min_replicas: {replicas or (4 if util > 0.5 else 1)}",
+            *([f"    workload: {workload}"] if workload else []),
             "    env: {VLLM_LOGGING_LEVEL: INFO}",
-            f"planner: {{gpu_memory_utilization: {util}}}",
+            f"planner: {{gpu_memory_utilization: {util}, sleep_mode: {str(sleep).lower()}}}",
             # health_timeout_s only bounds a server that never becomes healthy (a healthy one
             # ends the wait at once): wide, for a loaded machine starting four at once.
             "apply: {health_timeout_s: 60, stop_timeout_s: 5, secrets: [HF_TOKEN]}",
@@ -791,3 +800,121 @@ def test_apply_times_each_start_up_and_keeps_it_in_the_calibration(cli, fleet):
     r = cli("plan", fleet.inv)
     assert "Disruption: 4 servers start" in r.out and "4 replacements stop the old" in r.out
     assert cli("destroy", *fleet.args(fleet.inv, "--yes")).code == 0
+
+
+# --- the autopilot's sleepers ------------------------------------------------------------------
+
+
+def _put_to_sleep(fleet: Fleet, node: str) -> int:
+    """Sleep `node`'s server as the autopilot does: `POST /sleep`, then state.json lists it
+    asleep. Its port."""
+    import dataclasses
+    import urllib.request
+
+    from fleetctl.fleet.state import Sleeper
+    from fleetctl.fleet.statedir import StateDir
+
+    sdir = StateDir(fleet.tmp / ".fleetctl")
+    state = sdir.load_state()
+    [d] = [d for d in state.deployments if d.node == node]
+    req = urllib.request.Request(fleet.url(node, d.port) + "/sleep?level=1", b"", method="POST")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.status == 200
+    awake = tuple(x for x in state.deployments if x is not d)
+    sdir.save_state(dataclasses.replace(state, deployments=awake, asleep=(Sleeper(d, 1),)))
+    return d.port
+
+
+def _sleeping(fleet: Fleet, node: str, port: int) -> bool:
+    status, body = get(fleet.url(node, port) + "/is_sleeping")
+    assert status == 200, body
+    return bool(json.loads(body)["is_sleeping"])
+
+
+def test_apply_wakes_a_sleeper_it_wants_and_stops_one_whose_gpus_it_gives_away(cli, fleet):
+    """A server the autopilot put to sleep is the plan's business too: a plan that wants it
+    wakes it (the same process, no cold start) and records it awake; a plan that gives its
+    GPUs to another server stops it first and drops it from state.json's sleepers."""
+    inv = fleet.inventory(sleep=True)
+    r = cli("apply", *fleet.args(inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    port = _put_to_sleep(fleet, "rtx-1")
+    pid = fleet.pid("rtx-1", port)
+
+    r = cli("apply", *fleet.args(inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    assert not _sleeping(fleet, "rtx-1", port)
+    assert fleet.pid("rtx-1", port) == pid  # woken, not started again
+    state = fleet.state()
+    assert len(state["deployments"]) == 4 and "asleep" not in state
+    assert ("rtx-1", "start") not in {(o["node"], o["action"]) for o in outcomes(r)}
+
+    port = _put_to_sleep(fleet, "rtx-1")
+    r = cli("apply", *fleet.args(fleet.inventory(max_context=4096, sleep=True), "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    stops = [o for o in outcomes(r) if o["node"] == "rtx-1" and o["action"] == "stop"]
+    assert stops and "asleep" in stops[0]["detail"], outcomes(r)
+    state = fleet.state()
+    assert len(state["deployments"]) == 4 and "asleep" not in state
+    assert fleet.pid("rtx-1", port) != pid
+    assert not _sleeping(fleet, "rtx-1", port)
+    cli("destroy", *fleet.args(inv, "--yes"))
+
+
+def test_the_autopilot_stops_and_starts_servers_through_apply(cli, fleet):
+    """Live, with servers started without sleep mode: a quiet interval stops the servers the
+    forecast does not need, through apply's code over SSH (state.json and the nodes agree),
+    and a busy one starts a bigger server cold, the small one stopping once it is healthy."""
+    from harness.procs import Proc, free_port
+    from harness.ready import http_request, wait_status
+
+    work = "{requests_per_s: 0.3, mean_prompt_tokens: 2000, mean_output_tokens: 1000}"
+    inv = fleet.inventory(replicas=1, workload=work)
+    r = cli("apply", *fleet.args(inv, "--yes", "--json"))
+    assert r.code == 0, r.out + r.err
+    assert len(fleet.state()["deployments"]) == 3  # the A100 pair as one server, each RTX
+    sdir = fleet.tmp / ".fleetctl"
+    port = free_port()
+    cmd = [PY, "-m", "fleetctl", "route-serve", str(inv), "--listen", f"127.0.0.1:{port}"]
+    router = Proc("route-serve", cmd, fleet.tmp, own_group=False)
+    try:
+        wait_status(port, "/health", router, 200)
+        audit = fleet.tmp / "audit.jsonl"
+
+        def autopilot() -> dict:
+            before = len(audit.read_text().splitlines()) if audit.exists() else 0
+            cmd = [PY, "-m", "fleetctl", "autopilot", str(inv), "--once", "--interval", "30"]
+            cmd += ["--router", f"http://127.0.0.1:{port}", "--down-after", "1"]
+            cmd += ["--audit-log", str(audit), "--known-hosts", str(fleet.hosts.known_hosts)]
+            run = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert run.returncode == 0, run.stdout + run.stderr
+            lines = audit.read_text().splitlines()
+            assert len(lines) == before + 1
+            return json.loads(lines[-1])
+
+        quiet = autopilot()
+        results = {(c["kind"], c["server"], c["result"]) for c in quiet["carried_out"]}
+        assert results == {("stop", "a100-1:8000", "done"), ("stop", "rtx-2:8000", "done")}, quiet
+        state = fleet.state()
+        assert [(d["node"], d["port"]) for d in state["deployments"]] == [("rtx-1", 8000)]
+        assert len(servers_running(fleet.hosts)) == 1
+
+        body = {"model": "llama-3-8b", "prompt": "hello there", "max_tokens": 4}
+        for _ in range(24):
+            assert http_request(port, "POST", "/v1/completions", body, None, 60)[0] == 200
+        logs = sdir / "requests"
+        wait_until(lambda: sum(len(p.read_text().splitlines()) for p in logs.glob("*.jsonl")) >= 24)
+        busy = autopilot()
+        kinds = [(c["kind"], c["result"]) for c in busy["carried_out"]]
+        assert ("start", "done") in kinds and ("stop", "done") in kinds, busy
+        state = fleet.state()
+        assert [(d["node"], d["gpu_indices"]) for d in state["deployments"]] == [("a100-1", [0])]
+        assert len(servers_running(fleet.hosts)) == 1
+    finally:
+        router.stop()
+        cli("destroy", *fleet.args(inv, "--yes"))

@@ -8,8 +8,9 @@ import subprocess
 import pytest
 
 from fleetctl.apply.node import Live, env_file, manifest, parse_inspect, server_id
-from fleetctl.apply.steps import Step, _util, node_steps
+from fleetctl.apply.steps import Step, _util, node_steps, sleepers_under
 from fleetctl.fleet.plan import Deployment, Server
+from fleetctl.fleet.state import Sleeper, State
 
 
 def server(max_len: int = 8192, util: float = 0.92, tp: int = 1) -> Server:
@@ -399,3 +400,45 @@ def test_the_router_reaches_an_ipv6_node_in_brackets(tmp_path):
     StateDir(tmp_path).save_state(State(1, plan_fleet(inv).deployments))
     [b] = backends_from_state(inv, StateDir(tmp_path))
     assert b.name.startswith("http://[fd00::11]:"), b.name  # a backend is named by its URL
+
+
+def test_sleepers_stay_where_the_plan_leaves_their_gpus_be():
+    awake, other = dep((0,)), dep((1,))
+    asleep = Sleeper(dataclasses.replace(dep((0,), max_len=4096), port=8100))
+    fate = sleepers_under([awake, other], [awake, other], [asleep])
+    assert fate.keep == (asleep,) and not fate.wake and not fate.stop
+
+
+def test_a_sleeper_the_plan_wants_is_woken_unless_a_leaving_server_holds_its_gpus():
+    awake = dep((0,))
+    sleeper = Sleeper(dataclasses.replace(dep((0,), max_len=4096), port=8100))
+    fate = sleepers_under([sleeper.deployment], [], [sleeper])
+    assert fate.wake == (sleeper,)
+    # What runs on its GPUs leaves: that one stops first, so this one starts cold after it.
+    fate = sleepers_under([sleeper.deployment], [awake], [sleeper])
+    assert fate.stop == (sleeper,) and not fate.wake
+
+
+def test_a_sleeper_whose_gpus_go_to_another_server_is_stopped():
+    sleeper = Sleeper(dep((0,)))
+    new = dep((0, 1))
+    fate = sleepers_under([new], [], [sleeper])
+    assert fate.stop == (sleeper,)
+
+
+def test_the_state_book_keeps_sleepers_and_drains_through_a_node_rewrite(tmp_path):
+    from fleetctl.apply.execute import StateBook
+    from fleetctl.fleet.state import server_name
+    from fleetctl.fleet.statedir import StateDir
+
+    awake, kept = dep((0,)), dep((1,))
+    sleeper = Sleeper(dataclasses.replace(dep((0,), max_len=4096), port=8100))
+    sdir = StateDir(tmp_path)
+    state = State(1, (awake, kept), asleep=(sleeper,), draining=frozenset({server_name(awake)}))
+    book = StateBook(sdir, state)
+    book.set_node("n1", [kept])
+    saved = sdir.load_state()
+    assert saved.asleep == (sleeper,)
+    assert saved.draining == frozenset()  # the drained server is gone: so is its mark
+    book.set_asleep("n1", [])
+    assert sdir.load_state().asleep == ()

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from fleetctl.apply.adapters import Upload, read_uploads, uploads_for
 from fleetctl.apply.node import NodeAgent, StartError, Supervisor, server_id
-from fleetctl.apply.steps import Step, node_steps
+from fleetctl.apply.sleepmode import SleepModeError, check_room, wake, wake_bytes
+from fleetctl.apply.steps import Step, node_steps, sleepers_under
 from fleetctl.base.names import natural_key
 from fleetctl.base.text import plural
 from fleetctl.fleet import http
@@ -29,7 +30,7 @@ from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.fleet.probe import target
 from fleetctl.fleet.ssh import NodeError, SshOptions, SshSession, Target
-from fleetctl.fleet.state import State
+from fleetctl.fleet.state import Sleeper, State, server_name
 from fleetctl.fleet.statedir import StateDir
 
 Emit = Callable[[str, str], None]  # (node, message): progress for the operator
@@ -53,6 +54,10 @@ class ApplyOptions:
     health_timeout_s: float = 900.0
     stop_timeout_s: int = 30
     secrets: dict[str, str] = field(default_factory=dict, repr=False)
+    # Where a wake's room is read before it is tried (apply/sleepmode.py check_room): the
+    # nodes' dcgm-exporter port, and each node's GPU memory in bytes.
+    dcgm_port: int | None = None
+    gpu_memory: dict[str, int] = field(default_factory=dict)
 
     @property
     def api_key(self) -> str | None:
@@ -95,11 +100,29 @@ class StateBook:
         self.by_node: dict[str, list[Deployment]] = {}
         for d in state.deployments:
             self.by_node.setdefault(d.node, []).append(d)
+        # The autopilot's sleepers and the servers it drains: kept through an apply where the
+        # plan leaves them be (apply/steps.py `sleepers_under`).
+        self.asleep: dict[str, list[Sleeper]] = {}
+        for s in state.asleep:
+            self.asleep.setdefault(s.deployment.node, []).append(s)
+        self.draining = state.draining
         self._lock = threading.Lock()
 
     def recorded(self, node: str) -> list[Deployment]:
         with self._lock:
             return list(self.by_node.get(node, ()))
+
+    def sleeping(self, node: str) -> list[Sleeper]:
+        with self._lock:
+            return list(self.asleep.get(node, ()))
+
+    def set_asleep(self, node: str, sleepers: Iterable[Sleeper]) -> None:
+        with self._lock:
+            self.asleep[node] = list(sleepers)
+            if not self.asleep[node]:
+                del self.asleep[node]
+            self.serial += 1
+            self.state_dir.save_state(self.state())
 
     def set_node(self, node: str, deployments: Iterable[Deployment]) -> None:
         with self._lock:
@@ -121,7 +144,10 @@ class StateBook:
 
     def state(self) -> State:
         nodes = sorted(self.by_node, key=natural_key)
-        return State(self.serial, tuple(d for n in nodes for d in self.by_node[n]), self.slo)
+        awake = tuple(d for n in nodes for d in self.by_node[n])
+        asleep = tuple(s for n in sorted(self.asleep, key=natural_key) for s in self.asleep[n])
+        names = {server_name(d) for d in awake}
+        return State(self.serial, awake, self.slo, asleep, self.draining & names)
 
 
 def _now() -> str:
@@ -252,9 +278,11 @@ def _converge(
     files: Mapping[int, list[Upload]] | None = None,
 ) -> list[Outcome]:
     recorded = book.recorded(node)
-    live = agent.inspect()
-    steps = node_steps(node, want, live, recorded, port_base)
     outcomes: list[Outcome] = []
+    want, asleep = _sleepers(node, agent, want, book, opts, emit, outcomes)
+    # A sleeper's process is not the plan's to stop: it holds its port and its host memory.
+    live = [s for s in agent.inspect() if s.args_hash not in asleep]
+    steps = node_steps(node, want, live, recorded, port_base)
     running: dict[str, Deployment] = {}  # server folder -> what runs there at the end
     recorded_by_sid = {server_id(d): d for d in recorded}
 
@@ -352,6 +380,51 @@ def _copy(node: str, agent: NodeAgent, uploads: list[Upload], done: set[str], em
         done.add(u.name)
 
 
+def _sleepers(
+    node: str,
+    agent: NodeAgent,
+    want: list[Deployment],
+    book: StateBook,
+    opts: ApplyOptions,
+    emit: Emit,
+    outcomes: list[Outcome],
+) -> tuple[list[Deployment], set[str]]:
+    """The node's sleepers under the plan: those whose GPUs it gives to another server stop,
+    those it wants awake are woken (a failed wake keeps one asleep and out of this apply),
+    the rest stay asleep. What the plan still wants started, and the args hashes of the
+    servers that stay asleep."""
+    sleepers = book.sleeping(node)
+    if not sleepers:
+        return want, set()
+    fate = sleepers_under(want, book.recorded(node), sleepers)
+    left = list(fate.keep)
+    if fate.stop:
+        sids = [server_id(s.deployment) for s in fate.stop]
+        emit(node, f"stopping {', '.join(sids)} (asleep; the plan gives its GPUs to another)")
+        agent.stop(sids, opts.stop_timeout_s)
+        for s in fate.stop:
+            d = s.deployment
+            why = "asleep; the plan gives its GPUs to another server"
+            outcomes.append(Outcome(node, "stop", "ok", d.model, d.gpu_indices, d.port, why))
+    for s in fate.wake:
+        d = s.deployment
+        try:
+            memory = opts.gpu_memory.get(node)
+            if opts.dcgm_port is not None and memory is not None:
+                check_room(d, opts.dcgm_port, wake_bytes(d, memory))
+            wake(d)
+        except SleepModeError as e:
+            left.append(s)
+            want = [w for w in want if w.args_hash != d.args_hash]
+            why = f"asleep, and its wake failed: {e}"
+            outcomes.append(Outcome(node, "wake", "failed", d.model, d.gpu_indices, d.port, why))
+            continue
+        emit(node, f"woke {d.model} on port {d.port}")
+    if len(left) != len(sleepers):
+        book.set_asleep(node, left)
+    return want, {s.deployment.args_hash for s in left}
+
+
 def _wait(
     node: str,
     agent: NodeAgent,
@@ -431,8 +504,10 @@ def destroy_fleet(
     started: Started = _nothing,
     done: Done = _nothing,
 ) -> list[Outcome]:
-    """Stop every server fleetctl started on the inventory's nodes and those state names."""
+    """Stop every server fleetctl started on the inventory's nodes and those state names,
+    asleep ones too."""
     recorded = [d for n in list(book.by_node) for d in book.recorded(n)]
+    recorded += [s.deployment for n in list(book.asleep) for s in book.sleeping(n)]
     targets = node_targets(inv, recorded)
 
     def one(name: str) -> list[Outcome]:
@@ -449,6 +524,8 @@ def destroy_fleet(
         if left:
             return [Outcome(name, "destroy", "failed", detail=f"still there: {left[0].sid}")]
         book.set_node(name, [])
+        if book.sleeping(name):
+            book.set_asleep(name, [])
         return [Outcome(name, "destroy", "ok", detail=f"stopped {plural(len(sids), 'server')}")]
 
     return _each_node(sorted(targets, key=natural_key), opts.parallel, one, started, done)

@@ -61,6 +61,8 @@ def options(
         health_timeout_s=a.health_timeout_s,
         stop_timeout_s=a.stop_timeout_s,
         secrets=load_secrets(names, secrets_file),
+        dcgm_port=inv.spec.router.dcgm_exporter_port,
+        gpu_memory={n.name: n.gpu.memory_bytes for n in inv.nodes},
     )
 
 

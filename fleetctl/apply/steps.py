@@ -21,6 +21,7 @@ from typing import Literal
 from fleetctl.apply.node import Live
 from fleetctl.base.limits import SURGE_PORT_OFFSET
 from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.state import Sleeper
 
 StepKind = Literal["keep", "adopt", "start", "restart", "replace", "stop"]
 
@@ -137,3 +138,43 @@ def node_steps(
             why = "not in the plan" if s.alive else "not in the plan (was not running)"
             steps.append(Step("stop", node, None, (s.sid,), False, why))
     return steps
+
+
+@dataclass(frozen=True)
+class SleeperFate:
+    """What a plan means for a node's sleeping servers (vLLM's sleep mode, put to sleep by the
+    autopilot): `keep` asleep where the plan leaves their GPUs to what runs there; `wake` the
+    ones the plan wants awake on GPUs nothing else keeps; `stop` the rest, whose GPUs the plan
+    gives to another server (a server the plan wants cold starts again after the stop)."""
+
+    keep: tuple[Sleeper, ...] = ()
+    wake: tuple[Sleeper, ...] = ()
+    stop: tuple[Sleeper, ...] = ()
+
+
+def sleepers_under(
+    want: Sequence[Deployment], awake: Sequence[Deployment], asleep: Sequence[Sleeper]
+) -> SleeperFate:
+    """The fate of a node's sleepers `asleep` under a plan that wants `want` there, where
+    `awake` runs now."""
+    wanted = {w.args_hash for w in want}
+    staying = {d.args_hash for d in awake} & wanted
+    leaving = [d for d in awake if d.args_hash not in wanted]
+    keep: list[Sleeper] = []
+    wake: list[Sleeper] = []
+    stop: list[Sleeper] = []
+    for s in asleep:
+        d = s.deployment
+        if d.args_hash in wanted:
+            # Woken beside a server that is still on its GPUs, it would not fit: that one
+            # stops first, and this one starts cold after it.
+            (stop if any(_overlap(d, a) for a in leaving) else wake).append(s)
+        elif any(_overlap(d, w) and w.args_hash not in staying for w in want):
+            stop.append(s)  # a new server takes its GPUs
+        else:
+            keep.append(s)
+    return SleeperFate(tuple(keep), tuple(wake), tuple(stop))
+
+
+def _overlap(a: Deployment, b: Deployment) -> bool:
+    return a.node == b.node and bool(set(a.gpu_indices) & set(b.gpu_indices))

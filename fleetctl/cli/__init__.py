@@ -8,6 +8,7 @@ import fleetctl.cli.calibrate_cmds
 import fleetctl.cli.router_cmds
 import fleetctl.cli.fleet_cmds
 import fleetctl.cli.apply_cmds
+import fleetctl.cli.autopilot_cmds
 import fleetctl.cli.traces_cmds
 import fleetctl.cli.misc_cmds  # noqa: F401
 

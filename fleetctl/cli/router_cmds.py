@@ -39,6 +39,7 @@ def route_serve(
     max_sessions: int = ro.MaxSessions,
     kv_events: bool | None = ro.KvEvents,
     no_request_log: bool = ro.NoRequestLog,
+    autopilot_log: Path | None = ro.AutopilotLog,
     workers: int = ro.Workers,
     drain_timeout: float = ro.DrainTimeout,
     state_dir: Path | None = StateDirOpt,
@@ -71,6 +72,7 @@ def route_serve(
         use_kv_events=kv_events,
         request_log=False if no_request_log else None,
         max_sessions=max_sessions,
+        autopilot_log=autopilot_log,
     )
 
     def reload():  # type: ignore[no-untyped-def]

@@ -91,6 +91,13 @@ NoRequestLog: bool = typer.Option(
     help="Keep no log of finished requests in the state folder's requests/ (default: "
     "the inventory's router.request_log.enabled).",
 )
+AutopilotLog: Path | None = typer.Option(
+    None,
+    "--autopilot-log",
+    metavar="FILE",
+    help="The autopilot's audit log (`fleetctl autopilot --audit-log`): /metrics shows its "
+    "decisions, actions and forecasts (fleetctl_autopilot_*).",
+)
 Workers: int = typer.Option(
     1,
     "--workers",

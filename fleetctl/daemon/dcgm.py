@@ -4,14 +4,20 @@
 from __future__ import annotations
 
 DCGM_MEM_COPY = "DCGM_FI_DEV_MEM_COPY_UTIL{"
+DCGM_FB_FREE = "DCGM_FI_DEV_FB_FREE{"  # MiB of the GPU's memory free
 
 
 def parse_dcgm_mem_copy(text: str) -> dict[int, float]:
     """Per GPU index, DCGM's memory-copy utilization in percent (the share of the sample
     period the device memory was being read or written), from a dcgm-exporter page. Lines
     without a `gpu` label (MIG-only views, other families) are skipped."""
+    return parse_dcgm(text, DCGM_MEM_COPY)
+
+
+def parse_dcgm(text: str, family: str) -> dict[int, float]:
+    """Per GPU index, the value of a dcgm-exporter family (`family` with its opening brace)."""
     out: dict[int, float] = {}
-    at = text.find(DCGM_MEM_COPY)
+    at = text.find(family)
     while at >= 0:
         end = text.find("\n", at)
         line = text[at : end if end >= 0 else len(text)]
@@ -22,7 +28,7 @@ def parse_dcgm_mem_copy(text: str) -> dict[int, float]:
             value = None
         if gpu is not None and value is not None:
             out[gpu] = value
-        at = text.find(DCGM_MEM_COPY, at + len(DCGM_MEM_COPY))
+        at = text.find(family, at + len(family))
     return out
 
 

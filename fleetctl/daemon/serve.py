@@ -22,6 +22,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from fleetctl.base import names
 from fleetctl.base.errors import FleetError, Location, UserError
+from fleetctl.daemon.autopilot_log import AutopilotLog
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
 from fleetctl.daemon.intake import JsonErrorRunner
 from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
@@ -133,6 +134,7 @@ def build_router(
     use_kv_events: bool | None = None,
     request_log: bool | None = None,
     max_sessions: int = SESSIONS_MAX,
+    autopilot_log: Path | None = None,
 ) -> Router:
     """The daemon for an inventory. `prefix_capacity` bounds the prefix index (blocks over
     all backends, least recently used first out; 0: no index) that Router gives a policy
@@ -143,7 +145,8 @@ def build_router(
     the flags `fleetctl apply` started each server with (kv_sources). `request_log` (None: the
     inventory's router.request_log.enabled) keeps the log of finished requests in the state
     folder's requests/ (daemon/request_log.py). `max_sessions` bounds the session pins held in
-    memory (least recently used first out)."""
+    memory (least recently used first out). `autopilot_log`: the autopilot's audit log, whose
+    decisions /metrics shows (daemon/autopilot_log.py)."""
     if policy not in policy_names():
         raise UserError(
             f"unknown policy '{policy}'", None, f"choose from {', '.join(policy_names())}"
@@ -199,7 +202,7 @@ def build_router(
         for v in m.variants
         if Path(v.source).expanduser().exists()
     }
-    return Router(
+    router = Router(
         backends,
         sched,
         config,
@@ -213,6 +216,9 @@ def build_router(
         kv_events=kv_events,
         request_log=open_request_log(inv, state_dir, request_log),
     )
+    if autopilot_log is not None:
+        router.metrics.sources.append(AutopilotLog(autopilot_log).render)
+    return router
 
 
 def slo_origin(slo: Slo) -> str:

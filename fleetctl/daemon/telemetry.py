@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fleetctl.fleet.slo import Slo
@@ -87,6 +87,8 @@ class RouterMetrics:
     """Everything /metrics shows. Label values never include headers, keys or prompts."""
 
     def __init__(self) -> None:
+        # More series rendered after the router's own (daemon/autopilot_log.py).
+        self.sources: list[Callable[[], list[str]]] = []
         self.requests = Counter(
             "fleetctl_requests_total",
             "Requests by model, node class, policy reason and HTTP status.",
@@ -302,4 +304,6 @@ class RouterMetrics:
                 self.store_local,
             ):
                 lines.extend(m.render())
+        for source in self.sources:
+            lines.extend(source())
         return "\n".join(lines) + "\n"

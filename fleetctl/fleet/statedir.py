@@ -89,6 +89,11 @@ class StateDir:
         """route-serve's request log: a folder (fleetctl/daemon/request_log.py)."""
         return self.root / "requests"
 
+    @property
+    def autopilot_log_path(self) -> Path:
+        """The autopilot's audit log: one JSON line per decision (fleetctl/autopilot/live.py)."""
+        return self.root / "autopilot.jsonl"
+
     # --- state: what apply recorded ---------------------------------------------------------
 
     def load_state(self) -> State:

@@ -19,7 +19,7 @@ from fleetctl.model.calibration import Calibration
 from fleetctl.routing.scheduler import Aging
 from fleetctl.sim.compare import Comparison, compare
 from fleetctl.sim.fleet import SimResult, servers_from_plan
-from fleetctl.sim.workload import WorkItem, _row, trace_files
+from fleetctl.sim.workload import WorkItem, trace_files, trace_row
 
 MINUTE_S = 60.0
 
@@ -57,7 +57,7 @@ def trace_by_model(
                             f"add it to the inventory, or cut its rows (it serves "
                             f"{', '.join(sorted(known))})",
                         )
-                    item = _row(row, named)
+                    item = trace_row(row, named)
                 except (ValueError, KeyError, TypeError, AttributeError):
                     raise UserError(
                         f"bad trace row {line.strip()[:80]!r}",

@@ -129,7 +129,7 @@ def _read_jsonl(
             continue
         try:
             row = json.loads(line)
-            item = _row(row, model)
+            item = trace_row(row, model)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise UserError(
                 f"bad trace row {line.strip()[:80]!r}",
@@ -146,7 +146,7 @@ def _read_jsonl(
     return items
 
 
-def _row(row: dict[str, object], model: str) -> WorkItem | None:
+def trace_row(row: dict[str, object], model: str) -> WorkItem | None:
     """One JSONL row as a request of `model`; None for a row of another model."""
     named = row.get("model")
     if named is not None and named != model:
