@@ -147,3 +147,43 @@ def forecast_of(count: float):
     from fleetctl.autopilot.forecast import Forecast
 
     return Forecast(count, count, "test")
+
+
+def test_the_hours_budget_grows_with_the_fleet(inv):
+    """Unset, the budget is two moves per GPU group the fleet starts with, at least 30: one
+    swing of a fleet of many one-GPU servers must not spend the hour (a 59-server fleet
+    spent 30 moves on one rise of a burst and missed the next)."""
+    from fleetctl.autopilot.decide import MIN_MOVES, MOVES_PER_GROUP
+
+    pilot = _pilot(inv)
+    groups = len({r.deployment.key for r in pilot.residents})
+    assert pilot.budget == max(MIN_MOVES, MOVES_PER_GROUP * groups)
+    many = [Resident(dataclasses.replace(pilot.awake()[0], gpu_indices=(i,))) for i in range(40)]
+    assert Autopilot(inv, COSTS, Settings(gate=False), many).budget == 80
+    assert Autopilot(inv, COSTS, Settings(gate=False, moves_per_hour=7), many).budget == 7
+
+
+def test_a_model_keeps_a_server_another_wants_until_its_own_arrivals_serve(inv):
+    """Make before break: a change set that frees the 8B's only awake servers for another
+    model's arrival, while the 8B's forecast needs them, keeps them (and the arrival waits);
+    the hold says why."""
+    from fleetctl.autopilot.changes import Change
+    from fleetctl.autopilot.forecast import Forecast
+
+    pilot = _pilot(inv)
+    eights = [d for d in pilot.awake() if d.model == "llama-3-8b"]
+    other = next(d for d in pilot.awake() if d.model != "llama-3-8b")
+    arrival = dataclasses.replace(other, gpu_indices=eights[0].gpu_indices, node=eights[0].node)
+    steps = [
+        *(Change("stop", d, 0.0, why="test") for d in eights),
+        Change("start", arrival, 90.0, why="test"),
+    ]
+    need = sum(d.capacity_rps for d in eights) * 60  # per interval: all of them
+    forecasts = {"llama-3-8b": Forecast(need, need, "test")}
+    kept, held = pilot._covered(steps, forecasts)
+    assert not any(c.deployment is eights[0] for c in kept)
+    assert not any(c.kind == "start" for c in kept)
+    assert held and "cannot carry its forecast" in held[0]
+    # With no traffic to carry, the same set goes ahead.
+    quiet = {"llama-3-8b": Forecast(0.0, 0.0, "test")}
+    assert pilot._covered(steps, quiet) == (steps, [])

@@ -42,6 +42,8 @@ HEADROOM_DECAY = 0.98
 MAX_HEADROOM = 4.0
 # Each model's recent requests its plan takes the lengths and burstiness from: enough for a
 # p99 and for burstiness's windows of 100 requests, recent enough to follow a change of mix.
+MOVES_PER_GROUP = 2
+MIN_MOVES = 30
 SHAPE_WINDOW = 2000
 MIN_SHAPE = 100
 
@@ -52,7 +54,10 @@ class Settings:
 
     interval_s: float = 60.0
     down_after: int = 5  # intervals a model must not need a server before it leaves
-    moves_per_hour: int = 30  # starts and wakes
+    # Starts and wakes in any hour; None: MOVES_PER_GROUP per GPU group the fleet starts
+    # with, at least MIN_MOVES (one swing of a fleet of one-GPU servers must not spend an
+    # hour's budget).
+    moves_per_hour: int | None = None
     floor: int = 1  # awake servers each model keeps, whatever its traffic
     gate: bool = True  # replay the recent traffic on the new fleet before moving
     # Every this many intervals the plan is checked by the simulator on the recent traffic
@@ -110,6 +115,7 @@ class Autopilot:
         self.inv, self.costs, self.settings = inv, costs, settings
         self.calibration = calibration
         self.residents = list(residents)
+        self.groups = len({r.deployment.key for r in self.residents})
         self.history: dict[str, list[float]] = {m.name: [] for m in inv.models}
         self.unneeded: dict[int, int] = {}  # id of an awake deployment -> intervals unneeded
         self.moves: deque[float] = deque()  # times of recent starts and wakes
@@ -159,6 +165,12 @@ class Autopilot:
             else:
                 h = max(1.0, h * HEADROOM_DECAY)
             self.headroom[name] = h
+
+    @property
+    def budget(self) -> int:
+        """Starts and wakes allowed in any hour."""
+        n = self.settings.moves_per_hour
+        return n if n is not None else max(MIN_MOVES, MOVES_PER_GROUP * self.groups)
 
     def awake(self) -> list[Deployment]:
         return [r.deployment for r in self.residents if r.awake]
@@ -386,7 +398,7 @@ class Autopilot:
         with the servers that would leave their GPUs for them."""
         while self.moves and self.moves[0] <= now - 3600:
             self.moves.popleft()
-        room = self.settings.moves_per_hour - len(self.moves)
+        room = self.budget - len(self.moves)
         ups = [c for c in steps if c.kind in ("start", "wake")]
         if len(ups) <= room:
             return steps, []
@@ -403,9 +415,7 @@ class Autopilot:
             if any(overlaps(c.deployment, u.deployment) for u in dropped):
                 continue
             out.append(c)
-        return out, [
-            f"{len(dropped)} move(s) wait for the hour's budget of {self.settings.moves_per_hour}"
-        ]
+        return out, [f"{len(dropped)} move(s) wait for the hour's budget of {self.budget}"]
 
     def _gate(
         self,

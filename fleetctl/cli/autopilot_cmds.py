@@ -35,7 +35,7 @@ def autopilot(
     dry_run: bool = ao.DryRun,
     audit_log: Path | None = ao.AuditLog,
     once: bool = ao.Once,
-    moves_per_hour: int = ao.MovesPerHour,
+    moves_per_hour: int | None = ao.MovesPerHour,
     down_after: int = ao.DownAfter,
     floor: int = ao.Floor,
     drain_timeout: float = ao.DrainTimeout,
@@ -87,7 +87,7 @@ def autopilot(
 def _check(
     router: str,
     interval: float,
-    moves_per_hour: int,
+    moves_per_hour: int | None,
     down_after: int,
     floor: int,
     drain_timeout: float,
@@ -109,7 +109,7 @@ def _check(
         raise UserError(f"--router {router!r} has no port", Location("--router"), "add :PORT")
     checks = [
         ("--interval", interval > 0, "a number of seconds above 0"),
-        ("--moves-per-hour", moves_per_hour >= 0, "0 or more"),
+        ("--moves-per-hour", moves_per_hour is None or moves_per_hour >= 0, "0 or more"),
         ("--down-after", down_after >= 1, "1 or more intervals"),
         ("--floor", floor >= 0, "0 or more servers"),
         ("--drain-timeout", drain_timeout >= 0, "0 or more seconds"),

@@ -35,8 +35,12 @@ AuditLog: Path | None = typer.Option(
     "folder's autopilot.jsonl).",
 )
 Once: bool = typer.Option(False, "--once", help="Decide and carry out one interval, then exit.")
-MovesPerHour: int = typer.Option(
-    30, "--moves-per-hour", metavar="N", help="Starts and wakes allowed in any hour."
+MovesPerHour: int | None = typer.Option(
+    None,
+    "--moves-per-hour",
+    metavar="N",
+    help="Starts and wakes allowed in any hour (default: two per GPU group of the fleet, "
+    "at least 30).",
 )
 DownAfter: int = typer.Option(
     5,
