@@ -82,15 +82,16 @@ def _sleep(emu: Emulator, level: int = 1) -> None:
     assert status == 200, body
 
 
-def test_a_sleeper_gets_nothing_while_an_awake_server_is_there(sleepy, tmp_path):
+@pytest.mark.parametrize("policy", ["round-robin", "hardware-aware"])
+def test_a_sleeper_gets_nothing_while_an_awake_server_is_there(sleepy, tmp_path, policy):
     """state.json lists one server awake and one asleep: every request goes to the awake
-    one, and the sleeper sees none (its arrival counter stays 0)."""
+    one, and the sleeper sees none (its arrival counter stays 0), whatever the policy."""
     awake, asleep = sleepy
     inv, (one, two) = _fleet(tmp_path, sleepy)
     _sleep(asleep)
     sdir = StateDir(tmp_path / ".fleetctl")
     sdir.save_state(State(1, (one,), asleep=(Sleeper(two, 1),)))
-    r = _start(inv, sdir.root, tmp_path / "router.log")
+    r = _start(inv, sdir.root, tmp_path / "router.log", "--policy", policy)
     try:
         assert _state(r, asleep) == "asleep" and _state(r, awake) == "awake"
         for _ in range(10):
@@ -169,12 +170,13 @@ def test_a_server_put_to_sleep_by_hand_gets_nothing_after_the_next_scrape(sleepy
 
 def test_a_draining_server_finishes_its_stream_and_gets_nothing_new(sleepy, tmp_path):
     """A stream runs on one server; state.json then lists that server as draining: the
-    requests that follow go to the other, and the stream ends whole."""
+    requests that follow go to the other (round-robin would alternate), and the stream ends
+    whole."""
     a, b = sleepy
     inv, (da, db) = _fleet(tmp_path, sleepy)
     sdir = StateDir(tmp_path / ".fleetctl")
     sdir.save_state(State(1, (da, db), draining=frozenset({server_name(da)})))
-    r = _start(inv, sdir.root, tmp_path / "router.log")
+    r = _start(inv, sdir.root, tmp_path / "router.log", "--policy", "round-robin")
     try:
         assert _state(r, a) == "draining"
         answer: list[tuple[int, bytes]] = []
