@@ -148,7 +148,10 @@ class Policy:
         found = [b for b in backends if b.model == req.model and b.healthy and can_serve(b)]
         if not found:
             if any(b.model == req.model and b.healthy for b in backends):
-                return Pool(), f"no {req.model} server is awake or can wake (draining or asleep)"
+                return Pool(), (
+                    f"no awake server serves {req.model}, and none can wake (draining, or "
+                    f"asleep without sleep mode)"
+                )
             return Pool(), f"no healthy backend serves {req.model}"
         need = req.context_needed
         fits = [b for b in found if not b.max_model_len or b.max_model_len >= need]
