@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 
+from fleetctl.daemon.router import keep_state
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import HardwareAware, Pool, RoutingConfig
 from fleetctl.routing.registry import REGISTRY, make_policy
-from fleetctl.routing.scheduler import Scheduler
+from fleetctl.routing.scheduler import Scheduler, all_down
+from fleetctl.routing.sessions import Pin, SessionTable
 from fleetctl.routing.types import ASLEEP, AWAKE, DRAINING, STARTING, WAKING, Backend
 from tests.test_policy_units import PERF, be, rq
 
@@ -116,3 +118,41 @@ def test_the_scheduler_holds_a_request_for_the_wake_it_asks_once():
     assert len(sent) == 3 and all(d.decision.backend is b for d in sent)
     assert "after:wake" in sent[0].decision.notes
     assert "after:waking" in sent[1].decision.notes
+
+
+def test_a_model_with_only_draining_or_unwakeable_servers_is_down_not_a_bad_request():
+    """Nothing of it can serve, through no fault of the request's: a 503, not a 400."""
+    asleep, draining = _fleet(a=ASLEEP, d=DRAINING)
+    asleep.wakeable = False
+    assert all_down(rq(), [asleep, draining])
+    asleep.wakeable = True
+    assert not all_down(rq(), [asleep, draining])
+
+
+def test_a_sessions_sleeping_class_does_not_wake_while_another_class_is_awake():
+    """A session pinned to a class whose servers all sleep goes on an awake class rather
+    than waking one; with no class awake, its own class is woken."""
+    sessions = SessionTable()
+    policy = HardwareAware(sessions=sessions)
+    pinned = be("p", gpu="B")
+    pinned.state, pinned.wakeable = ASLEEP, True
+    other = be("o", gpu="A")
+    sessions.set("s", Pin(pinned.node_class, pinned.node))
+    pool, _ = policy.eligible(rq(session="s"), [pinned, other])
+    pool.now = 0.0
+    assert policy.choose(rq(session="s"), pool).backend is other
+    other.state = DRAINING
+    pool, _ = policy.eligible(rq(session="s"), [pinned, other])
+    assert _names(pool) == {"p"}
+
+
+def test_a_reload_keeps_what_the_router_knows_better_than_the_file():
+    """A wake the router asked is still under way, and a server a scrape found asleep stays
+    asleep until a scrape finds it awake; a file's draining always wins."""
+    fresh = _fleet(x=AWAKE, y=ASLEEP, z=AWAKE, d=DRAINING)
+    old = _fleet(x=ASLEEP, y=WAKING, z=AWAKE, d=WAKING)
+    old[1].ready_at = 42.0
+    for b, o in zip(fresh, old, strict=True):
+        keep_state(b, o)
+    assert [b.state for b in fresh] == [ASLEEP, WAKING, AWAKE, DRAINING]
+    assert fresh[1].ready_at == 42.0

@@ -316,8 +316,11 @@ class HardwareAware(Policy):
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         self._now = backends.now if isinstance(backends, Pool) else None
-        p = self._filter(req, backends)
+        # Warm-ups first: a session's class or a preferred format found only on sleepers
+        # must not wake one while an awake server meets the objective.
+        p = self._placement(req, backends)
         self._awake_first(p)
+        self._filter(p)
         self._score(p)
         return self._pick(p)
 
@@ -334,13 +337,11 @@ class HardwareAware(Policy):
         else:
             p.notes.append("awake:miss")
 
-    def _filter(self, req: Request, backends: Sequence[Backend]) -> Placement:
-        """The backends this request prefers among those it may go to: the hinted format
-        (not strict: when one runs it), the session's class (while one of it is left)."""
+    def _placement(self, req: Request, backends: Sequence[Backend]) -> Placement:
         exclusive = isinstance(backends, Pool) and backends.exclusive
         pin = self.sessions.get(req.session) if req.session else None
         cfg = self.config
-        p = Placement(
+        return Placement(
             req,
             list(backends),
             exclusive,
@@ -348,6 +349,11 @@ class HardwareAware(Policy):
             cfg.slo.get(req.model),
             cfg.mean_output.get(req.model),
         )
+
+    def _filter(self, p: Placement) -> None:
+        """The backends this request prefers among those it may go to: the hinted format
+        (not strict: when one runs it), the session's class (while one of it is left)."""
+        req, pin = p.request, p.pin
         if req.precision and not req.strict:
             match = [b for b in p.pool if precision_matches(req.precision, b.variant)]
             p.notes.append("precision:prefer" if match else "precision:unavailable")
@@ -361,7 +367,6 @@ class HardwareAware(Policy):
                 p.notes.append("affinity:class")
             else:
                 p.notes.append("affinity:class-gone")
-        return p
 
     def _score(self, p: Placement) -> None:
         """Each backend's cached prompt tokens, the effect of placing the request there as
