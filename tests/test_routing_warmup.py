@@ -156,3 +156,33 @@ def test_a_reload_keeps_what_the_router_knows_better_than_the_file():
         keep_state(b, o)
     assert [b.state for b in fresh] == [ASLEEP, WAKING, AWAKE, DRAINING]
     assert fresh[1].ready_at == 42.0
+
+
+def test_a_split_models_sleeping_prefill_servers_stay_in_its_pool():
+    """Awake-first holds per role: with every prefill server asleep, a split model's pool
+    keeps one to wake beside its awake decode servers, so it stays split."""
+    prefill, decode = _fleet(p=ASLEEP, d=AWAKE)
+    prefill.role, decode.role = "prefill", "decode"
+    pool, _ = make_policy("round-robin").eligible(rq(), [prefill, decode])
+    assert _names(pool) == {"p", "d"}
+
+
+def test_a_split_request_prefills_and_decodes_on_awake_servers_first():
+    """Hardware-aware offers sleepers beside the awake servers, but a split request's phases
+    are chosen by their queues alone: an awake prefill server before an asleep one, and an
+    awake decode server or none (the KV cannot wait for a wake)."""
+    sched = Scheduler(make_policy("hardware-aware"))
+    asleep_p, awake_p, asleep_d, awake_d = _fleet(a=ASLEEP, b=AWAKE, c=ASLEEP, d=AWAKE)
+    asleep_p.role = awake_p.role = "prefill"
+    asleep_d.role = awake_d.role = "decode"
+    fleet = [asleep_p, awake_p, asleep_d, awake_d]
+    for b in fleet:
+        b.perf = None  # speed unknown: the fewest in flight first, the first on a tie
+    sched.submit(rq())
+    sent, _ = sched.dispatch(0.0, fleet)
+    assert [d.decision.backend for d in sent] == [awake_p] and sched.take_woken() == []
+    decision = sched.decode_for(rq(), fleet, force=True)
+    assert decision is not None and decision.backend is awake_d
+    awake_d.state = DRAINING
+    decision = sched.decode_for(rq(), fleet, force=True)
+    assert decision is not None and decision.reject and decision.down

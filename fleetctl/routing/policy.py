@@ -185,14 +185,18 @@ class Policy:
 
 
 def warm_pool(fits: list[Backend], weighs: bool) -> list[Backend]:
-    """Of a request's servers, the ones a policy may pick by their state (Policy.eligible)."""
-    awake = [b for b in fits if b.state == AWAKE]
+    """Of a request's servers, the ones a policy may pick by their state (Policy.eligible),
+    role by role: a split model's prefill servers all asleep leave its decode servers split,
+    not the only servers left."""
     if weighs:
         return fits
-    if awake:
-        return awake
-    coming = [b for b in fits if b.state != ASLEEP]  # waking or starting: no second wake
-    return coming or fits
+    out: list[Backend] = []
+    for role in dict.fromkeys(b.role for b in fits):
+        mine = [b for b in fits if b.role == role]
+        awake = [b for b in mine if b.state == AWAKE]
+        coming = [b for b in mine if b.state != ASLEEP]  # waking or starting: no second wake
+        out += awake or coming or mine
+    return out
 
 
 class RoundRobin(Policy):

@@ -31,7 +31,7 @@ from fleetctl.routing.phases import (
     in_role,
     is_split,
 )
-from fleetctl.routing.policy import Policy
+from fleetctl.routing.policy import Policy, warm_pool
 from fleetctl.routing.types import (
     ASLEEP,
     AWAKE,
@@ -236,7 +236,10 @@ class Scheduler:
                 # disaggregated model's request goes to a prefill server first; its decode
                 # server is chosen when the prompt is done (decode_for).
                 if is_split(pool):
-                    decision = choose_prefill(req, in_role(pool, PREFILL), self.policy.prefix)
+                    # By the prefill queue alone (no warm-up weighed): awake servers first.
+                    prefill = in_role(pool, PREFILL)
+                    prefill = prefill.narrowed(warm_pool(list(prefill), weighs=False))
+                    decision = choose_prefill(req, prefill, self.policy.prefix)
                 else:
                     decision = self.policy.choose(req, pool)
                 assert decision.backend is not None
@@ -297,6 +300,10 @@ class Scheduler:
         if not pool:
             why = why or f"no decode server serves {req.model}"
             return Decision.rejected(why, all_down(req, decoders))
+        # The KV moves at once: only an awake decode server (the router wakes none for it).
+        pool = pool.narrowed(b for b in pool if b.state == AWAKE)
+        if not pool:
+            return Decision.rejected(f"no awake decode server serves {req.model}", True)
         decision = choose_decode(req, pool)
         if decision is None and force:
             least = min(pool, key=lambda b: (b.outstanding, b.name))
