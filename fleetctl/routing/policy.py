@@ -4,6 +4,9 @@ Deterministic: no clock, no network; randomness only from the policy's own seede
 The daemon and the simulator call the same code. Baselines are what users would otherwise run
 (vllm-router and sgl-router's round_robin and power_of_two, least-outstanding, and the
 KV-usage scoring of production-stack and llm-d); `hardware-aware` is the seed's scheduler.
+
+Kept whole because every policy's eligibility (health, length, the servers' warm-up states)
+is the base class's, and hardware-aware's filters and warm-up weighing build on it step by step.
 """
 
 from __future__ import annotations

@@ -205,6 +205,7 @@ REJECTIONS = (
     ("no backend serves", "no server of that precision"),
     ("no healthy backend serves", "no server of the model"),
     ("no awake server serves", "no server of the model"),
+    ("no awake decode server", "no decode server"),
     ("no decode server", "no decode server"),
 )
 
