@@ -209,3 +209,30 @@ def test_a_draining_server_finishes_its_stream_and_gets_nothing_new(sleepy, tmp_
         assert answer[0][1].rstrip().endswith(b"data: [DONE]"), answer[0][1][-200:]
     finally:
         r.stop()
+
+
+def test_a_sleeper_that_joins_on_a_reload_gets_no_warm_up_requests(sleepy, tmp_path):
+    """With router.warmup_requests, a server that joins is sent warm-up completions before
+    clients' requests; a sleeper joining (state.json lists it asleep) is admitted without
+    them: they would wait on its paused engine."""
+    _, asleep = sleepy
+    inv, (one, two) = _fleet(tmp_path, sleepy)
+    inv.write_text(
+        inv.read_text().replace("router: {aging:", "router: {warmup_requests: 2, aging:")
+    )
+    _sleep(asleep)
+    sdir = StateDir(tmp_path / ".fleetctl")
+    sdir.save_state(State(1, (one,)))
+    r = _start(inv, sdir.root, tmp_path / "router.log")
+    try:
+        _put(sdir.state_path, json.dumps(State(2, (one,), asleep=(Sleeper(two, 1),)).to_json()))
+
+        def healthy() -> int:
+            return int(json.loads(r.request("GET", "/health")[2])["healthy"])
+
+        _wait_for(lambda: healthy() == 2, "the sleeper admitted")
+        assert _state(r, asleep) == "asleep"
+        assert _arrivals(asleep) == {"awake": 0, "parked": 0}
+        assert r.complete()[0] == 200
+    finally:
+        r.stop()

@@ -167,7 +167,9 @@ class LiveState:
             return
         if s.wrong_model:
             return  # check_model says why and readmits it once it serves the right name
-        if s.warmed >= self.warmup_requests:
+        # A sleeper joins without warm-up requests: they would wait on its paused engine
+        # (vLLM parks them until a wake), and its process warmed up before it slept.
+        if s.warmed >= self.warmup_requests or b.state != AWAKE:
             self._admit(b)
             return
         s.warming = f"warming up: {s.warmed} of {self.warmup_requests} warm-up requests"
@@ -243,12 +245,17 @@ class LiveState:
         return b.outstanding > 0 and now - self.state(b).answered_at < BUSY_GRACE_S
 
     def last_up(self, b: Backend) -> bool:
-        """Whether `b` is the last of its model's servers in its role still in routing. A slow
+        """Whether `b` is the last of its model's awake servers in its role still in routing
+        (a sleeper does not serve in its place without a wake). A slow
         /metrics does not eject that one (as a proxy's panic threshold routes to all hosts
         when too few are healthy): better a late answer than none; a refused connection or a
         failed request still does."""
         return b.healthy and not any(
-            o is not b and o.healthy and o.model == b.model and o.role == b.role
+            o is not b
+            and o.healthy
+            and o.state == AWAKE
+            and o.model == b.model
+            and o.role == b.role
             for o in self.backends
         )
 
