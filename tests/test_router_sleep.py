@@ -236,3 +236,36 @@ def test_a_sleeper_that_joins_on_a_reload_gets_no_warm_up_requests(sleepy, tmp_p
         assert r.complete()[0] == 200
     finally:
         r.stop()
+
+
+def test_a_wake_someone_else_asked_is_waited_for_not_asked_again(tmp_path):
+    """The autopilot (here the test) wakes the model's only server; route-serve reads the
+    wake under way from vllm:sleep_mode_operations_in_flight, marks it waking, and a request
+    that comes meanwhile waits for that wake: route-serve asks none of its own, and the
+    engine parks nothing. Emulated at time scale 1: a level-2 wake of seconds."""
+    emu = Emulator(tmp_path, "--enable-sleep-mode", "--time-scale", "1", env=DEV)
+    try:
+        emu.wait_healthy()
+        inv, (one,) = _fleet(tmp_path, [emu])
+        _sleep(emu, level=2)
+        sdir = StateDir(tmp_path / ".fleetctl")
+        sdir.save_state(State(1, (), asleep=(Sleeper(one, 2),)))
+        r = _start(inv, sdir.root, tmp_path / "router.log")
+        try:
+            assert _state(r, emu) == "asleep"
+            woken: list[int] = []
+            waker = threading.Thread(
+                target=lambda: woken.append(emu.request("POST", "/wake_up", timeout=60)[0])
+            )
+            waker.start()
+            _wait_for(lambda: _state(r, emu) == "waking", "the scrape that sees the wake")
+            status, _, body = r.complete(max_tokens=2)
+            assert status == 200, body
+            waker.join(timeout=60)
+            assert woken == [200]
+            assert _sample(r.metrics(), "fleetctl_backend_wakes_total", backend=emu.base) is None
+            assert _arrivals(emu) == {"awake": 1, "parked": 0}
+        finally:
+            r.stop()
+    finally:
+        emu.stop()

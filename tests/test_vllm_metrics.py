@@ -88,7 +88,7 @@ def test_every_field_of_the_real_page_read_from_its_own_line():
         ttft_sum=0.12110018730163574,  # vllm:time_to_first_token_seconds_sum
         ttft_count=5.0,
         sleeping=False,  # vllm:engine_sleep_state{sleep_state="awake"} 1.0
-        sleep_level=0,
+        sleep_level=0,  # (no vllm:sleep_mode_operations_in_flight: no operation ran)
     )
     assert parse_metrics(PAGE).is_vllm
 
@@ -331,3 +331,14 @@ def test_a_typed_page_reads_a_wanted_family_only_after_its_own_type_line():
     )
     m = parse_metrics(page)
     assert (m.running, m.waiting) == (1.0, None)
+
+
+def test_a_wake_under_way_is_read_from_the_operations_in_flight():
+    """vllm:sleep_mode_operations_in_flight (vllm/entrypoints/serve/dev/sleep/metrics.py):
+    operation "wake" above 0 while a /wake_up is awaited; absent until the first one."""
+    name = "vllm:sleep_mode_operations_in_flight"
+    typed = f"# TYPE {name} gauge\n"
+    assert parse_metrics(typed + f'{name}{{operation="wake"}} 1.0\n').waking is True
+    assert parse_metrics(typed + f'{name}{{operation="wake"}} 0.0\n').waking is False
+    assert parse_metrics(typed + f'{name}{{operation="sleep"}} 1.0\n').waking is None
+    assert parse_metrics(PAGE).waking is None

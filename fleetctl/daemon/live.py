@@ -94,6 +94,7 @@ class Liveness:
     # When the router last set its sleep state itself (a wake it asked answered): a scrape
     # sent before then reports what was, and is not taken.
     state_set_at: float = 0.0
+    wake_asked: bool = False  # the router's own /wake_up to it is under way
 
 
 @dataclass
@@ -388,7 +389,7 @@ class LiveState:
         s = self.state(b)
         s.scraped_at = now
         if m.sleeping is not None and (asked is None or asked >= s.state_set_at):
-            self.learn_sleep(b, m.sleeping, m.sleep_level or 0)
+            self.learn_sleep(b, m.sleeping, m.sleep_level or 0, m.waking)
         b.running = int(m.running or 0)
         b.waiting = int(m.waiting or 0)
         b.kv_usage = m.kv_usage or 0.0
@@ -410,12 +411,23 @@ class LiveState:
         self.learn_prefix(b, m)
         self.learn(b, m)
 
-    def learn_sleep(self, b: Backend, sleeping: bool, level: int) -> None:
+    def learn_sleep(
+        self, b: Backend, sleeping: bool, level: int, waking: bool | None = None
+    ) -> None:
         """What its vllm:engine_sleep_state says: a server put to sleep (by hand, or before
         the state file says so) is asleep from now, so it gets no request it would park; one
-        awake again serves. A wake under way stays waking until its engine says awake."""
+        awake again serves. A wake under way (vllm:sleep_mode_operations_in_flight, whoever
+        asked it: the autopilot, an operator) makes it waking, ready about its wake's seconds
+        from now, so no second wake is asked and hardware-aware can weigh what is left; a
+        wake someone else asked that ended asleep (out of memory) leaves it asleep."""
         before = b.state
-        if sleeping and b.state in (AWAKE, DRAINING):
+        s = self.state(b)
+        if sleeping and waking and b.state in (AWAKE, DRAINING, ASLEEP):
+            b.state, b.ready_at = WAKING, time.monotonic() + (b.wake_s or 0.0)
+        elif sleeping and (
+            b.state in (AWAKE, DRAINING)
+            or (waking is False and b.state == WAKING and not s.wake_asked)
+        ):
             b.state = ASLEEP
         elif not sleeping and b.state in (ASLEEP, WAKING):
             b.state = AWAKE

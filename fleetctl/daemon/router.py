@@ -407,6 +407,8 @@ class Router:
     def _wake(self, b: Backend) -> None:
         """A dispatch chose `b` while it slept (no awake server of its model could take the
         request): ask it to wake, once; the request waits in the queue meanwhile."""
+        if self.live is not None:  # before any scrape can read it as a wake ended asleep
+            self.live.state(b).wake_asked = True
         task = asyncio.create_task(self._wake_up(b))
         self._tasks.append(task)
         task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
@@ -420,7 +422,13 @@ class Router:
             b.sleep_level,
             b.wake_s or 0.0,
         )
-        ok, why = await wake_request(b, self.config.backend_api_key, self.config.upstream_timeout_s)
+        try:
+            ok, why = await wake_request(
+                b, self.config.backend_api_key, self.config.upstream_timeout_s
+            )
+        finally:
+            if self.live is not None:
+                self.live.state(b).wake_asked = False
         if ok:
             self._set_state(b, AWAKE)
             log.info("%s is awake", where(b))
