@@ -63,11 +63,13 @@ TESTS: dict[str, list[str]] = {
     # property, so they are left out of the per-mutant run (this can only lower the score).
     "fleetctl/routing/scheduler.py": [
         "tests/test_scheduler.py",
+        "tests/test_routing_warmup.py",
         "--deselect tests/test_scheduler.py::test_low_priority_requests_do_not_starve_with_aging",
         "--deselect tests/test_scheduler.py::test_low_priority_requests_starve_without_aging",
     ],
     "fleetctl/routing/policy.py": [
         "tests/test_policy_units.py",
+        "tests/test_routing_warmup.py",
         "tests/test_policy.py",
         "tests/test_scheduler.py",
         "--deselect tests/test_policy.py::test_session_affinity_holds_for_every_later_turn",

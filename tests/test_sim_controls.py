@@ -83,3 +83,25 @@ def test_a_controller_sees_the_arrivals_and_moves_the_fleet_at_its_ticks(catalog
 def test_controls_must_name_known_servers(catalog):
     with pytest.raises(ValueError, match="unknown server"):
         simulate(_fleet(catalog), _items(), "round-robin", controls=[Control(1, "nope", "stop")])
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "hardware-aware"])
+def test_requests_wait_for_a_models_only_server_while_it_wakes(catalog, policy):
+    """The simulated router applies route-serve's rule (routing/policy.py, eligible): with
+    every server of the model asleep and one waking, arrivals wait in the router's queue for
+    it and are served once it is ready; none is sent before, none refused meanwhile."""
+    items = _items(duration=60.0)
+    r = simulate(
+        _fleet(catalog),
+        items,
+        policy,
+        down=["rtx-0", "rtx-1"],
+        controls=[Control(0.0, "rtx-1", "wake", ready_s=20.0)],
+    )
+    assert not any(o.rejected for o in r.outcomes)
+    mine = _by_server(r)["rtx-1"]
+    assert len(mine) == len(items)
+    assert min(o.dispatched for o in mine) >= 20.0
+    # The ones that waited go at its ready instant (hardware-aware: within its KV caps).
+    early = [o for o in mine if o.item.arrival < 20.0]
+    assert early and min(o.dispatched for o in early) == pytest.approx(20.0)

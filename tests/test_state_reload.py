@@ -59,12 +59,12 @@ def _deployments(inv: Path, emus: list[Emulator]):  # type: ignore[no-untyped-de
     ]
 
 
-def _start(inv: Path, state_dir: Path, log: Path) -> Router:
+def _start(inv: Path, state_dir: Path, log: Path, *extra: str) -> Router:
     port = free_port()
     cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv), "--state-dir", str(state_dir)]
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [*cmd, "--listen", f"127.0.0.1:{port}"],
+            [*cmd, "--listen", f"127.0.0.1:{port}", *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,

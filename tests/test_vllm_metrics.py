@@ -87,8 +87,36 @@ def test_every_field_of_the_real_page_read_from_its_own_line():
         generation_count=5.0,
         ttft_sum=0.12110018730163574,  # vllm:time_to_first_token_seconds_sum
         ttft_count=5.0,
+        sleeping=False,  # vllm:engine_sleep_state{sleep_state="awake"} 1.0
+        sleep_level=0,  # (no vllm:sleep_mode_operations_in_flight: no operation ran)
     )
     assert parse_metrics(PAGE).is_vllm
+
+
+@pytest.mark.parametrize(
+    ("awake", "offloaded", "discard", "sleeping", "level"),
+    [
+        ("1.0", "0.0", "0.0", False, 0),
+        ("0.0", "1.0", "0.0", True, 1),
+        ("0.0", "0.0", "1.0", True, 2),
+    ],
+)
+def test_the_sleep_state_is_read_as_vllm_records_it(awake, offloaded, discard, sleeping, level):
+    """vllm:engine_sleep_state as vLLM 0.32 sets it (v1/metrics/loggers.py,
+    record_sleep_state), on the captured page with the values of each state."""
+    name = "vllm:engine_sleep_state"
+    page = PAGE
+    for state, value in (
+        ("awake", awake),
+        ("weights_offloaded", offloaded),
+        ("discard_all", discard),
+    ):
+        line = f'{name}{{engine="0",model_name="tiny-llama",sleep_state="{state}"}} '
+        assert line in page
+        page = page.replace(line + ("1.0" if state == "awake" else "0.0"), line + value)
+    m = parse_metrics(page)
+    assert (m.sleeping, m.sleep_level) == (sleeping, level)
+    assert parse_metrics("vllm:num_requests_waiting 2\n").sleeping is None  # not reported
 
 
 def test_every_series_is_read_with_or_without_type_lines():
@@ -303,3 +331,14 @@ def test_a_typed_page_reads_a_wanted_family_only_after_its_own_type_line():
     )
     m = parse_metrics(page)
     assert (m.running, m.waiting) == (1.0, None)
+
+
+def test_a_wake_under_way_is_read_from_the_operations_in_flight():
+    """vllm:sleep_mode_operations_in_flight (vllm/entrypoints/serve/dev/sleep/metrics.py):
+    operation "wake" above 0 while a /wake_up is awaited; absent until the first one."""
+    name = "vllm:sleep_mode_operations_in_flight"
+    typed = f"# TYPE {name} gauge\n"
+    assert parse_metrics(typed + f'{name}{{operation="wake"}} 1.0\n').waking is True
+    assert parse_metrics(typed + f'{name}{{operation="wake"}} 0.0\n').waking is False
+    assert parse_metrics(typed + f'{name}{{operation="sleep"}} 1.0\n').waking is None
+    assert parse_metrics(PAGE).waking is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fleetctl.daemon.telemetry import RouterMetrics
@@ -29,6 +30,8 @@ class Admission:
     backends: list[Backend]  # the router's list: a reload replaces its contents in place
     metrics: RouterMetrics
     queue_timeout_s: float = 300.0
+    # Asked to wake a server a dispatch chose while it slept (its requests wait here).
+    on_wake: Callable[[Backend], None] | None = None
     waiting: dict[int, Waiter] = field(default_factory=dict)
     _ids: int = 0
     _kick: asyncio.Event = field(default_factory=asyncio.Event)
@@ -65,6 +68,9 @@ class Admission:
         sent, rejected = self.scheduler.dispatch(time.monotonic(), self.backends)
         if self.scheduler.boosts > before:
             self.metrics.boosts.inc(by=self.scheduler.boosts - before)
+        for b in self.scheduler.take_woken():
+            if self.on_wake is not None:
+                self.on_wake(b)
         for d in (*sent, *rejected):
             w = self.waiting.pop(d.request.id, None)  # type: ignore[arg-type]
             if w is not None and not w.future.done():

@@ -16,11 +16,14 @@ from fleetctl.base.limits import MAX_TOKENS
 from fleetctl.base.validation import Strict, validate
 from fleetctl.base.yamlsrc import load_yaml
 from fleetctl.fleet.inventory import Inventory
+from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.state import server_name
 from fleetctl.fleet.statedir import StateDir
 from fleetctl.model.calibration import Calibration, calibrated
 from fleetctl.model.catalog import Catalog
-from fleetctl.model.perf import EnginePerf, kv_budget, vllm_batch_defaults
-from fleetctl.routing.types import Backend
+from fleetctl.model.perf import EnginePerf, kv_budget, vllm_batch_defaults, weights_bytes
+from fleetctl.model.startup import wake_seconds
+from fleetctl.routing.types import ASLEEP, DRAINING, Backend
 
 log = logging.getLogger("fleetctl.router")
 
@@ -47,6 +50,9 @@ class BackendEntry(Strict):
     served_name: str | None = Field(None, min_length=1)
     # One phase of a disaggregated model (routing/phases.py), or both.
     role: Literal["both", "prefill", "decode"] = "both"
+    # Started with --enable-sleep-mode (and VLLM_SERVER_DEV_MODE=1): route-serve may wake it
+    # when it finds it asleep and its model has no awake server. Off: a sleeper is not used.
+    sleep_mode: bool = False
 
 
 def served_name(b: Backend) -> str:
@@ -137,6 +143,8 @@ def load_backends_file(path: Path, inv: Inventory, catalog: Catalog) -> list[Bac
         b.gpus, b.dcgm_url = e.gpus, e.dcgm_url or ""
         b.max_num_batched_tokens = e.max_num_batched_tokens or default_tokens
         b.role = e.role
+        b.wakeable = e.sleep_mode
+        b.wake_s = wake_seconds(gpu, weights_bytes(model, fmt), e.tensor_parallel_size, 1)
         out.append(b)
     return out
 
@@ -152,38 +160,54 @@ def _inventory_profile(inv: Inventory, served: str) -> str | None:
 
 
 def backends_from_state(inv: Inventory, state_dir: StateDir) -> list[Backend]:
-    """Every server `fleetctl apply` recorded, at http://host:port."""
+    """Every server `fleetctl apply` recorded, at http://host:port: the awake ones (those
+    listed as draining in that state), then the asleep ones at their sleep level."""
     state = state_dir.load_state()
-    gpus = {n.name: n.gpu for n in inv.nodes}
-    out = []
-    for d in state.deployments:
-        s = d.server
-        model = next((m for m in inv.models if m.name == d.model), None)
-        gpu = gpus.get(d.node)
-        perf = None
-        if model is not None and gpu is not None:
-            fmt = next((v.format for v in model.variants if v.format.name == d.variant), None)
-            if fmt is not None:
-                perf = EnginePerf(gpu, model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype)
-        url = d.url()
-        out.append(
-            Backend(
-                url,
-                d.node,
-                d.gpu_type,
-                d.model,
-                d.variant,
-                s.kv_budget_tokens,
-                s.max_num_seqs,
-                perf,
-                max_model_len=s.max_model_len,
-                gpus=d.gpu_indices,
-                dcgm_url=dcgm_url(inv, d.host),
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                role=s.role,
-            )
-        )
+    out = [_state_backend(inv, d) for d in state.deployments]
+    for b, d in zip(out, state.deployments, strict=True):
+        if server_name(d) in state.draining:
+            b.state = DRAINING
+    for s in state.asleep:
+        b = _state_backend(inv, s.deployment, s.level)
+        b.state, b.sleep_level = ASLEEP, s.level
+        out.append(b)
     return out
+
+
+SLEEP_MODE_FLAG = "--enable-sleep-mode"
+
+
+def _state_backend(inv: Inventory, d: Deployment, level: int = 1) -> Backend:
+    """One recorded server; its wake's seconds from `level` where its class is known."""
+    s = d.server
+    model = next((m for m in inv.models if m.name == d.model), None)
+    gpu = next((n.gpu for n in inv.nodes if n.name == d.node), None)
+    perf = None
+    wake_s = None
+    if model is not None and gpu is not None:
+        fmt = next((v.format for v in model.variants if v.format.name == d.variant), None)
+        if fmt is not None:
+            perf = EnginePerf(gpu, model.profile, fmt, s.tensor_parallel_size, s.kv_cache_dtype)
+            size = weights_bytes(model.profile, fmt)
+            wake_s = wake_seconds(gpu, size, s.tensor_parallel_size, level)
+    b = Backend(
+        d.url(),
+        d.node,
+        d.gpu_type,
+        d.model,
+        d.variant,
+        s.kv_budget_tokens,
+        s.max_num_seqs,
+        perf,
+        max_model_len=s.max_model_len,
+        gpus=d.gpu_indices,
+        dcgm_url=dcgm_url(inv, d.host),
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        role=s.role,
+    )
+    b.wake_s, b.sleep_level = wake_s, level
+    b.wakeable = SLEEP_MODE_FLAG in d.vllm_args
+    return b
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -29,7 +30,9 @@ from fleetctl.model.calibration import (
     entry_for,
     window,
 )
-from fleetctl.routing.types import Backend
+from fleetctl.model.perf import weights_bytes
+from fleetctl.model.startup import SLEEP_LEVELS, wake_seconds
+from fleetctl.routing.types import ASLEEP, AWAKE, DRAINING, WAKING, Backend
 from fleetctl.vllm.metrics import Scrape, parse_metrics
 
 log = logging.getLogger("fleetctl.router")
@@ -88,6 +91,10 @@ class Liveness:
     # and it served the warm-up requests: why it is still out ("" once admitted).
     warming: str = ""
     warmed: int = 0  # warm-up requests it answered
+    # When the router last set its sleep state itself (a wake it asked answered): a scrape
+    # sent before then reports what was, and is not taken.
+    state_set_at: float = 0.0
+    wake_asked: bool = False  # the router's own /wake_up to it is under way
 
 
 @dataclass
@@ -117,6 +124,9 @@ class LiveState:
     # (router.warmup_requests), each within warmup_timeout seconds.
     warmup_requests: int = 0
     warmup_timeout: float = 60.0
+    # Called with a backend whose sleep state a scrape changed (the router looks at its
+    # queue again); None: nobody is told.
+    on_state: Callable[[Backend], None] | None = None
     _warmups: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     def reloaded(self, backends: list[Backend]) -> None:
@@ -158,7 +168,9 @@ class LiveState:
             return
         if s.wrong_model:
             return  # check_model says why and readmits it once it serves the right name
-        if s.warmed >= self.warmup_requests:
+        # A sleeper joins without warm-up requests: they would wait on its paused engine
+        # (vLLM parks them until a wake), and its process warmed up before it slept.
+        if s.warmed >= self.warmup_requests or b.state != AWAKE:
             self._admit(b)
             return
         s.warming = f"warming up: {s.warmed} of {self.warmup_requests} warm-up requests"
@@ -234,12 +246,17 @@ class LiveState:
         return b.outstanding > 0 and now - self.state(b).answered_at < BUSY_GRACE_S
 
     def last_up(self, b: Backend) -> bool:
-        """Whether `b` is the last of its model's servers in its role still in routing. A slow
+        """Whether `b` is the last of its model's awake servers in its role still in routing
+        (a sleeper does not serve in its place without a wake). A slow
         /metrics does not eject that one (as a proxy's panic threshold routes to all hosts
         when too few are healthy): better a late answer than none; a refused connection or a
         failed request still does."""
         return b.healthy and not any(
-            o is not b and o.healthy and o.model == b.model and o.role == b.role
+            o is not b
+            and o.healthy
+            and o.state == AWAKE
+            and o.model == b.model
+            and o.role == b.role
             for o in self.backends
         )
 
@@ -351,6 +368,7 @@ class LiveState:
         now = time.monotonic()
         if not b.healthy and now < s.ejected_until:
             return  # backing off; the next scrape after the backoff is the probe
+        asked = time.monotonic()
         try:
             r = await client.get(f"{b.name}/metrics")
             if r.status != 200:
@@ -361,14 +379,17 @@ class LiveState:
                 self.failed(b, now, f"/metrics {e}")
             self.expire(b, now)
             return
-        self.apply(b, r.text, time.monotonic())
+        self.apply(b, r.text, time.monotonic(), asked)
         self.probed(b, time.monotonic())
 
-    def apply(self, b: Backend, text: str, now: float) -> None:
-        """One /metrics page, parsed once for routing and the online fit alike."""
+    def apply(self, b: Backend, text: str, now: float, asked: float | None = None) -> None:
+        """One /metrics page (asked for at `asked`), parsed once for routing and the online
+        fit alike."""
         m = replace(parse_metrics(text), at=now)
         s = self.state(b)
         s.scraped_at = now
+        if m.sleeping is not None and (asked is None or asked >= s.state_set_at):
+            self.learn_sleep(b, m.sleeping, m.sleep_level or 0, m.waking)
         b.running = int(m.running or 0)
         b.waiting = int(m.waiting or 0)
         b.kv_usage = m.kv_usage or 0.0
@@ -389,6 +410,40 @@ class LiveState:
                 self.on_block_size(b, size)
         self.learn_prefix(b, m)
         self.learn(b, m)
+
+    def learn_sleep(
+        self, b: Backend, sleeping: bool, level: int, waking: bool | None = None
+    ) -> None:
+        """What its vllm:engine_sleep_state says: a server put to sleep (by hand, or before
+        the state file says so) is asleep from now, so it gets no request it would park; one
+        awake again serves. A wake under way (vllm:sleep_mode_operations_in_flight, whoever
+        asked it: the autopilot, an operator) makes it waking, ready about its wake's seconds
+        from now, so no second wake is asked and hardware-aware can weigh what is left; a
+        wake someone else asked that ended asleep (out of memory) leaves it asleep."""
+        before = b.state
+        s = self.state(b)
+        if sleeping and waking and b.state in (AWAKE, DRAINING, ASLEEP):
+            b.state, b.ready_at = WAKING, time.monotonic() + (b.wake_s or 0.0)
+        elif sleeping and (
+            b.state in (AWAKE, DRAINING)
+            or (waking is False and b.state == WAKING and not s.wake_asked)
+        ):
+            b.state = ASLEEP
+        elif not sleeping and b.state in (ASLEEP, WAKING):
+            b.state = AWAKE
+        if sleeping and level != b.sleep_level and level in SLEEP_LEVELS:
+            b.sleep_level = level
+            b.wake_s = expected_wake_s(b, level)
+        if b.state != before:
+            log.info("%s is %s (its /metrics say so)", where(b), b.state)
+            if self.on_state is not None:
+                self.on_state(b)
+
+    def set_state(self, b: Backend, state: str) -> None:
+        """The router set `b`'s sleep state itself (its wake answered): scrapes asked for
+        before now are not taken over it."""
+        b.state = state
+        self.state(b).state_set_at = time.monotonic()
 
     def learn_prefix(self, b: Backend, m: Scrape) -> None:
         """How much of the prefix the router expects a backend to hold it really finds: the
@@ -543,6 +598,45 @@ async def warmup_request(b: Backend, api_key: str | None, timeout: float) -> tup
         ):
             await r.read()
             return r.status == 200, f"answered {r.status}"
+    except TimeoutError:
+        return False, f"no answer in {timeout:g} s"
+    except (aiohttp.ClientError, OSError) as e:
+        return False, type(e).__name__
+
+
+def expected_wake_s(b: Backend, level: int) -> float | None:
+    """Seconds `b` takes to wake from `level` (model/startup.wake_seconds); None without a
+    model of its class."""
+    p = b.perf
+    if p is None:
+        return b.wake_s
+    return wake_seconds(p.gpu, weights_bytes(p.model, p.fmt), p.tp, level)
+
+
+async def wake_request(b: Backend, api_key: str | None, timeout: float) -> tuple[bool, str]:
+    """vLLM's POST /wake_up to `b` (a dev endpoint: only route-serve and the autopilot reach
+    it, never a client): (awake, why not). vLLM answers once the weights are back."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        async with (
+            aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as session,
+            session.post(
+                f"{b.name}/wake_up",
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                allow_redirects=False,
+            ) as r,
+        ):
+            text = await r.text()
+            if r.status != 200:
+                return False, f"answered {r.status}: {text[:200]}"
+            try:
+                status = json.loads(text).get("status")
+            except (ValueError, AttributeError):
+                status = None
+            return status == "awake", f"answered status {status!r}"
     except TimeoutError:
         return False, f"no answer in {timeout:g} s"
     except (aiohttp.ClientError, OSError) as e:

@@ -23,7 +23,7 @@ from aiohttp import web
 from fleetctl.daemon.admission import Admission
 from fleetctl.daemon.backends import KvEndpoint
 from fleetctl.daemon.intake import Intake, authorize, error_response
-from fleetctl.daemon.live import LiveState, cancel
+from fleetctl.daemon.live import LiveState, cancel, wake_request, where
 from fleetctl.daemon.prefix_share import PrefixShare, SharedIndex
 from fleetctl.daemon.proxy import LAST_ATTEMPT, SERVED_BY, Hooks, Proxy
 from fleetctl.daemon.relay import CUT, CUT_MESSAGE
@@ -39,7 +39,16 @@ from fleetctl.routing.registry import make_policy, policy_class
 from fleetctl.routing.request import MAX_JSON_DEPTH, PRIORITY_CLASSES, ClientError
 from fleetctl.routing.scheduler import Aging, Scheduler
 from fleetctl.routing.sessions import SESSIONS_MAX, SessionTable
-from fleetctl.routing.types import Backend, OutputEstimator, Request
+from fleetctl.routing.types import (
+    ASLEEP,
+    AWAKE,
+    DRAINING,
+    STATES,
+    WAKING,
+    Backend,
+    OutputEstimator,
+    Request,
+)
 
 log = logging.getLogger("fleetctl.router")
 
@@ -81,6 +90,18 @@ async def unserved(request: web.Request) -> web.Response:
     resp = error_response(e)
     resp.headers["Allow"] = ", ".join(allowed)
     return resp
+
+
+def keep_state(b: Backend, old: Backend) -> None:
+    """A reloaded server's state: the file's, except what the router knows better: a wake it
+    asked is still under way, and a server its scrape found asleep stays so until a scrape
+    finds it awake (the file says awake before the server is)."""
+    if b.state == DRAINING:
+        return
+    if old.state == WAKING and b.state in (ASLEEP, AWAKE):
+        b.state, b.ready_at = WAKING, old.ready_at
+    elif old.state == ASLEEP and b.state == AWAKE:
+        b.state, b.sleep_level, b.wake_s = ASLEEP, old.sleep_level, old.wake_s
 
 
 def per_backend(total: int, backends: int) -> int:
@@ -209,6 +230,9 @@ class Router:
         self.intake.index(self.backends)
         self.metrics.objectives(self.slo)
         self.admission = Admission(self.scheduler, self.backends, self.metrics, c.queue_timeout_s)
+        self.admission.on_wake = self._wake
+        if self.live is not None:  # a scrape found a server asleep or awake again
+            self.live.on_state = lambda b: self.admission.kick()
         if self.kv_events and self.prefix is not None:
             self._follow_kv_events(self.prefix)
         elif self.prefix is not None and self.prefix.learn and hashed and self.shared:
@@ -364,7 +388,7 @@ class Router:
 
     async def _stop(self, app: web.Application) -> None:
         await self._stop_kv()
-        for t in self._tasks:
+        for t in list(self._tasks):
             await cancel(t)
         if self._proxy is not None:
             self._proxy.upstream.close()
@@ -377,6 +401,51 @@ class Router:
         # Aging compares waiting to the backends' TTFT (dispatch to first byte), as simulated;
         # with a session store, the window's samples reach the others once a second.
         self.scheduler.observe_ttft(now, ttft)
+
+    # --- sleep mode ------------------------------------------------------------------------------
+
+    def _wake(self, b: Backend) -> None:
+        """A dispatch chose `b` while it slept (no awake server of its model could take the
+        request): ask it to wake, once; the request waits in the queue meanwhile."""
+        if self.live is not None:  # before any scrape can read it as a wake ended asleep
+            self.live.state(b).wake_asked = True
+        task = asyncio.create_task(self._wake_up(b))
+        self._tasks.append(task)
+        task.add_done_callback(lambda t: self._tasks.remove(t) if t in self._tasks else None)
+
+    async def _wake_up(self, b: Backend) -> None:
+        self.metrics.wakes.inc(b.name, "router")
+        log.info(
+            "waking %s (sleep level %d, about %.1f s): its model has no awake server for the "
+            "requests queued",
+            where(b),
+            b.sleep_level,
+            b.wake_s or 0.0,
+        )
+        try:
+            ok, why = await wake_request(
+                b, self.config.backend_api_key, self.config.upstream_timeout_s
+            )
+        finally:
+            if self.live is not None:
+                self.live.state(b).wake_asked = False
+        if ok:
+            self._set_state(b, AWAKE)
+            log.info("%s is awake", where(b))
+        else:
+            # Not asked again until a reload: a wake that fails out of memory fails again
+            # while the GPU is held (vllm#47654); its requests go elsewhere or are refused.
+            self._set_state(b, ASLEEP)
+            b.wakeable = False
+            log.error("waking %s failed (%s); it gets no requests until a reload", where(b), why)
+        self.admission.kick()
+
+    def _set_state(self, b: Backend, state: str) -> None:
+        for x in [b, *(x for x in self.backends if x.name == b.name and x is not b)]:
+            if self.live is not None:
+                self.live.set_state(x, state)
+            else:
+                x.state = state
 
     def replace_backends(self, fresh: list[Backend]) -> None:
         """Reload: keep the live counters of servers that stay; in-flight requests finish."""
@@ -401,6 +470,7 @@ class Router:
                     keep.healthy,
                 )
                 b.pending_prefill_s = keep.pending_prefill_s
+                keep_state(b, keep)
             merged.append(b)
         self.backends[:] = merged
         self.intake.index(self.backends)
@@ -582,6 +652,8 @@ class Router:
             self.metrics.queue.set(str(prio), value=depth.get(prio, 0))
         for b in self.backends:
             self.metrics.up.set(b.name, b.node_class, value=1.0 if b.healthy else 0.0)
+            for name in STATES:
+                self.metrics.state.set(b.name, b.model, name, value=float(b.state == name))
             self.metrics.outstanding.set(b.name, value=b.outstanding)
             self.metrics.reserved.set(b.name, value=b.reserved_tokens)
             self.metrics.prefill.set(b.name, value=b.pending_prefill)

@@ -141,6 +141,18 @@ class RouterMetrics:
             "1 when a backend takes traffic, 0 while ejected.",
             ("backend", "node_class"),
         )
+        self.state = Gauge(
+            "fleetctl_backend_state",
+            "1 for the state each backend is in (awake, asleep, waking, starting, draining), "
+            "0 for the others.",
+            ("backend", "model", "state"),
+        )
+        self.wakes = Counter(
+            "fleetctl_backend_wakes_total",
+            "Wakes asked of a sleeping backend, by who asked (router: its model had no awake "
+            "server that could take a request).",
+            ("backend", "trigger"),
+        )
         self.ejections = Counter(
             "fleetctl_backend_ejections_total",
             "Times a backend was ejected after failures.",
@@ -280,6 +292,8 @@ class RouterMetrics:
             self.attainment,
             self.objective,
             self.up,
+            self.state,
+            self.wakes,
             self.ejections,
             self.retries,
             self.scrape_age,

@@ -69,6 +69,8 @@ class Driver:
         self.names = BlockNames(self.engine.block_size) if self.publisher is not None else None
         self.paused = False
         self.parked: list[tuple[Job, Sequence[int] | None]] = []  # arrived while paused
+        # Requests that arrived, by whether the engine was paused then (parked) or not.
+        self.arrivals = {"awake": 0, "parked": 0}
 
     def now(self) -> float:
         """Emulated seconds since start."""
@@ -95,6 +97,7 @@ class Driver:
         seq.external = external
         job = Job(seq, index, queue, now, last_token_at=now)
         seq.req = job
+        self.arrivals["parked" if self.paused else "awake"] += 1
         if self.paused:
             self.parked.append((job, ids))
         else:

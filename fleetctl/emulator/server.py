@@ -285,12 +285,24 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         sleeper.state_gauge() if sleeper is not None else None,
     )
     if sleeper is not None:
-        text += sleeper.metrics()
+        text += sleeper.metrics() + _arrival_metrics(state.run().arrivals)
     if state.config.kv_transfer is not None:
         text += _held_metrics(state.held)
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
+
+
+def _arrival_metrics(arrivals: dict[str, int]) -> str:
+    """The emulator's own counter (vLLM has none): requests that arrived while it served,
+    and those parked because it slept (a router that knows the state sends none of those)."""
+    name = "fleetctl_emulator_arrivals_total"
+    lines = [
+        f"# HELP {name} Requests that arrived, by whether the engine slept then (parked).",
+        f"# TYPE {name} counter",
+        *(f'{name}{{engine_state="{k}"}} {v}' for k, v in sorted(arrivals.items())),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _held_metrics(held: HeldBlocks) -> str:

@@ -4,6 +4,9 @@ Deterministic: no clock, no network; randomness only from the policy's own seede
 The daemon and the simulator call the same code. Baselines are what users would otherwise run
 (vllm-router and sgl-router's round_robin and power_of_two, least-outstanding, and the
 KV-usage scoring of production-stack and llm-d); `hardware-aware` is the seed's scheduler.
+
+Kept whole because every policy's eligibility (health, length, the servers' warm-up states)
+is the base class's, and hardware-aware's filters and warm-up weighing build on it step by step.
 """
 
 from __future__ import annotations
@@ -26,12 +29,16 @@ from fleetctl.routing.goodput import (
 from fleetctl.routing.prefix import NoPrefix, PrefixView
 from fleetctl.routing.sessions import Pin, SessionTable
 from fleetctl.routing.types import (
+    ASLEEP,
+    AWAKE,
     DECODE,
     PREFILL,
     Backend,
     Decision,
     Request,
+    can_serve,
     precision_matches,
+    warmup_s,
 )
 
 
@@ -99,13 +106,17 @@ class Pool(list[Backend]):
     is then work only they can do. `eligible` gives one; the scheduler narrows it and passes
     it to `choose`, so a policy never carries one request's state over to the next call."""
 
-    def __init__(self, backends: Iterable[Backend] = (), exclusive: bool = False) -> None:
+    def __init__(
+        self, backends: Iterable[Backend] = (), exclusive: bool = False, now: float | None = None
+    ) -> None:
         super().__init__(backends)
         self.exclusive = exclusive
+        # The caller's clock (the scheduler sets it): what is left of a wake under way.
+        self.now = now
 
     def narrowed(self, backends: Iterable[Backend]) -> Pool:
         """Fewer backends, the same verdict."""
-        return Pool(backends, self.exclusive)
+        return Pool(backends, self.exclusive, self.now)
 
 
 class Policy:
@@ -118,17 +129,32 @@ class Policy:
     prefix: PrefixView = NoPrefix()
     reads_prefix = False  # whether it reads `prefix` (the daemon then hashes prompts)
     own_index = False  # whether it keeps an index of its own instead, as its peer does
+    # Whether `choose` weighs a warm-up's seconds against the awake servers' (hardware-aware
+    # does): then `eligible` offers the servers that are waking, starting or asleep beside
+    # the awake ones; otherwise only the awake ones while there are any.
+    weighs_warmup = False
 
     def __init__(self, prefix: PrefixView | None = None) -> None:
         if prefix is not None:
             self.prefix = prefix
 
     def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[Pool, str]:
-        """Backends that could ever serve `req`: healthy, of its model, and with a
+        """Backends that could ever serve `req`: healthy, of its model, serving or able to
+        (never a draining one, nor an asleep one without sleep mode), and with a
         max_model_len that takes prompt + max_tokens; an empty pool comes with the reason.
-        The pool says whether that length left out some of the model's classes."""
-        found = [b for b in backends if b.model == req.model and b.healthy]
+        The pool says whether that length left out some of the model's classes.
+
+        Warm-ups: while any of them is awake, only the awake ones, unless the policy weighs
+        a warm-up's seconds itself (`weighs_warmup`); with none awake, those waking or
+        starting, else the asleep ones (the router then wakes the one chosen). This is the
+        one place the rule lives, for every policy and the simulator alike."""
+        found = [b for b in backends if b.model == req.model and b.healthy and can_serve(b)]
         if not found:
+            if any(b.model == req.model and b.healthy for b in backends):
+                return Pool(), (
+                    f"no awake server serves {req.model}, and none can wake (draining, or "
+                    f"asleep without sleep mode)"
+                )
             return Pool(), f"no healthy backend serves {req.model}"
         need = req.context_needed
         fits = [b for b in found if not b.max_model_len or b.max_model_len >= need]
@@ -139,7 +165,9 @@ class Policy:
                 f"the longest {req.model} serves is {longest}"
             )
         classes = {b.node_class for b in found}
-        return Pool(fits, len({b.node_class for b in fits}) < len(classes)), ""
+        return Pool(
+            warm_pool(fits, self.weighs_warmup), len({b.node_class for b in fits}) < len(classes)
+        ), ""
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
         raise NotImplementedError
@@ -157,6 +185,21 @@ class Policy:
             else:
                 req.cached_tokens = self.prefix.cached(backend.name, req.blocks)
             self.prefix.routed(backend.name, req.blocks)
+
+
+def warm_pool(fits: list[Backend], weighs: bool) -> list[Backend]:
+    """Of a request's servers, the ones a policy may pick by their state (Policy.eligible),
+    role by role: a split model's prefill servers all asleep leave its decode servers split,
+    not the only servers left."""
+    if weighs:
+        return fits
+    out: list[Backend] = []
+    for role in dict.fromkeys(b.role for b in fits):
+        mine = [b for b in fits if b.role == role]
+        awake = [b for b in mine if b.state == AWAKE]
+        coming = [b for b in mine if b.state != ASLEEP]  # waking or starting: no second wake
+        out += awake or coming or mine
+    return out
 
 
 class RoundRobin(Policy):
@@ -233,6 +276,7 @@ class HardwareAware(Policy):
     name = "hardware-aware"
     admission = True
     reads_prefix = True
+    weighs_warmup = True
 
     def __init__(
         self,
@@ -244,6 +288,7 @@ class HardwareAware(Policy):
         self.config = config or RoutingConfig()
         self.sessions = sessions if sessions is not None else SessionTable()
         self._work: dict[str, tuple[float, float]] = {}  # class -> (exclusive, all) prefill
+        self._now: float | None = None  # the clock of the pool being placed (Pool.now)
 
     def eligible(self, req: Request, backends: Sequence[Backend]) -> tuple[Pool, str]:
         """Healthy backends of the model; only the hinted format when strict; only the
@@ -271,21 +316,39 @@ class HardwareAware(Policy):
                 found = found.narrowed(keep)
         elif pin is not None:
             same = [b for b in found if b.node_class == pin.node_class]
-            found = found.narrowed(same or found)
+            # A session's class that is all asleep does not wake while another is awake.
+            if any(b.state == AWAKE for b in same) or not any(b.state == AWAKE for b in found):
+                found = found.narrowed(same or found)
         return found, ""
 
     def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
-        p = self._filter(req, backends)
+        self._now = backends.now if isinstance(backends, Pool) else None
+        # Warm-ups first: a session's class or a preferred format found only on sleepers
+        # must not wake one while an awake server meets the objective.
+        p = self._placement(req, backends)
+        self._awake_first(p)
+        self._filter(p)
         self._score(p)
         return self._pick(p)
 
-    def _filter(self, req: Request, backends: Sequence[Backend]) -> Placement:
-        """The backends this request prefers among those it may go to: the hinted format
-        (not strict: when one runs it), the session's class (while one of it is left)."""
+    def _awake_first(self, p: Placement) -> None:
+        """Only the awake servers while one of them is predicted to meet the model's TTFT
+        objective (any awake one, without an objective); else the waking, starting and
+        asleep ones compete too, each with its warm-up's seconds in its first token."""
+        awake = [b for b in p.pool if b.state == AWAKE]
+        if not awake or len(awake) == len(p.pool):
+            return
+        limit = p.slo.ttft_s if p.slo is not None else None
+        if limit is None or any(self.estimate(b, p.request) <= limit for b in awake):
+            p.pool = awake
+        else:
+            p.notes.append("awake:miss")
+
+    def _placement(self, req: Request, backends: Sequence[Backend]) -> Placement:
         exclusive = isinstance(backends, Pool) and backends.exclusive
         pin = self.sessions.get(req.session) if req.session else None
         cfg = self.config
-        p = Placement(
+        return Placement(
             req,
             list(backends),
             exclusive,
@@ -293,6 +356,11 @@ class HardwareAware(Policy):
             cfg.slo.get(req.model),
             cfg.mean_output.get(req.model),
         )
+
+    def _filter(self, p: Placement) -> None:
+        """The backends this request prefers among those it may go to: the hinted format
+        (not strict: when one runs it), the session's class (while one of it is left)."""
+        req, pin = p.request, p.pin
         if req.precision and not req.strict:
             match = [b for b in p.pool if precision_matches(req.precision, b.variant)]
             p.notes.append("precision:prefer" if match else "precision:unavailable")
@@ -306,7 +374,6 @@ class HardwareAware(Policy):
                 p.notes.append("affinity:class")
             else:
                 p.notes.append("affinity:class-gone")
-        return p
 
     def _score(self, p: Placement) -> None:
         """Each backend's cached prompt tokens, the effect of placing the request there as
@@ -366,6 +433,10 @@ class HardwareAware(Policy):
                     p.notes.append("affinity:node")
         if p.hits[best.name]:
             p.notes.append("prefix:hit")
+        if best.state == ASLEEP:
+            p.notes.append("wake")
+        elif best.state != AWAKE:
+            p.notes.append("waking")
         e = self.predict(best, req, p.hits[best.name])
         return Decision(
             best,
@@ -401,11 +472,14 @@ class HardwareAware(Policy):
         cfg = self.config
         perf = b.perf
         if perf is None:  # no model of this GPU: fall back to capacity-normalized load
-            return Effect(b.outstanding / max(1, b.max_num_seqs), 0.0, 0.0, 0.0, 0.0)
+            load = b.outstanding / max(1, b.max_num_seqs)
+            return Effect(load + warmup_s(b, self._now), 0.0, 0.0, 0.0, 0.0)
         # Prompt tokens ahead of ours (each its own sequence: linear, at a typical context) and
         # ours, at the GPU's prefill speed. What this server has cached of our prompt is
-        # prefill it skips: we compute only the rest, attending to the cached part.
-        wait = queued_prefill_s(b)
+        # prefill it skips: we compute only the rest, attending to the cached part. A server
+        # not awake starts on it after its warm-up: what is left of a wake or start under
+        # way, or a whole wake from its sleep level.
+        wait = queued_prefill_s(b) + warmup_s(b, self._now)
         if cached is None:
             cached = self.cached(b, req)
         # As much of it as this server really finds of what the router expects it to hold

@@ -20,7 +20,7 @@ import bisect
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleetctl.routing.goodput import prompt_prefill_s
 from fleetctl.routing.phases import (
@@ -31,8 +31,16 @@ from fleetctl.routing.phases import (
     in_role,
     is_split,
 )
-from fleetctl.routing.policy import Policy
-from fleetctl.routing.types import Backend, Decision, Request
+from fleetctl.routing.policy import Policy, warm_pool
+from fleetctl.routing.types import (
+    ASLEEP,
+    AWAKE,
+    WAKING,
+    Backend,
+    Decision,
+    Request,
+    can_serve,
+)
 
 TOP = 0
 # Seconds over which the prompt tokens sent to each backend are averaged into its prefill
@@ -105,6 +113,12 @@ class Scheduler:
         # One FIFO per priority class; the top class is kept sorted by arrival because
         # boosted requests join it from below.
         self.classes: dict[int, deque[Request]] = {}
+        # Servers a dispatch chose while they slept, now marked waking: the caller asks each
+        # for its wake (route-serve: POST /wake_up) and takes them from here.
+        self.woken: list[Backend] = []
+        # Requests held for a server's warm-up, by id: the warm-up they waited for ("wake"
+        # when theirs was asked, else "waking"), noted on their decision once placed.
+        self.held_for: dict[object, str] = {}
 
     @property
     def queue(self) -> list[Request]:
@@ -126,6 +140,7 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Take a queued request out (its client gave up)."""
+        self.held_for.pop(req.id, None)
         for prio, q in list(self.classes.items()):
             if req in q:
                 q.remove(req)
@@ -205,9 +220,11 @@ class Scheduler:
                 ok = [b for b in backends if b.name not in req.exclude] if req.exclude else backends
                 pool, why = self.policy.eligible(req, ok)
                 if not pool:
+                    self.held_for.pop(req.id, None)
                     rejected.append(Dispatch(req, Decision.rejected(why, all_down(req, ok))))
                     continue
-                serving = sum(1 for b in ok if b.model == req.model and b.healthy)
+                pool.now = now
+                serving = sum(1 for b in ok if b.model == req.model and b.healthy and can_serve(b))
                 restricted = len(pool) < serving
                 if held:
                     pool = pool.narrowed(b for b in pool if b.name not in held)
@@ -219,10 +236,20 @@ class Scheduler:
                 # disaggregated model's request goes to a prefill server first; its decode
                 # server is chosen when the prompt is done (decode_for).
                 if is_split(pool):
-                    decision = choose_prefill(req, in_role(pool, PREFILL), self.policy.prefix)
+                    # By the prefill queue alone (no warm-up weighed): awake servers first.
+                    prefill = in_role(pool, PREFILL)
+                    prefill = prefill.narrowed(warm_pool(list(prefill), weighs=False))
+                    decision = choose_prefill(req, prefill, self.policy.prefix)
                 else:
                     decision = self.policy.choose(req, pool)
                 assert decision.backend is not None
+                if decision.backend.state != AWAKE:
+                    # It waits here, not on the server, for the warm-up to end: a request
+                    # never reaches a sleeping engine (vLLM would park it, and hold it for
+                    # ever if the wake failed). Others go on: they may have awake servers.
+                    self._warm_up(decision.backend, now, req)
+                    keep.append(req)
+                    continue
                 if not self.has_room(decision.backend, req):
                     blocked = True
                     no_room[sig] = min(no_room.get(sig, 1 << 62), req.total_tokens)
@@ -230,8 +257,12 @@ class Scheduler:
                         held.add(decision.backend.name)
                     keep.append(req)
                     continue
-                self.policy.placed(req, decision.backend, decision)
-                account(decision.backend, req, now)
+                chosen = decision.backend
+                waited = self.held_for.pop(req.id, None)
+                if waited is not None:
+                    decision = replace(decision, notes=(*decision.notes, f"after:{waited}"))
+                self.policy.placed(req, chosen, decision)
+                account(chosen, req, now)
                 sent.append(Dispatch(req, decision))
             keep.extend(q)
             if keep:
@@ -241,6 +272,21 @@ class Scheduler:
             if blocked:
                 break  # strict priority: lower classes wait while this one is blocked
         return sent, rejected
+
+    def _warm_up(self, b: Backend, now: float, req: Request) -> None:
+        """`req` waits for `b`'s warm-up; an asleep `b` is marked waking until about
+        `wake_s` from now, and listed in `woken` for its wake to be asked."""
+        if b.state == ASLEEP:
+            b.state, b.ready_at = WAKING, now + (b.wake_s or 0.0)
+            self.woken.append(b)
+            self.held_for[req.id] = "wake"
+        else:
+            self.held_for.setdefault(req.id, "waking")
+
+    def take_woken(self) -> list[Backend]:
+        """The servers to wake that dispatches chose since the last call."""
+        out, self.woken = self.woken, []
+        return out
 
     def decode_for(
         self, req: Request, backends: Sequence[Backend], force: bool = False
@@ -254,6 +300,10 @@ class Scheduler:
         if not pool:
             why = why or f"no decode server serves {req.model}"
             return Decision.rejected(why, all_down(req, decoders))
+        # The KV moves at once: only an awake decode server (the router wakes none for it).
+        pool = pool.narrowed(b for b in pool if b.state == AWAKE)
+        if not pool:
+            return Decision.rejected(f"no awake decode server serves {req.model}", True)
         decision = choose_decode(req, pool)
         if decision is None and force:
             least = min(pool, key=lambda b: (b.outstanding, b.name))
@@ -300,4 +350,4 @@ def all_down(req: Request, backends: Sequence[Backend]) -> bool:
     """Whether `req`'s model has servers here and every one is out of routing (ejected,
     warming up): no fault of the request's, so the client hears 503, not 400."""
     mine = [b for b in backends if b.model == req.model]
-    return bool(mine) and not any(b.healthy for b in mine)
+    return bool(mine) and not any(b.healthy and can_serve(b) for b in mine)

@@ -10,6 +10,11 @@ from fleetctl.routing.prefix import PromptBlocks
 # Precision hints name a format or a family of formats.
 # A disaggregated model's two phases: a Backend's role (else "both") and a Decision's kind.
 PREFILL, DECODE = "prefill", "decode"
+# A server's state as routing sees it (Backend.state): serving; asleep in vLLM's sleep mode
+# (level 1 or 2); waking from it or starting, until `ready_at`; or draining before it sleeps
+# or stops (what it runs finishes, nothing new goes there).
+AWAKE, ASLEEP, WAKING, STARTING, DRAINING = "awake", "asleep", "waking", "starting", "draining"
+STATES = (AWAKE, ASLEEP, WAKING, STARTING, DRAINING)
 PRECISION_FAMILIES = {
     "int4": ("gptq-int4", "awq-int4"),
     "int8": ("int8",),
@@ -122,12 +127,42 @@ class Backend:
     # "both" (prefill and decode), or one phase of a disaggregated model: "prefill" or
     # "decode" (routing/phases.py).
     role: str = "both"
+    # Its state (STATES): only an awake server takes requests at once; a waking or starting
+    # one serves from `ready_at` (the router's clock), an asleep one after a wake of about
+    # `wake_s` seconds (model/startup.wake_seconds for its class and `sleep_level`; None:
+    # unknown), which may be asked of it only when `wakeable` (started with
+    # --enable-sleep-mode). `healthy` stays whether it is reachable: a sleeper is healthy.
+    state: str = AWAKE
+    ready_at: float = 0.0
+    wake_s: float | None = None
+    sleep_level: int = 0
+    wakeable: bool = False
 
     @property
     def node_class(self) -> str:
         """Servers of a class answer alike: same GPU type and same weight format."""
         base = f"{self.gpu_type}/{self.variant}"
         return f"{base}/{self.class_tag}" if self.class_tag else base
+
+
+def can_serve(b: Backend) -> bool:
+    """Whether `b` serves requests now or after a warm-up the router may wait for: awake,
+    waking or starting, or asleep with sleep mode on (a wake may be asked). A draining one
+    takes nothing new."""
+    return b.state in (AWAKE, WAKING, STARTING) or (b.state == ASLEEP and b.wakeable)
+
+
+def warmup_s(b: Backend, now: float | None) -> float:
+    """Seconds before `b` could start on a request sent now: 0 awake; what is left of a wake
+    or start under way (`ready_at - now`; its expected wake without a clock); an asleep one's
+    whole wake (`wake_s`; 0 where unknown)."""
+    if b.state in (WAKING, STARTING):
+        if now is None:
+            return b.wake_s or 0.0
+        return max(0.0, b.ready_at - now)
+    if b.state == ASLEEP:
+        return b.wake_s or 0.0
+    return 0.0
 
 
 @dataclass(frozen=True, slots=True)

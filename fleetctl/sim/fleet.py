@@ -25,7 +25,15 @@ from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Aging, Scheduler, first_token, release
-from fleetctl.routing.types import Backend, OutputEstimator, Request
+from fleetctl.routing.types import (
+    ASLEEP,
+    AWAKE,
+    STARTING,
+    WAKING,
+    Backend,
+    OutputEstimator,
+    Request,
+)
 from fleetctl.sim.controls import DOWN, AwakeSpans, Control, Controller, Observation, check
 from fleetctl.sim.engine import Engine, Seq
 from fleetctl.sim.kvpool import engine_keys
@@ -196,6 +204,8 @@ REJECTIONS = (
     ("prompt + output exceeds max_model_len", "context too long for its server"),
     ("no backend serves", "no server of that precision"),
     ("no healthy backend serves", "no server of the model"),
+    ("no awake server serves", "no server of the model"),
+    ("no awake decode server", "no decode server"),
     ("no decode server", "no decode server"),
 )
 
@@ -342,7 +352,7 @@ class _Run:
         check(controls, self.index)
         for name in down:
             i = self.index[name]
-            self.backends[i].healthy = False
+            self.backends[i].state = ASLEEP  # its wakes are the controller's to ask
             self.states[name] = "asleep"
             self.awake.since.pop(name, None)
             self.awake.mark(name, 0.0, "asleep")
@@ -364,7 +374,12 @@ class _Run:
         i = self.index[c.server]
         b = self.backends[i]
         if c.action in DOWN:
-            b.healthy = False
+            # Out of routing as route-serve takes it: asleep (the router's rule keeps
+            # requests off it), or stopped (gone: not reachable).
+            if c.action == "sleep":
+                b.state = ASLEEP
+            else:
+                b.healthy = False
             self.states[c.server] = "asleep" if c.action == "sleep" else "stopped"
             self.awake.mark(c.server, now, self.states[c.server])
             # It drains: what it runs finishes, and its GPUs count until then.
@@ -377,6 +392,11 @@ class _Run:
         if self.states[c.server] in ("awake", "waking"):
             return  # already up, or on its way
         self.draining.discard(i)  # woken before its drain ended: its span goes on
+        # Waking or starting until ready: the router may hold requests for it (hardware-aware
+        # where its awake servers would miss the objective, any policy where none is awake),
+        # never send one before.
+        b.state = WAKING if self.states[c.server] == "asleep" else STARTING
+        b.ready_at, b.healthy = now + c.ready_s, True
         self.states[c.server] = "waking"
         self.awake.mark(c.server, now, "waking")
         self.awake.up(c.server, now)
@@ -390,7 +410,7 @@ class _Run:
         self.servers.append(s)
         self.engines.append(e)
         self.backends.append(_backend(s))
-        self.backends[-1].healthy = False
+        self.backends[-1].healthy = False  # stopped: not reachable until it starts
         self.index[s.name] = len(self.backends) - 1
         self.version.append(0)
         self.states[s.name] = "stopped"
@@ -404,7 +424,7 @@ class _Run:
             return  # put down again while it woke
         i = self.index[c.server]
         self.states[c.server] = "awake"
-        self.backends[i].healthy = True
+        self.backends[i].healthy, self.backends[i].state = True, AWAKE
         e = self.engines[i]
         e.clock = max(e.clock, c.at)
 

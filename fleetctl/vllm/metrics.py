@@ -34,6 +34,14 @@ _SERIES = {
     "vllm:time_to_first_token_seconds_count": "ttft_count",
 }
 _CACHE_INFO = "vllm:cache_config_info"
+# vLLM's sleep mode state, one sample per `sleep_state` label (vllm/v1/metrics/loggers.py,
+# record_sleep_state): "awake" 1 while it serves, else "weights_offloaded" 1 at level 1 or
+# "discard_all" 1 at level 2 (neither: level 0, the scheduler paused).
+_SLEEP_STATE = "vllm:engine_sleep_state"
+_SLEEP_LEVELS = {"weights_offloaded": 1, "discard_all": 2}
+# Sleep-mode operations under way (vllm/entrypoints/serve/dev/sleep/metrics.py), by
+# `operation`: "wake" above 0 while a /wake_up is awaited. vLLM creates it at the first one.
+_IN_FLIGHT = "vllm:sleep_mode_operations_in_flight"
 
 
 def _families(name: str) -> set[str]:
@@ -48,7 +56,11 @@ def _families(name: str) -> set[str]:
 
 def _by_family() -> dict[str, list[str]]:
     """family -> the wanted samples that may follow its TYPE line."""
-    out: dict[str, list[str]] = {_CACHE_INFO: [_CACHE_INFO]}
+    out: dict[str, list[str]] = {
+        _CACHE_INFO: [_CACHE_INFO],
+        _SLEEP_STATE: [_SLEEP_STATE],
+        _IN_FLIGHT: [_IN_FLIGHT],
+    }
     for name in _SERIES:
         for family in _families(name):
             out.setdefault(family, []).append(name)
@@ -56,7 +68,7 @@ def _by_family() -> dict[str, list[str]]:
 
 
 _BY_FAMILY = _by_family()
-_ALL = [*_SERIES, _CACHE_INFO]
+_ALL = [*_SERIES, _CACHE_INFO, _SLEEP_STATE, _IN_FLIGHT]
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
@@ -89,6 +101,11 @@ class Scrape:
     ttft_sum: float | None = None
     ttft_count: float | None = None
     at: float | None = None  # when it was read (monotonic seconds), set by the reader
+    # Whether its engine sleeps (vllm:engine_sleep_state; None: not reported) and at which
+    # level (1 or 2; 0: paused only). Any engine asleep counts: it cannot take a request.
+    sleeping: bool | None = None
+    sleep_level: int | None = None
+    waking: bool | None = None  # a /wake_up under way (None: not reported)
 
     @property
     def is_vllm(self) -> bool:
@@ -109,9 +126,25 @@ def parse_metrics(text: str) -> Scrape:
     kv: int | None = None
     util: float | None = None
     size: int | None = None
+    sleeping: bool | None = None
+    level = 0
+    waking: bool | None = None
     for block, names in _wanted_blocks(text):
         for name in names:
             for line in _samples(block, name):
+                if name == _IN_FLIGHT:
+                    if dict(_LABEL.findall(line)).get("operation") == "wake":
+                        count = _float(line.rsplit(" ", 1)[-1])
+                        waking = (waking or False) or (count is not None and count > 0)
+                    continue
+                if name == _SLEEP_STATE:
+                    state = dict(_LABEL.findall(line)).get("sleep_state", "")
+                    on = _float(line.rsplit(" ", 1)[-1]) == 1.0
+                    if state == "awake":
+                        sleeping = (sleeping or False) or not on
+                    elif on and state in _SLEEP_LEVELS:
+                        sleeping, level = True, max(level, _SLEEP_LEVELS[state])
+                    continue
                 if name == _CACHE_INFO:
                     labels = dict(_LABEL.findall(line))
                     raw = labels.get("block_size", "")
@@ -138,7 +171,15 @@ def parse_metrics(text: str) -> Scrape:
                     values[field] = max(old, value)
                 else:
                     values[field] = old + value
-    return Scrape(kv_tokens=kv, gpu_memory_utilization=util, block_size=size, **values)
+    return Scrape(
+        kv_tokens=kv,
+        gpu_memory_utilization=util,
+        block_size=size,
+        sleeping=sleeping,
+        sleep_level=None if sleeping is None else level,
+        waking=waking,
+        **values,
+    )
 
 
 def _wanted_blocks(text: str) -> list[tuple[str, list[str]]]:
