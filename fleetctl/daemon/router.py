@@ -626,10 +626,14 @@ class Router:
 
     async def health(self, request: web.Request) -> web.Response:
         up = sum(b.healthy for b in self.backends)
+        states: dict[str, int] = {}
+        for b in self.backends:  # awake, asleep, waking, starting, draining (sleep mode)
+            states[b.state] = states.get(b.state, 0) + 1
         body: dict[str, object] = {
             "status": "ok" if up else "no healthy backend",
             "backends": len(self.backends),
             "healthy": up,
+            "states": dict(sorted(states.items())),
             "queued": len(self.scheduler),
         }
         if self.worker is not None:
