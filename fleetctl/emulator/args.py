@@ -56,6 +56,10 @@ class EmulatorArgs:
     die_mid_stream: int | None = None
     enable_sleep_mode: bool = False
     gpu_ledger: Path | None = None
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_modules: list[str] = field(default_factory=list)
 
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -162,6 +166,10 @@ def _parser() -> _Parser:
     vllm.add_argument("--kv-events-config", metavar="JSON")
     vllm.add_argument("--kv-transfer-config", metavar="JSON")
     vllm.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False)
+    vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
+    vllm.add_argument("--max-loras", type=int)
+    vllm.add_argument("--max-lora-rank", type=int)
+    vllm.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     vllm.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 

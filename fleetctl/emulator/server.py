@@ -32,6 +32,7 @@ from fleetctl.emulator.kv_transfer import (
     remote_prefill,
     wants_remote_decode,
 )
+from fleetctl.emulator.lora import Adapters
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
 from fleetctl.emulator.sleep import GpuLedger, Sleeper, attach
 from fleetctl.model.perf import cuda_total
@@ -66,6 +67,17 @@ class State:
     hung: bool = False
     held: HeldBlocks = field(default_factory=HeldBlocks)  # KV kept for decode servers
     sleeper: Sleeper | None = None
+    adapters: Adapters | None = None  # with --enable-lora
+    lora_jobs: dict[int, tuple[str, Job]] = field(default_factory=dict)  # id(job) -> adapter
+
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """The adapters with requests running (scheduled) and waiting, each named once."""
+        running: dict[str, None] = {}
+        waiting: dict[str, None] = {}
+        for name, job in self.lora_jobs.values():
+            if not job.finished:
+                (waiting if job.scheduled_at is None else running)[name] = None
+        return list(running), list(waiting)
 
     @property
     def loading(self) -> bool:
@@ -99,6 +111,7 @@ def make_app(config: EmulatorConfig) -> web.Application:
             config.max_model_len,
         ),
         rng=random.Random(config.faults.seed),
+        adapters=Adapters(config.lora) if config.lora is not None else None,
     )
     app = web.Application(middlewares=[_hang_mw, _errors_mw, _auth_mw, _loading_mw])
     app[STATE] = state
@@ -243,6 +256,9 @@ async def _models(request: web.Request) -> web.StreamResponse:
     c = request.app[STATE].config
     created = int(time.time())
     cards = [_model_card(name, c, created) for name in c.served_names]
+    adapters = request.app[STATE].adapters
+    if adapters is not None:
+        cards += adapters.cards(c.name, created, cards[0]["permission"][0])
     return _json({"object": "list", "data": cards})
 
 
@@ -288,6 +304,8 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         text += sleeper.metrics()
     if state.config.kv_transfer is not None:
         text += _held_metrics(state.held)
+    if state.adapters is not None:
+        text += state.adapters.metric(*state.lora_names())
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
@@ -353,9 +371,13 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _plan(body: dict[str, Any], c: EmulatorConfig, chat: bool) -> Plan:
+def _plan(
+    body: dict[str, Any], c: EmulatorConfig, chat: bool, adapters: Adapters | None = None
+) -> Plan:
     model = body.get("model")
-    if model is not None and model not in c.served_names:
+    loaded = adapters.loaded if adapters is not None else {}
+    adapter = model if isinstance(model, str) and model in loaded else None
+    if model is not None and model not in c.served_names and adapter is None:
         raise proto.ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
     prompts = [proto.chat_prompt(body)] if chat else proto.completion_prompts(body)
     outputs = [proto.output_tokens(body, p, c.max_model_len, chat) for p in prompts]
@@ -365,7 +387,7 @@ def _plan(body: dict[str, Any], c: EmulatorConfig, chat: bool) -> Plan:
     options = body.get("stream_options")
     options = options if isinstance(options, dict) else {}
     return Plan(
-        proto.Reply(chat, c.name),
+        proto.Reply(chat, adapter or c.name),  # vLLM answers under the adapter's name
         prompts,
         outputs,
         n,
@@ -383,7 +405,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         state.hung = True
         await _hang_forever()
     body = await _read_body(request)
-    plan = _plan(body, state.config, chat)
+    plan = _plan(body, state.config, chat, state.adapters)
     plan.named = await _name_prompts(body, plan, state.config, chat)
     if faults.error_rate and state.rng.random() < faults.error_rate:
         raise proto.ApiError(500, "Emulated server error (--error-rate)", "InternalServerError")
@@ -398,6 +420,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         )
         for j in range(plan.n)
     ]
+    model = body.get("model")
+    if state.adapters is not None and isinstance(model, str) and model in state.adapters.loaded:
+        state.lora_jobs.update((id(job), (model, job)) for job in jobs)
     try:
         if plan.stream:
             state.streams += 1
@@ -409,6 +434,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         for job in jobs:
             driver.abort(job)  # no-op for finished ones; a client that left frees its KV
+            state.lora_jobs.pop(id(job), None)
     if whole:
         _completed(state)
     return response
