@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from fleetctl.base.limits import MAX_TOKENS
+from fleetctl.daemon.adapters import learn_from_metrics, learn_from_models
 from fleetctl.daemon.backends import model_problem, served_name
 from fleetctl.daemon.dcgm import parse_dcgm_mem_copy
 from fleetctl.fleet.http import Client, HttpError, HttpTimeout
@@ -289,6 +290,7 @@ class LiveState:
                 data = r.json()["data"]
                 listed = [m["id"] for m in data if isinstance(m["id"], str)]
                 served_length(b, data, want)
+                learn_from_models(b, data, want)
         except (HttpError, ValueError, KeyError, TypeError):
             pass
         now = time.monotonic()
@@ -367,6 +369,7 @@ class LiveState:
     def apply(self, b: Backend, text: str, now: float) -> None:
         """One /metrics page, parsed once for routing and the online fit alike."""
         m = replace(parse_metrics(text), at=now)
+        learn_from_metrics(b, text)
         s = self.state(b)
         s.scraped_at = now
         b.running = int(m.running or 0)

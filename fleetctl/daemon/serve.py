@@ -22,6 +22,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from fleetctl.base import names
 from fleetctl.base.errors import FleetError, Location, UserError
+from fleetctl.daemon.adapters import adapter_bases
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
 from fleetctl.daemon.intake import JsonErrorRunner
 from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
@@ -199,7 +200,7 @@ def build_router(
         for v in m.variants
         if Path(v.source).expanduser().exists()
     }
-    return Router(
+    router = Router(
         backends,
         sched,
         config,
@@ -213,6 +214,8 @@ def build_router(
         kv_events=kv_events,
         request_log=open_request_log(inv, state_dir, request_log),
     )
+    router.intake.use_adapters(adapter_bases(inv))
+    return router
 
 
 def slo_origin(slo: Slo) -> str:

@@ -128,6 +128,10 @@ class Policy:
         max_model_len that takes prompt + max_tokens; an empty pool comes with the reason.
         The pool says whether that length left out some of the model's classes."""
         found = [b for b in backends if b.model == req.model and b.healthy]
+        if req.adapter:
+            found = [b for b in found if req.adapter in b.adapters]
+        if not found and req.adapter:
+            return Pool(), f"no healthy backend of {req.model} has adapter {req.adapter} loaded"
         if not found:
             return Pool(), f"no healthy backend serves {req.model}"
         need = req.context_needed

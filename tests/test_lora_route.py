@@ -1,0 +1,110 @@
+"""LoRA adapters served and routed, end to end: emulated vLLM servers started with
+--enable-lora and --lora-modules behind a real route-serve. An adapter's requests go only to
+the servers that have it loaded, keeping its name as the request's model; an adapter no server
+has is a 404 naming it; the base model routes as before."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.procs import NAME, Emulator
+from tests.test_emulator_lora import lora_emulator
+from tests.test_route_serve import INVENTORY, Router, entry
+
+ADAPTERS = """\
+    adapters:
+      - {name: support-en, source: /srv/adapters/support-en, rank: 16}
+      - {name: legal-de, source: /srv/adapters/legal-de, rank: 16}
+      - {name: sql, source: /srv/adapters/sql, rank: 16}
+"""
+# The adapters go under the model, before the inventory's router section.
+LORA_INVENTORY = INVENTORY.replace("router:", ADAPTERS + "router:", 1)
+
+
+def completions(emu: Emulator) -> float:
+    """The server's finished requests (vllm:request_success_total), whatever their reason."""
+    return sum(
+        s.value
+        for s in emu.metrics()["vllm:request_success"].samples  # type: ignore[attr-defined]
+        if s.name.endswith("_total")
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two servers of the base model: `first` has support-en and legal-de loaded, `second`
+    legal-de only."""
+    tmp = tmp_path_factory.mktemp("lora")
+    emus = {
+        "first": lora_emulator(tmp, "support-en", "legal-de"),
+        "second": lora_emulator(tmp, "legal-de"),
+    }
+    try:
+        for e in emus.values():
+            e.wait_healthy()
+        yield tmp, emus
+    finally:
+        for e in emus.values():
+            e.stop()
+
+
+def test_an_adapters_requests_go_only_where_it_is_loaded(pair):
+    tmp, emus = pair
+    # The server without support-en listed first: an idle fleet's first pick.
+    entries = [
+        entry(emus["second"], "rtx-2", "RTX-4090"),
+        entry(emus["first"], "rtx-1", "RTX-4090"),
+    ]
+    router = Router(tmp, entries, name="lora", inventory=LORA_INVENTORY)
+    try:
+        before = {k: completions(e) for k, e in emus.items()}
+        # At once, so that load alone would spread them over both servers.
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(
+                pool.map(lambda _: router.complete(model="support-en", max_tokens=200), range(6))
+            )
+        for status, headers, body in answers:
+            assert status == 200, body
+            # The adapter's name reached the server (it answers under it) and came back.
+            assert json.loads(body)["model"] == "support-en"
+            assert headers["X-Fleet-Backend"] == "rtx-1"
+        after = {k: completions(e) for k, e in emus.items()}
+        assert after["first"] - before["first"] == 6
+        assert after["second"] == before["second"]
+        # An adapter both have is spread over both when its requests overlap (load balance).
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(
+                pool.map(lambda _: router.complete(model="legal-de", max_tokens=400), range(8))
+            )
+        assert all(status == 200 for status, _, _ in answers), answers
+        assert {headers["X-Fleet-Backend"] for _, headers, _ in answers} == {"rtx-1", "rtx-2"}
+        # The base model routes as before.
+        status, _, body = router.complete()
+        assert status == 200 and json.loads(body)["model"] == NAME
+    finally:
+        router.stop()
+
+
+def test_an_adapter_no_server_has_is_a_404_naming_it(pair):
+    tmp, emus = pair
+    router = Router(
+        tmp, [entry(emus["second"], "rtx-2", "RTX-4090")], name="lora404", inventory=LORA_INVENTORY
+    )
+    try:
+        # In the inventory, loaded nowhere.
+        status, _, body = router.complete(model="sql")
+        assert status == 404, body
+        error = json.loads(body)["error"]
+        assert "sql" in error["message"] and "no server of llama-3-8b" in error["message"]
+        assert error["param"] == "model"
+        # Not in the inventory at all: the model does not exist.
+        status, _, body = router.complete(model="nobody-knows")
+        assert status == 404 and "nobody-knows" in json.loads(body)["error"]["message"]
+        # An adapter the server has still routes.
+        status, _, body = router.complete(model="legal-de")
+        assert status == 200, body
+    finally:
+        router.stop()
