@@ -1,15 +1,22 @@
 """LoRA adapters served and routed, end to end: emulated vLLM servers started with
 --enable-lora and --lora-modules behind a real route-serve. An adapter's requests go only to
 the servers that have it loaded, keeping its name as the request's model; an adapter no server
-has is a 404 naming it; the base model routes as before."""
+has is a 404 naming it; the base model routes as before; the Gateway API Inference
+Extension's LoRA-affinity peer reads vllm:lora_requests_info."""
 
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 
+from fleetctl.daemon.adapters import learn_from_metrics
+from fleetctl.routing.lora_affinity import LoraAffinity
+from fleetctl.routing.registry import make_policy
+from fleetctl.routing.types import Backend, Request
 from tests.procs import NAME, Emulator
 from tests.test_emulator_lora import lora_emulator
 from tests.test_route_serve import INVENTORY, Router, entry
@@ -108,3 +115,61 @@ def test_an_adapter_no_server_has_is_a_404_naming_it(pair):
         assert status == 200, body
     finally:
         router.stop()
+
+
+def test_the_lora_affinity_peer_prefers_where_the_adapter_runs(pair):
+    """The Gateway API Inference Extension's scorer, fed by the emulators' real
+    vllm:lora_requests_info: legal-de runs on `second`, so its next request goes there."""
+    _, emus = pair
+    second = emus["second"]
+    done = threading.Event()
+
+    def long_request() -> None:
+        body = {"model": "legal-de", "prompt": "hello", "max_tokens": 2000, "stream": True}
+        second.request("POST", "/v1/completions", body, timeout=60)
+        done.set()
+
+    threading.Thread(target=long_request, daemon=True).start()
+    try:
+        backends = {}
+        while not done.is_set():  # each scrape answers at once; ends when legal-de runs
+            status, text = second.request("GET", "/metrics")
+            assert status == 200
+            b = Backend(second.base, "rtx-2", "RTX-4090", NAME, "bf16", 10_000)
+            learn_from_metrics(b, text.decode())
+            if "legal-de" in b.lora_running:
+                backends["second"] = b
+                break
+        assert "second" in backends, "legal-de never ran on the second server"
+        status, text = emus["first"].request("GET", "/metrics")
+        first = Backend(emus["first"].base, "rtx-1", "RTX-4090", NAME, "bf16", 10_000)
+        learn_from_metrics(first, text.decode())
+        assert first.lora_max == 2 and backends["second"].lora_max == 2
+        policy = make_policy("lora-affinity")
+        assert isinstance(policy, LoraAffinity)
+        req = Request(1, NAME, 100, 10, adapter="legal-de")
+        pick = policy.choose(req, [first, backends["second"]])
+        assert pick.backend is backends["second"]
+        # Where it runs nowhere, a free slot scores as well as any: the queue decides.
+        assert policy.lora_score(replace(req, adapter="support-en"), first) == 0.8
+    finally:
+        done.wait(60)
+
+
+def test_every_policy_keeps_an_adapter_where_it_is_loaded(pair):
+    tmp, emus = pair
+    entries = [
+        entry(emus["second"], "rtx-2", "RTX-4090"),
+        entry(emus["first"], "rtx-1", "RTX-4090"),
+    ]
+    for policy in ("lora-affinity", "round-robin"):
+        router = Router(
+            tmp, entries, "--policy", policy, name=f"lora-{policy}", inventory=LORA_INVENTORY
+        )
+        try:
+            for _ in range(4):
+                status, headers, body = router.complete(model="support-en")
+                assert status == 200, body
+                assert headers["X-Fleet-Backend"] == "rtx-1"
+        finally:
+            router.stop()
