@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -52,7 +53,7 @@ def test_the_emulators_models_and_lora_metric_have_vllms_shapes(pair):
     status, body = second.request("POST", "/v1/completions", {"model": "support-en", **ask})
     assert status == 404
     assert json.loads(body)["error"] == {
-        "message": "The model `support-en` does not exist.",
+        "message": f"The model `support-en` does not exist. Valid aliases: {NAME}.",
         "type": "NotFoundError",
         "param": "model",
         "code": 404,
@@ -93,3 +94,46 @@ def test_an_adapter_running_is_named_in_the_lora_metric(pair):
         assert "legal-de" in seen, seen
     finally:
         done.wait(60)
+
+
+def test_an_adapter_loads_and_unloads_at_runtime_as_vllm_answers(tmp_path):
+    """With VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, /v1/load_lora_adapter loads an adapter
+    after --lora-load-seconds (emulated: 2 s at the time scale of 20 is 0.1 s), and
+    /v1/unload_lora_adapter drops it, each answered as vLLM 0.32 answers
+    (vllm/entrypoints/openai/models/serving.py); without the variable neither is served."""
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    emu = Emulator(tmp_path, "--enable-lora", "--lora-load-seconds", "2", env=env)
+    plain = lora_emulator(tmp_path)
+    try:
+        emu.wait_healthy()
+        plain.wait_healthy()
+        ask = {"model": "sql", "prompt": "hello", "max_tokens": 2}
+        assert emu.request("POST", "/v1/completions", ask)[0] == 404
+        load = {"lora_name": "sql", "lora_path": "/srv/adapters/sql"}
+        started = time.monotonic()
+        status, body = emu.request("POST", "/v1/load_lora_adapter", load)
+        took = time.monotonic() - started
+        assert (status, body) == (200, b"Success: LoRA adapter 'sql' added successfully.")
+        assert took >= 0.1  # 2 emulated seconds at 20x
+        status, body = emu.request("POST", "/v1/completions", ask)
+        assert status == 200 and json.loads(body)["model"] == "sql"
+        listed = json.loads(emu.request("GET", "/v1/models")[1])["data"]
+        assert {"id": "sql", "root": "/srv/adapters/sql", "parent": NAME}.items() <= listed[
+            1
+        ].items()
+        # Loading it again, or under the base model's name, is vLLM's 400.
+        status, body = emu.request("POST", "/v1/load_lora_adapter", load)
+        assert status == 400 and "has already been loaded" in json.loads(body)["error"]["message"]
+        status, body = emu.request("POST", "/v1/load_lora_adapter", load | {"lora_name": NAME})
+        assert status == 400 and "conflicts with a served base model" in body.decode()
+        unload = {"lora_name": "sql"}
+        status, body = emu.request("POST", "/v1/unload_lora_adapter", unload)
+        assert (status, body) == (200, b"Success: LoRA adapter 'sql' removed successfully.")
+        status, body = emu.request("POST", "/v1/unload_lora_adapter", unload)
+        assert status == 404 and "cannot be found" in json.loads(body)["error"]["message"]
+        assert emu.request("POST", "/v1/completions", ask)[0] == 404
+        # Without the variable vLLM does not serve the endpoints.
+        assert plain.request("POST", "/v1/load_lora_adapter", load)[0] == 404
+    finally:
+        emu.stop()
+        plain.stop()

@@ -60,6 +60,7 @@ class EmulatorArgs:
     max_loras: int | None = None
     max_lora_rank: int | None = None
     lora_modules: list[str] = field(default_factory=list)
+    lora_load_seconds: float = 0.0
 
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -129,6 +130,14 @@ def _parser() -> _Parser:
         metavar="DIR",
         help="emulators given the same folder share one GPU's memory: a wake from sleep that "
         "would not fit beside the others fails out of memory",
+    )
+    own.add_argument(
+        "--lora-load-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="emulated seconds one runtime adapter load takes (POST /v1/load_lora_adapter, "
+        "served with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
     )
     faults = p.add_argument_group("faults")
     faults.add_argument(

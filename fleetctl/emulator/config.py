@@ -219,7 +219,13 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
         sleep_mode=args.enable_sleep_mode,
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").lower() in ("1", "true"),
         gpu_ledger=args.gpu_ledger,
-        lora=lora_config(args.enable_lora, args.max_loras, args.max_lora_rank, args.lora_modules),
+        lora=lora_config(
+            args.enable_lora,
+            args.max_loras,
+            args.max_lora_rank,
+            args.lora_modules,
+            args.lora_load_seconds,
+        ),
     )
 
 

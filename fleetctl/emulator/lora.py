@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleetctl.base import names
 from fleetctl.base.errors import UserError
+from fleetctl.emulator.protocol import ApiError
 
 # vLLM 0.32's defaults (vllm/config/lora.py): one adapter batched at once, rank up to 16.
 DEFAULT_MAX_LORAS = 1
@@ -26,6 +29,10 @@ class LoraConfig:
     max_loras: int = DEFAULT_MAX_LORAS
     max_rank: int = DEFAULT_MAX_RANK
     modules: tuple[tuple[str, str], ...] = ()  # (name, path), in the order given
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # are served; each load takes `load_s` emulated seconds (--lora-load-seconds).
+    runtime: bool = False
+    load_s: float = 0.0
 
 
 def parse_module(text: str) -> tuple[str, str]:
@@ -49,7 +56,11 @@ def parse_module(text: str) -> tuple[str, str]:
 
 
 def lora_config(
-    enable: bool, max_loras: int | None, max_rank: int | None, modules: list[str]
+    enable: bool,
+    max_loras: int | None,
+    max_rank: int | None,
+    modules: list[str],
+    load_s: float = 0.0,
 ) -> LoraConfig | None:
     """The parsed flags, or None without --enable-lora (vLLM then serves no adapter)."""
     if not enable:
@@ -59,7 +70,15 @@ def lora_config(
             )
         return None
     parsed = tuple(parse_module(m) for m in modules)
-    return LoraConfig(max_loras or DEFAULT_MAX_LORAS, max_rank or DEFAULT_MAX_RANK, parsed)
+    # vllm/envs.py reads the variable so: "1" or "true", any case, spaces stripped.
+    runtime = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+    return LoraConfig(
+        max_loras or DEFAULT_MAX_LORAS,
+        max_rank or DEFAULT_MAX_RANK,
+        parsed,
+        runtime in ("1", "true"),
+        load_s,
+    )
 
 
 @dataclass
@@ -73,6 +92,45 @@ class Adapters:
 
     def __post_init__(self) -> None:
         self.loaded.update(self.config.modules)
+
+    async def load(self, body: dict[str, Any], base_names: tuple[str, ...], scale: float) -> str:
+        """POST /v1/load_lora_adapter as vLLM 0.32 answers it (vllm/entrypoints/openai/
+        models/serving.py, load_lora_adapter and its checks), after the load's time."""
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+            raise ApiError(
+                400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput"
+            )
+        if name in base_names:
+            raise ApiError(
+                400,
+                f"The lora adapter '{name}' conflicts with a served base model.",
+                "InvalidUserInput",
+            )
+        if not body.get("load_inplace") and name in self.loaded:
+            raise ApiError(
+                400,
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+            )
+        await asyncio.sleep(self.config.load_s / scale)  # emulated seconds, at the time scale
+        self.loaded[name] = path
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload(self, body: dict[str, Any]) -> str:
+        """POST /v1/unload_lora_adapter as vLLM 0.32 answers it."""
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise ApiError(
+                400,
+                "'lora_name' needs to be provided to unload a LoRA adapter.",
+                "InvalidUserInput",
+            )
+        if name not in self.loaded:
+            raise ApiError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.loaded[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
     def cards(self, parent: str, created: int, permission: dict[str, Any]) -> list[dict]:
         """vLLM's /v1/models card of each loaded adapter (vllm/entrypoints/openai/models/

@@ -122,6 +122,9 @@ def make_app(config: EmulatorConfig) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post(NOTIFY_PATH, _notified)
+    if config.lora is not None and config.lora.runtime:  # vLLM serves them only then
+        app.router.add_post("/v1/load_lora_adapter", _load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
     state.sleeper = _sleeper(config)
     if config.dev_mode:
         attach(app, state.sleeper, state.run)
@@ -326,6 +329,20 @@ def _held_metrics(held: HeldBlocks) -> str:
     )
 
 
+async def _load_lora(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    assert state.adapters is not None
+    c = state.config
+    text = await state.adapters.load(await _read_body(request), c.served_names, c.time_scale)
+    return web.Response(text=text)
+
+
+async def _unload_lora(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    assert state.adapters is not None
+    return web.Response(text=state.adapters.unload(await _read_body(request)))
+
+
 async def _notified(request: web.Request) -> web.StreamResponse:
     """The side channel: a decode server is done with a request's blocks."""
     try:
@@ -378,7 +395,14 @@ def _plan(
     loaded = adapters.loaded if adapters is not None else {}
     adapter = model if isinstance(model, str) and model in loaded else None
     if model is not None and model not in c.served_names and adapter is None:
-        raise proto.ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+        # vllm/entrypoints/serve/engine/serving.py, _check_model
+        valid = ", ".join(c.served_names)
+        raise proto.ApiError(
+            404,
+            f"The model `{model}` does not exist. Valid aliases: {valid}.",
+            "NotFoundError",
+            "model",
+        )
     prompts = [proto.chat_prompt(body)] if chat else proto.completion_prompts(body)
     outputs = [proto.output_tokens(body, p, c.max_model_len, chat) for p in prompts]
     n = body.get("n") or 1
