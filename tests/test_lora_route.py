@@ -173,3 +173,44 @@ def test_every_policy_keeps_an_adapter_where_it_is_loaded(pair):
                 assert headers["X-Fleet-Backend"] == "rtx-1"
         finally:
             router.stop()
+
+
+RUNTIME_INVENTORY = INVENTORY.replace(
+    "router:", ADAPTERS + "    adapters_runtime: true\nrouter:", 1
+)
+
+
+def test_an_adapter_no_server_has_is_loaded_once_where_fewest_are(tmp_path):
+    """With the model's `adapters_runtime`, a request for an adapter no server has makes
+    route-serve load it (POST /v1/load_lora_adapter) on the server of its base model with
+    the fewest adapters loaded; requests for it meanwhile wait for that one load, then all
+    go there."""
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    runtime = ["--enable-lora", "--max-loras", "2", "--lora-load-seconds", "4"]
+    busy = Emulator(tmp_path, *runtime, "--lora-modules", "support-en=/srv/a/support-en", env=env)
+    empty = Emulator(tmp_path, *runtime, env=env)
+    try:
+        busy.wait_healthy()
+        empty.wait_healthy()
+        entries = [entry(busy, "rtx-1", "RTX-4090"), entry(empty, "rtx-2", "RTX-4090")]
+        router = Router(tmp_path, entries, name="lora-rt", inventory=RUNTIME_INVENTORY)
+        try:
+            with ThreadPoolExecutor(4) as pool:
+                answers = list(pool.map(lambda _: router.complete(model="sql"), range(4)))
+            for status, headers, body in answers:
+                assert status == 200, body
+                assert json.loads(body)["model"] == "sql"
+                assert headers["X-Fleet-Backend"] == "rtx-2"
+            listed = json.loads(empty.request("GET", "/v1/models")[1])["data"]
+            assert [c["id"] for c in listed] == [NAME, "sql"]
+            assert listed[1]["root"] == "/srv/adapters/sql"  # the inventory's source
+            assert "sql" not in busy.request("GET", "/v1/models")[1].decode()
+            assert router.log.read_text().count("loaded adapter sql on rtx-2") == 1
+            # A name the inventory does not list is never loaded.
+            status, _, body = router.complete(model="nobody-knows")
+            assert status == 404, body
+        finally:
+            router.stop()
+    finally:
+        busy.stop()
+        empty.stop()

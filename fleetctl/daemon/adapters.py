@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import re
 import shlex
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from fleetctl.fleet.http import Client, HttpError
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.routing.request import ClientError, shown
 from fleetctl.routing.types import Backend
@@ -19,6 +24,10 @@ _LORA_INFO = re.compile(
     re.MULTILINE,
 )
 MAX_LEARNED = 256  # adapters one server is taken to have loaded, at most (bounds memory)
+# A runtime load reads the adapter's files (from the node's disk, or downloads them from
+# Hugging Face): seconds for a small one, longer for a large one or a slow link.
+LOAD_TIMEOUT_S = 120.0
+log = logging.getLogger("fleetctl.router")
 
 
 def adapter_bases(inv: Inventory) -> dict[str, str]:
@@ -106,3 +115,89 @@ def with_adapters(
     out = dict(served)
     out.update({a: served[base] for a, base in adapters.items() if base in served})
     return out
+
+
+@dataclass(frozen=True)
+class Loadable:
+    """An adapter the router may load at runtime: its base model's servers run with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING (the inventory's `adapters_runtime`)."""
+
+    path: str  # its `source`, as --lora-modules would name it
+    gpu_types: tuple[str, ...]  # the GPU types it is pinned to; empty: any
+
+
+def loadable(inv: Inventory) -> dict[str, Loadable]:
+    """The adapters of the models whose servers load adapters at runtime."""
+    return {
+        a.name: Loadable(a.spec.source, a.gpu_types)
+        for m in inv.models
+        if m.spec.adapters_runtime
+        for a in m.adapters
+    }
+
+
+@dataclass
+class Loader:
+    """Loads an adapter no server has on one server of its base model, when the inventory
+    lets servers load at runtime: the one with the fewest adapters loaded, then the fewest
+    requests in flight. Requests for it meanwhile wait for that one load."""
+
+    adapters: Mapping[str, Loadable] = field(default_factory=dict)
+    api_key: str | None = None
+    timeout: float = LOAD_TIMEOUT_S
+    # One per adapter being loaded; keys only from `adapters`, so bounded by the inventory.
+    _locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    loads: int = 0  # loads done, for the log and tests
+
+    async def ensure(self, adapter: str, base: str, backends: Sequence[Backend]) -> None:
+        """Return once a server of `base` has `adapter` loaded; a ClientError if none has
+        it and it cannot be loaded (not loadable: 404; the load failed: 503)."""
+        spec = self.adapters.get(adapter)
+        if spec is None or _has(adapter, base, backends):
+            check_loaded(adapter, base, backends)
+            return
+        lock = self._locks.setdefault(adapter, asyncio.Lock())
+        async with lock:
+            if _has(adapter, base, backends):  # loaded while this request waited
+                return
+            fit = [
+                b
+                for b in backends
+                if b.model == base
+                and b.healthy
+                and (not spec.gpu_types or b.gpu_type in spec.gpu_types)
+            ]
+            if not fit:
+                raise ClientError(
+                    503, f"no healthy server of {base} may load adapter {adapter}", "server_error"
+                )
+            best = min(fit, key=lambda b: (len(b.adapters), b.outstanding, b.name))
+            await self._load(best, adapter, spec.path)
+
+    async def _load(self, b: Backend, adapter: str, path: str) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        body = {"lora_name": adapter, "lora_path": path}
+        started = time.monotonic()
+        client = Client(self.timeout)
+        try:
+            r = await client.post(f"{b.name}/v1/load_lora_adapter", body, headers)
+        except HttpError as e:
+            raise ClientError(
+                503, f"loading adapter {adapter} on {b.node} failed: {e}", "server_error"
+            ) from None
+        finally:
+            await client.close()
+        # vLLM's 400 for one loaded meanwhile (by another router replica) is as good.
+        if r.status != 200 and not (r.status == 400 and b"already been loaded" in r.body):
+            raise ClientError(
+                503,
+                f"loading adapter {adapter} on {b.node} failed: HTTP {r.status}",
+                "server_error",
+            )
+        b.adapters = b.adapters | {adapter}
+        self.loads += 1
+        log.info("loaded adapter %s on %s in %.2f s", adapter, b.node, time.monotonic() - started)
+
+
+def _has(adapter: str, base: str, backends: Sequence[Backend]) -> bool:
+    return any(b.model == base and adapter in b.adapters for b in backends)

@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from fleetctl.base.limits import SHOWN
-from fleetctl.daemon.adapters import check_loaded, with_adapters
+from fleetctl.daemon.adapters import Loader, with_adapters
 from fleetctl.daemon.relay import header_value
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.routing.request import ClientError, Parsed, parse_request
@@ -140,6 +140,7 @@ class Intake:
     # The inventory's LoRA adapters (name -> base model): a request may name one as its model.
     adapters: Mapping[str, str] = field(default_factory=dict)
     backends: list[Backend] = field(default_factory=list)  # the router's (changed in place)
+    loader: Loader = field(default_factory=Loader)  # adapters loaded at runtime, if any
 
     def index(self, backends: list[Backend]) -> None:
         """Which models the backends serve, in which formats (again after a reload)."""
@@ -149,9 +150,11 @@ class Intake:
         self.served = with_adapters({m: frozenset(v) for m, v in served.items()}, self.adapters)
         self.backends = backends
 
-    def use_adapters(self, adapters: Mapping[str, str]) -> None:
-        """Take requests for these adapters (name -> base model) from now on."""
+    def use_adapters(self, adapters: Mapping[str, str], loader: Loader | None = None) -> None:
+        """Take requests for these adapters (name -> base model) from now on, loading the
+        ones `loader` may load where no server has them."""
         self.adapters = adapters
+        self.loader = loader or Loader()
         self.index(self.backends)
 
     async def read(self, request: web.Request, chat: bool) -> tuple[bytes, Parsed, Request]:
@@ -176,7 +179,7 @@ class Intake:
         )
         adapter = p.model if p.model in self.adapters else ""
         if adapter:  # routed as its base model's request; its body keeps the adapter's name
-            check_loaded(adapter, self.adapters[adapter], self.backends)
+            await self.loader.ensure(adapter, self.adapters[adapter], self.backends)
             p = replace(p, model=self.adapters[adapter])
         if p.stripped:  # the router's own fields dropped: every path forwards these bytes
             raw = json.dumps(p.body, ensure_ascii=False).encode()

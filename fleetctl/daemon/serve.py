@@ -22,7 +22,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from fleetctl.base import names
 from fleetctl.base.errors import FleetError, Location, UserError
-from fleetctl.daemon.adapters import adapter_bases
+from fleetctl.daemon.adapters import Loader, adapter_bases, loadable
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
 from fleetctl.daemon.intake import JsonErrorRunner
 from fleetctl.daemon.listen import bind, busy, start, stop, stop_signals
@@ -214,7 +214,7 @@ def build_router(
         kv_events=kv_events,
         request_log=open_request_log(inv, state_dir, request_log),
     )
-    router.intake.use_adapters(adapter_bases(inv))
+    router.intake.use_adapters(adapter_bases(inv), Loader(loadable(inv), config.backend_api_key))
     return router
 
 
