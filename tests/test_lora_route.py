@@ -91,6 +91,20 @@ def test_an_adapters_requests_go_only_where_it_is_loaded(pair):
         # The base model routes as before.
         status, _, body = router.complete()
         assert status == 200 and json.loads(body)["model"] == NAME
+        # Hints hold for an adapter as for its base model: a session's turns and a strict
+        # precision its base model runs; a format it does not run is the router's 400.
+        hints = {"X-Session-ID": "s-1", "X-Fleet-Precision": "bf16;strict"}
+        for _ in range(2):
+            status, headers, body = router.complete(model="support-en", headers=hints)
+            assert status == 200 and headers["X-Fleet-Backend"] == "rtx-1", body
+        # A session whose earlier turn went to the base model's server without the adapter.
+        status, headers, _ = router.complete(headers={"X-Session-ID": "s-2"})
+        assert status == 200
+        status, headers, body = router.complete(model="support-en", headers={"X-Session-ID": "s-2"})
+        assert status == 200 and headers["X-Fleet-Backend"] == "rtx-1", body
+        strict = {"X-Fleet-Precision": "int4;strict"}
+        status, _, body = router.complete(model="support-en", headers=strict)
+        assert status == 400 and "bf16" in json.loads(body)["error"]["message"], body
     finally:
         router.stop()
 
