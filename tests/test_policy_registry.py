@@ -3,13 +3,14 @@ daemon, the simulator and `simulate --policies` know comes from that one table."
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 from collections.abc import Iterator, Sequence
 
 import pytest
 
-import fleetctl.routing.peers
-import fleetctl.routing.policy
+import fleetctl.routing
 from fleetctl.routing.policy import Policy
 from fleetctl.routing.prefix import PrefixIndex, PrefixView
 from fleetctl.routing.registry import (
@@ -71,11 +72,16 @@ def test_a_name_is_registered_once(first_backend):
 
 
 def test_every_policy_class_is_registered_under_its_own_name():
-    """Each policy class of routing/ (ours and the peers') is in the one table under its
-    `name`, and its registration builds that class with the context it is given."""
+    """Each policy class of routing/ (ours and the peers', in any of its files) is in the one
+    table under its `name`, and its registration builds that class with the context it is
+    given."""
+    modules = [
+        importlib.import_module(f"fleetctl.routing.{m.name}")
+        for m in pkgutil.iter_modules(fleetctl.routing.__path__)
+    ]
     classes = [
         cls
-        for module in (fleetctl.routing.policy, fleetctl.routing.peers)
+        for module in modules
         for _, cls in inspect.getmembers(module, inspect.isclass)
         if issubclass(cls, Policy) and cls is not Policy and cls.__module__ == module.__name__
     ]

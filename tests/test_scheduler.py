@@ -506,3 +506,25 @@ def test_a_fleet_with_no_free_sequence_slot_is_not_offered_any_request():
     s.submit(req("lo", 10, 10, priority=1))
     assert s.dispatch(0, [a, b]) == ([], [])
     assert policy.asked == [] and [r.id for r in s.queue] == ["hi", "lo"]
+
+
+def test_an_adapter_waiting_for_its_one_server_holds_back_no_base_model_request(catalog):
+    """A LoRA adapter's request waits for the servers that have it loaded; its base model's
+    requests of the same size still go to the others; an adapter whose servers are all out
+    is the router's fault (503), not the request's."""
+    g, m, f = catalog.gpu("A100-SXM4-80GB"), catalog.model("llama-3-8b"), catalog.format("bf16")
+    perf = EnginePerf(g, m, f)
+    loaded = Backend("loaded", "a", g.name, m.name, "bf16", 10_000, 64, perf)
+    other = Backend("other", "b", g.name, m.name, "bf16", 10_000, 64, perf)
+    loaded.adapters = frozenset({"sql"})
+    loaded.outstanding, loaded.reserved_tokens = 3, 9_900  # no room for 1,000 more
+    s = Scheduler(HardwareAware(), Aging(enabled=False))
+    s.submit(Request("adapter", m.name, 900, 100, arrival=0, adapter="sql"))
+    s.submit(Request("base", m.name, 900, 100, arrival=1))
+    sent, rejected = s.dispatch(2, [loaded, other])
+    assert [(d.request.id, d.decision.backend.name) for d in sent] == [("base", "other")]
+    assert not rejected and [q.id for q in s.queue] == ["adapter"]
+    loaded.healthy = False
+    sent, rejected = s.dispatch(3, [loaded, other])
+    assert not sent and [d.request.id for d in rejected] == ["adapter"]
+    assert rejected[0].decision.down

@@ -15,6 +15,7 @@ from fleetctl.base.errors import Location, UserError
 from fleetctl.base.limits import MAX_TOKENS
 from fleetctl.base.validation import Strict, validate
 from fleetctl.base.yamlsrc import load_yaml
+from fleetctl.daemon.adapters import lora_modules
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.fleet.state import server_name
@@ -73,6 +74,8 @@ def body_for(b: Backend, raw: bytes) -> bytes:
     if name == b.model:
         return raw
     body = json.loads(raw)
+    if body.get("model") != b.model:  # an adapter's name: vLLM routes by it, keep it
+        return raw
     body["model"] = name
     return json.dumps(body, ensure_ascii=False).encode()
 
@@ -204,6 +207,7 @@ def _state_backend(inv: Inventory, d: Deployment, level: int = 1) -> Backend:
         dcgm_url=dcgm_url(inv, d.host),
         max_num_batched_tokens=s.max_num_batched_tokens,
         role=s.role,
+        adapters=lora_modules(d.vllm_args),
     )
     b.wake_s, b.sleep_level = wake_s, level
     b.wakeable = SLEEP_MODE_FLAG in d.vllm_args

@@ -9,12 +9,13 @@ import hmac
 import json
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from fleetctl.base.limits import SHOWN
+from fleetctl.daemon.adapters import Loader, with_adapters
 from fleetctl.daemon.relay import header_value
 from fleetctl.daemon.tokens import TokenCounter
 from fleetctl.routing.request import ClientError, Parsed, parse_request
@@ -136,13 +137,25 @@ class Intake:
     # that reads a prefix index, as it costs ~0.4 us per 64 characters (~20 us for a
     # 1K-token prompt, benchmarks/prefix_index.py).
     blocks: bool = False
+    # The inventory's LoRA adapters (name -> base model): a request may name one as its model.
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    backends: list[Backend] = field(default_factory=list)  # the router's (changed in place)
+    loader: Loader = field(default_factory=Loader)  # adapters loaded at runtime, if any
 
     def index(self, backends: list[Backend]) -> None:
         """Which models the backends serve, in which formats (again after a reload)."""
         served: dict[str, set[str]] = {}
         for b in backends:
             served.setdefault(b.model, set()).add(b.variant)
-        self.served = {m: frozenset(v) for m, v in served.items()}
+        self.served = with_adapters({m: frozenset(v) for m, v in served.items()}, self.adapters)
+        self.backends = backends
+
+    def use_adapters(self, adapters: Mapping[str, str], loader: Loader | None = None) -> None:
+        """Take requests for these adapters (name -> base model) from now on, loading the
+        ones `loader` may load where no server has them."""
+        self.adapters = adapters
+        self.loader = loader or Loader()
+        self.index(self.backends)
 
     async def read(self, request: web.Request, chat: bool) -> tuple[bytes, Parsed, Request]:
         authorize(self.api_key, request)
@@ -164,10 +177,15 @@ class Intake:
             self.priority_classes,
             self.max_json_depth,
         )
+        adapter = p.model if p.model in self.adapters else ""
+        if adapter:  # routed as its base model's request; its body keeps the adapter's name
+            await self.loader.ensure(adapter, self.adapters[adapter], self.backends)
+            p = replace(p, model=self.adapters[adapter])
         if p.stripped:  # the router's own fields dropped: every path forwards these bytes
             raw = json.dumps(p.body, ensure_ascii=False).encode()
         m = await self.tokens.measure(p.model, p.body, chat, self.blocks)
         req = p.request(m.tokens, m.chars, self.estimator.estimate(p.model), time.monotonic())
         req.max_tokens = p.max_tokens  # the length filter needs what the client asked for
         req.blocks = m.blocks
+        req.adapter = adapter
         return raw, p, req

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from urllib.parse import urlsplit
 
 from fleetctl.base.limits import MAX_TOKENS
+from fleetctl.daemon.adapters import learn_from_metrics, learn_from_models
 from fleetctl.daemon.backends import model_problem, served_name
 from fleetctl.daemon.dcgm import parse_dcgm_mem_copy
 from fleetctl.fleet.http import Client, HttpError, HttpTimeout
@@ -306,6 +307,7 @@ class LiveState:
                 data = r.json()["data"]
                 listed = [m["id"] for m in data if isinstance(m["id"], str)]
                 served_length(b, data, want)
+                learn_from_models(b, data, want)
         except (HttpError, ValueError, KeyError, TypeError):
             pass
         now = time.monotonic()
@@ -386,6 +388,7 @@ class LiveState:
         """One /metrics page (asked for at `asked`), parsed once for routing and the online
         fit alike."""
         m = replace(parse_metrics(text), at=now)
+        learn_from_metrics(b, text)
         s = self.state(b)
         s.scraped_at = now
         if m.sleeping is not None and (asked is None or asked >= s.state_set_at):

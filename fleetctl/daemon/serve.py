@@ -22,6 +22,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from fleetctl.base import names
 from fleetctl.base.errors import FleetError, Location, UserError
+from fleetctl.daemon.adapters import Loader, adapter_bases, loadable
 from fleetctl.daemon.autopilot_log import AutopilotLog
 from fleetctl.daemon.backends import KvEndpoint, kv_events_from_state, load_backends
 from fleetctl.daemon.intake import JsonErrorRunner
@@ -218,6 +219,7 @@ def build_router(
     )
     if autopilot_log is not None:
         router.metrics.sources.append(AutopilotLog(autopilot_log).render)
+    router.intake.use_adapters(adapter_bases(inv), Loader(loadable(inv), config.backend_api_key))
     return router
 
 

@@ -56,6 +56,11 @@ class EmulatorArgs:
     die_mid_stream: int | None = None
     enable_sleep_mode: bool = False
     gpu_ledger: Path | None = None
+    enable_lora: bool = False
+    max_loras: int | None = None
+    max_lora_rank: int | None = None
+    lora_modules: list[str] = field(default_factory=list)
+    lora_load_seconds: float = 0.0
 
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -126,6 +131,14 @@ def _parser() -> _Parser:
         help="emulators given the same folder share one GPU's memory: a wake from sleep that "
         "would not fit beside the others fails out of memory",
     )
+    own.add_argument(
+        "--lora-load-seconds",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="emulated seconds one runtime adapter load takes (POST /v1/load_lora_adapter, "
+        "served with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
     faults = p.add_argument_group("faults")
     faults.add_argument(
         "--startup-delay", type=float, default=0.0, help="wall seconds of 503s first (unscaled)"
@@ -162,6 +175,10 @@ def _parser() -> _Parser:
     vllm.add_argument("--kv-events-config", metavar="JSON")
     vllm.add_argument("--kv-transfer-config", metavar="JSON")
     vllm.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction, default=False)
+    vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
+    vllm.add_argument("--max-loras", type=int)
+    vllm.add_argument("--max-lora-rank", type=int)
+    vllm.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     vllm.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p
 

@@ -10,6 +10,7 @@ from fleetctl.base.errors import UserError
 from fleetctl.emulator.args import EmulatorArgs
 from fleetctl.emulator.kv_publisher import KvEventsConfig, parse_kv_events_config
 from fleetctl.emulator.kv_transfer import KvTransferConfig, parse_kv_transfer_config
+from fleetctl.emulator.lora import LoraConfig, lora_config
 from fleetctl.emulator.truth import less_kv, slower
 from fleetctl.model.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
 from fleetctl.model.perf import (
@@ -78,6 +79,7 @@ class EmulatorConfig:
     sleep_mode: bool = False
     dev_mode: bool = False
     gpu_ledger: Path | None = None
+    lora: LoraConfig | None = None  # --enable-lora's settings; None: no adapters
 
     @property
     def block_size(self) -> int:
@@ -217,6 +219,13 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
         sleep_mode=args.enable_sleep_mode,
         dev_mode=os.environ.get("VLLM_SERVER_DEV_MODE", "0").lower() in ("1", "true"),
         gpu_ledger=args.gpu_ledger,
+        lora=lora_config(
+            args.enable_lora,
+            args.max_loras,
+            args.max_lora_rank,
+            args.lora_modules,
+            args.lora_load_seconds,
+        ),
     )
 
 

@@ -32,6 +32,7 @@ from fleetctl.emulator.kv_transfer import (
     remote_prefill,
     wants_remote_decode,
 )
+from fleetctl.emulator.lora import Adapters
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
 from fleetctl.emulator.sleep import GpuLedger, Sleeper, attach
 from fleetctl.model.perf import cuda_total
@@ -66,6 +67,17 @@ class State:
     hung: bool = False
     held: HeldBlocks = field(default_factory=HeldBlocks)  # KV kept for decode servers
     sleeper: Sleeper | None = None
+    adapters: Adapters | None = None  # with --enable-lora
+    lora_jobs: dict[int, tuple[str, Job]] = field(default_factory=dict)  # id(job) -> adapter
+
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """The adapters with requests running (scheduled) and waiting, each named once."""
+        running: dict[str, None] = {}
+        waiting: dict[str, None] = {}
+        for name, job in self.lora_jobs.values():
+            if not job.finished:
+                (waiting if job.scheduled_at is None else running)[name] = None
+        return list(running), list(waiting)
 
     @property
     def loading(self) -> bool:
@@ -99,6 +111,7 @@ def make_app(config: EmulatorConfig) -> web.Application:
             config.max_model_len,
         ),
         rng=random.Random(config.faults.seed),
+        adapters=Adapters(config.lora) if config.lora is not None else None,
     )
     app = web.Application(middlewares=[_hang_mw, _errors_mw, _auth_mw, _loading_mw])
     app[STATE] = state
@@ -109,6 +122,9 @@ def make_app(config: EmulatorConfig) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post(NOTIFY_PATH, _notified)
+    if config.lora is not None and config.lora.runtime:  # vLLM serves them only then
+        app.router.add_post("/v1/load_lora_adapter", _load_lora)
+        app.router.add_post("/v1/unload_lora_adapter", _unload_lora)
     state.sleeper = _sleeper(config)
     if config.dev_mode:
         attach(app, state.sleeper, state.run)
@@ -243,6 +259,9 @@ async def _models(request: web.Request) -> web.StreamResponse:
     c = request.app[STATE].config
     created = int(time.time())
     cards = [_model_card(name, c, created) for name in c.served_names]
+    adapters = request.app[STATE].adapters
+    if adapters is not None:
+        cards += adapters.cards(c.name, created, cards[0]["permission"][0])
     return _json({"object": "list", "data": cards})
 
 
@@ -288,6 +307,8 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
         text += sleeper.metrics() + _arrival_metrics(state.run().arrivals)
     if state.config.kv_transfer is not None:
         text += _held_metrics(state.held)
+    if state.adapters is not None:
+        text += state.adapters.metric(*state.lora_names())
     return web.Response(
         body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
@@ -318,6 +339,20 @@ def _held_metrics(held: HeldBlocks) -> str:
         "# TYPE fleetctl_emulator_kv_held_blocks gauge\n"
         f"fleetctl_emulator_kv_held_blocks {blocks}\n"
     )
+
+
+async def _load_lora(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    assert state.adapters is not None
+    c = state.config
+    text = await state.adapters.load(await _read_body(request), c.served_names, c.time_scale)
+    return web.Response(text=text)
+
+
+async def _unload_lora(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    assert state.adapters is not None
+    return web.Response(text=state.adapters.unload(await _read_body(request)))
 
 
 async def _notified(request: web.Request) -> web.StreamResponse:
@@ -365,10 +400,21 @@ async def _read_body(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def _plan(body: dict[str, Any], c: EmulatorConfig, chat: bool) -> Plan:
+def _plan(
+    body: dict[str, Any], c: EmulatorConfig, chat: bool, adapters: Adapters | None = None
+) -> Plan:
     model = body.get("model")
-    if model is not None and model not in c.served_names:
-        raise proto.ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+    loaded = adapters.loaded if adapters is not None else {}
+    adapter = model if isinstance(model, str) and model in loaded else None
+    if model is not None and model not in c.served_names and adapter is None:
+        # vllm/entrypoints/serve/engine/serving.py, _check_model
+        valid = ", ".join(c.served_names)
+        raise proto.ApiError(
+            404,
+            f"The model `{model}` does not exist. Valid aliases: {valid}.",
+            "NotFoundError",
+            "model",
+        )
     prompts = [proto.chat_prompt(body)] if chat else proto.completion_prompts(body)
     outputs = [proto.output_tokens(body, p, c.max_model_len, chat) for p in prompts]
     n = body.get("n") or 1
@@ -377,7 +423,7 @@ def _plan(body: dict[str, Any], c: EmulatorConfig, chat: bool) -> Plan:
     options = body.get("stream_options")
     options = options if isinstance(options, dict) else {}
     return Plan(
-        proto.Reply(chat, c.name),
+        proto.Reply(chat, adapter or c.name),  # vLLM answers under the adapter's name
         prompts,
         outputs,
         n,
@@ -395,7 +441,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         state.hung = True
         await _hang_forever()
     body = await _read_body(request)
-    plan = _plan(body, state.config, chat)
+    plan = _plan(body, state.config, chat, state.adapters)
     plan.named = await _name_prompts(body, plan, state.config, chat)
     if faults.error_rate and state.rng.random() < faults.error_rate:
         raise proto.ApiError(500, "Emulated server error (--error-rate)", "InternalServerError")
@@ -410,6 +456,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         )
         for j in range(plan.n)
     ]
+    model = body.get("model")
+    if state.adapters is not None and isinstance(model, str) and model in state.adapters.loaded:
+        state.lora_jobs.update((id(job), (model, job)) for job in jobs)
     try:
         if plan.stream:
             state.streams += 1
@@ -421,6 +470,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         for job in jobs:
             driver.abort(job)  # no-op for finished ones; a client that left frees its KV
+            state.lora_jobs.pop(id(job), None)
     if whole:
         _completed(state)
     return response

@@ -42,7 +42,8 @@ class Reply:
 
 
 class Client:
-    """GETs over one aiohttp session: kept-alive connections, no cookies, a bounded answer."""
+    """GETs (and the rare POST) over one aiohttp session: kept-alive connections, no cookies,
+    a bounded answer."""
 
     def __init__(self, timeout: float, max_bytes: int = MAX_ANSWER):
         self.timeout, self.max_bytes = timeout, max_bytes
@@ -50,6 +51,26 @@ class Client:
 
     async def get(
         self, url: str, headers: dict[str, str] | None = None, timeout: float | None = None
+    ) -> Reply:
+        return await self._request("GET", url, headers, timeout)
+
+    async def post(
+        self,
+        url: str,
+        body: object,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+    ) -> Reply:
+        """POST `body` as JSON."""
+        return await self._request("POST", url, headers, timeout, body)
+
+    async def _request(
+        self,
+        method: str,
+        url: str,
+        headers: dict[str, str] | None,
+        timeout: float | None,
+        payload: object = None,
     ) -> Reply:
         if self._session is None:
             self._session = aiohttp.ClientSession(
@@ -59,9 +80,11 @@ class Client:
             )
         limit = self.timeout if timeout is None else timeout
         try:
-            async with self._session.get(
+            async with self._session.request(
+                method,
                 url,
                 headers=headers,
+                json=payload,
                 timeout=aiohttp.ClientTimeout(total=limit),
                 allow_redirects=False,
             ) as resp:

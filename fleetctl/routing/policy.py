@@ -149,6 +149,10 @@ class Policy:
         starting, else the asleep ones (the router then wakes the one chosen). This is the
         one place the rule lives, for every policy and the simulator alike."""
         found = [b for b in backends if b.model == req.model and b.healthy and can_serve(b)]
+        if req.adapter:
+            found = [b for b in found if req.adapter in b.adapters]
+        if not found and req.adapter:
+            return Pool(), f"no healthy backend of {req.model} has adapter {req.adapter} loaded"
         if not found:
             if any(b.model == req.model and b.healthy for b in backends):
                 return Pool(), (

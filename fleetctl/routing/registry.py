@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fleetctl.routing.lora_affinity import LoraAffinity
 from fleetctl.routing.peers import CacheAware, KvRouter, PrefixKv
 from fleetctl.routing.policy import (
     HardwareAware,
@@ -63,6 +64,8 @@ register(HardwareAware, lambda c: HardwareAware(c.config, c.sessions, c.prefix),
 register(CacheAware, lambda c: CacheAware(c.seed, prefix=c.prefix))
 register(PrefixKv, lambda c: PrefixKv(c.seed, prefix=c.prefix))
 register(KvRouter, lambda c: KvRouter(c.seed, prefix=c.prefix))
+# The Gateway API Inference Extension's LoRA affinity (routing/lora_affinity.py).
+register(LoraAffinity, lambda c: LoraAffinity(c.seed, prefix=c.prefix))
 
 
 def policy_class(name: str) -> type[Policy]:

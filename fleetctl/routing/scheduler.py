@@ -213,7 +213,7 @@ class Scheduler:
                     blocked = True
                     break
                 req = q.popleft()
-                sig = (req.model, req.precision, req.strict, req.session, req.exclude)
+                sig = (req.model, req.adapter, req.precision, req.strict, req.session, req.exclude)
                 if req.total_tokens >= no_room.get(sig, 1 << 62):
                     keep.append(req)
                     continue
@@ -350,4 +350,6 @@ def all_down(req: Request, backends: Sequence[Backend]) -> bool:
     """Whether `req`'s model has servers here and every one is out of routing (ejected,
     warming up): no fault of the request's, so the client hears 503, not 400."""
     mine = [b for b in backends if b.model == req.model]
+    if req.adapter:  # an adapter's: the servers that have it loaded
+        mine = [b for b in mine if req.adapter in b.adapters]
     return bool(mine) and not any(b.healthy and can_serve(b) for b in mine)

@@ -60,6 +60,9 @@ class Request:
     # Prompt tokens its backend is expected to find cached (set when it is placed): the
     # backend's pending prefill counts only the rest.
     cached_tokens: int = 0
+    # The LoRA adapter it names as its model ("" for the base model, which `model` names):
+    # only servers of the base model with the adapter loaded may take it.
+    adapter: str = ""
 
     @property
     def total_tokens(self) -> int:
@@ -124,6 +127,14 @@ class Backend:
     # The name its /v1/models lists when that is not `model` (a backends file's served_name):
     # the router renames a request's model to it on the way there.
     served_name: str = ""
+    # The LoRA adapters it has loaded: its --lora-modules, then what its /v1/models lists
+    # and its vllm:lora_requests_info names (fleetctl/daemon/adapters.py).
+    adapters: frozenset[str] = frozenset()
+    # Its newest vllm:lora_requests_info: adapters with requests running and waiting (in its
+    # GPU slots), and its --max-loras; 0 when it reports none.
+    lora_running: frozenset[str] = frozenset()
+    lora_waiting: frozenset[str] = frozenset()
+    lora_max: int = 0
     # "both" (prefill and decode), or one phase of a disaggregated model: "prefill" or
     # "decode" (routing/phases.py).
     role: str = "both"
