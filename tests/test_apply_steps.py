@@ -427,7 +427,7 @@ def test_a_sleeper_whose_gpus_go_to_another_server_is_stopped():
 
 
 def test_the_state_book_keeps_sleepers_and_drains_through_a_node_rewrite(tmp_path):
-    from fleetctl.apply.execute import StateBook
+    from fleetctl.apply.book import StateBook
     from fleetctl.fleet.state import server_name
     from fleetctl.fleet.statedir import StateDir
 

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, NamedTuple, Protocol
 
+from fleetctl.apply.book import StateBook
 from fleetctl.apply.credentials import load_secrets
-from fleetctl.apply.execute import ApplyOptions, Outcome, StateBook, apply_fleet, destroy_fleet
+from fleetctl.apply.execute import ApplyOptions, Outcome, apply_fleet, destroy_fleet
 from fleetctl.apply.gate import Gate, GateResult
 from fleetctl.apply.lock import StateLock
 from fleetctl.apply.warmup import Disruption, for_plan, record_startups
