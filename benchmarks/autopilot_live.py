@@ -25,9 +25,11 @@ midnight (mean 0.6 req/s), starting at midnight, so one falls while the other ri
 back; Poisson arrivals; shapes drawn from 500 seeded (prompt 500-2,500, output 100-500) token
 pairs. A load generator (harness/load.py open_loop) sends each request at its time through
 route-serve, streamed, with a prompt of exactly its tokens (4 characters a token, unique text)
-and max_tokens its output. The autopilot is started first; the traffic starts as its first
-(empty) interval is logged, so its decisions fall `interval` seconds apart from the traffic's
-start, as the simulator's ticks do.
+and max_tokens its output. The simulator first decides `interval` s into the traffic; the
+autopilot is started so that its first decision falls there too: as long before that mark as a
+dry run of it (`--once --dry-run`, its own audit file) took from start to decision. Started
+with the traffic, it would decide on an empty first interval, and sleep servers one interval
+early.
 
 The prediction: the same rows, inventory, plan and settings through `run_autopilot`
 (autopilot/simulated.py), in process, with the default costs (the same wake seconds as the
