@@ -64,6 +64,16 @@ class Hooks:
     slo: dict[str, Slo] = field(default_factory=dict)  # each model's objectives, if it has
 
 
+def current(b: Backend, backends: list[Backend]) -> Backend:
+    """`b` as the router lists it now. A reload lists a new object for a server that stays,
+    with its counters carried over (Router.replace_backends): a request placed before the
+    reload gives its room back to that one, or the counters never come down again."""
+    for x in backends:
+        if x is b:
+            return b
+    return next((x for x in backends if x.name == b.name), b)
+
+
 class Lease:
     """One attempt's hold on a backend, from placement (the scheduler accounted it) to its end.
     Each ending releases the counters only if no other ending has: exactly once."""
@@ -98,6 +108,7 @@ class Lease:
     def first(self) -> None:
         """The first byte of the answer arrived: the prompt is no longer pending prefill."""
         now = time.monotonic()
+        self.b = current(self.b, self.hooks.admission.backends)
         if not self.prefilled:
             first_token(self.b, self.req)
         self.first_seen = True
@@ -109,6 +120,7 @@ class Lease:
         if not self.held:
             return False
         self.held = False
+        self.b = current(self.b, self.hooks.admission.backends)
         release(self.b, self.req, self.first_seen or self.prefilled)
         self.hooks.admission.wake()
         return True
@@ -368,6 +380,7 @@ class Proxy:
                 live.failed(b, time.monotonic(), str(e) or type(e).__name__)
             return None
         finally:
+            b = current(b, admission.backends)
             if first:
                 first_token(b, req)
             release(b, req, first)
