@@ -74,8 +74,13 @@ def test_parses_a_real_vllm_metrics_page():
     assert s.prefill_sum == pytest.approx(0.04628350000007231)
     assert (s.generation_sum, s.generation_count) == (59.0, 5.0)
     assert (s.ttft_count, s.ttft_sum) == (5.0, pytest.approx(0.12110018730163574))
-    # Every series calibration reads is on the real page (a renamed one would read None).
-    assert all(getattr(s, f.name) is not None for f in fields(Scrape) if f.name != "at")
+    # Every series calibration reads is on the real page (a renamed one would read None); its
+    # engine_sleep_state says awake. vllm:sleep_mode_operations_in_flight is not on a page
+    # from a server without --enable-sleep-mode (test_vllm_metrics.py reads it).
+    assert all(
+        getattr(s, f.name) is not None for f in fields(Scrape) if f.name not in {"at", "waking"}
+    )
+    assert (s.sleeping, s.sleep_level, s.waking) == (False, 0, None)
     assert s.at is None  # the reader stamps the time, not the page
     assert parse_metrics("# nothing\n") == Scrape()
 
