@@ -101,6 +101,25 @@ def _row(day: FleetDay, wall: float) -> str:
     )
 
 
+def _three_runs(  # type: ignore[no-untyped-def]
+    args: argparse.Namespace, inv, traffic, prefix: str, row, title
+) -> None:
+    """The static plan, the reactive scaler and the autopilot on the same traffic: a table
+    row each, and each run's JSON and day page under OUT as `prefix`-run."""
+    settings = Settings(interval_s=args.interval, down_after=args.down_after)
+    for name, run in (
+        ("static", lambda: run_static(inv, traffic)),
+        ("reactive", lambda: run_reactive(inv, traffic)),
+        ("autopilot", lambda: run_autopilot(inv, traffic, settings)),
+    ):
+        t = time.time()
+        result = run()
+        print(row(result, time.time() - t), flush=True)
+        data = result.to_json()
+        (OUT / f"{prefix}-{name}.json").write_text(json.dumps(data, indent=1))
+        (OUT / f"{prefix}-{name}.html").write_text(page(title(name), [(name, data["fleet"])]))
+
+
 def day(args: argparse.Namespace) -> None:
     conv = args.traces / "AzureLLMInferenceTrace_conv.csv"
     code = args.traces / "AzureLLMInferenceTrace_code.csv"
@@ -127,18 +146,7 @@ def day(args: argparse.Namespace) -> None:
           + ", ".join(f"{m} {len(v):,}" for m, v in traffic.items()))  # fmt: skip
     print("| run | GPU-hours | minutes within SLO | attainment by model | actions | wall s |")
     print("|---|---|---|---|---|---|")
-    settings = Settings(interval_s=args.interval, down_after=args.down_after)
-    for name, run in (
-        ("static", lambda: run_static(inv, traffic)),
-        ("reactive", lambda: run_reactive(inv, traffic)),
-        ("autopilot", lambda: run_autopilot(inv, traffic, settings)),
-    ):
-        t = time.time()
-        result = run()
-        print(_row(result, time.time() - t), flush=True)
-        data = result.to_json()
-        (OUT / f"day-{name}.json").write_text(json.dumps(data, indent=1))
-        (OUT / f"day-{name}.html").write_text(page(f"The day: {name}", [(name, data["fleet"])]))
+    _three_runs(args, inv, traffic, "day", _row, lambda name: f"The day: {name}")
 
 
 BURST_MODEL = "llama-3.1-8b"
@@ -210,19 +218,10 @@ def burst(args: argparse.Namespace) -> None:
     print("| run | within SLO | GPU-hours | TTFT p50 s | TTFT p99 s | TPOT p99 ms | actions "
           "| wall s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
-    settings = Settings(interval_s=args.interval, down_after=args.down_after)
-    for name, run in (
-        ("static", lambda: run_static(inv, traffic)),
-        ("reactive", lambda: run_reactive(inv, traffic)),
-        ("autopilot", lambda: run_autopilot(inv, traffic, settings)),
-    ):
-        t = time.time()
-        result = run()
-        print(_burst_row(result, time.time() - t), flush=True)
-        data = result.to_json()
-        (OUT / f"burst-{name}.json").write_text(json.dumps(data, indent=1))
-        title = f"The burst moved by the {name} on {n} A100s"
-        (OUT / f"burst-{name}.html").write_text(page(title, [(name, data["fleet"])]))
+    _three_runs(
+        args, inv, traffic, "burst", _burst_row,
+        lambda name: f"The burst moved by the {name} on {n} A100s",
+    )  # fmt: skip
 
 
 def main() -> None:
