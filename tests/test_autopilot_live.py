@@ -258,6 +258,25 @@ def test_rising_traffic_wakes_the_sleeper(fleet, tmp_path):
     fleet.wait_backends(2)
 
 
+def test_a_sleeper_route_serve_woke_is_taken_as_awake(fleet, tmp_path):
+    """box-2 asleep in state.json, then woken behind the autopilot's back (route-serve asks
+    /wake_up itself when a request finds no awake server): the next interval finds it
+    awake, says so in the audit log, and state.json agrees with the servers again."""
+    fleet.reset(asleep=True)
+    assert fleet.call("127.0.0.2", "POST", "/wake_up")[0] == 200
+    audit = tmp_path / "audit.jsonl"
+    run = fleet.autopilot(audit, "--interval", "60")
+    assert run.returncode == 0, run.stderr
+    [line] = _audit(audit)
+    two = fleet.deployments[1]
+    assert line["woken_by_router"] == [f"{two.node}:{two.port}"], line
+    state = fleet.sdir.load_state()
+    for d in state.deployments:
+        assert not fleet.sleeping(d.host), line
+    for s in state.asleep:
+        assert fleet.sleeping(s.deployment.host), line
+
+
 def test_a_wake_refused_for_memory_is_that_change_s_fault(fleet, tmp_path):
     """Another process took box-2's GPU memory while it slept (vLLM's wake fails out of
     memory then): the wake is a fault in the audit log, box-2 stays asleep in state.json, and

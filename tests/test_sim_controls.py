@@ -105,3 +105,34 @@ def test_requests_wait_for_a_models_only_server_while_it_wakes(catalog, policy):
     # The ones that waited go at its ready instant (hardware-aware: within its KV caps).
     early = [o for o in mine if o.item.arrival < 20.0]
     assert early and min(o.dispatched for o in early) == pytest.approx(20.0)
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "hardware-aware"])
+def test_the_router_wakes_a_sleeper_itself_when_its_model_has_none_awake(catalog, policy):
+    """route-serve's rule in the simulator: with every server of the model put to sleep in
+    sleep mode, the first arrival's dispatch wakes one (a "router wake") and the requests
+    wait for it in the router's queue; none is refused, none reaches it before it is ready,
+    and a second server is not woken for requests the waking one will take."""
+    items = _items(rate=0.5, duration=60.0)
+    r = simulate(
+        _fleet(catalog),
+        items,
+        policy,
+        controls=[
+            Control(0.0, "rtx-0", "sleep", wake_s=5.0),
+            Control(0.0, "rtx-1", "sleep", wake_s=5.0),
+        ],
+    )
+    assert not any(o.rejected for o in r.outcomes)
+    assert all(o.done for o in r.outcomes)
+    assert r.awake.actions == {"sleep": 2, "router wake": 1}
+    first = min(items, key=lambda w: w.arrival).arrival
+    assert min(o.dispatched for o in r.outcomes) == pytest.approx(first + 5.0)
+
+
+def test_a_server_stopped_or_asleep_without_sleep_mode_is_not_woken_by_the_router(catalog):
+    items = _items(rate=0.5, duration=30.0)
+    controls = [Control(0.0, "rtx-0", "sleep"), Control(0.0, "rtx-1", "stop")]
+    r = simulate(_fleet(catalog), items, "round-robin", controls=controls)
+    assert all(o.rejected for o in r.outcomes)
+    assert "router wake" not in r.awake.actions

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import os
 import threading
@@ -108,6 +109,9 @@ class Live:
     def tick(self, now: float) -> dict[str, Any]:
         """One interval: read, decide, carry out, log. The record the audit log keeps."""
         state = self.sdir.load_state()
+        woken = [] if self.options.dry_run else self._woken_by_router(state)
+        if woken:
+            state = self.sdir.load_state()
         self.pilot.residents = _residents(state, self.pilot.residents)
         seen = self.tail.interval(now, self.settings.interval_s, state.slo, self.first)
         self.first = False
@@ -118,6 +122,8 @@ class Live:
         if not self.options.dry_run:
             self.pilot.carried_out(dataclasses.replace(decision, changes=done))
         record = _record(decision, seen, results, self.options.dry_run)
+        if woken:
+            record["woken_by_router"] = woken
         if self.options.audit_log is not None:
             append_audit(self.options.audit_log, record)
         return record
@@ -278,23 +284,38 @@ class Live:
         else:
             note = " (it was awake already)"
 
-        def awake(s: State) -> State:
-            mine = next((x for x in s.asleep if x.name == name), None)
-            back = mine.deployment if mine is not None else d
-            clash = [x for x in s.deployments if x.key == back.key]
-            if clash:
-                raise SleepModeError(
-                    f"woken, but state.json has {server_name(clash[0])} awake on its GPUs"
-                )
-            asleep = tuple(x for x in s.asleep if x.name != name)
-            return dataclasses.replace(s, deployments=(*s.deployments, back), asleep=asleep)
-
-        self._update(awake)
+        self._update(lambda s: _awake(s, name, d))
         return _result(c, "done", f"awake{note}")
+
+    def _woken_by_router(self, state: State) -> list[str]:
+        """The sleepers route-serve woke itself (a request found its model with no awake
+        server, or every awake one would miss), moved to the awake servers in state.json so
+        the autopilot decides on what runs. One that does not answer stays as it is."""
+        woken = []
+        for s in state.asleep:
+            try:
+                if sleepmode.is_sleeping(s.deployment):
+                    continue
+                self._update(functools.partial(_awake, name=s.name, d=s.deployment))
+            except SleepModeError:
+                continue  # unreachable now: the next interval asks again
+            woken.append(s.name)
+        return woken
 
     def _update(self, change: Callable[[State], State]) -> None:
         with self.sdir.write_lock():
             self.sdir.save_state(change(self.sdir.load_state()))
+
+
+def _awake(s: State, name: str, d: Deployment) -> State:
+    """`s` with the sleeper `name` (else `d`) among the awake servers."""
+    mine = next((x for x in s.asleep if x.name == name), None)
+    back = mine.deployment if mine is not None else d
+    clash = [x for x in s.deployments if x.key == back.key]
+    if clash:
+        raise SleepModeError(f"woken, but state.json has {server_name(clash[0])} awake on its GPUs")
+    asleep = tuple(x for x in s.asleep if x.name != name)
+    return dataclasses.replace(s, deployments=(*s.deployments, back), asleep=asleep)
 
 
 def _frees(leave: Change, start: Change) -> bool:

@@ -223,6 +223,7 @@ def run_autopilot(
             counts[w.model] = counts.get(w.model, 0.0) + 1
             fresh.setdefault(w.model, []).append(w)
         seen = len(arrived)
+        pilot.residents = woken_by_router(pilot.residents, o.states)
         met: dict[str, tuple[int, int]] = {}
         for out in o.finished:
             assert isinstance(out, Outcome)
@@ -239,7 +240,7 @@ def run_autopilot(
         decision = pilot.decide(o.now, recent)
         decisions.append(decision)
         pilot.carried_out(decision)
-        return _controls(inv, decision, o.now, calibration)
+        return _controls(inv, decision, o.now, calibration, pilot.costs)
 
     result = simulate(
         servers,
@@ -254,10 +255,26 @@ def run_autopilot(
     return FleetDay("autopilot", result, dict(config.slo), span, decisions)
 
 
+def woken_by_router(residents: Sequence[Resident], states: Mapping[str, str]) -> list[Resident]:
+    """The residents as the fleet has them: a sleeper the router woke (its model had no
+    awake server, or every awake one would miss) is awake again, for the autopilot to keep
+    or put back to sleep like any other."""
+    up = {n for n, s in states.items() if s in ("awake", "waking")}
+    return [
+        Resident(r.deployment) if not r.awake and sim_name(r.deployment) in up else r
+        for r in residents
+    ]
+
+
 def _controls(
-    inv: Inventory, decision: Decision, now: float, calibration: Calibration | None
+    inv: Inventory,
+    decision: Decision,
+    now: float,
+    calibration: Calibration | None,
+    costs: Costs,
 ) -> list[Control]:
-    """A decision's changes as controls: leave, arrive, then leave after the arrivals."""
+    """A decision's changes as controls: leave, arrive, then leave after the arrivals. A
+    sleep carries its wake's seconds: the router may wake the server itself."""
     arrivals = [c for c in decision.changes if c.kind in ("start", "wake")]
     ready = now + max((c.seconds for c in arrivals), default=0.0)
     out = []
@@ -267,7 +284,8 @@ def _controls(
             new = _servers(inv, [c.deployment], calibration)[0] if c.kind == "start" else None
             out.append(Control(now, name, c.kind, c.seconds, new))
         else:
-            out.append(Control(ready if c.after else now, name, c.kind))
+            wake_s = costs.wake_s(c.deployment, c.level) if c.kind == "sleep" else None
+            out.append(Control(ready if c.after else now, name, c.kind, wake_s=wake_s))
     return out
 
 

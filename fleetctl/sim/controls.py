@@ -34,6 +34,11 @@ class Control:
     # A start of a server the fleet does not have yet: the simulator's description of it
     # (sim/fleet.py's Server; typed loosely to keep this module below it).
     new: object | None = field(default=None, compare=False)
+    # A sleep in sleep mode: the seconds a wake from it takes. The router may then wake the
+    # server itself, as route-serve does, when its model has no awake server or every awake
+    # one would miss the objective (routing/policy.py, eligible). None: a sleep the router
+    # cannot undo (a server down, as a stop).
+    wake_s: float | None = None
 
 
 @dataclass(frozen=True)

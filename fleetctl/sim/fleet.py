@@ -366,8 +366,9 @@ class _Run:
     def push(self, c: Control) -> None:
         heapq.heappush(self.controls, (c.at, next(self.order), c))
 
-    def apply(self, c: Control, now: float) -> None:
-        """One control: a server leaves routing, begins to wake or start, or is ready."""
+    def apply(self, c: Control, now: float, by_router: bool = False) -> None:
+        """One control: a server leaves routing, begins to wake or start, or is ready;
+        `by_router`: a wake the router asked (counted as a "router wake")."""
         if c.new is not None and c.server not in self.index:
             assert isinstance(c.new, Server), c.new
             self.add(c.new)
@@ -377,7 +378,8 @@ class _Run:
             # Out of routing as route-serve takes it: asleep (the router's rule keeps
             # requests off it), or stopped (gone: not reachable).
             if c.action == "sleep":
-                b.state = ASLEEP
+                # In sleep mode the router may wake it itself (route-serve's rule).
+                b.state, b.wakeable, b.wake_s = ASLEEP, c.wake_s is not None, c.wake_s
             else:
                 b.healthy = False
             self.states[c.server] = "asleep" if c.action == "sleep" else "stopped"
@@ -400,7 +402,7 @@ class _Run:
         self.states[c.server] = "waking"
         self.awake.mark(c.server, now, "waking")
         self.awake.up(c.server, now)
-        self.awake.count(c.action)
+        self.awake.count("router wake" if by_router else c.action)
         ready = Control(now + c.ready_s, c.server, "ready")
         heapq.heappush(self.controls, (ready.at, next(self.order), ready))
 
@@ -570,6 +572,10 @@ class _Run:
     def dispatch(self, now: float) -> None:
         self.refresh()
         sent, rejected = self.sched.dispatch(now, self.backends)
+        for b in self.sched.take_woken():
+            # The router chose a sleeping server (none awake, or every awake one would
+            # miss): it asks the wake, as route-serve POSTs /wake_up, and holds the request.
+            self.apply(Control(now, b.name, "wake", b.wake_s or 0.0), now, by_router=True)
         for d in rejected:
             o = self.outcomes[d.request.id]  # type: ignore[index]
             o.rejected = d.decision.reason
