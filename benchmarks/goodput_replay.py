@@ -24,7 +24,7 @@ hash_ids do, streamed /v1/completions, max_tokens the trace's output (--ignore-e
 PYTHONHASHSEED=0 makes the client draw the same prompts for every target.
 
 Targets: `NAME` is `fleetctl route-serve --policy NAME` (ours, or a peer's policy as
-fleetctl/routing/peers.py builds it), `vllm-router:POLICY` the real vllm-router. route-serve
+fleetctl/routing/policies/ builds it), `vllm-router:POLICY` the real vllm-router. route-serve
 reads the bundled profiles and learns each server's speed online, as a user runs it.
 
 Per target and run, from the client's per-request results (wall seconds, as measured): TTFT,

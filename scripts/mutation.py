@@ -57,6 +57,21 @@ VENV = Path.home() / ".cache" / "fleetctl" / "mutation-venv"
 CACHE = REPO / "benchmarks" / "out" / "mutation-cache"
 EQUIVALENTS = REPO / "scripts" / "mutation_equivalents"
 
+# routing/policies/'s modules by their tests: the baselines' as policy.py's (the same two
+# simulations left out), the peers' by their rules, without the simulated workload.
+BASELINES = ("round_robin", "least_outstanding", "power_of_two", "kv_aware")
+BASELINE_TESTS = [
+    "tests/test_policy_units.py",
+    "tests/test_policy.py",
+    "--deselect tests/test_policy.py::test_session_affinity_holds_for_every_later_turn",
+    "--deselect tests/test_policy.py::test_strict_hints_in_simulation",
+]
+PEERS = ("cache_aware", "prefix_kv", "kv_router")
+PEER_TESTS = [
+    "tests/test_peer_policies.py",
+    "--deselect tests/test_peer_policies.py::test_peer_policies_complete_a_simulated_workload",
+]
+
 # module -> the fast tests that exercise it (each file runs in a few seconds).
 TESTS: dict[str, list[str]] = {
     # The two starvation tests simulate minutes of traffic; test_properties.py holds the same
@@ -87,10 +102,8 @@ TESTS: dict[str, list[str]] = {
     # tests/test_sim.py takes 14-35 s: too slow per mutant; these two take ~1.6 s together.
     "fleetctl/sim/engine.py": ["tests/test_sim_engine.py", "tests/test_sim_vllm_rules.py"],
     "fleetctl/apply/steps.py": ["tests/test_apply_steps.py"],
-    "fleetctl/routing/peers.py": [
-        "tests/test_peer_policies.py",
-        "--deselect tests/test_peer_policies.py::test_peer_policies_complete_a_simulated_workload",
-    ],
+    **{f"fleetctl/routing/policies/{m}.py": BASELINE_TESTS for m in BASELINES},
+    **{f"fleetctl/routing/policies/{m}.py": PEER_TESTS for m in PEERS},
     "fleetctl/daemon/relay.py": ["tests/test_relay.py"],
     "fleetctl/vllm/metrics.py": ["tests/test_vllm_metrics.py"],
 }

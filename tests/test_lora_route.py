@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from fleetctl.daemon.adapters import learn_from_metrics
-from fleetctl.routing.lora_affinity import LoraAffinity
+from fleetctl.routing.policies.lora_affinity import LoraAffinity
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.types import Backend, Request
 from tests.procs import NAME, Emulator

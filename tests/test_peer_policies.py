@@ -1,4 +1,4 @@
-"""The peers' prefix-aware policies (routing/peers.py) on hand-built snapshots and in simulation.
+"""The peers' prefix-aware policies (routing/policies/) on hand-built snapshots and in simulation.
 
 The crossovers below are worked out by hand from each peer's published defaults, written here
 as literals (not read back from the classes), so a changed default or formula fails a test:
@@ -285,7 +285,7 @@ def test_peer_policies_complete_a_simulated_workload(catalog, name):
     assert all(label.startswith(name) for label in result.reasons)
 
 
-# --- rule by rule, fast (scripts/mutation.py runs these once per mutant of peers.py) ----------
+# --- rule by rule, fast (scripts/mutation.py runs these once per mutant of each) ------------
 
 
 class EngineView:
@@ -367,7 +367,7 @@ def test_cache_aware_tie_order_is_per_tree_node(catalog):
 
 
 def test_cache_aware_seeds_with_0_by_default(catalog):
-    from fleetctl.routing.peers import CacheAware
+    from fleetctl.routing.policies.cache_aware import CacheAware
 
     def picks(p):
         bs = [backend(catalog, f"b{i}") for i in range(4)]
@@ -381,7 +381,7 @@ def test_cache_aware_seeds_with_0_by_default(catalog):
 
 
 def test_cache_aware_sizes_its_tree_once_and_to_at_least_one_block(catalog):
-    from fleetctl.routing.peers import CacheAware
+    from fleetctl.routing.policies.cache_aware import CacheAware
 
     p = CacheAware(max_tree_size=1000)
     _warm(p, blocks(range(3)), "b0", catalog)
@@ -482,7 +482,8 @@ def test_kv_router_says_why_in_its_reason(catalog):
 
 
 def test_prefix_kv_and_kv_router_seed_with_0_by_default(catalog):
-    from fleetctl.routing.peers import KvRouter, PrefixKv
+    from fleetctl.routing.policies.kv_router import KvRouter
+    from fleetctl.routing.policies.prefix_kv import PrefixKv
 
     bs = [backend(catalog, f"b{i}") for i in range(4)]  # all tied
 

@@ -7,7 +7,10 @@ from collections import defaultdict
 import pytest
 
 from fleetctl.model.perf import EnginePerf, kv_budget
-from fleetctl.routing.policy import HardwareAware, KvAware, PowerOfTwo, RoundRobin
+from fleetctl.routing.policies.kv_aware import KvAware
+from fleetctl.routing.policies.power_of_two import PowerOfTwo
+from fleetctl.routing.policies.round_robin import RoundRobin
+from fleetctl.routing.policy import HardwareAware
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.types import Backend, Request
 from fleetctl.sim.fleet import Server, simulate

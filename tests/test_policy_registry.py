@@ -72,12 +72,12 @@ def test_a_name_is_registered_once(first_backend):
 
 
 def test_every_policy_class_is_registered_under_its_own_name():
-    """Each policy class of routing/ (ours and the peers', in any of its files) is in the one
+    """Each policy class of routing/ (ours and the peers', in any of its modules) is in the one
     table under its `name`, and its registration builds that class with the context it is
     given."""
     modules = [
-        importlib.import_module(f"fleetctl.routing.{m.name}")
-        for m in pkgutil.iter_modules(fleetctl.routing.__path__)
+        importlib.import_module(m.name)
+        for m in pkgutil.walk_packages(fleetctl.routing.__path__, "fleetctl.routing.")
     ]
     classes = [
         cls
@@ -94,6 +94,26 @@ def test_every_policy_class_is_registered_under_its_own_name():
     assert make_policy("hardware-aware", sessions=sessions).sessions is sessions  # type: ignore[attr-defined]
     with pytest.raises(KeyError):
         make_policy("no-such-policy")
+
+
+def test_each_policy_is_a_module_of_its_own():
+    """Every module of routing/policies/ defines one Policy subclass, registered under its
+    name, and every registered policy lives in such a module of its own, hardware-aware
+    alone excepted (its class builds on the base's eligibility in routing/policy.py)."""
+    package = importlib.import_module("fleetctl.routing.policies")
+    homes = {}
+    for m in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{m.name}")
+        own = [
+            cls
+            for _, cls in inspect.getmembers(module, inspect.isclass)
+            if issubclass(cls, Policy) and cls.__module__ == module.__name__
+        ]
+        assert len(own) == 1, f"{m.name} defines {[c.__name__ for c in own]}"
+        assert REGISTRY[own[0].name].cls is own[0], m.name
+        homes[own[0].name] = m.name
+    assert set(REGISTRY) - set(homes) == {"hardware-aware"}
+    assert all(module == name.replace("-", "_") for name, module in homes.items()), homes
 
 
 def test_simulate_compares_the_registered_defaults():

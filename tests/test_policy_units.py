@@ -1,4 +1,4 @@
-"""Routing policies (routing/policy.py) rule by rule, on hand-built backends with a linear GPU.
+"""Routing policies (routing/policy.py, policies/) rule by rule, on hand-built backends.
 
 Fast (no catalog, no simulation): scripts/mutation.py runs it once per mutant. The GPU here is
 `LinearPerf`, a stand-in for fleetctl.model.perf.EnginePerf whose costs are linear, so every
@@ -13,15 +13,11 @@ from __future__ import annotations
 import pytest
 
 from fleetctl.routing.goodput import Slo, cost, terms
-from fleetctl.routing.policy import (
-    HardwareAware,
-    KvAware,
-    LeastOutstanding,
-    Policy,
-    PowerOfTwo,
-    RoundRobin,
-    RoutingConfig,
-)
+from fleetctl.routing.policies.kv_aware import KvAware
+from fleetctl.routing.policies.least_outstanding import LeastOutstanding
+from fleetctl.routing.policies.power_of_two import PowerOfTwo
+from fleetctl.routing.policies.round_robin import RoundRobin
+from fleetctl.routing.policy import HardwareAware, Policy, RoutingConfig
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks, chain
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import account, first_token
@@ -97,7 +93,7 @@ def test_eligible_says_why_nothing_can_serve():
 
 def test_policy_flags_say_who_queues_and_who_reads_prefixes():
     # Only the seed's scheduler queues router-side and reads the prefix view; none keeps an
-    # index of its own (the peers' cache-aware does, in routing/peers.py).
+    # index of its own (the peers' cache-aware does, routing/policies/cache_aware.py).
     ours = ("round-robin", "least-outstanding", "power-of-two", "kv-aware", "hardware-aware")
     admission = {n: make_policy(n).admission for n in ours}
     reads = {n: make_policy(n).reads_prefix for n in ours}

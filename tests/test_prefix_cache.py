@@ -213,7 +213,7 @@ def test_simulate_reports_hit_rate_and_prefill_saved(catalog):
 def test_a_request_blocked_for_room_is_not_overtaken_on_that_backend(catalog):
     """EASY backfilling: later requests may use other backends, never the room the blocked
     one waits for (else a long prompt waits as long as short ones keep coming)."""
-    from fleetctl.routing.policy import LeastOutstanding
+    from fleetctl.routing.policies.least_outstanding import LeastOutstanding
     from fleetctl.routing.scheduler import Scheduler
 
     big = Backend("big", "big", "A100-SXM4-80GB", "m", "bf16", 100_000, max_model_len=131072)
@@ -272,7 +272,7 @@ def test_hardware_aware_keeps_optional_work_off_a_class_busy_with_work_only_it_c
 
 def test_a_blocked_request_that_could_go_anywhere_holds_nothing(catalog):
     """Backfilling around a request with a choice of backends keeps the mean low."""
-    from fleetctl.routing.policy import LeastOutstanding
+    from fleetctl.routing.policies.least_outstanding import LeastOutstanding
     from fleetctl.routing.scheduler import Scheduler
 
     big = Backend("big", "big", "A100-SXM4-80GB", "m", "bf16", 100_000, max_model_len=131072)

@@ -19,7 +19,7 @@ from fleetctl.daemon.prefix_share import STORED, PrefixShare, SharedIndex, decod
 from fleetctl.daemon.router import DaemonConfig, Router, per_backend, routing_core
 from fleetctl.daemon.shared import RedisShared
 from fleetctl.routing.blocks import TEXT_CHUNK_CHARS, text_blocks, token_blocks
-from fleetctl.routing.policy import RoundRobin
+from fleetctl.routing.policies.round_robin import RoundRobin
 from fleetctl.routing.prefix import PrefixIndex, PromptBlocks
 from fleetctl.routing.registry import make_policy
 from fleetctl.routing.scheduler import Scheduler

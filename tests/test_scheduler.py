@@ -8,7 +8,8 @@ from collections.abc import Sequence
 import pytest
 
 from fleetctl.model.perf import EnginePerf, kv_budget
-from fleetctl.routing.policy import HardwareAware, Policy, RoundRobin
+from fleetctl.routing.policies.round_robin import RoundRobin
+from fleetctl.routing.policy import HardwareAware, Policy
 from fleetctl.routing.scheduler import (
     PREFILL_WINDOW_S,
     Aging,

@@ -1,9 +1,8 @@
 """Routing policies: a request and backend snapshots in, a backend and a Decision out.
 
 Deterministic: no clock, no network; randomness only from the policy's own seeded generator.
-The daemon and the simulator call the same code. Baselines are what users would otherwise run
-(vllm-router and sgl-router's round_robin and power_of_two, least-outstanding, and the
-KV-usage scoring of production-stack and llm-d); `hardware-aware` is the seed's scheduler.
+The daemon and the simulator call the same code. `hardware-aware` is the seed's scheduler;
+the other policies, baselines and peers, are a module each in routing/policies/.
 
 Kept whole because every policy's eligibility (health, length, the servers' warm-up states)
 is the base class's, and hardware-aware's filters and warm-up weighing build on it step by step.
@@ -11,7 +10,6 @@ is the base class's, and hardware-aware's filters and warm-up weighing build on 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -204,50 +202,6 @@ def warm_pool(fits: list[Backend], weighs: bool) -> list[Backend]:
         coming = [b for b in mine if b.state != ASLEEP]  # waking or starting: no second wake
         out += awake or coming or mine
     return out
-
-
-class RoundRobin(Policy):
-    name = "round-robin"
-
-    def __init__(self, prefix: PrefixView | None = None) -> None:
-        super().__init__(prefix)
-        self.turn = 0
-
-    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
-        b = backends[self.turn % len(backends)]
-        self.turn += 1
-        return Decision(b, self.name)
-
-
-class LeastOutstanding(Policy):
-    name = "least-outstanding"
-
-    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
-        b = min(backends, key=lambda b: (b.outstanding, b.name))
-        return Decision(b, self.name, detail=f"({b.outstanding})")
-
-
-class PowerOfTwo(Policy):
-    name = "power-of-two"
-
-    def __init__(self, seed: int = 0, prefix: PrefixView | None = None) -> None:
-        super().__init__(prefix)
-        self.rng = random.Random(seed)
-
-    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
-        if len(backends) == 1:
-            return Decision(backends[0], self.name, ("(only one)",))
-        a, b = self.rng.sample(list(backends), 2)
-        pick = a if (a.outstanding, a.name) <= (b.outstanding, b.name) else b
-        return Decision(pick, self.name)
-
-
-class KvAware(Policy):
-    name = "kv-aware"
-
-    def choose(self, req: Request, backends: Sequence[Backend]) -> Decision:
-        b = min(backends, key=lambda b: (b.kv_usage, b.waiting, b.outstanding, b.name))
-        return Decision(b, self.name, detail=f"(usage {b.kv_usage:.2f})")
 
 
 @dataclass(slots=True)

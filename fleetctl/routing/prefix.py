@@ -31,6 +31,10 @@ class PromptBlocks:
         """Prompt tokens covered by the first `blocks` blocks."""
         return min(self.tokens, blocks * self.block_tokens)
 
+    def full_blocks(self) -> int:
+        """Whole blocks of the prompt: the peers hash (and engines cache) only full blocks."""
+        return self.tokens // self.block_tokens
+
 
 def chain(ids: Iterable[int], seed: int = 0) -> tuple[int, ...]:
     """Chained hashes of a sequence of per-block ids (content hashes, or a trace's remapped

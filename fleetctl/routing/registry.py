@@ -6,17 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fleetctl.routing.lora_affinity import LoraAffinity
-from fleetctl.routing.peers import CacheAware, KvRouter, PrefixKv
-from fleetctl.routing.policy import (
-    HardwareAware,
-    KvAware,
-    LeastOutstanding,
-    Policy,
-    PowerOfTwo,
-    RoundRobin,
-    RoutingConfig,
-)
+from fleetctl.routing.policies.cache_aware import CacheAware
+from fleetctl.routing.policies.kv_aware import KvAware
+from fleetctl.routing.policies.kv_router import KvRouter
+from fleetctl.routing.policies.least_outstanding import LeastOutstanding
+from fleetctl.routing.policies.lora_affinity import LoraAffinity
+from fleetctl.routing.policies.power_of_two import PowerOfTwo
+from fleetctl.routing.policies.prefix_kv import PrefixKv
+from fleetctl.routing.policies.round_robin import RoundRobin
+from fleetctl.routing.policy import HardwareAware, Policy, RoutingConfig
 from fleetctl.routing.prefix import PrefixView
 from fleetctl.routing.sessions import SessionTable
 
@@ -54,17 +52,19 @@ def register(
     REGISTRY[cls.name] = Registered(cls, build or (lambda c: cls(c.prefix)), compared)
 
 
-# The baselines users would otherwise run, and the seed's scheduler (routing/policy.py).
+# One line a policy, its class a module of routing/policies/ (hardware-aware's builds on the
+# base in routing/policy.py), in the order `route-serve` and `simulate` list the names in and
+# `simulate` compares the `compared` ones in: a list, so that order is this one.
+# The baselines users would otherwise run, and the seed's scheduler.
 register(RoundRobin, compared=True)
 register(LeastOutstanding, compared=True)
 register(PowerOfTwo, lambda c: PowerOfTwo(c.seed, c.prefix), compared=True)
 register(KvAware, compared=True)
 register(HardwareAware, lambda c: HardwareAware(c.config, c.sessions, c.prefix), compared=True)
-# The peers' prefix-cache-aware policies (routing/peers.py), compared when named.
+# The peers' prefix-cache-aware policies, compared when named.
 register(CacheAware, lambda c: CacheAware(c.seed, prefix=c.prefix))
 register(PrefixKv, lambda c: PrefixKv(c.seed, prefix=c.prefix))
 register(KvRouter, lambda c: KvRouter(c.seed, prefix=c.prefix))
-# The Gateway API Inference Extension's LoRA affinity (routing/lora_affinity.py).
 register(LoraAffinity, lambda c: LoraAffinity(c.seed, prefix=c.prefix))
 
 

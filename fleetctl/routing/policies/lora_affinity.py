@@ -1,10 +1,10 @@
-"""The Gateway API Inference Extension's LoRA-affinity scheduling, as its peers run it."""
+"""`lora-affinity`: the Gateway API Inference Extension's LoRA-affinity scorer, as peers run it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fleetctl.routing.peers import PrefixKv
+from fleetctl.routing.policies.prefix_kv import PrefixKv
 from fleetctl.routing.prefix import PrefixView
 from fleetctl.routing.types import Backend, Request
 
