@@ -123,6 +123,24 @@ def test_the_gate_refuses_a_fleet_that_serves_the_recent_traffic_worse(inv):
     assert pilot._gate(pilot.awake(), recent, {}) is None
 
 
+def test_the_gate_judges_a_model_with_no_slo_by_the_one_its_plan_derived(inv):
+    """No model states an SLO: one 8B server finishes every request of a light minute, but
+    slower than the SLO the plan derived for the 8B (the one route-serve judges by), so
+    the gate refuses it; counting every finished request as met would have let it through."""
+    from fleetctl.sim.workload import Synthetic
+    from fleetctl.whatif.predict import what_if
+
+    pilot = _pilot(inv)
+    assert all(m.spec.slo is None for m in inv.models)
+    recent = {"llama-3-8b": Synthetic(model="llama-3-8b", rate=4, duration=60).generate(1)}
+    thin = [d for d in pilot.awake() if d.model != "llama-3-8b"]
+    thin += [d for d in pilot.awake() if d.model == "llama-3-8b"][:1]
+    done = what_if(inv, thin, recent, slos={"llama-3-8b": None})
+    assert done.served == done.requests and done.slo_attainment == 1.0
+    why = pilot._gate(thin, recent, {})
+    assert why is not None and why.startswith("gate:"), why
+
+
 def test_a_model_that_misses_its_slo_is_planned_for_more_traffic(inv):
     """The measured correction: an interval in which the 8B met its objectives for 90% of
     its requests raises the traffic it is planned for by 1.5x (up to 4x), and it gets more

@@ -344,6 +344,60 @@ def test_a_split_is_weighed_by_goodput_on_the_lengths_only_one_class_holds(tmp_p
     assert g.split_rps * tail < a100_prefill, (g.split_rps, tail, a100_prefill)
 
 
+def test_a_decode_servers_kv_cache_holds_the_batchs_own_lengths(catalog):
+    """A decode server's KV cache must hold the lengths of the requests it is decoding, not
+    their count times the mean request: on Mooncake's lengths (the p99 prompt seven times the
+    mean) the batch an A100 holds at its p99 is far smaller than the mean request's count
+    says; with every request the mean length it is the count's quantile as before; and the
+    server's rate within the TPOT objective falls with it."""
+    from fleetctl.planner.candidates import request_shape
+    from fleetctl.planner.disaggregate import TPOT_QUANTILE, kv_batch, lengths, poisson_quantile
+    from fleetctl.planner.queueing import traffic_of
+
+    pool = a100_pool(catalog)
+    model = load_inventory_text(catalog, mooncake("{ttft_p99_s: 30, tpot_p99_ms: 110}"))
+    prompt, output = request_shape(model)
+    held = lengths(traffic_of(model, (prompt, output)))
+    mean = round(sum(share * tokens for share, tokens in held))
+    by_mean = pool.kv_tokens // mean
+    heavy = kv_batch(pool.kv_tokens, held, TPOT_QUANTILE)
+    # One length: the count's quantile times it, as the mean request's sizing had it.
+    even = kv_batch(pool.kv_tokens, ((1.0, mean),), TPOT_QUANTILE)
+    assert poisson_quantile(even, TPOT_QUANTILE) <= by_mean < poisson_quantile(even + 1, 0.99)
+    assert heavy < 0.75 * even, (heavy, even)
+    one = decode_rate(pool, prompt, output, 0.11)
+    tail = decode_rate(pool, prompt, output, 0.11, held=held)
+    assert tail < 0.9 * one, (tail, one)
+    assert decode_rate(pool, prompt, output, 0.11, held=((1.0, prompt + output),)) == one
+
+
+def test_a_split_that_serves_more_at_the_share_but_less_past_it_stays_colocated(tmp_path, catalog):
+    """Mooncake at the SLO derived for its fleet (TTFT 30 s, TPOT 110 ms) on 100 Gb: one A100
+    decoding everything serves the SLO's 99% at a higher rate than colocated servers, but
+    its KV cache cannot hold the heavy tail's requests in flight much past that, and at the
+    workload's own rate it serves far fewer within the SLO (the simulator: 91.6% against
+    97.8% at 2.54 req/s, 81.5% against 94.7% at 3.38, on 1,000 of the trace's requests). The
+    planner sizes the decode KV on the lengths, so the split's promise drops (the simulator
+    served 98.8% at 1.73 req/s and 97.8% at the 1.98 it promised before), and keeps the
+    servers colocated, saying at which rate the split falls short."""
+    plan = planned(tmp_path, catalog, mooncake("{ttft_p99_s: 30, tpot_p99_ms: 110}"))
+    g = plan.models[0].disaggregation
+    assert g is not None and not g.chosen, g
+    assert {d.server.role for d in plan.deployments} == {"both"}
+    assert g.split_rps is not None and g.split_rps < 1.8, g  # was 1.98
+    assert "past that it serves fewer within it" in g.reason, g.reason
+    assert plan.models[0].capacity_rps == pytest.approx(g.colocated_rps)
+
+
+def load_inventory_text(catalog, text: str):  # type: ignore[no-untyped-def]
+    """The one model of an inventory given as text."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        return load_inventory(write(Path(d), text), catalog).models[0]
+
+
 def test_a_split_on_bursty_traffic_counts_the_transfers_its_nics_queue(tmp_path, catalog):
     """On 10 GbE a 2,048-token prompt's KV takes 0.31 s to move, so four decode nodes
     receive at most 13 prompts a second; the Azure code trace's bursts (an index of

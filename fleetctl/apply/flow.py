@@ -216,7 +216,7 @@ def apply_plan(
         driver.proposed(proposal)
         checked = None
         if gate is not None:
-            checked = gate(list(state.deployments), deployments)
+            checked = gate(list(state.deployments), deployments, state.slo)
             driver.gated(checked)
             if checked.refused is not None:
                 return Run("refused", proposal, checked, serial=state.serial)

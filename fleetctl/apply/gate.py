@@ -3,7 +3,7 @@ plan is worse than `apply.gate`'s thresholds allow."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +11,7 @@ from typing import Any
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.fleet.statedir import StateDir
+from fleetctl.routing.goodput import Slo
 from fleetctl.whatif.compare import WhatIf, compare, gate_verdict
 from fleetctl.whatif.predict import Verdict
 
@@ -37,8 +38,9 @@ class GateResult:
         }
 
 
-# (what runs now, the plan's deployments) -> the gate's result, run with the state locked.
-Gate = Callable[[Sequence[Deployment], Sequence[Deployment]], GateResult]
+# (what runs now, the plan's deployments, the SLOs state.json recorded) -> the gate's result,
+# run with the state locked.
+Gate = Callable[[Sequence[Deployment], Sequence[Deployment], Mapping[str, Slo]], GateResult]
 
 
 def trace_gate(
@@ -51,9 +53,11 @@ def trace_gate(
 
     traffic = traces_from(inv, trace)
 
-    def gate(running: Sequence[Deployment], planned: Sequence[Deployment]) -> GateResult:
+    def gate(
+        running: Sequence[Deployment], planned: Sequence[Deployment], recorded: Mapping[str, Slo]
+    ) -> GateResult:
         calibration = sdir.load_calibration() if calibrated else None
-        w = compare(inv, running, planned, trace, traffic, calibration, show)
+        w = compare(inv, running, planned, trace, traffic, calibration, show, recorded)
         verdict = gate_verdict(inv, w)
         return GateResult(w, verdict, forced=force and not verdict.passed)
 

@@ -125,15 +125,17 @@ class Autopilot:
         self.shapes: dict[str, deque[WorkItem]] = {
             m.name: deque(maxlen=SHAPE_WINDOW) for m in inv.models
         }
-        # The SLO each model is planned and judged by: the inventory's, else the one its
-        # first plan derived (the one route-serve and the simulator judge by).
+        # The SLO each model is planned and judged by (the gate's what-if too): the
+        # inventory's, else the one its first plan derived (the one route-serve and the
+        # simulator judge by).
+        self.judged = plan_fleet(inv, None, calibration).slos
         self.slos = {
             name: SloSpec(
                 ttft_p99_s=slo.ttft_s,
                 tpot_p99_ms=None if slo.tpot_s is None else slo.tpot_s * 1000,
                 share=slo.share,
             )
-            for name, slo in plan_fleet(inv, None, calibration).slos.items()
+            for name, slo in self.judged.items()
         }
 
     def record(
@@ -425,11 +427,12 @@ class Autopilot:
     ) -> str | None:
         """Why the new fleet must not replace what runs: on the recent traffic it meets the
         objectives for fewer requests than what runs, and fewer than the SLOs' share."""
-        new = what_if(self.inv, target, recent, calibration=self.calibration)
-        old = what_if(self.inv, self.awake(), recent, calibration=self.calibration)
+        slos = {name: self.judged.get(name) for name in recent}
+        new = what_if(self.inv, target, recent, calibration=self.calibration, slos=slos)
+        old = what_if(self.inv, self.awake(), recent, calibration=self.calibration, slos=slos)
         if new.slo_attainment is None or old.slo_attainment is None:
             return None
-        share = min((m.spec.slo.share for m in self.inv.models if m.spec.slo), default=0.99)
+        share = min((s.share for s in self.judged.values()), default=DEFAULT_SHARE)
         if new.slo_attainment < min(old.slo_attainment, share) - 0.005:
             return (
                 f"gate: the new fleet met the objectives for {new.slo_attainment:.1%} of the "

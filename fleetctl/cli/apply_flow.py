@@ -146,8 +146,8 @@ def run_apply(
     """Plan (or read the plan), show it, confirm, carry it out; then, when nothing failed,
     `after` (its JSON fields and text lines join the report). Returns the exit code.
 
-    `gate(running, planned)`, before anything is confirmed: a refusal ends the apply with
-    exit 1."""
+    `gate(running, planned, the SLOs state.json recorded)`, before anything is confirmed: a
+    refusal ends the apply with exit 1."""
     sdir = StateDir.of(inv, c.state_dir)
     opts = options(inv, c.access(), secrets_file)  # bad secrets fail before anything is locked
     run = apply_plan(inv, sdir, opts, make_plan, plan_file, Terminal(c, console), gate)

@@ -144,7 +144,14 @@ def plan(
         from fleetctl.whatif.compare import compare
 
         compared = compare(
-            inv, state.deployments, result.deployments, what_if, traffic, calibration, not as_json
+            inv,
+            state.deployments,
+            result.deployments,
+            what_if,
+            traffic,
+            calibration,
+            not as_json,
+            state.slo,
         )
     if out is not None:
         # `apply plan.json` may run from another folder: name the inventory absolutely.

@@ -71,6 +71,11 @@ def render(w: WhatIf, verdict: Verdict | None = None) -> RenderableType:
         "objectives; '-': unknown (no price, no request finished, nothing runs)",
     )
     parts: list[RenderableType] = [table]
+    parts += [
+        Text(f"SLO of {model}: {slo.describe()}", style="dim")
+        for model, slo in w.slos.items()
+        if slo is not None
+    ]
     for side, f in (("now", w.current), ("plan", w.candidate)):
         parts += [Text(f"{side}: {n}") for n in f.notes]
     if verdict is not None:

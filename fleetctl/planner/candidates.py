@@ -23,7 +23,7 @@ from fleetctl.model.perf import (
 )
 from fleetctl.planner.disaggregate import Pool, colocated
 from fleetctl.planner.lora import slots
-from fleetctl.planner.queueing import TPOT_QUANTILES, Group, goodput, traffic_of
+from fleetctl.planner.queueing import TPOT_QUANTILES, Group, attainment, goodput, traffic_of
 
 TP_SIZES = (1, 2, 4, 8)
 # Mean request shape assumed when a model has no workload: a chat turn.
@@ -322,12 +322,25 @@ def model_goodput(model: Model, placed: Sequence[tuple[Candidate, int]]) -> floa
     slo = placed[0][0].slo if placed else None
     if slo is None:
         return None
-    groups = [
+    traffic = traffic_of(model, request_shape(model))
+    return goodput(_groups(placed), traffic, slo.ttft_s, slo.tpot_s, slo.share)
+
+
+def model_attainment(model: Model, placed: Sequence[tuple[Candidate, int]], rate: float) -> float:
+    """The share of the model's requests its placed servers serve within its SLO at `rate`
+    requests/s, by the model `model_goodput` searches; 1 without an SLO."""
+    slo = placed[0][0].slo if placed else None
+    if slo is None:
+        return 1.0
+    traffic = traffic_of(model, request_shape(model))
+    return attainment(_groups(placed), traffic, rate, slo.ttft_s, slo.tpot_s)
+
+
+def _groups(placed: Sequence[tuple[Candidate, int]]) -> list[Group]:
+    return [
         Group(n, k.perf, k.budget.kv_tokens, k.max_num_seqs, k.max_model_len, k.tpot_rates)
         for k, n in placed
     ]
-    traffic = traffic_of(model, request_shape(model))
-    return goodput(groups, traffic, slo.ttft_s, slo.tpot_s, slo.share)
 
 
 def shape_capacity(

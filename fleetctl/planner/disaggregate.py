@@ -21,28 +21,34 @@ same model: its prefill pools are the queueing model's servers for the prompts a
 prompt only where its length fits, the TTFT objective less the transfer), so a long-prompt
 tail that only one class holds bounds the split as it bounds the colocated servers; its
 decode pools are its servers for the outputs alone (the TPOT tail of the batch they hold, no
-prompt stalling it); and the split's rate is the highest at which the SLO's share meets both,
-within the links' rates. Without them, every request is the mean one.
+prompt stalling it, in a KV cache that must hold the batch's own lengths: `kv_batch`); and
+the split's rate is the highest at which the SLO's share meets both, within the links'
+rates. Without them, every request is the mean one.
 
 The rule (`decide`): with `disaggregation: on`, split whenever both pools can exist; with
 `auto` (the default), by the model's SLO, stated or derived (disaggregation trades the first
 token's latency, a network hop and a GPU's generality for the requests that meet both
 objectives: an SLO is what weighs that), where the fleet gives the model two classes of GPU
 or more, the first token still meets the TTFT objective after the transfer, and the split
-serves at least GAIN x the colocated rate (and more than nothing). Otherwise the servers stay
-colocated, and the reason says why.
+serves at least GAIN x the colocated rate (and more than nothing) and, past the rate where
+the colocated servers miss the SLO, up to the workload's rate, never a smaller share within
+it than they do (`_falls_short`). Otherwise the servers stay colocated, and the reason says
+why.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
+import numpy as np
+
 from fleetctl.fleet.inventory import Model
 from fleetctl.fleet.slo import DEFAULT_SHARE, Slo
-from fleetctl.model.perf import EnginePerf, max_sequences
+from fleetctl.model.perf import BLOCK_SIZE, EnginePerf, max_sequences
 from fleetctl.planner.queueing import (
     BURST_WINDOW,
     STEPS,
@@ -57,6 +63,9 @@ from fleetctl.planner.queueing import (
 # How much more the split must serve than colocated servers under `auto`: a split costs a
 # network hop per request, a second server's failure and GPUs that serve one phase only.
 GAIN = 1.2
+# How many rates, evenly up to the workload's rate (or the split's goodput where higher), a
+# split's share within the SLO is weighed against colocated servers' at.
+WEIGHED_RATES = 12
 # A p99 TTFT objective held against a lone request's first token keeps this share as headroom
 # (the planner's SLO_HEADROOM: queueing, longer prompts and bursts).
 SLO_HEADROOM = 0.5
@@ -70,6 +79,10 @@ TPOT_QUANTILE = 0.99
 # (the side channel's handshake and the first bytes' latency).
 LINK_EFFICIENCY = {True: 0.9, False: 0.7}
 LINK_LATENCY_S = {True: 0.0002, False: 0.002}
+
+
+# A request's KV on a decode server: (share of requests, prompt + output tokens).
+Lengths = tuple[tuple[float, int], ...]
 
 
 @dataclass(frozen=True)
@@ -117,19 +130,23 @@ class Figures:
 
 @dataclass(frozen=True)
 class Split:
-    """A model's servers in two pools: per candidate key, how many prefill (the rest decode)."""
+    """A model's servers in two pools: per candidate key, how many prefill (the rest decode);
+    with the traffic known, the pools as the queueing model sees them."""
 
     prefill: dict[int, int] = field(default_factory=dict)
     figures: Figures | None = None
+    phases: _Phases | None = None
 
 
 @dataclass(frozen=True)
 class Goodput:
     """What weighs a split by the planner's capacity model: the model's traffic (lengths and
-    bursts) and its colocated servers' goodput on it, requests/s."""
+    bursts), its colocated servers' goodput on it, requests/s, and their share of requests
+    within the SLO at any rate (`colocated_at`; None: not known)."""
 
     traffic: Traffic
     colocated_rps: float
+    colocated_at: Callable[[float], float] | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +158,7 @@ class Choice:
     split: Split | None
     reason: str
     tpot_objective_s: float | None = None  # the TPOT objective it was weighed under
+    held: Lengths = ()  # the request lengths a decode server's KV cache was sized for
 
 
 def colocated(
@@ -207,22 +225,72 @@ def prefill_rate(pool: Pool, prompt: int) -> float:
 
 
 def decode_rate(
-    pool: Pool, prompt: int, output: int, tpot_s: float | None, quantile: float = TPOT_QUANTILE
+    pool: Pool,
+    prompt: int,
+    output: int,
+    tpot_s: float | None,
+    quantile: float = TPOT_QUANTILE,
+    held: Lengths = (),
 ) -> float:
     """Requests/s one decode-only server of `pool` generates: the largest mean batch whose
     `quantile` (Poisson arrivals) fits its KV cache (prompt and output of each) and whose step
-    there meets the TPOT objective, no prompt stalling it."""
+    there meets the TPOT objective, no prompt stalling it. With `held`, the workload's
+    request lengths (share, prompt + output tokens), the KV cache must hold the batch's own
+    lengths at the quantile (`kv_batch`), not its count times the mean request's."""
     p = pool.perf
     ctx = prompt + output / 2
     most = min(pool.max_num_seqs, max_sequences(pool.kv_tokens, prompt + output))
+    if len(held) > 1:
+        most = min(pool.max_num_seqs, kv_batch(pool.kv_tokens, held, quantile))
     best = 0.0
     for batch in range(1, most + 1):
         if tpot_s is not None:
             high = poisson_quantile(batch, quantile)
-            if high > most or p.step_time(high, high * ctx) > tpot_s:
+            # With the lengths known the KV cache bounds the mean batch, the engine its count.
+            over = high > (pool.max_num_seqs if len(held) > 1 else most)
+            if over or p.step_time(high, high * ctx) > tpot_s:
                 break
         best = max(best, batch / (output * p.step_time(batch, batch * ctx)))
     return best
+
+
+# The grid the KV a batch holds is counted on: this many steps up to the cache's size (a
+# step is at least a KV block), four times as many in all so that the sum of the requests
+# in flight does not wrap around.
+KV_STEPS = 4096
+
+
+@functools.lru_cache(maxsize=512)
+def kv_batch(kv_tokens: int, held: Lengths, quantile: float) -> int:
+    """The largest mean batch whose KV a cache of `kv_tokens` holds with probability
+    `quantile`: the requests in flight are Poisson in number, each with its own length
+    drawn from `held` (share, tokens), so their sum is compound Poisson, counted on a grid by
+    its characteristic function. A heavy tail (Mooncake: the p99 prompt seven times the
+    mean) holds far more at the quantile than the count's quantile times the mean request,
+    which is what a decode server whose cache runs out queues requests on."""
+    total = sum(share for share, _ in held)
+    if total <= 0:
+        return 0
+    mean = sum(share * tokens for share, tokens in held) / total
+    unit = max(BLOCK_SIZE, -(-kv_tokens // KV_STEPS))
+    cap = kv_tokens // unit
+    size = 1 << (4 * cap + 1).bit_length()
+    pmf = np.zeros(size)
+    for share, tokens in held:  # whole steps each, as vLLM allocates whole blocks
+        pmf[min(size - 1, -(-tokens // unit))] += share / total
+    spectrum = np.fft.rfft(pmf)
+
+    def fits(batch: int) -> bool:
+        if batch * mean > kv_tokens:
+            return False
+        dist = np.fft.irfft(np.exp(batch * (spectrum - 1.0)), size)
+        return float(dist[: cap + 1].sum()) >= quantile
+
+    lo, hi = 0, int(kv_tokens // mean) + 1  # fits(lo); not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def poisson_quantile(mean: float, q: float) -> int:
@@ -314,7 +382,7 @@ class _Phases:
                 q.kv_tokens,
                 q.max_num_seqs,
                 1 << 40,
-                _decode_tails(q, prompt, output, tpot_s),
+                _decode_tails(q, prompt, output, tpot_s, lengths(traffic)),
             )
             for q, n in decodes
             if n > 0
@@ -343,14 +411,7 @@ class _Phases:
         independent)."""
         if not self.prefill or not self.decode:
             return 0.0
-
-        def met(rate: float) -> float:
-            return (
-                attainment(self.prefill, self.prompts, rate, self.ttft_s)
-                * attainment(self.decode, self.outputs, rate, None)
-                * self.carried(rate)
-            )
-
+        met = self.attainment
         hi = most
         if hi <= 0:
             return 0.0
@@ -363,6 +424,16 @@ class _Phases:
             if hi - lo < 1e-4 * hi:
                 break
         return lo
+
+    def attainment(self, rate: float) -> float:
+        """The share of requests that meet both objectives at `rate` requests/s."""
+        if not self.prefill or not self.decode:
+            return 0.0
+        return (
+            attainment(self.prefill, self.prompts, rate, self.ttft_s)
+            * attainment(self.decode, self.outputs, rate, None)
+            * self.carried(rate)
+        )
 
     def carried(self, rate: float) -> float:
         """The share of requests whose KV transfer the NICs carry in time at `rate`: in a
@@ -380,13 +451,24 @@ class _Phases:
 
 
 def _decode_tails(
-    pool: Pool, prompt: int, output: int, tpot_s: float | None
+    pool: Pool, prompt: int, output: int, tpot_s: float | None, held: Lengths = ()
 ) -> tuple[tuple[float, float], ...]:
     """Per decode-only server, the requests/s at which each TPOT quantile reaches the
-    objective, with the share over it there (queueing.Group.tpot_rates); () without one."""
+    objective, or its KV cache no longer holds the batch's lengths (`held`) at that quantile,
+    with the share over it there (queueing.Group.tpot_rates); () without one."""
     if tpot_s is None:
         return ()
-    return tuple((decode_rate(pool, prompt, output, tpot_s, q), 1 - q) for q in TPOT_QUANTILES)
+    return tuple(
+        (decode_rate(pool, prompt, output, tpot_s, q, held), 1 - q) for q in TPOT_QUANTILES
+    )
+
+
+def lengths(traffic: Traffic | None) -> Lengths:
+    """The KV each request of `traffic` holds on a decode server once answered: its prompt
+    and output, by the shapes of its length distribution; () without one."""
+    if traffic is None:
+        return ()
+    return tuple((share, prompt + output) for share, prompt, output in traffic.points)
 
 
 def _limits(
@@ -493,8 +575,32 @@ def best_split(
     for n in counts:
         got = _figures(limits(n), share)
         if best.figures is None or got.rate > best.figures.rate:
-            best = Split(first(n), got)
+            best = Split(first(n), got, limits(n)[3])
     return best
+
+
+def _falls_short(
+    split: Split, weigh: Goodput | None, model: Model, share: float
+) -> tuple[float, float, float, float] | None:
+    """The first rate at which the split serves a smaller share within the SLO than the
+    colocated servers, where they miss it, by the queueing model: (rate, the split's share,
+    colocated's, the highest rate weighed); None where it never does. Rates are weighed up to
+    the workload's rate or the split's goodput, whichever is higher: a split whose pools
+    bound it more tightly (a decode server's KV cache that holds few of a heavy tail's long
+    requests) can serve more at the SLO's share and fall far below colocated servers just
+    past it, at a rate the workload brings."""
+    if weigh is None or weigh.colocated_at is None or split.phases is None:
+        return None
+    assert split.figures is not None
+    w = model.spec.workload
+    top = max(split.figures.rate, w.requests_per_s if w is not None else 0.0)
+    for k in range(1, WEIGHED_RATES + 1):
+        rate = top * k / WEIGHED_RATES
+        mine = split.phases.attainment(rate)
+        theirs = weigh.colocated_at(rate)
+        if mine < min(theirs, share):
+            return rate, mine, theirs, top
+    return None
 
 
 def decide(
@@ -522,7 +628,7 @@ def decide(
     )
 
     def choice(split_it: bool, why: str, split: Split | None = None) -> Choice:
-        return Choice(split_it, together, split, why, tpot_s)
+        return Choice(split_it, together, split, why, tpot_s, lengths(traffic))
 
     mode = model.spec.disaggregation
     if mode == "off":
@@ -561,6 +667,15 @@ def decide(
         why = (
             f"a split serves {got.rate:.2f} req/s within the SLO against {together.rate:.2f} "
             f"colocated: less than {GAIN:g}x"
+        )
+        return choice(False, why, split)
+    short = _falls_short(split, weigh, model, share)
+    if short is not None:
+        rate, mine, theirs, top = short
+        why = (
+            f"a split serves {got.rate:.2f} req/s within the SLO against {together.rate:.2f} "
+            f"colocated, but past that it serves fewer within it: {mine:.1%} against "
+            f"{theirs:.1%} at {rate:.2f} req/s (weighed up to {top:.2f})"
         )
         return choice(False, why, split)
     why = (

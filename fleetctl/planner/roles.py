@@ -5,13 +5,14 @@ their roles, vLLM flags and reasons)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 from fleetctl.base.names import natural_key
 from fleetctl.fleet.inventory import Inventory, KvTransferSpec, Node
 from fleetctl.fleet.plan import Deployment, Disaggregation, KvTransfer, Role, Server
-from fleetctl.planner.candidates import Candidate, model_goodput, request_shape
+from fleetctl.planner.candidates import Candidate, model_attainment, model_goodput, request_shape
 from fleetctl.planner.disaggregate import (
     Choice,
     Goodput,
@@ -53,10 +54,15 @@ def assign_roles(
         slo = candidate_of[next(iter(groups))].slo
         # Weighed by the figure `plan` prints as the colocated servers' capacity (their
         # goodput on the model's lengths and bursts), and the split by the same model.
-        colocated = model_goodput(m, [(candidate_of[key], len(g)) for key, g in groups.items()])
+        placed_as = [(candidate_of[key], len(g)) for key, g in groups.items()]
+        colocated = model_goodput(m, placed_as)
         weigh = None
         if colocated is not None:
-            weigh = Goodput(traffic_of(m, (prompt, output)), colocated)
+            weigh = Goodput(
+                traffic_of(m, (prompt, output)),
+                colocated,
+                functools.partial(model_attainment, m, placed_as),
+            )
         choice = decide(m, pools, prompt, output, len(gpus), slo, weigh)
         choices[m.name] = _summary(choice, pools)
         if not choice.disaggregate or choice.split is None:
@@ -140,7 +146,7 @@ def _as(
             f"({split.transfer_s * 1000:.0f} ms a prompt over the network)"
         )
     else:
-        rate = decode_rate(pool, prompt, output, choice.tpot_objective_s)
+        rate = decode_rate(pool, prompt, output, choice.tpot_objective_s, held=choice.held)
         why = (
             f"decode server of {server.model}'s split: {rate:.2f} req/s of {output}-token "
             "answers each, no prompt stalling its steps"

@@ -13,6 +13,7 @@ from fleetctl.model.calibration import Calibration
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.scheduler import Aging
+from fleetctl.sim.command import slo_in_force
 from fleetctl.sim.fleet import Outcome, percentile, servers_from_plan, simulate
 from fleetctl.sim.workload import WorkItem
 
@@ -70,14 +71,16 @@ def what_if(
     calibration: Calibration | None = None,
     seed: int = 0,
     progress: Callable[[float], None] | None = None,
+    slos: Mapping[str, Slo | None] | None = None,
 ) -> Figures:
     """Run `traffic` (per model, the trace's own arrivals) over `deployments` (the state's or
     a plan's) through the router's scheduler and `policy`, and sum it up.
 
-    A request meets its model's SLO when it finished with TTFT <= slo.ttft_p99_s and its own
-    TPOT <= slo.tpot_p99_ms (a figure the SLO leaves out is met; a model with no SLO is met
-    by every request that finished); one that never finished (no server of its model,
-    refused, still queued at the horizon) misses. Latency percentiles are over finished
+    A request meets its model's SLO (`slos`, else `judged_by` with no plan applied) when it
+    finished with TTFT and its own TPOT within it (a figure the SLO leaves out is met; a
+    model no server could hold has none, and every request that finished meets it); one
+    that never finished (no server of its model, refused, still queued at the horizon)
+    misses. Latency percentiles are over finished
     requests. Deployments the inventory cannot describe (a model, format or GPU type it no
     longer has) count in GPUs and cost but are not simulated, and a note says so.
     `progress`, if given, hears the share of the requests simulated so far (0 to 1)."""
@@ -101,6 +104,8 @@ def what_if(
     spec = inv.spec.router
     config = RoutingConfig.of(inv)
     aging = Aging(spec.aging.factor, spec.aging.window_s, spec.aging.enabled)
+    if slos is None:
+        slos = judged_by(inv, traffic, {}, calibration)
     outcomes: list[Outcome] = []
     met = 0
     servers = 0
@@ -131,8 +136,7 @@ def what_if(
             output_estimate=estimate,
             progress=hook,
         )
-        slo = Slo.of(inv.model(model).spec.slo) if model in formats else None
-        met += sum(1 for o in result.outcomes if o.met(slo))
+        met += sum(1 for o in result.outcomes if o.met(slos.get(model)))
         outcomes += result.outcomes
     done = [o for o in outcomes if o.done]
     ttft = sorted(o.ttft_s for o in done)
@@ -167,6 +171,24 @@ def what_if(
         served=len(done),
         notes=tuple(notes),
     )
+
+
+def judged_by(
+    inv: Inventory,
+    traffic: Mapping[str, Sequence[WorkItem]],
+    recorded: Mapping[str, Slo],
+    calibration: Calibration | None = None,
+) -> dict[str, Slo | None]:
+    """Each model's SLO the what-if judges its requests by: the one `simulate` judges by on
+    this traffic (the inventory's; else the applied plan's, `recorded` from state.json; else
+    the one `plan --workload-from` derives from it), so a model that states none is judged by
+    the objective route-serve holds it to, not met by every request that finishes."""
+    known = {m.name for m in inv.models}
+    return {
+        model: slo_in_force(inv, model, list(items), recorded, calibration)
+        for model, items in traffic.items()
+        if model in known and items
+    }
 
 
 def _share_of(
