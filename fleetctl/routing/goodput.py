@@ -102,18 +102,23 @@ def lora_perf(perf: EnginePerf, rank: int) -> LoraPerf:
 def adapter_wait_s(b: Backend, req: Request, step_s: float, mean_output: int | None) -> float:
     """Seconds before `b` can batch `req`'s adapter, from its newest vllm:lora_requests_info:
     none where requests of it run (a GPU slot holds it); else its copy into a slot from the
-    CPU cache (model/lora.py), and, where every slot holds an adapter with requests running,
-    first the wait for one to drain, about half a request's decode at the step in flight for
-    each round of the adapters waiting there before it (vLLM's scheduler lets an adapter in
-    only when a slot's requests have all finished)."""
+    CPU cache (model/lora.py), and, where the slots all hold adapters with requests running,
+    first the wait for one to drain: a request's whole decode at the step in flight, once
+    for it and once for each adapter waiting there before it.
+
+    Whole decodes, one per adapter ahead: vLLM lets an adapter in only once every request of
+    a running one has finished, and keeps admitting new requests of the running ones past
+    it, so a popular adapter holds its slot while its traffic lasts. Half a decode per round
+    of --max-loras adapters ahead sent the tail adapters into full slots: on
+    benchmarks/lora.py at 90% load their first tokens waited 31 s at p90 inside the engines.
+    """
     if not req.adapter or b.perf is None or req.adapter in b.lora_running:
         return 0.0
     lora = lora_perf(b.perf, b.lora_rank or DEFAULT_LORA_RANK)
     wait = lora.activate_s(lora.max_rank)
     if b.lora_max and len(b.lora_running) >= b.lora_max:
         ahead = len(b.lora_waiting - {req.adapter})
-        drain = max(1, mean_output or req.output_tokens) / 2 * step_s
-        wait += (1 + ahead // b.lora_max) * drain
+        wait += (1 + ahead) * max(1, mean_output or req.output_tokens) * step_s
     return wait
 
 
