@@ -62,3 +62,22 @@ def test_an_adapter_goes_where_it_is_warm_unless_that_server_is_slower(perf):
     # With seconds of prompts queued on the warm server, the wait for a slot is cheaper.
     piled = replace(warm, pending_prefill=40_000)
     assert policy.choose(req, [busy, piled]).backend is busy
+
+
+def test_route_serve_takes_each_servers_slot_rank_from_its_arguments(tmp_path):
+    """A recorded server's --max-lora-rank (the plan's: the A100s hold the rank-64 adapter,
+    the 4090s rank 16) is its backend's lora_rank, the rank its loads are predicted at."""
+    from fleetctl.daemon.adapters import lora_rank
+    from fleetctl.daemon.backends import backends_from_state
+    from fleetctl.fleet.inventory import load_inventory
+    from fleetctl.fleet.statedir import StateDir
+    from fleetctl.model.catalog import load_catalog
+    from tests.conftest import record_the_plan_as_applied, write
+    from tests.test_lora import GOOD
+
+    path = write(tmp_path, GOOD)
+    record_the_plan_as_applied(path)
+    inv = load_inventory(path, load_catalog())
+    ranks = {b.gpu_type: b.lora_rank for b in backends_from_state(inv, StateDir.of(inv))}
+    assert ranks == {"A100-SXM4-80GB": 64, "RTX-4090": 16}
+    assert lora_rank(["--max-lora-rank=32"]) == 32 and lora_rank(["--enable-lora"]) == 0
