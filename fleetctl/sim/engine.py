@@ -9,7 +9,10 @@ sequence is preempted by recompute: its blocks are freed and it waits again at t
 Blocks live in `KvPool` (fleetctl/sim/kvpool.py), vLLM's automatic prefix cache: a prompt
 whose leading blocks are cached (named by the chained hashes the request carries, or, after
 a preemption, its own freed blocks) skips their prefill. Step time comes from the shared
-performance model (`fleetctl.model.perf.EnginePerf`).
+performance model (`fleetctl.model.perf.EnginePerf`). With LoRA (`lora`), a step batches
+requests of at most `max_loras` adapters, as vLLM's scheduler does, the adapters in GPU slots
+and in the CPU cache are kept least recently used first, as its LRU caches do, and a step pays
+its adapters' loads and kernels (`fleetctl.model.lora.LoraPerf`).
 
 Speed: decoding sequences are not touched one by one each step. Each remembers the engine's
 decode-step counter when it started decoding, so its context is `base + (D - d0)`; a heap
