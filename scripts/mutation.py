@@ -99,8 +99,12 @@ TESTS: dict[str, list[str]] = {
     ],
     "fleetctl/planner/expand.py": ["tests/test_planner_units.py", "tests/test_planner.py"],
     "fleetctl/model/perf.py": ["tests/test_perf.py"],
-    # tests/test_sim.py takes 14-35 s: too slow per mutant; these two take ~1.6 s together.
-    "fleetctl/sim/engine.py": ["tests/test_sim_engine.py", "tests/test_sim_vllm_rules.py"],
+    # tests/test_sim.py takes 14-35 s: too slow per mutant; these three take ~2.5 s together.
+    "fleetctl/sim/engine.py": [
+        "tests/test_sim_engine.py",
+        "tests/test_sim_vllm_rules.py",
+        "tests/test_lora_engine.py",
+    ],
     "fleetctl/apply/steps.py": ["tests/test_apply_steps.py"],
     **{f"fleetctl/routing/policies/{m}.py": BASELINE_TESTS for m in BASELINES},
     **{f"fleetctl/routing/policies/{m}.py": PEER_TESTS for m in PEERS},

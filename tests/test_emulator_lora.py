@@ -137,3 +137,73 @@ def test_an_adapter_loads_and_unloads_at_runtime_as_vllm_answers(tmp_path):
     finally:
         emu.stop()
         plain.stop()
+
+
+def test_a_second_adapter_waits_for_the_only_slot_in_the_lora_metric(tmp_path):
+    """--max-loras 1: while a request for legal-de runs, one for support-en waits (vLLM's
+    scheduler skips it), and vllm:lora_requests_info says so: legal-de running, support-en
+    waiting, max_lora 1; once legal-de's request ends, support-en runs."""
+    emu = Emulator(
+        tmp_path,
+        "--enable-lora",
+        "--max-loras",
+        "1",
+        "--lora-modules",
+        "legal-de=/srv/adapters/legal-de",
+        "support-en=/srv/adapters/support-en",
+    )
+    try:
+        emu.wait_healthy()
+        ended = {"legal-de": threading.Event(), "support-en": threading.Event()}
+
+        def long_request(adapter: str, tokens: int) -> None:
+            body = {"model": adapter, "prompt": "hello", "max_tokens": tokens, "stream": True}
+            emu.request("POST", "/v1/completions", body, timeout=60)
+            ended[adapter].set()
+
+        def newest() -> tuple[str, str, str]:
+            family = emu.metrics()["vllm:lora_requests_info"]
+            s = max(family.samples, key=lambda s: s.value)  # type: ignore[attr-defined]
+            return (
+                s.labels["running_lora_adapters"],
+                s.labels["waiting_lora_adapters"],
+                s.labels["max_lora"],
+            )
+
+        first = threading.Thread(target=long_request, args=("legal-de", 2000), daemon=True)
+        first.start()
+        while newest()[0] != "legal-de" and not ended["legal-de"].is_set():
+            pass
+        second = threading.Thread(target=long_request, args=("support-en", 50), daemon=True)
+        second.start()
+        seen = set()
+        while not ended["support-en"].is_set():
+            seen.add(newest())
+        assert ("legal-de", "support-en", "1") in seen, seen
+        assert not any("," in running for running, _, _ in seen), seen  # never two at once
+        assert ended["legal-de"].is_set()  # support-en ran only after it
+    finally:
+        emu.stop()
+
+
+def test_a_runtime_load_takes_the_modelled_read_from_disk(tmp_path):
+    """Without --lora-load-seconds a runtime load takes the performance model's read of an
+    adapter of --max-lora-rank from disk (model/lora.py), on the emulator's clock."""
+    from fleetctl.model.catalog import load_catalog
+    from fleetctl.model.lora import LoraPerf
+    from fleetctl.model.perf import EnginePerf
+
+    c = load_catalog()
+    perf = EnginePerf(c.gpu("RTX-4090"), c.model(NAME), c.format("bf16"))
+    modelled = LoraPerf(perf, 64).disk_s(64)
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    # At the time scale of 1, so the load's wall time is its emulated time.
+    emu = Emulator(tmp_path, "--enable-lora", "--max-lora-rank", "64", "--time-scale", "1", env=env)
+    try:
+        emu.wait_healthy()
+        started = time.monotonic()
+        load = {"lora_name": "sql", "lora_path": "/srv/adapters/sql"}
+        assert emu.request("POST", "/v1/load_lora_adapter", load)[0] == 200
+        assert time.monotonic() - started >= modelled > 0.3
+    finally:
+        emu.stop()

@@ -28,6 +28,7 @@ MOONCAKE = {"timestamp", "input_length", "output_length", "hash_ids"}
 MORE = {
     "block_tokens",
     "model",
+    "adapter",
     "max_tokens",
     "session",
     "priority",

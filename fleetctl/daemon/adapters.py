@@ -51,6 +51,20 @@ def lora_modules(vllm_args: Sequence[str]) -> frozenset[str]:
     return frozenset(out)
 
 
+def lora_rank(vllm_args: Sequence[str]) -> int:
+    """A server's `--max-lora-rank` (the rank its slots run at), 0 when not given."""
+    args = list(vllm_args)
+    for i, arg in enumerate(args):
+        value = None
+        if arg == "--max-lora-rank" and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith("--max-lora-rank="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return 0
+
+
 def listed_adapters(data: Iterable[Any], parent: str) -> frozenset[str]:
     """The adapters a server's /v1/models lists: vLLM's cards whose parent is its base model
     (vllm/entrypoints/openai/models/serving.py, show_available_models)."""

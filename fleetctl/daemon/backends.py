@@ -15,7 +15,7 @@ from fleetctl.base.errors import Location, UserError
 from fleetctl.base.limits import MAX_TOKENS
 from fleetctl.base.validation import Strict, validate
 from fleetctl.base.yamlsrc import load_yaml
-from fleetctl.daemon.adapters import lora_modules
+from fleetctl.daemon.adapters import lora_modules, lora_rank
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.fleet.state import server_name
@@ -208,6 +208,7 @@ def _state_backend(inv: Inventory, d: Deployment, level: int = 1) -> Backend:
         max_num_batched_tokens=s.max_num_batched_tokens,
         role=s.role,
         adapters=lora_modules(d.vllm_args),
+        lora_rank=lora_rank(d.vllm_args),
     )
     b.wake_s, b.sleep_level = wake_s, level
     b.wakeable = SLEEP_MODE_FLAG in d.vllm_args

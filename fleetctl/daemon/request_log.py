@@ -3,7 +3,8 @@
 Each line is a Mooncake trace row (`timestamp` ms since the Unix epoch, `input_length`,
 `output_length`, `hash_ids`) with more fields, so the simulator reads the log as a trace
 (fleetctl/sim/workload.py `load_trace`): `block_tokens` (the tokens each hash covers), `model`,
-`max_tokens`, `session`, `priority`, `precision`, `backend` (host:port, without any
+`adapter` (the inventory's LoRA adapter of `model` the request named, or null), `max_tokens`,
+`session`, `priority`, `precision`, `backend` (host:port, without any
 user:password), `class`, `ttft_s`, `e2e_s` (from arrival, queueing included), `status` (HTTP;
 499: the client left; 502: the backend failed, mid-stream too; 503 with `outcome`
 `cut_by_drain`: route-serve stopped before the answer ended, `output_length` then counting the
@@ -203,6 +204,7 @@ class RequestLog:
             "hash_ids": ids,
             "block_tokens": span,
             "model": req.model,
+            "adapter": req.adapter or None,
             "max_tokens": req.max_tokens,
             "session": self.keys.session(session) if session else None,
             "priority": req.priority,

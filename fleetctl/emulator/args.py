@@ -60,7 +60,8 @@ class EmulatorArgs:
     max_loras: int | None = None
     max_lora_rank: int | None = None
     lora_modules: list[str] = field(default_factory=list)
-    lora_load_seconds: float = 0.0
+    max_cpu_loras: int | None = None
+    lora_load_seconds: float | None = None
 
 
 _SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
@@ -134,10 +135,11 @@ def _parser() -> _Parser:
     own.add_argument(
         "--lora-load-seconds",
         type=float,
-        default=0.0,
+        default=None,
         metavar="S",
         help="emulated seconds one runtime adapter load takes (POST /v1/load_lora_adapter, "
-        "served with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+        "served with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); default: the "
+        "performance model's read of an adapter of --max-lora-rank from disk",
     )
     faults = p.add_argument_group("faults")
     faults.add_argument(
@@ -178,6 +180,7 @@ def _parser() -> _Parser:
     vllm.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False)
     vllm.add_argument("--max-loras", type=int)
     vllm.add_argument("--max-lora-rank", type=int)
+    vllm.add_argument("--max-cpu-loras", type=int)
     vllm.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     vllm.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     return p

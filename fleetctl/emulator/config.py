@@ -13,6 +13,7 @@ from fleetctl.emulator.kv_transfer import KvTransferConfig, parse_kv_transfer_co
 from fleetctl.emulator.lora import LoraConfig, lora_config
 from fleetctl.emulator.truth import less_kv, slower
 from fleetctl.model.catalog import Catalog, FormatProfile, GpuProfile, ModelProfile, load_catalog
+from fleetctl.model.lora import LoraPerf
 from fleetctl.model.perf import (
     BLOCK_SIZE,
     EnginePerf,
@@ -115,6 +116,14 @@ class EmulatorConfig:
             kv_events=self.kv_events is not None and self.prefix_caching,
             max_span_s=max(MAX_SPAN_S, MIN_WALL_TICK_S * self.time_scale),
         )
+        if self.lora is not None:
+            # Slots of --max-lora-rank; an adapter's own rank is unknown here, so taken as that.
+            lora = self.lora
+            engine.lora = LoraPerf(self.perf, lora.max_rank, self.fmt.activation_bytes)
+            engine.max_loras = lora.max_loras
+            engine.max_cpu_loras = max(lora.max_loras, lora.max_cpu_loras or 0)
+            for name, _ in lora.modules:
+                engine.add_lora(name, lora.max_rank)
         return engine
 
 
@@ -225,6 +234,7 @@ def resolve(args: EmulatorArgs) -> EmulatorConfig:
             args.max_lora_rank,
             args.lora_modules,
             args.lora_load_seconds,
+            args.max_cpu_loras,
         ),
     )
 

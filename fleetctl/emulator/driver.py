@@ -87,14 +87,18 @@ class Driver:
         blocks: PromptBlocks | None = None,
         ids: Sequence[int] | None = None,
         external: int = 0,
+        adapter: str | None = None,
     ) -> Job:
         """Add a sequence at the current emulated time; its tokens will arrive on `queue`.
         `blocks` name its prompt for the prefix cache; `ids` are its token ids, if known;
-        `external` prompt tokens arrived as KV from a prefill server (not computed here)."""
+        `external` prompt tokens arrived as KV from a prefill server (not computed here);
+        `adapter` the LoRA adapter it runs (taken at the slots' rank)."""
         now = self.now()
         self._step_until(now)
         seq = Seq(None, prompt, output, blocks)
         seq.external = external
+        if adapter is not None and self.engine.lora is not None:
+            seq.adapter, seq.rank = adapter, self.engine.lora.max_rank
         job = Job(seq, index, queue, now, last_token_at=now)
         seq.req = job
         self.arrivals["parked" if self.paused else "awake"] += 1

@@ -30,9 +30,11 @@ class LoraConfig:
     max_rank: int = DEFAULT_MAX_RANK
     modules: tuple[tuple[str, str], ...] = ()  # (name, path), in the order given
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
-    # are served; each load takes `load_s` emulated seconds (--lora-load-seconds).
+    # are served; each load takes `load_s` emulated seconds (--lora-load-seconds), or, None,
+    # the performance model's read from disk (model/lora.py).
     runtime: bool = False
-    load_s: float = 0.0
+    load_s: float | None = None
+    max_cpu_loras: int | None = None  # --max-cpu-loras; None: vLLM's default, max_loras
 
 
 def parse_module(text: str) -> tuple[str, str]:
@@ -60,7 +62,8 @@ def lora_config(
     max_loras: int | None,
     max_rank: int | None,
     modules: list[str],
-    load_s: float = 0.0,
+    load_s: float | None = None,
+    max_cpu_loras: int | None = None,
 ) -> LoraConfig | None:
     """The parsed flags, or None without --enable-lora (vLLM then serves no adapter)."""
     if not enable:
@@ -78,6 +81,7 @@ def lora_config(
         parsed,
         runtime in ("1", "true"),
         load_s,
+        max_cpu_loras,
     )
 
 
@@ -93,9 +97,11 @@ class Adapters:
     def __post_init__(self) -> None:
         self.loaded.update(self.config.modules)
 
-    async def load(self, body: dict[str, Any], base_names: tuple[str, ...], scale: float) -> str:
+    async def load(
+        self, body: dict[str, Any], base_names: tuple[str, ...], scale: float, seconds: float
+    ) -> str:
         """POST /v1/load_lora_adapter as vLLM 0.32 answers it (vllm/entrypoints/openai/
-        models/serving.py, load_lora_adapter and its checks), after the load's time."""
+        models/serving.py, load_lora_adapter and its checks), after the load's `seconds`."""
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
             raise ApiError(
@@ -114,7 +120,7 @@ class Adapters:
                 "adapter in place, set 'load_inplace' to True.",
                 "InvalidUserInput",
             )
-        await asyncio.sleep(self.config.load_s / scale)  # emulated seconds, at the time scale
+        await asyncio.sleep(seconds / scale)  # emulated seconds, at the time scale
         self.loaded[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
 

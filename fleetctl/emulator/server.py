@@ -36,6 +36,7 @@ from fleetctl.emulator.lora import Adapters
 from fleetctl.emulator.metrics import CacheInfo, Recorder, render
 from fleetctl.emulator.sleep import GpuLedger, Sleeper, attach
 from fleetctl.model.perf import cuda_total
+from fleetctl.sim.engine import WAITING
 
 log = logging.getLogger("fleetctl.emulator")
 # uvicorn's access line, which is what vLLM prints; never headers, so never the API key.
@@ -75,8 +76,8 @@ class State:
         running: dict[str, None] = {}
         waiting: dict[str, None] = {}
         for name, job in self.lora_jobs.values():
-            if not job.finished:
-                (waiting if job.scheduled_at is None else running)[name] = None
+            if not job.finished:  # a preempted one waits again, as vLLM counts it
+                (waiting if job.seq.state == WAITING else running)[name] = None
         return list(running), list(waiting)
 
     @property
@@ -345,14 +346,27 @@ async def _load_lora(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     assert state.adapters is not None
     c = state.config
-    text = await state.adapters.load(await _read_body(request), c.served_names, c.time_scale)
+    assert c.lora is not None
+    engine = state.run().engine
+    # vLLM reads a runtime-loaded adapter from disk into its CPU cache; the first step that
+    # batches it copies it into a GPU slot (the engine's load).
+    seconds = c.lora.load_s
+    if seconds is None:
+        assert engine.lora is not None
+        seconds = engine.lora.disk_s(c.lora.max_rank)
+    body = await _read_body(request)
+    text = await state.adapters.load(body, c.served_names, c.time_scale, seconds)
+    engine.add_lora(body["lora_name"], c.lora.max_rank)
     return web.Response(text=text)
 
 
 async def _unload_lora(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     assert state.adapters is not None
-    return web.Response(text=state.adapters.unload(await _read_body(request)))
+    body = await _read_body(request)
+    text = state.adapters.unload(body)
+    state.run().engine.remove_lora(body["lora_name"])
+    return web.Response(text=text)
 
 
 async def _notified(request: web.Request) -> web.StreamResponse:
@@ -449,16 +463,20 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     external, producer = await _kv_transfer(body, plan, state.config)
     queue: asyncio.Queue[Update] = asyncio.Queue()
     driver = state.run()
+    model = body.get("model")
+    loaded = state.adapters.loaded if state.adapters is not None else {}
+    adapter = model if isinstance(model, str) and model in loaded else None
     jobs = [
-        driver.submit(prompt, out, queue, i * plan.n + j, named.blocks, named.ids, external)
+        driver.submit(
+            prompt, out, queue, i * plan.n + j, named.blocks, named.ids, external, adapter
+        )
         for i, (prompt, out, named) in enumerate(
             zip(plan.prompts, plan.outputs, plan.named, strict=True)
         )
         for j in range(plan.n)
     ]
-    model = body.get("model")
-    if state.adapters is not None and isinstance(model, str) and model in state.adapters.loaded:
-        state.lora_jobs.update((id(job), (model, job)) for job in jobs)
+    if adapter is not None:
+        state.lora_jobs.update((id(job), (adapter, job)) for job in jobs)
     try:
         if plan.stream:
             state.streams += 1

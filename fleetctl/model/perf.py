@@ -190,14 +190,22 @@ def lora_slot_bytes(
     if max_loras <= 0:
         return 0
     h, r = model.hidden_size, max_lora_rank
+    outside = model.vocab_size * r + h * r + r * h + (model.vocab_size // tp) * r
+    return max_loras * (lora_layer_params(model, r, tp) + outside) * dtype_bytes
+
+
+def lora_layer_params(model: ModelProfile, rank: int, tp: int = 1) -> int:
+    """Parameters one GPU of a TP group holds of one adapter of `rank` on the decoder layers'
+    linear modules (qkv_proj, o_proj, gate_up_proj, down_proj; lora_slot_bytes's layout):
+    an adapter's file and what its GPU slot is filled with, embeddings aside."""
+    h, r = model.hidden_size, rank
     q = model.num_attention_heads * model.head_dim
     kv = kv_heads_per_gpu(model, tp) * model.head_dim
     inter = model.intermediate_size
     attn = 3 * r * h + (q // tp + 2 * kv) * r + r * (q // tp) + h * r
     mlp = 2 * r * h + 2 * (inter // tp) * r + r * (inter // tp) + h * r
     mlp *= model.num_experts or 1
-    outside = model.vocab_size * r + h * r + r * h + (model.vocab_size // tp) * r
-    return max_loras * (model.num_layers * (attn + mlp) + outside) * dtype_bytes
+    return model.num_layers * (attn + mlp)
 
 
 def kv_budget(
@@ -437,12 +445,14 @@ class EnginePerf:
             lines.append((self.launch_s, 0.0))
         return lines, self.step_overhead + self.per_seq_s * batch
 
-    def decode_span(self, batch: int, kv0: float, steps: int) -> float:
+    def decode_span(self, batch: int, kv0: float, steps: int, extra_s: float = 0.0) -> float:
         """Seconds for `steps` decode steps of a constant batch whose KV starts at `kv0` tokens
-        and grows by `batch` each step: the simulator's fast path, in closed form."""
+        and grows by `batch` each step: the simulator's fast path, in closed form. `extra_s`:
+        seconds each step adds besides (its LoRA adapters' kernels, model/lora.py)."""
         if steps <= 0:
             return 0.0
         lines, const = self._decode_lines(batch)
+        const += extra_s
         # The upper envelope of the lines changes only where two of them cross: split the
         # steps there and sum each piece's one line in closed form. (Plain loops: this is the
         # simulator's hot path, and there are at most three lines.)
@@ -468,12 +478,14 @@ class EnginePerf:
             total += n * (a + b * kv0) + b * batch * (n * first + n * (n - 1) / 2)
         return total
 
-    def decode_steps_within(self, batch: int, kv0: float, seconds: float, most: int) -> int:
+    def decode_steps_within(
+        self, batch: int, kv0: float, seconds: float, most: int, extra_s: float = 0.0
+    ) -> int:
         """How many whole decode steps (at most `most`) finish within `seconds`."""
         lo, hi = 0, most
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.decode_span(batch, kv0, mid) <= seconds:
+            if self.decode_span(batch, kv0, mid, extra_s) <= seconds:
                 lo = mid
             else:
                 hi = mid - 1

@@ -34,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetctl.fleet.slo import Slo
+from fleetctl.model.lora import LoraPerf
+from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.types import Backend, Request
 
 # Prompt tokens are costed at the speed of a chunk of this many tokens (vLLM's usual budget)
@@ -43,6 +45,8 @@ PREFILL_PROBE = 2048
 # on most GPUs).
 DEFAULT_BUDGET = 2048
 TERMS = ("ttft", "tpot", "others")
+# The slots' rank where a server's --max-lora-rank is unknown (vLLM's default).
+DEFAULT_LORA_RANK = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +83,43 @@ def queued_prefill_s(b: Backend) -> float:
     """Seconds of prefill queued on `b` ahead of a new prompt: its prompts' own modelled
     times where the router sent them, at least its pending tokens at a chunk's speed."""
     return max(b.pending_prefill_s, b.pending_prefill * prefill_s_per_token(b))
+
+
+_LORA: dict[tuple[int, int], tuple[EnginePerf, LoraPerf]] = {}
+
+
+def lora_perf(perf: EnginePerf, rank: int) -> LoraPerf:
+    """The LoRA costs of an engine at a slot rank, built once per (engine model, rank)."""
+    key = (id(perf), rank)
+    found = _LORA.get(key)
+    if found is None or found[0] is not perf:
+        if len(_LORA) >= 256:
+            _LORA.clear()
+        found = _LORA[key] = (perf, LoraPerf(perf, rank))
+    return found[1]
+
+
+def adapter_wait_s(b: Backend, req: Request, step_s: float, mean_output: int | None) -> float:
+    """Seconds before `b` can batch `req`'s adapter, from its newest vllm:lora_requests_info:
+    none where requests of it run (a GPU slot holds it); else its copy into a slot from the
+    CPU cache (model/lora.py), and, where the slots all hold adapters with requests running,
+    first the wait for one to drain: a request's whole decode at the step in flight, once
+    for it and once for each adapter waiting there before it.
+
+    Whole decodes, one per adapter ahead: vLLM lets an adapter in only once every request of
+    a running one has finished, and keeps admitting new requests of the running ones past
+    it, so a popular adapter holds its slot while its traffic lasts. Half a decode per round
+    of --max-loras adapters ahead sent the tail adapters into full slots: on
+    benchmarks/lora.py at 90% load their first tokens waited 31 s at p90 inside the engines.
+    """
+    if not req.adapter or b.perf is None or req.adapter in b.lora_running:
+        return 0.0
+    lora = lora_perf(b.perf, b.lora_rank or DEFAULT_LORA_RANK)
+    wait = lora.activate_s(lora.max_rank)
+    if b.lora_max and len(b.lora_running) >= b.lora_max:
+        ahead = len(b.lora_waiting - {req.adapter})
+        wait += (1 + ahead) * max(1, mean_output or req.output_tokens) * step_s
+    return wait
 
 
 def effect(

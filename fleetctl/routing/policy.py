@@ -19,6 +19,7 @@ from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.goodput import (
     Effect,
     Slo,
+    adapter_wait_s,
     cost,
     deciding_term,
     effect,
@@ -454,6 +455,8 @@ class HardwareAware(Policy):
         over = (b.reserved_tokens + req.total_tokens) / max(1, b.kv_tokens)
         if over > 1.0:
             wait += (over - 1.0) * max(1, b.outstanding) * req.output_tokens * step
+        # A LoRA adapter no GPU slot there holds waits for a slot, then for its load.
+        wait += adapter_wait_s(b, req, step, cfg.mean_output.get(req.model))
         # Memory-bandwidth saturation: more work there adds latency but little throughput.
         # The simulator fills bandwidth_util from the perf model's decode work in flight; the
         # daemon measures it live as the rate of vllm:estimated_read_bytes_per_gpu_total over

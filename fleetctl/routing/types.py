@@ -135,6 +135,8 @@ class Backend:
     lora_running: frozenset[str] = frozenset()
     lora_waiting: frozenset[str] = frozenset()
     lora_max: int = 0
+    # Its --max-lora-rank, the rank its slots run at (model/lora.py); 0: unknown.
+    lora_rank: int = 0
     # "both" (prefill and decode), or one phase of a disaggregated model: "prefill" or
     # "decode" (routing/phases.py).
     role: str = "both"

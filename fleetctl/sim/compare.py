@@ -60,6 +60,7 @@ class Comparison:
                 name: {
                     **{k: _clean(v) for k, v in r.summary().items()},
                     "rejected_reasons": rejected_reasons(r.outcomes),
+                    **({"lora": lora} if (lora := r.adapter_figures()) is not None else {}),
                 }
                 for name, r in self.results.items()
             },

@@ -9,7 +9,10 @@ sequence is preempted by recompute: its blocks are freed and it waits again at t
 Blocks live in `KvPool` (fleetctl/sim/kvpool.py), vLLM's automatic prefix cache: a prompt
 whose leading blocks are cached (named by the chained hashes the request carries, or, after
 a preemption, its own freed blocks) skips their prefill. Step time comes from the shared
-performance model (`fleetctl.model.perf.EnginePerf`).
+performance model (`fleetctl.model.perf.EnginePerf`). With LoRA (`lora`), a step batches
+requests of at most `max_loras` adapters, as vLLM's scheduler does, the adapters in GPU slots
+and in the CPU cache are kept least recently used first, as its LRU caches do, and a step pays
+its adapters' loads and kernels (`fleetctl.model.lora.LoraPerf`).
 
 Speed: decoding sequences are not touched one by one each step. Each remembers the engine's
 decode-step counter when it started decoding, so its context is `base + (D - d0)`; a heap
@@ -29,6 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleetctl.model.lora import LoraPerf
 from fleetctl.model.perf import BLOCK_SIZE, COMPUTE_EFFICIENCY, EnginePerf
 from fleetctl.routing.prefix import PromptBlocks
 from fleetctl.sim.kvpool import KvPool, Run, engine_keys
@@ -41,6 +45,7 @@ class Seq:
     """One request inside an engine."""
 
     __slots__ = (
+        "adapter",
         "admitted",
         "base_c",
         "base_g",
@@ -61,6 +66,7 @@ class Seq:
         "preemptions",
         "prompt",
         "prompt_blocks",
+        "rank",
         "reg",
         "req",
         "residue",
@@ -94,6 +100,9 @@ class Seq:
         # admitted with them computed, as vLLM's decode server loads them instead of
         # prefilling; 0 once a preemption has dropped them (it then prefills itself).
         self.external = 0
+        # The LoRA adapter it runs (None: the base model) and that adapter's rank.
+        self.adapter: str | None = None
+        self.rank = 0
 
 
 @dataclass
@@ -110,6 +119,12 @@ class EngineStats:
     read_bytes: float = 0.0  # estimated HBM bytes read per GPU
     busy_s: float = 0.0
     steps: int = 0
+    # LoRA: adapters copied into a GPU slot, how many of those were read from disk first
+    # (not in the CPU cache), and the seconds those loads took inside the steps.
+    lora_loads: int = 0
+    lora_disk_loads: int = 0
+    lora_load_s: float = 0.0
+    lora_loads_by: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +146,12 @@ class Engine:
     max_span_s: float | None = None
     # Record KV events (blocks stored and evicted) in `pool.events`, for a publisher.
     kv_events: bool = False
+    # --enable-lora: the adapters' costs (model/lora.py), --max-loras (GPU slots: a step
+    # batches requests of at most this many adapters) and --max-cpu-loras (the CPU cache of
+    # loaded adapters; vLLM's default: max_loras). None: LoRA off.
+    lora: LoraPerf | None = None
+    max_loras: int = 1
+    max_cpu_loras: int = 0
 
     def __post_init__(self) -> None:
         # Every decoding sequence takes one token of the step's budget.
@@ -152,6 +173,14 @@ class Engine:
         self.finishes: list[tuple[int, int, int, Seq]] = []  # (D at finish, admitted, epoch)
         self.span: tuple[float, int] | None = None  # planned: (start, k decode steps; 0 = mixed)
         self._admissions = 0
+        # LoRA, as vLLM's LRUCacheWorkerLoRAManager keeps it: adapters in GPU slots and in the
+        # CPU cache, least recently used first (name -> rank); running sequences by adapter,
+        # and how many of them decode.
+        self.max_cpu_loras = max(self.max_cpu_loras, self.max_loras)
+        self.gpu_loras: dict[str, int] = {}
+        self.cpu_loras: dict[str, int] = {}
+        self.lora_running: dict[str, int] = {}
+        self.lora_decoding = 0
 
     # --- queries -------------------------------------------------------------------------
 
@@ -247,11 +276,11 @@ class Engine:
         elif s.state == PREFILL:
             self.prefilling.remove(s)
             self._free(s, s.computed, s.blocks)
-            del self.running[s]
+            self._leave(s)
         elif s.state == DECODE:
             ctx = self._stop_decode(s)
             self._free(s, ctx, self.blocks_for(ctx))
-            del self.running[s]
+            self._leave(s)
         s.state = DONE
         s.blocks = 0
         self.span = None  # the planned step included it
@@ -265,7 +294,7 @@ class Engine:
         start, k = self.span
         if not k:
             return start  # a mixed step is applied at its start; its results carry its end time
-        return start + self.perf.decode_span(self.n_decode, self.decode_read(), k)
+        return start + self.perf.decode_span(self.n_decode, self.decode_read(), k, self._lora_s())
 
     def advance(self, until: float) -> list[Seq]:
         """Apply every step that ends at or before `until`; return the sequences that finished."""
@@ -282,7 +311,9 @@ class Engine:
         done = self.advance(now)
         if self.span is not None and self.span[1] and self.span[0] < now:
             start, k = self.span
-            ran = self.perf.decode_steps_within(self.n_decode, self.decode_read(), now - start, k)
+            ran = self.perf.decode_steps_within(
+                self.n_decode, self.decode_read(), now - start, k, self._lora_s()
+            )
             self.span = (start, min(k, ran + 1))
             done.extend(self._apply())
         return done
@@ -297,9 +328,10 @@ class Engine:
             k = self._identical_steps()
             if k > 1 and self.max_span_s is not None:
                 ctx = self.decode_read()
-                k = min(
-                    k, max(1, self.perf.decode_steps_within(self.n_decode, ctx, self.max_span_s, k))
+                within = self.perf.decode_steps_within(
+                    self.n_decode, ctx, self.max_span_s, k, self._lora_s()
                 )
+                k = min(k, max(1, within))
             if k > 1:
                 self.span = (self.clock, k)
                 return
@@ -312,9 +344,12 @@ class Engine:
     def _waiting_can_join(self) -> bool:
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return False
+        head = next((s for s in self.waiting if not self._lora_blocked(s)), None)
+        if head is None:
+            return False  # each waits for a GPU slot, which a finish frees
         budget = self.max_num_batched_tokens - self.n_decode
         free = self.free_blocks - self._blocks_needed(self.steps_done)
-        if self.whole_prompt and self._lookup(self.waiting[0])[3] > free:
+        if self.whole_prompt and self._lookup(head)[3] > free:
             return False  # it waits for a finish, which ends any run of decode steps
         return budget > 0 and free > 0
 
@@ -352,7 +387,7 @@ class Engine:
     def _apply_span(self, k: int) -> list[Seq]:
         p = self.perf
         n, kv0 = self.n_decode, self.decode_read()
-        elapsed = p.decode_span(n, kv0, k)
+        elapsed = p.decode_span(n, kv0, k, self._lora_s())
         self._take(self._allocations(k))
         self.steps_done += k
         st = self.stats
@@ -423,9 +458,15 @@ class Engine:
     def _admit_waiting(self, budget: int, chunks: list[tuple[Seq, int]]) -> None:
         """Admit waiting requests in order while their first chunk fits the budget, the batch
         and the free blocks (with vLLM's whole-prompt rule, their whole prompt): each starts
-        prefilling past what the prefix cache holds of it, its chunk added to `chunks`."""
+        prefilling past what the prefix cache holds of it, its chunk added to `chunks`. A
+        request whose adapter would take a GPU slot past --max-loras is passed over, keeping
+        its place, as vLLM's scheduler skips it."""
+        skipped: list[Seq] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
+            if self._lora_blocked(s):
+                skipped.append(self.waiting.popleft())
+                continue
             if s.external:  # its KV arrives whole: every prompt token but the last is there
                 shared = free_hits = own = 0
                 whole = self.blocks_for(s.target)
@@ -446,6 +487,7 @@ class Engine:
             self._take(new)
             chunks.append((s, n))
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
     def _admit(self, s: Seq, shared: int, own: int, hit: int) -> None:
         """`s` leaves the queue to prefill: it holds the `shared` cached blocks and takes back
@@ -473,6 +515,8 @@ class Engine:
         s.admitted = self._admissions
         s.state = PREFILL
         self.running[s] = None
+        if s.adapter is not None:
+            self.lora_running[s.adapter] = self.lora_running.get(s.adapter, 0) + 1
         self.prefilling.append(s)
 
     def _run_step(self, chunks: list[tuple[Seq, int]]) -> list[Seq]:
@@ -485,6 +529,7 @@ class Engine:
         kv = dec_ctx + n_dec + sum(s.computed + n for s, n in chunks)
         pairs = dec_ctx + n_dec + sum(n * (s.computed + (n + 1) / 2) for s, n in chunks)
         elapsed = p.step_time(tokens, kv, pairs, seqs=n_dec + len(chunks))
+        elapsed += self._lora_step(chunks)
         self.clock += elapsed
         st = self.stats
         st.read_bytes += p.weight_read_bytes(tokens) / p.tp + kv * p.kv_token_bytes
@@ -528,6 +573,8 @@ class Engine:
         self.residues[s.residue] += 1
         self.ctx_offset += s.base_c - s.d0
         self.n_decode += 1
+        if s.adapter is not None:
+            self.lora_decoding += 1
         finish_at = s.d0 + (s.output - s.base_g)
         heapq.heappush(self.finishes, (finish_at, s.admitted, s.epoch, s))
 
@@ -538,6 +585,8 @@ class Engine:
         self.residues[s.residue] -= 1
         self.ctx_offset -= s.base_c - s.d0
         self.n_decode -= 1
+        if s.adapter is not None:
+            self.lora_decoding -= 1
         s.epoch += 1
         return s.computed
 
@@ -601,7 +650,7 @@ class Engine:
             self.prefilling.remove(s)
             computed, held = s.computed, s.blocks
         self._free(s, computed, held, resumes=True)
-        del self.running[s]
+        self._leave(s)
         s.blocks = 0
         s.computed = 0
         s.external = 0  # the transferred KV is gone with its blocks: prefill it here
@@ -612,9 +661,88 @@ class Engine:
         self.waiting.appendleft(s)
 
     def _finish(self, s: Seq) -> Seq:
-        del self.running[s]
+        self._leave(s)
         s.state = DONE
         s.blocks = 0
         s.finished_at = self.clock
         self.stats.finished += 1
         return s
+
+    def _leave(self, s: Seq) -> None:
+        """`s` stops running (finished, preempted or aborted): its adapter's count drops."""
+        del self.running[s]
+        if s.adapter is not None:
+            left = self.lora_running[s.adapter] - 1
+            if left:
+                self.lora_running[s.adapter] = left
+            else:
+                del self.lora_running[s.adapter]
+
+    # --- LoRA ------------------------------------------------------------------------------
+
+    def add_lora(self, name: str, rank: int) -> None:
+        """An adapter read into the CPU cache (--lora-modules at start, or a runtime load),
+        the least recently used one past --max-cpu-loras evicted, as vLLM's LRU cache does
+        (never one a running request uses)."""
+        self.cpu_loras.pop(name, None)
+        self.cpu_loras[name] = rank
+        while len(self.cpu_loras) > self.max_cpu_loras:
+            old = next((n for n in self.cpu_loras if n not in self.lora_running), None)
+            if old is None:
+                break
+            del self.cpu_loras[old]
+            self.gpu_loras.pop(old, None)
+
+    def remove_lora(self, name: str) -> None:
+        """An adapter unloaded (/v1/unload_lora_adapter): out of the caches, unless a request
+        runs it (vLLM lets that one finish)."""
+        if name not in self.lora_running:
+            self.cpu_loras.pop(name, None)
+            self.gpu_loras.pop(name, None)
+
+    def _lora_blocked(self, s: Seq) -> bool:
+        """Whether admitting `s` now would batch more adapters than --max-loras."""
+        return (
+            self.lora is not None
+            and s.adapter is not None
+            and s.adapter not in self.lora_running
+            and len(self.lora_running) >= self.max_loras
+        )
+
+    def _lora_s(self) -> float:
+        """Seconds the adapters running add to each decode step (model/lora.py)."""
+        if self.lora is None or not self.lora_running:
+            return 0.0
+        return self.lora.step_s(len(self.lora_running), self.lora_decoding)
+
+    def _lora_step(self, chunks: list[tuple[Seq, int]]) -> float:
+        """Seconds a mixed step's adapters add: the load of each no GPU slot holds (into the
+        least recently used slot no running request uses; from disk when the CPU cache lacks
+        it too), then their kernels over the step's LoRA tokens."""
+        lora = self.lora
+        if lora is None or not self.lora_running:
+            return 0.0
+        load = 0.0
+        ranks = {s.adapter: s.rank for s, _ in chunks if s.adapter is not None}
+        st = self.stats
+        for name in self.lora_running:
+            if name in self.gpu_loras:
+                self.gpu_loras[name] = self.gpu_loras.pop(name)  # most recently used
+                continue
+            rank = self.cpu_loras.get(name) or ranks.get(name) or lora.max_rank
+            in_cpu = name in self.cpu_loras
+            seconds = lora.load_s(rank, in_cpu)
+            load += seconds
+            st.lora_loads += 1
+            st.lora_disk_loads += not in_cpu
+            st.lora_load_s += seconds
+            st.lora_loads_by[name] = st.lora_loads_by.get(name, 0) + 1
+            while len(self.gpu_loras) >= self.max_loras:
+                old = next((n for n in self.gpu_loras if n not in self.lora_running), None)
+                if old is None:
+                    break
+                del self.gpu_loras[old]
+            self.gpu_loras[name] = rank
+            self.add_lora(name, rank)
+        tokens = self.lora_decoding + sum(n for s, n in chunks if s.adapter is not None)
+        return load + lora.step_s(len(self.lora_running), tokens)

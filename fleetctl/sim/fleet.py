@@ -17,7 +17,9 @@ from fleetctl.fleet.engines import deployment_engine
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Deployment
 from fleetctl.model.calibration import Calibrated, Calibration
+from fleetctl.model.lora import LoraPerf
 from fleetctl.model.perf import BLOCK_SIZE, EnginePerf
+from fleetctl.planner import lora as planner_lora
 from fleetctl.planner.disaggregate import Link
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.phases import PREFILL
@@ -41,6 +43,20 @@ from fleetctl.sim.workload import WorkItem
 
 
 @dataclass(frozen=True)
+class ServerLora:
+    """A server's LoRA as the plan starts it (planner/lora.py): its slots, its CPU cache, the
+    adapters loaded at start, whether more load at runtime, and every adapter it may load,
+    with its rank."""
+
+    max_loras: int
+    max_rank: int
+    max_cpu_loras: int
+    preloaded: tuple[str, ...]
+    runtime: bool
+    ranks: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
 class Server:
     """What the simulator needs of one deployment."""
 
@@ -59,6 +75,7 @@ class Server:
     engine: Calibrated | None = None  # the calibrated engine it was built from, when it was
     role: str = "both"  # or one phase of a disaggregated model: "prefill", "decode"
     link: Link | None = None  # its node's network, for KV transfers (None: unknown)
+    lora: ServerLora | None = None  # --enable-lora's settings; None: no adapters
 
 
 # Events between progress reports: often enough for a smooth bar, rare enough to cost nothing.
@@ -93,9 +110,26 @@ def servers_from_plan(
                 engine=engine,
                 role=s.role,
                 link=None if net is None else Link(net.gbps, net.rdma),
+                lora=_server_lora(inv, d.model, d.gpu_type) if s.role == "both" else None,
             )
         )
     return out
+
+
+def _server_lora(inv: Inventory, model: str, gpu_type: str) -> ServerLora | None:
+    """The plan's LoRA for a server of `model` on `gpu_type` (the flags apply starts it with)."""
+    m = next((m for m in inv.models if m.name == model), None)
+    slots = planner_lora.slots(m, gpu_type) if m is not None and m.adapters else None
+    if m is None or slots is None:
+        return None
+    return ServerLora(
+        slots.max_loras,
+        slots.max_lora_rank,
+        slots.max_cpu_loras,
+        tuple(a.name for a in slots.preloaded),
+        slots.runtime,
+        tuple((a.name, a.spec.rank) for a in planner_lora.eligible(m, gpu_type)),
+    )
 
 
 @dataclass(slots=True)
@@ -152,6 +186,51 @@ class SimResult:
     transferred_tokens: int = 0
     # When each server held its GPUs, and the fleet's changes (sim/controls.py).
     awake: AwakeSpans | None = None
+    # LoRA: adapters copied into a GPU slot, by adapter; how many of all those were read
+    # from disk first; and the router's runtime loads (/v1/load_lora_adapter), by adapter.
+    slot_loads: dict[str, int] = field(default_factory=dict)
+    disk_loads: int = 0
+    runtime_loads: dict[str, int] = field(default_factory=dict)
+
+    def adapter_figures(self) -> dict[str, object] | None:
+        """Per adapter (and `(base)` for the base model's requests): requests, the share
+        served within both objectives, TTFT and TPOT p50/p99, its loads into a GPU slot and
+        the router's runtime loads of it; with the totals and loads a minute. None when no
+        request named an adapter."""
+        if not any(o.item.adapter for o in self.outcomes):
+            return None
+        groups: dict[str, list[Outcome]] = {}
+        for o in self.outcomes:
+            groups.setdefault(o.item.adapter or "(base)", []).append(o)
+        span = max((o.finished for o in self.outcomes if o.finished), default=0.0) - min(
+            (o.item.arrival for o in self.outcomes), default=0.0
+        )
+        each: dict[str, object] = {}
+        for name in sorted(groups):
+            outs = groups[name]
+            done = [o for o in outs if o.done]
+            ttft = sorted(o.ttft_s for o in done)
+            tpot = sorted(t for o in done if (t := o.tpot_s) is not None)
+            met = sum(1 for o in done if o.met(self.slo))
+            each[name] = {
+                "requests": len(outs),
+                "completed": len(done),
+                "slo_attainment": round(met / len(outs), 4) if self.slo is not None else None,
+                "ttft_p50_s": _round(percentile(ttft, 50)),
+                "ttft_p99_s": _round(percentile(ttft, 99)),
+                "tpot_p50_s": _round(percentile(tpot, 50)),
+                "tpot_p99_s": _round(percentile(tpot, 99)),
+                "slot_loads": self.slot_loads.get(name, 0),
+                "runtime_loads": self.runtime_loads.get(name, 0),
+            }
+        slot = sum(self.slot_loads.values())
+        return {
+            "slot_loads": slot,
+            "disk_loads": self.disk_loads,
+            "runtime_loads": sum(self.runtime_loads.values()),
+            "slot_loads_per_min": round(slot / span * 60, 3) if span > 0 else 0.0,
+            "adapters": each,
+        }
 
     def summary(self) -> dict[str, float | int]:
         """Latency percentiles over the requests served; `slo_attainment` is the share of
@@ -206,6 +285,7 @@ REJECTIONS = (
     ("no healthy backend serves", "no server of the model"),
     ("no awake server serves", "no server of the model"),
     ("no awake decode server", "no decode server"),
+    ("no healthy backend of", "adapter loaded nowhere"),
     ("no decode server", "no decode server"),
 )
 
@@ -223,6 +303,10 @@ def rejected_reasons(outcomes: Iterable[Outcome]) -> dict[str, int]:
             kind = rejection_kind(o.rejected)
             counts[kind] = counts.get(kind, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def _round(v: float) -> float | None:
+    return None if math.isnan(v) else round(v, 4)
 
 
 def _mean(values: list[float]) -> float:
@@ -288,7 +372,18 @@ def simulate(
         slo,
         sum(e.stats.external_tokens for e in engines),
         run.awake,
+        _merged(e.stats.lora_loads_by for e in run.engines),
+        sum(e.stats.lora_disk_loads for e in run.engines),
+        dict(run.runtime_loads),
     )
+
+
+def _merged(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 class _Run:
@@ -340,6 +435,12 @@ class _Run:
         self.draining: set[int] = set()  # engines of servers put down, still finishing work
         self.done_since: list[Outcome] = []  # finished since the controller's last tick
         self.arrived = 0
+        # LoRA runtime loads, as route-serve makes them (daemon/adapters.py, Loader): those
+        # under way (when each lands, which adapter, on which engine), the requests waiting
+        # for each, and how many were made per adapter.
+        self.loads: list[tuple[float, str, int]] = []
+        self.parked: dict[str, list[Request]] = {}
+        self.runtime_loads: dict[str, int] = {}
 
     def control(
         self,
@@ -464,7 +565,8 @@ class _Run:
             t_kv = transfers[0][0] if transfers else math.inf
             t_ctl = self.controls[0][0] if self.controls else math.inf
             t_tick = self.next_tick if n < len(items) else math.inf
-            now = min(t_arr, t_eng, t_kv, t_ctl, t_tick)
+            t_load = self.loads[0][0] if self.loads else math.inf
+            now = min(t_arr, t_eng, t_kv, t_ctl, t_tick, t_load)
             if now == math.inf or now > self.horizon:
                 break
             events += 1
@@ -482,6 +584,10 @@ class _Run:
                     self.ready(c)
                 else:
                     self.apply(c, now)
+                self.dispatch(now)
+                continue
+            if t_load <= now:
+                self.loaded(*heapq.heappop(self.loads))
                 self.dispatch(now)
                 continue
             if t_kv <= t_eng and t_kv <= t_arr:
@@ -517,9 +623,58 @@ class _Run:
             w.arrival,
             max_tokens=w.max_tokens,
             blocks=w.blocks,
+            adapter=w.adapter or "",
         )
         self.requests[w.id] = req
+        if req.adapter and self.load_first(req, w.arrival):
+            return
         self.sched.submit(req)
+
+    def load_first(self, req: Request, now: float) -> bool:
+        """Whether `req`'s adapter must be loaded before it can be routed: no server of its
+        model has it, and one may load it at runtime. The load goes where route-serve's
+        Loader puts it (the server with the fewest adapters loaded, then the fewest requests
+        in flight) and takes the engine's read from disk; the request waits for it."""
+        name = req.adapter
+        if name in self.parked:
+            self.parked[name].append(req)
+            return True
+        ours = [b for b in self.backends if b.model == req.model and b.healthy]
+        if any(name in b.adapters for b in ours):
+            return False
+        fit = [
+            b
+            for b in ours
+            if (lora := self.servers[self.index[b.name]].lora) is not None
+            and lora.runtime
+            and any(a == name for a, _ in lora.ranks)
+        ]
+        if not fit:
+            return False  # the router's 404: eligible names it
+        b = min(fit, key=lambda b: (len(b.adapters), b.outstanding, b.name))
+        i = self.index[b.name]
+        cost = self.engines[i].lora
+        assert cost is not None
+        heapq.heappush(self.loads, (now + cost.disk_s(self.rank(i, name)), name, i))
+        self.parked[name] = [req]
+        self.runtime_loads[name] = self.runtime_loads.get(name, 0) + 1
+        return True
+
+    def loaded(self, at: float, name: str, i: int) -> None:
+        """A runtime load landed: the server lists the adapter, its CPU cache holds it, and
+        the requests that waited for it go to the router."""
+        b = self.backends[i]
+        b.adapters = b.adapters | {name}
+        self.engines[i].add_lora(name, self.rank(i, name))
+        for req in self.parked.pop(name, []):
+            self.sched.submit(req)
+
+    def rank(self, i: int, adapter: str) -> int:
+        """The rank of `adapter` as server `i` may load it (its slots' rank if unknown)."""
+        lora = self.servers[i].lora
+        if lora is None:
+            return 0
+        return next((r for a, r in lora.ranks if a == adapter), lora.max_rank)
 
     def reschedule(self, i: int) -> None:
         self.version[i] += 1
@@ -567,6 +722,9 @@ class _Run:
             e, b = self.engines[i], self.backends[i]
             b.running, b.waiting, b.kv_usage = e.num_running, e.num_waiting, e.kv_usage
             b.bandwidth_util, b.compute_util = e.utilization()
+            if e.lora is not None:  # vllm:lora_requests_info, as a scrape reads it
+                b.lora_running = frozenset(e.lora_running)
+                b.lora_waiting = frozenset(s.adapter for s in e.waiting if s.adapter)
         self.dirty.clear()
 
     def dispatch(self, now: float) -> None:
@@ -598,6 +756,8 @@ class _Run:
                 seq = Seq(req.id, item.prompt, 1, item.blocks)
             else:
                 seq = Seq(req.id, item.prompt, item.output, item.blocks)
+            if item.adapter:
+                seq.adapter, seq.rank = item.adapter, self.rank(i, item.adapter)
             self.settle(i, self.engines[i].add(seq, now), now)
             self.reschedule(i)
         self.retry_decode(now)
@@ -645,7 +805,8 @@ class _Run:
 
 
 def _engine(s: Server) -> Engine:
-    return Engine(
+    lora = s.lora
+    e = Engine(
         s.perf,
         s.kv_tokens,
         s.max_num_seqs,
@@ -653,7 +814,15 @@ def _engine(s: Server) -> Engine:
         s.max_model_len,
         s.name,
         block_size=s.block_size,
+        lora=LoraPerf(s.perf, lora.max_rank, s.perf.fmt.activation_bytes) if lora else None,
+        max_loras=lora.max_loras if lora else 1,
+        max_cpu_loras=lora.max_cpu_loras if lora else 0,
     )
+    if lora is not None:
+        ranks = dict(lora.ranks)
+        for name in lora.preloaded:
+            e.add_lora(name, ranks.get(name, lora.max_rank))
+    return e
 
 
 def _backend(s: Server) -> Backend:
@@ -669,6 +838,9 @@ def _backend(s: Server) -> Backend:
         max_model_len=s.max_model_len,
         max_num_batched_tokens=s.max_num_batched_tokens,
         role=s.role,
+        adapters=frozenset(s.lora.preloaded) if s.lora else frozenset(),
+        lora_max=s.lora.max_loras if s.lora else 0,
+        lora_rank=s.lora.max_rank if s.lora else 0,
     )
 
 

@@ -33,6 +33,7 @@ class WorkItem:
     strict: bool = False
     max_tokens: int | None = None  # what the client asked for; None: the router estimates
     blocks: PromptBlocks | None = None  # the prompt's chained block hashes, when the trace has them
+    adapter: str | None = None  # the LoRA adapter of `model` it names (a trace row's "adapter")
 
 
 # The Mooncake trace names each 512-token block of a prompt (FAST'25 release, README).
@@ -50,7 +51,8 @@ def load_trace(
     - Azure LLM inference CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`);
     - Mooncake JSONL (`timestamp` ms, `input_length`, `output_length`, `hash_ids`);
     - route-serve's request log: the same JSONL with more fields (model, session, priority,
-      precision, max_tokens, block_tokens), one file or a folder of them.
+      precision, max_tokens, block_tokens), one file or a folder of them; a row's `adapter`
+      names the LoRA adapter of its model it asks for.
 
     Rows of another model than `model` (where a row names one) are left out. `window`
     (start, end): only the requests arriving in [start, end) seconds from the trace's start,
@@ -166,6 +168,7 @@ def trace_row(row: dict[str, object], model: str) -> WorkItem | None:
     if max_tokens is not None and not _is_int(max_tokens):
         raise TypeError
     session, precision = _text(row, "session"), _text(row, "precision")
+    adapter = _text(row, "adapter")
     prompt, output = max(1, prompt), max(1, output)
     return WorkItem(
         0,
@@ -178,6 +181,7 @@ def trace_row(row: dict[str, object], model: str) -> WorkItem | None:
         precision,
         max_tokens=max_tokens if isinstance(max_tokens, int) else None,
         blocks=PromptBlocks(chain(ids), block_tokens, prompt) if ids else None,
+        adapter=adapter or None,
     )
 
 
