@@ -22,6 +22,11 @@ A100, Llama-2 7B, ShareGPT: 11.45 requests/s without LoRA, 7.60 with one rank-8 
 vllm-project/vllm pull 11267); the model keeps Punica's kernel figure, as vLLM's kernels since
 are Punica's and run under CUDA graphs.
 
+A server's expected step, for its capacity and objectives (LoraMix): where its traffic asks for
+adapters with known shares, a step of n sequences batches the expected number of distinct
+adapters among n draws (at most --max-loras, as vLLM's scheduler admits no more), and the
+adapters' share of its tokens; the fixed cost where any of them runs.
+
 A load: an adapter in a server's CPU cache (--max-cpu-loras) is copied into a GPU slot over
 PCIe when a step first batches it (vLLM's activate_adapter); one not in it is read from disk
 first (a runtime load, or one evicted from the CPU cache), at the disk's bandwidth plus a fixed
@@ -31,6 +36,7 @@ copies, predibase/lorax issue 433; a prior, not fitted).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fleetctl.model.perf import GB, PCIE_GB_S, EnginePerf, kv_heads_per_gpu, lora_layer_params
@@ -81,7 +87,7 @@ class LoraPerf:
             )
         return got
 
-    def step_s(self, adapters: int, tokens: int) -> float:
+    def step_s(self, adapters: float, tokens: float) -> float:
         """Seconds a step adds when it batches `adapters` distinct adapters over `tokens` of
         its tokens (0 without one)."""
         if adapters <= 0:
@@ -102,3 +108,42 @@ class LoraPerf:
         """Seconds before a step can batch an adapter not in a GPU slot: a copy from the CPU
         cache, or a read from disk and then the copy."""
         return self.activate_s(rank) + (0.0 if in_cpu else self.disk_s(rank))
+
+
+@dataclass(frozen=True)
+class LoraMix:
+    """The adapters a LoRA-enabled server's traffic asks for: each one's share of its requests
+    (the rest ask for the base model), and its --max-loras slots of --max-lora-rank."""
+
+    shares: tuple[float, ...]
+    max_loras: int
+    max_rank: int
+    dtype_bytes: int = 2
+
+    @classmethod
+    def of(
+        cls, shares: Iterable[float], max_loras: int, max_rank: int, dtype_bytes: int = 2
+    ) -> LoraMix | None:
+        """The mix of the positive `shares`; None where no request asks for an adapter."""
+        kept = tuple(sorted((p for p in shares if p > 0), reverse=True))
+        return cls(kept, max_loras, max_rank, dtype_bytes) if kept else None
+
+    @property
+    def lora_share(self) -> float:
+        return min(1.0, sum(self.shares))
+
+    def adapters(self, seqs: int) -> float:
+        """Expected distinct adapters among `seqs` sequences, at most --max-loras."""
+        return min(float(self.max_loras), sum(1.0 - (1.0 - p) ** seqs for p in self.shares))
+
+    def costs(self, perf: EnginePerf) -> LoraPerf:
+        return LoraPerf(perf, self.max_rank, self.dtype_bytes)
+
+    def step_s(self, lora: LoraPerf, seqs: int, tokens: int) -> float:
+        """Expected seconds a step of `seqs` sequences over `tokens` tokens adds (`lora`'s
+        step_s, the fixed cost weighed by the chance that any sequence runs an adapter)."""
+        anyone = 1.0 - (1.0 - self.lora_share) ** max(seqs, 1)
+        if anyone <= 0:
+            return 0.0
+        # step_s is linear in its adapters and tokens: this is its mean over the steps.
+        return anyone * lora.step_s(self.adapters(seqs) / anyone, tokens * self.lora_share / anyone)

@@ -31,9 +31,13 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from fleetctl.model.catalog import FormatProfile, GpuProfile, ModelProfile
 from fleetctl.vllm.release import Release, release
+
+if TYPE_CHECKING:  # model/lora.py builds on this module
+    from fleetctl.model.lora import LoraMix, LoraPerf
 
 GiB = 2**30
 GB = 1e9
@@ -307,6 +311,16 @@ class EnginePerf:
     # - host seconds per sequence in a step (scheduling, sampling, output processing): no prior,
     #   as the public figures are nearly all at batch 1; a CPU server's steps are mostly this.
     per_seq_s: float = 0.0
+    # The LoRA adapters a server's traffic asks for, where it runs them (model/lora.py): each
+    # step adds their kernels' expected seconds, so its capacity and objectives count them.
+    # None in the simulator's and the router's engines, which charge the adapters a step
+    # actually batches.
+    lora_mix: LoraMix | None = None
+
+    @cached_property
+    def lora_costs(self) -> LoraPerf | None:
+        """The LoRA costs of `lora_mix`'s slots on this engine; None without a mix."""
+        return None if self.lora_mix is None else self.lora_mix.costs(self)
 
     @cached_property
     def step_overhead(self) -> float:
@@ -421,8 +435,14 @@ class EnginePerf:
         work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
         compute = work / self.tp / self.flops
         comm = self._allreduce_fixed + tokens * self._allreduce_per_token
-        host = self.per_seq_s * (tokens if seqs is None else seqs)
-        return max(max(mem, compute) + comm, self.launch_s) + self.step_overhead + host
+        n = tokens if seqs is None else seqs
+        host = self.per_seq_s * n
+        step = max(max(mem, compute) + comm, self.launch_s) + self.step_overhead + host
+        lora = self.lora_costs
+        if lora is not None:
+            assert self.lora_mix is not None
+            step += self.lora_mix.step_s(lora, n, tokens)
+        return step
 
     def _memory_time(self, tokens: int, kv_tokens: float) -> float:
         weights = self.weight_read_bytes(tokens) / self.tp / self.weight_bandwidth
@@ -545,13 +565,17 @@ class EnginePerf:
         """Compute seconds a prompt adds riding along a batch that reads the weights anyway."""
         pairs = tokens * (context + tokens / 2)
         work = 2.0 * self.model.params_active * tokens + self._attn_flops_per_ctx * pairs
-        return work / self.tp / self.flops + tokens * self._allreduce_per_token + self.per_seq_s
+        own = work / self.tp / self.flops + tokens * self._allreduce_per_token + self.per_seq_s
+        if self.lora_costs is not None and self.lora_mix is not None:  # its LoRA products
+            own += self.lora_mix.lora_share * tokens * self.lora_costs.token_s
+        return own
 
     def capacity_rps(self, prompt: int, output: int, kv_tokens: int, max_num_seqs: int) -> float:
         """Requests/s the engine sustains at saturation for a mean prompt and output length.
 
         Concurrency is capped by max_num_seqs and by how many whole sequences the KV cache holds;
-        each request costs its share of the decode steps plus the compute of its prefill.
+        each request costs its share of the decode steps plus the compute of its prefill, the
+        LoRA adapters' kernels included where the engine has a `lora_mix`.
         """
         batch = min(max_num_seqs, max_sequences(kv_tokens, prompt + output))
         if batch < 1:

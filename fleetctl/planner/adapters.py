@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fleetctl.fleet.inventory import Model
 from fleetctl.fleet.plan import AdapterUse, LoraUse, ModelSummary
 from fleetctl.fleet.slo import Slo
+from fleetctl.model.perf import EnginePerf
 from fleetctl.planner.candidates import Candidate, tpot_rates
 from fleetctl.planner.lora import NONE, slots, use
 from fleetctl.planner.queueing import Group, goodput, traffic_of
@@ -40,6 +41,13 @@ def lora_summary(
     return tuple(uses.values()), adapter_uses(model, groups)
 
 
+def alone(perf: EnginePerf) -> EnginePerf:
+    """`perf` running one adapter in every step (its kernels on all its tokens)."""
+    if perf.lora_mix is None:
+        return perf
+    return dataclasses.replace(perf, lora_mix=dataclasses.replace(perf.lora_mix, shares=(1.0,)))
+
+
 @dataclass(frozen=True)
 class Placed:
     """Servers of one kind placed for the model: GPU type, how many, and their engine."""
@@ -66,9 +74,11 @@ def adapter_uses(model: Model, placed: Sequence[Placed]) -> tuple[AdapterUse, ..
             shape = (a.spec.workload.mean_prompt_tokens, a.spec.workload.mean_output_tokens)
             groups = [
                 dataclasses.replace(
-                    g, tpot_rates=tpot_rates(g.perf, slo, *shape, g.kv_tokens, g.max_num_seqs)
+                    g,
+                    perf=perf,
+                    tpot_rates=tpot_rates(perf, slo, *shape, g.kv_tokens, g.max_num_seqs),
                 )
-                for g in (p.group for p in mine)
+                for g, perf in ((p.group, alone(p.group.perf)) for p in mine)
             ]
             capacity = goodput(groups, traffic_of(own, shape), slo.ttft_s, slo.tpot_s, slo.share)
             basis = "goodput at its SLO on its own lengths, its servers serving it alone"

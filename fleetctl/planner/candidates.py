@@ -22,7 +22,7 @@ from fleetctl.model.perf import (
     vllm_batch_defaults,
 )
 from fleetctl.planner.disaggregate import Pool, colocated
-from fleetctl.planner.lora import slots
+from fleetctl.planner.lora import mix, slots
 from fleetctl.planner.queueing import TPOT_QUANTILES, Group, attainment, goodput, traffic_of
 
 TP_SIZES = (1, 2, 4, 8)
@@ -219,6 +219,11 @@ def evaluate(
         per_gpu = engine.kv_tokens * perf.kv_token_bytes
         budget = replace(budget, kv_tokens=engine.kv_tokens, kv_per_gpu=per_gpu)
     perf = engine.perf
+    # Its steps count the kernels of the adapters it runs (measured figures are the base
+    # model's: the mix goes on after them).
+    lora_mix = mix(model, cls.gpu.name, variant.format.activation_bytes) if lora else None
+    if lora_mix is not None:
+        perf = replace(perf, lora_mix=lora_mix)
     seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
     capacity = shape_capacity(perf, slo, prompt, output, budget.kv_tokens, seqs, seq_at_max)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fleetctl.fleet.inventory import LORA_RANKS, Adapter, Model
 from fleetctl.fleet.plan import LoraUse
 from fleetctl.model.catalog import FormatProfile, ModelProfile
+from fleetctl.model.lora import LoraMix
 from fleetctl.model.perf import EnginePerf, GiB, lora_slot_bytes
 
 # vLLM batches requests of this many adapters at once by default here (its own default is 1,
@@ -84,6 +85,32 @@ def slots(model: Model, gpu_type: str) -> Slots | None:
     runtime = spec.adapters_runtime
     preloaded = fit[:max_loras] if runtime else fit
     return Slots(max_loras, rank, max(max_loras, len(preloaded)), preloaded, runtime)
+
+
+def mix(model: Model, gpu_type: str, dtype_bytes: int) -> LoraMix | None:
+    """The adapters a server of `model` on `gpu_type` runs, for its expected step
+    (model/lora.py): each adapter it may load at its stated demand's share of the model's
+    requests; the requests no stated demand accounts for spread evenly over the adapters
+    without one (none left to the base model, the costlier guess), else the base model's;
+    shares of the requests the server may take (the base model's and its adapters'). None
+    where it runs no LoRA."""
+    s = slots(model, gpu_type)
+    if s is None:
+        return None
+    known = sum(demand(a) for a in model.adapters)
+    w = model.spec.workload
+    total = max(w.requests_per_s if w else 0.0, known) or 1.0
+    unstated = [a for a in model.adapters if not demand(a)]
+    rest = max(0.0, 1.0 - known / total)
+    share = {a.name: demand(a) / total for a in model.adapters}
+    for a in unstated:
+        share[a.name] = rest / len(unstated)
+    base = 0.0 if unstated else rest
+    mine = [share[a.name] for a in eligible(model, gpu_type)]
+    served = base + sum(mine)
+    if served <= 0:
+        return None
+    return LoraMix.of((p / served for p in mine), s.max_loras, s.max_lora_rank, dtype_bytes)
 
 
 def env_of(model: Model, gpu_type: str) -> dict[str, str]:

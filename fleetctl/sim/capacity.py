@@ -20,7 +20,7 @@ from fleetctl.model.calibration import Calibration
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.scheduler import Aging
-from fleetctl.sim.compare import compare, fleet_capacity, mean_shape
+from fleetctl.sim.compare import adapter_asks, compare, fleet_capacity, mean_shape
 from fleetctl.sim.fleet import servers_from_plan
 from fleetctl.sim.workload import WorkItem, load_trace
 
@@ -139,7 +139,7 @@ def goodput_rate(
     assert slo is not None, f"no server of the plan serves {model}"
     objectives = slo
     servers = [s for s in found if s.model == model]
-    analytic = fleet_capacity(servers, *mean_shape(items))
+    analytic = fleet_capacity(servers, *mean_shape(items), adapter_asks(items))
     mean_rate = _rate(items)
     parts = windows(items, WINDOWS, window)
     replayed = sum(len(w) for w in parts)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fleetctl.fleet.inventory import Inventory
 from fleetctl.fleet.plan import Plan
 from fleetctl.model.calibration import Calibration
+from fleetctl.model.lora import LoraMix
+from fleetctl.model.perf import EnginePerf
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
 from fleetctl.routing.registry import compared_policies
@@ -86,9 +89,39 @@ def mean_shape(items: Sequence[WorkItem]) -> tuple[int, int]:
     )
 
 
-def fleet_capacity(servers: Sequence[Server], prompt: int, output: int) -> float:
-    """Requests/s the servers sustain at saturation for a mean request (the planner's number)."""
-    return sum(s.perf.capacity_rps(prompt, output, s.kv_tokens, s.max_num_seqs) for s in servers)
+def adapter_asks(items: Sequence[WorkItem]) -> Counter[str | None]:
+    """How many of `items` name each LoRA adapter (None: the base model)."""
+    return Counter(w.adapter for w in items)
+
+
+def fleet_capacity(
+    servers: Sequence[Server],
+    prompt: int,
+    output: int,
+    asks: Mapping[str | None, int] | None = None,
+) -> float:
+    """Requests/s the servers sustain at saturation for a mean request (the planner's number);
+    with `asks` (requests per adapter, adapter_asks), a LoRA-enabled server's steps count the
+    kernels of the adapters it may serve, at their shares of the requests it may serve."""
+    return sum(
+        lora_perf(s, asks).capacity_rps(prompt, output, s.kv_tokens, s.max_num_seqs)
+        for s in servers
+    )
+
+
+def lora_perf(s: Server, asks: Mapping[str | None, int] | None) -> EnginePerf:
+    """`s`'s engine with the adapters of `asks` it may serve (model/lora.py's LoraMix); as it
+    is without LoRA or without requests for its adapters."""
+    if s.lora is None or not asks:
+        return s.perf
+    mine = [asks.get(name, 0) for name, _ in s.lora.ranks]
+    served = asks.get(None, 0) + sum(mine)
+    if not served:
+        return s.perf
+    mix = LoraMix.of(
+        (n / served for n in mine), s.lora.max_loras, s.lora.max_rank, s.perf.fmt.activation_bytes
+    )
+    return s.perf if mix is None else replace(s.perf, lora_mix=mix)
 
 
 def at_load(items: list[WorkItem], load: float, capacity: float) -> list[WorkItem]:
@@ -130,7 +163,7 @@ def compare(
     found = servers_from_plan(plan.deployments, inv, calibration)
     servers = [s for s in found if s.model == model]
     prompt, output = mean_shape(items)
-    capacity = fleet_capacity(servers, prompt, output)
+    capacity = fleet_capacity(servers, prompt, output, adapter_asks(items))
     if load is not None:
         items = at_load(items, load, capacity)
     elif rate is not None:
