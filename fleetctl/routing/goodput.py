@@ -122,13 +122,25 @@ def adapter_wait_s(b: Backend, req: Request, step_s: float, mean_output: int | N
     return wait
 
 
+def lora_step_s(b: Backend, adapter: str | None, seqs: int) -> float:
+    """Seconds the adapters running on `b` add to a decode step of `seqs` sequences, with
+    `adapter` joining them (model/lora.py's step, at most --max-loras of them): every
+    sequence taken to run one, as vllm:lora_requests_info names the adapters, not how many
+    of their requests run."""
+    running = b.lora_running | {adapter} if adapter else b.lora_running
+    if not running or b.perf is None:
+        return 0.0
+    lora = lora_perf(b.perf, b.lora_rank or DEFAULT_LORA_RANK)
+    return lora.step_s(min(len(running), b.lora_max or len(running)), seqs)
+
+
 def effect(
     b: Backend, req: Request, cached: int, ttft_s: float, step_s: float, slow: float = 1.0
 ) -> Effect:
     """The effect of placing `req` on `b`, which holds `cached` of its prompt tokens; `ttft_s`
     is the first token the caller worked out, `step_s` the modelled decode step it joins
-    (it in the batch), `slow` how much slower than modelled the GPU's steps run (measured
-    saturation). Needs `b.perf`."""
+    (it in the batch, the LoRA kernels counted), `slow` how much slower than modelled the
+    GPU's steps run (measured saturation). Needs `b.perf`."""
     perf = b.perf
     assert perf is not None
     per_token = prefill_s_per_token(b)
@@ -141,7 +153,10 @@ def effect(
     if not n:
         return Effect(ttft_s, tpot, 0.0, 0.0, 0.0)
     kv = min(b.reserved_tokens, max(1, b.kv_tokens))
-    before = stretched(perf.step_time(max(1, round(n)), kv) * slow, rho, full)
+    others = max(1, round(n))
+    before = stretched(
+        (perf.step_time(others, kv) + lora_step_s(b, None, others)) * slow, rho, full
+    )
     per_step = max(0.0, tpot - before)  # it joins their batch for as long as it decodes
     own_prefill = perf.prefill_marginal(req.prompt_tokens - cached, cached)
     return Effect(ttft_s, tpot, n, before, own_prefill + per_step * req.output_tokens)

@@ -23,6 +23,7 @@ from fleetctl.routing.goodput import (
     cost,
     deciding_term,
     effect,
+    lora_step_s,
     queued_prefill_s,
 )
 from fleetctl.routing.prefix import NoPrefix, PrefixView
@@ -450,6 +451,7 @@ class HardwareAware(Policy):
         batch = max(b.outstanding, b.running) + 1
         kv = min(b.reserved_tokens, max(1, b.kv_tokens)) + req.prompt_tokens
         step = perf.step_time(batch, kv + req.output_tokens // 2)
+        step += lora_step_s(b, req.adapter, batch)  # the adapters' kernels, its own too
         # KV: if what is in flight plus this request overflows the cache, it waits for room
         # (or forces preemptions): about one request's decode per overflowing request.
         over = (b.reserved_tokens + req.total_tokens) / max(1, b.kv_tokens)
