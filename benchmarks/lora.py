@@ -23,7 +23,7 @@ exponent alpha", alpha 1 in most runs) and Punica's skewed workload is a Zipf di
 (arXiv:2310.18547, section 7). Request shapes and arrival times: the first `--requests`
 requests of the Azure LLM inference conversation trace (../shared/traces, Patel et al.,
 Splitwise, ISCA 2024), time-scaled to each load (`simulate --load`: the share of the fleet's
-capacity without adapters). The SLO: TTFT <= 2 s and TPOT <= 50 ms at p99, the conversation
+capacity with the adapters' kernels, at this traffic's adapter mix). The SLO: TTFT <= 2 s and TPOT <= 50 ms at p99, the conversation
 objectives of benchmarks/goodput_sim.py.
 
 Per load and policy: the share of requests within both objectives, the goodput rate (those

@@ -89,3 +89,19 @@ def test_the_plans_capacity_of_a_lora_server_counts_its_adapters_kernels(tmp_pat
         k.perf.capacity_rps(prompt, output, k.budget.kv_tokens, k.max_num_seqs)
     )
     assert k.capacity_rps < 0.97 * without
+
+
+def test_an_adapters_capacity_at_its_slo_counts_its_kernels_in_every_step(tmp_path):
+    """`plan`'s capacity of an adapter at its own SLO (support-en: 1 s TTFT, 60 ms TPOT) is
+    its servers serving it alone: below the same servers' figure without LoRA kernels."""
+    from fleetctl.planner.adapters import lora_summary
+
+    inv = load_inventory(write(tmp_path, GOOD), load_catalog())
+    model = inv.models[0]
+    rtx = next(k for k in node_classes(inv) if k.gpu.name == "RTX-4090")
+    k = evaluate(rtx, model, model.variants[0], 1, inv)
+    bare = dataclasses.replace(k, perf=dataclasses.replace(k.perf, lora_mix=None))
+    (support, *_), (plain, *_) = (lora_summary(model, [(c, 2)])[1] for c in (k, bare))
+    assert support.name == plain.name == "support-en"
+    assert support.capacity_rps is not None and plain.capacity_rps is not None
+    assert 0 < support.capacity_rps < 0.97 * plain.capacity_rps

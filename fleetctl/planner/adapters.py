@@ -81,7 +81,10 @@ def adapter_uses(model: Model, placed: Sequence[Placed]) -> tuple[AdapterUse, ..
                 for g, perf in ((p.group, alone(p.group.perf)) for p in mine)
             ]
             capacity = goodput(groups, traffic_of(own, shape), slo.ttft_s, slo.tpot_s, slo.share)
-            basis = "goodput at its SLO on its own lengths, its servers serving it alone"
+            basis = (
+                "goodput at its SLO on its own lengths, its servers serving it alone "
+                "(its kernels in every step)"
+            )
         out.append(
             AdapterUse(
                 a.name,
