@@ -450,10 +450,14 @@ class HardwareAware(Policy):
         kv = min(b.reserved_tokens, max(1, b.kv_tokens)) + req.prompt_tokens
         step = perf.step_time(batch, kv + req.output_tokens // 2)
         # KV: if what is in flight plus this request overflows the cache, it waits for room
-        # (or forces preemptions): about one request's decode per overflowing request.
+        # (or forces preemptions): about one request's decode per overflowing request, of
+        # the requests in flight (the model's mean output), whose ends free the room. Its
+        # own output read a 46K prompt's wait for room on a busy RTX 4090 as under a second
+        # for its 25-token answer; it waited 13 s (benchmarks/results/prefix_routing.md).
         over = (b.reserved_tokens + req.total_tokens) / max(1, b.kv_tokens)
         if over > 1.0:
-            wait += (over - 1.0) * max(1, b.outstanding) * req.output_tokens * step
+            theirs = cfg.mean_output.get(req.model) or req.output_tokens
+            wait += (over - 1.0) * max(1, b.outstanding) * theirs * step
         # Memory-bandwidth saturation: more work there adds latency but little throughput.
         # The simulator fills bandwidth_util from the perf model's decode work in flight; the
         # daemon measures it live as the rate of vllm:estimated_read_bytes_per_gpu_total over
