@@ -168,8 +168,9 @@ def test_a_policy_knows_no_prefix_until_given_a_view():
 #
 # estimate = queued prefill at f(2048) / 2048 = 1 ms a token + its own f(prompt - cached,
 # cached) + one decode step of the batch it joins: step(in flight + 1, KV in flight (at most
-# the cache) + its prompt + half its output); plus, when KV overflows, one decode of its output
-# per overflowing share of each request in flight.
+# the cache) + its prompt + half its output); plus, when KV overflows, one decode of the
+# model's mean output (its own where the config has none) per overflowing share of each request
+# in flight.
 
 
 def test_estimate_is_queued_prefill_then_ours_then_one_decode_step():
@@ -278,6 +279,25 @@ def test_estimate_adds_a_decode_per_overflowing_request_when_kv_overflows():
     # step(2, 0 + 450) = 0.0165.
     b = be("b", kv=0, outstanding=1)
     assert ha.estimate(b, r) == pytest.approx(0.4 + 499 * 100 * 0.0165 + 0.0165)
+
+
+def test_kv_wait_is_the_decodes_of_the_requests_in_flight_not_its_own_output():
+    # The room a full cache frees comes from the ends of the requests in flight: each
+    # overflowing one takes about the model's mean output (300 here) of steps to finish,
+    # whatever this request asks for. A 2-token answer read its own 2 steps as the wait,
+    # and queued for a full small-KV server while an idle one would have served it.
+    ha = HardwareAware(RoutingConfig(mean_output={"m": 300}))
+    r = rq(prompt=400, out=2)
+    # (reserved 1398 + 402) / 1000 = 1.8: 0.8 * max(1, 1) * 300 * step, with
+    # step(2, 1000 (the cache holds no more) + 400 + 1) = 0.01 + 0.002 + 0.01401 = 0.02601.
+    full = be("full", kv=1000, reserved_tokens=1398, outstanding=1)
+    assert ha.estimate(full, r) == pytest.approx(0.4 + 0.8 * 300 * 0.02601 + 0.02601)
+    # 3,000 tokens queued (3.0 s) on an idle cache: 3.0 + f(400) + step(1, 401) = 3.41501.
+    free = be("free", pending_prefill=3000)
+    assert ha.estimate(free, r) == pytest.approx(3.41501)
+    assert ha.choose(r, [full, free]).backend is free
+    # Without a mean output for the model, its own output stands in (as before).
+    assert HardwareAware().estimate(full, r) == pytest.approx(0.4 + 0.8 * 2 * 0.02601 + 0.02601)
 
 
 def test_saturation_slows_the_decode_steps_not_the_first_token_past_0_85():

@@ -453,10 +453,14 @@ class HardwareAware(Policy):
         step = perf.step_time(batch, kv + req.output_tokens // 2)
         step += lora_step_s(b, req.adapter, batch)  # the adapters' kernels, its own too
         # KV: if what is in flight plus this request overflows the cache, it waits for room
-        # (or forces preemptions): about one request's decode per overflowing request.
+        # (or forces preemptions): about one request's decode per overflowing request, of
+        # the requests in flight (the model's mean output), whose ends free the room. Its
+        # own output read a 46K prompt's wait for room on a busy RTX 4090 as under a second
+        # for its 25-token answer; it waited 13 s (benchmarks/results/prefix_routing.md).
         over = (b.reserved_tokens + req.total_tokens) / max(1, b.kv_tokens)
         if over > 1.0:
-            wait += (over - 1.0) * max(1, b.outstanding) * req.output_tokens * step
+            theirs = cfg.mean_output.get(req.model) or req.output_tokens
+            wait += (over - 1.0) * max(1, b.outstanding) * theirs * step
         # A LoRA adapter no GPU slot there holds waits for a slot, then for its load.
         wait += adapter_wait_s(b, req, step, cfg.mean_output.get(req.model))
         # Memory-bandwidth saturation: more work there adds latency but little throughput.
