@@ -136,3 +136,31 @@ def test_a_server_stopped_or_asleep_without_sleep_mode_is_not_woken_by_the_route
     r = simulate(_fleet(catalog), items, "round-robin", controls=controls)
     assert all(o.rejected for o in r.outcomes)
     assert "router wake" not in r.awake.actions
+
+
+def test_the_router_never_wakes_a_sleeper_whose_gpu_another_server_holds(catalog):
+    """Two models on one RTX 4090, Llama-3 8B asleep under an awake Mistral 7B (what the
+    autopilot leaves when it moves a GPU): a wake there would fail out of memory, so the
+    8B's requests are refused with the reason, and none ever reaches its server; once the
+    Mistral server stops, the router wakes the 8B's and serves them."""
+    from dataclasses import replace
+
+    llama = replace(server(catalog, "box", "RTX-4090"), name="box:8000", gpus=(0,))
+    mistral = replace(
+        server(catalog, "box", "RTX-4090", model="mistral-7b"), name="box:8001", gpus=(0,)
+    )
+    items = _items(rate=0.5, duration=60.0)
+    sleep = Control(0.0, "box:8000", "sleep", wake_s=2.0)
+    r = simulate([llama, mistral], items, "hardware-aware", controls=[sleep])
+    assert all(o.rejected and "GPUs another server holds" in o.rejected for o in r.outcomes)
+    assert "router wake" not in r.awake.actions
+    # The GPU freed at 30 s: later arrivals wake the 8B's server and are served.
+    r = simulate(
+        [llama, mistral],
+        items,
+        "hardware-aware",
+        controls=[sleep, Control(30.0, "box:8001", "stop")],
+    )
+    late = [o for o in r.outcomes if o.item.arrival > 30.0]
+    assert late and all(o.done for o in late)
+    assert r.awake.actions.get("router wake") == 1

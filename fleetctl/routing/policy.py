@@ -37,6 +37,7 @@ from fleetctl.routing.types import (
     Decision,
     Request,
     can_serve,
+    gpus_held,
     precision_matches,
     warmup_s,
 )
@@ -149,6 +150,9 @@ class Policy:
         starting, else the asleep ones (the router then wakes the one chosen). This is the
         one place the rule lives, for every policy and the simulator alike."""
         found = [b for b in backends if b.model == req.model and b.healthy and can_serve(b)]
+        # A sleeper whose GPUs another server holds cannot wake (out of memory) until it goes.
+        if any(b.state == ASLEEP for b in found):
+            found = [b for b in found if b.state != ASLEEP or not gpus_held(b, backends)]
         if req.adapter:
             found = [b for b in found if req.adapter in b.adapters]
         if not found and req.adapter:
@@ -156,8 +160,8 @@ class Policy:
         if not found:
             if any(b.model == req.model and b.healthy for b in backends):
                 return Pool(), (
-                    f"no awake server serves {req.model}, and none can wake (draining, or "
-                    f"asleep without sleep mode)"
+                    f"no awake server serves {req.model}, and none can wake (draining, asleep "
+                    f"without sleep mode, or on GPUs another server holds)"
                 )
             return Pool(), f"no healthy backend serves {req.model}"
         need = req.context_needed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fleetctl.model.perf import EnginePerf
@@ -163,6 +164,24 @@ def can_serve(b: Backend) -> bool:
     waking or starting, or asleep with sleep mode on (a wake may be asked). A draining one
     takes nothing new."""
     return b.state in (AWAKE, WAKING, STARTING) or (b.state == ASLEEP and b.wakeable)
+
+
+def gpus_held(b: Backend, backends: Sequence[Backend]) -> bool:
+    """Whether another server holds a GPU of sleeper `b` (awake, waking, starting or
+    draining on the same node and GPU indices): a wake there would fail out of memory
+    (vLLM's wake takes back what sleep freed). Servers whose GPUs are unknown hold none."""
+    if not b.gpus:
+        return False
+    mine = set(b.gpus)
+    return any(
+        o is not b
+        and o.healthy
+        and o.state != ASLEEP
+        and o.node == b.node
+        and o.name != b.name
+        and not mine.isdisjoint(o.gpus)
+        for o in backends
+    )
 
 
 def warmup_s(b: Backend, now: float | None) -> float:

@@ -76,6 +76,7 @@ class Server:
     role: str = "both"  # or one phase of a disaggregated model: "prefill", "decode"
     link: Link | None = None  # its node's network, for KV transfers (None: unknown)
     lora: ServerLora | None = None  # --enable-lora's settings; None: no adapters
+    gpus: tuple[int, ...] = ()  # its GPU indices on its node (a sleeper shares them)
 
 
 # Events between progress reports: often enough for a smooth bar, rare enough to cost nothing.
@@ -111,6 +112,7 @@ def servers_from_plan(
                 role=s.role,
                 link=None if net is None else Link(net.gbps, net.rdma),
                 lora=_server_lora(inv, d.model, d.gpu_type) if s.role == "both" else None,
+                gpus=d.gpu_indices,
             )
         )
     return out
@@ -841,6 +843,7 @@ def _backend(s: Server) -> Backend:
         adapters=frozenset(s.lora.preloaded) if s.lora else frozenset(),
         lora_max=s.lora.max_loras if s.lora else 0,
         lora_rank=s.lora.max_rank if s.lora else 0,
+        gpus=s.gpus,
     )
 
 
