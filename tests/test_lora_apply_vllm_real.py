@@ -1,17 +1,21 @@
 """`fleetctl apply` of a plan with LoRA adapters onto real vLLM (the CPU build) over real SSH:
 adapter files copied from `copy_from` onto the node, the server started with the plan's LoRA
-flags, each adapter it preloads served by name, and vLLM's runtime loading endpoint open
-because the plan set the variable for it."""
+flags, each adapter it preloads served by name, and an adapter no server has loaded at runtime
+by route-serve's choice (vLLM's runtime endpoint open because the plan set the variable for
+it), each request answered by the adapter it named."""
 
 from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 
 import pytest
 
+from harness.procs import Proc, free_port
+from harness.ready import http_request, wait_status
 from harness.sshhosts import STD_PATH, TestHosts, require
 from harness.vllm_server import MODEL_SUBDIR, ensure_env, server_env
 from tests.test_apply import servers_running
@@ -100,13 +104,28 @@ def test_apply_starts_lora_servers_that_serve_each_adapter(cli, tmp_path, monkey
                 req = {"model": name, "prompt": "The fleet", "max_tokens": 4}
                 status, body = _call(url + "/v1/completions", req)
                 assert status == 200 and json.loads(body)["model"] == name, body
-            # The variable the plan set opened the runtime endpoint on this server.
-            load = {"lora_name": "tiny-sql", "lora_path": str(on_node / "tiny-sql")}
-            status, body = _call(url + "/v1/load_lora_adapter", load)
-            assert status == 200, body
-            req = {"model": "tiny-sql", "prompt": "The fleet", "max_tokens": 4}
-            status, body = _call(url + "/v1/completions", req)
-            assert status == 200 and json.loads(body)["model"] == "tiny-sql", body
+            # The third no server has: route-serve, over the applied state, loads it where it
+            # chooses (the variable the plan set opened vLLM's runtime endpoint) and the
+            # request is answered by it.
+            key_file = tmp_path / "backend.key"
+            key_file.write_text(API_KEY + "\n")
+            key_file.chmod(0o600)
+            port = free_port()
+            cmd = [sys.executable, "-m", "fleetctl", "route-serve", str(inv)]
+            cmd += ["--listen", f"127.0.0.1:{port}", "--backend-api-key-file", str(key_file)]
+            router = Proc("route-serve", cmd, tmp_path, own_group=False)
+            try:
+                wait_status(port, "/health", router, 200)
+                for name in ("tiny-sql", "tiny-support", "tiny-legal", "tiny-sql"):
+                    req = {"model": name, "prompt": "The fleet", "max_tokens": 4}
+                    status, _, body = http_request(port, "POST", "/v1/completions", req, None, 300)
+                    assert status == 200, body
+                    assert json.loads(body)["model"] == name, body
+            finally:
+                router.stop()
+            status, body = _call(url + "/v1/models")
+            served = sorted(m["id"] for m in json.loads(body)["data"])
+            assert served == sorted([MODEL, *names]), body
         finally:
             r = cli("destroy", inv, "--yes", "--json", *known)
         assert r.code == 0, r.out + r.err
