@@ -356,11 +356,15 @@ class Autopilot:
         for another model's arrival stays (and that arrival waits) while its model's servers
         that stay awake cannot carry the model's forecast until its own arrivals serve. A
         start takes minutes; a model left short for them misses its objectives for each of
-        them, which no saving of GPU time pays for."""
+        them, which no saving of GPU time pays for. A model with no arrival of its own in
+        the change set is not moving but shrinking: where the fleet cannot carry every
+        forecast the plan gives its GPUs to another model, and holding them would veto that
+        choice for as long as the shortage lasts (the other model missing meanwhile)."""
         target_util = self.inv.spec.planner.target_utilization
         leaving = [c for c in steps if c.kind in ("sleep", "stop") and not c.after]
+        arriving = {c.deployment.model for c in steps if c.kind in ("start", "wake")}
         kept: list[Change] = []  # leavers that must stay
-        for model in sorted({c.deployment.model for c in leaving}):
+        for model in sorted({c.deployment.model for c in leaving} & arriving):
             f = forecasts.get(model)
             required = (f.high if f else 0.0) / self.settings.interval_s / target_util
             mine = [c for c in leaving if c.deployment.model == model]
