@@ -31,13 +31,23 @@ import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from fleetctl.model.catalog import FormatProfile, GpuProfile, ModelProfile
 from fleetctl.vllm.release import Release, release
 
-if TYPE_CHECKING:  # model/lora.py builds on this module
-    from fleetctl.model.lora import LoraMix, LoraPerf
+
+class LoraMixLike(Protocol):
+    """model/lora.py's LoraMix as a step needs it: declared here, since that module builds on
+    this one (the package's layers allow no import cycle, even for types)."""
+
+    @property
+    def lora_share(self) -> float: ...
+
+    def costs(self, perf: EnginePerf) -> Any: ...  # its LoraPerf
+
+    def step_s(self, lora: Any, seqs: int, tokens: int) -> float: ...
+
 
 GiB = 2**30
 GB = 1e9
@@ -315,10 +325,10 @@ class EnginePerf:
     # step adds their kernels' expected seconds, so its capacity and objectives count them.
     # None in the simulator's and the router's engines, which charge the adapters a step
     # actually batches.
-    lora_mix: LoraMix | None = None
+    lora_mix: LoraMixLike | None = None
 
     @cached_property
-    def lora_costs(self) -> LoraPerf | None:
+    def lora_costs(self) -> Any:  # model/lora.py's LoraPerf, or None
         """The LoRA costs of `lora_mix`'s slots on this engine; None without a mix."""
         return None if self.lora_mix is None else self.lora_mix.costs(self)
 

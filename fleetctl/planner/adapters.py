@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fleetctl.fleet.inventory import Model
 from fleetctl.fleet.plan import AdapterUse, LoraUse, ModelSummary
 from fleetctl.fleet.slo import Slo
+from fleetctl.model.lora import LoraMix
 from fleetctl.model.perf import EnginePerf
 from fleetctl.planner.candidates import Candidate, tpot_rates
 from fleetctl.planner.lora import NONE, slots, use
@@ -43,9 +44,11 @@ def lora_summary(
 
 def alone(perf: EnginePerf) -> EnginePerf:
     """`perf` running one adapter in every step (its kernels on all its tokens)."""
-    if perf.lora_mix is None:
+    mix = perf.lora_mix
+    if mix is None:
         return perf
-    return dataclasses.replace(perf, lora_mix=dataclasses.replace(perf.lora_mix, shares=(1.0,)))
+    assert isinstance(mix, LoraMix), mix
+    return dataclasses.replace(perf, lora_mix=dataclasses.replace(mix, shares=(1.0,)))
 
 
 @dataclass(frozen=True)
