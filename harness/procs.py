@@ -78,6 +78,7 @@ class Proc:
                 cwd=cwd,
                 env={**os.environ, **(env or {})},
                 start_new_session=own_group,
+                preexec_fn=_default_sigint if _sigint_ignored() else None,
             )
 
     @property
@@ -161,3 +162,15 @@ def tcp_counters() -> dict[str, int]:
             got = dict(zip(keys[1:], map(int, values[1:]), strict=False))
             return {k: got.get(k, 0) for k in ("ListenOverflows", "TCPSynRetrans")}
     return {}
+
+
+def _sigint_ignored() -> bool:
+    """Whether this process ignores SIGINT: so does a suite started in the background by a
+    shell without job control (`cmd &` in a script, nohup), and its children inherit it."""
+    return signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default, so a test that interrupts a
+    command sees what a user's Ctrl-C does, however the suite itself was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
