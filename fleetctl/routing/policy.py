@@ -38,6 +38,7 @@ from fleetctl.routing.types import (
     Request,
     can_serve,
     gpus_held,
+    held_gpus,
     precision_matches,
     warmup_s,
 )
@@ -152,7 +153,8 @@ class Policy:
         found = [b for b in backends if b.model == req.model and b.healthy and can_serve(b)]
         # A sleeper whose GPUs another server holds cannot wake (out of memory) until it goes.
         if any(b.state == ASLEEP for b in found):
-            found = [b for b in found if b.state != ASLEEP or not gpus_held(b, backends)]
+            held = held_gpus(backends)
+            found = [b for b in found if b.state != ASLEEP or not gpus_held(b, held)]
         if req.adapter:
             found = [b for b in found if req.adapter in b.adapters]
         if not found and req.adapter:

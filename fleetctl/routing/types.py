@@ -166,22 +166,22 @@ def can_serve(b: Backend) -> bool:
     return b.state in (AWAKE, WAKING, STARTING) or (b.state == ASLEEP and b.wakeable)
 
 
-def gpus_held(b: Backend, backends: Sequence[Backend]) -> bool:
-    """Whether another server holds a GPU of sleeper `b` (awake, waking, starting or
-    draining on the same node and GPU indices): a wake there would fail out of memory
-    (vLLM's wake takes back what sleep freed). Servers whose GPUs are unknown hold none."""
-    if not b.gpus:
-        return False
-    mine = set(b.gpus)
-    return any(
-        o is not b
-        and o.healthy
-        and o.state != ASLEEP
-        and o.node == b.node
-        and o.name != b.name
-        and not mine.isdisjoint(o.gpus)
-        for o in backends
-    )
+def held_gpus(backends: Sequence[Backend]) -> dict[tuple[str, int], set[str]]:
+    """Each (node, GPU index) held by a server (awake, waking, starting or draining), and the
+    names of the servers holding it: a sleeper on one of them cannot wake (vLLM's wake takes
+    back what sleep freed, and fails out of memory). Servers whose GPUs are unknown hold none.
+    Built once per request, not once per sleeper: the router's hot path."""
+    held: dict[tuple[str, int], set[str]] = {}
+    for o in backends:
+        if o.healthy and o.state != ASLEEP:
+            for g in o.gpus:
+                held.setdefault((o.node, g), set()).add(o.name)
+    return held
+
+
+def gpus_held(b: Backend, held: dict[tuple[str, int], set[str]]) -> bool:
+    """Whether another server holds a GPU of sleeper `b` (`held`: held_gpus of the fleet)."""
+    return any(held.get((b.node, g), set()) - {b.name} for g in b.gpus)
 
 
 def warmup_s(b: Backend, now: float | None) -> float:
