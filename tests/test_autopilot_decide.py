@@ -157,8 +157,10 @@ def test_a_model_that_misses_its_slo_is_planned_for_more_traffic(inv):
     assert after > before
     pilot.record(QUIET, {"llama-3-8b": (100, 100)})
     assert pilot.headroom["llama-3-8b"] < 4.0
-    pilot.record(QUIET, {"llama-2-13b": (0, 10)})  # too few to judge
+    pilot.record(QUIET, {"llama-2-13b": (9, 10)})  # too few to judge
     assert "llama-2-13b" not in pilot.headroom
+    pilot.record(QUIET, {"llama-2-13b": (10, 10)})  # 19 of 20: a quiet model's miss counts
+    assert pilot.headroom["llama-2-13b"] == pytest.approx(1.5)
 
 
 def forecast_of(count: float):

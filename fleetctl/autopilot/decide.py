@@ -36,7 +36,10 @@ from fleetctl.whatif.predict import what_if
 from fleetctl.whatif.slo_check import plan_within_slos
 
 RATE_FLOOR = 1e-3  # req/s: the planner needs a positive rate for a model with no traffic
-MIN_JUDGED = 20  # requests an interval must finish to judge a model's attainment by
+# Requests a model's attainment is judged by: a model with fewer in an interval is judged
+# once its intervals together have finished this many (a 70B at 10 requests a minute missing
+# one in thirty was never judged, so never corrected).
+MIN_JUDGED = 20
 HEADROOM_STEP = 1.5
 HEADROOM_DECAY = 0.98
 MAX_HEADROOM = 4.0
@@ -121,6 +124,7 @@ class Autopilot:
         self.moves: deque[float] = deque()  # times of recent starts and wakes
         self.headroom: dict[str, float] = {}  # per model: traffic planned for / forecast
         self.checked: dict[str, float] = {}  # per model: headroom its last check needed
+        self.unjudged: dict[str, tuple[int, int]] = {}  # per model: (met, finished) pending
         self.plans = 0
         self.shapes: dict[str, deque[WorkItem]] = {
             m.name: deque(maxlen=SHAPE_WINDOW) for m in inv.models
@@ -150,14 +154,18 @@ class Autopilot:
         (the router's attainment metrics). A model that missed its SLO's share is planned for
         HEADROOM_STEP times more traffic next time, up to MAX_HEADROOM; one that met it gives
         a little of that back (HEADROOM_DECAY): the measured correction of the planner's
-        figures (Dynamo's planner corrects by measured over expected TTFT)."""
+        figures (Dynamo's planner corrects by measured over expected TTFT). A model is judged
+        on at least MIN_JUDGED requests, its quiet intervals together."""
         for name, series in self.history.items():
             series.append(float(counts.get(name, 0.0)))
         for name, items in (arrived or {}).items():
             if name in self.shapes:
                 self.shapes[name].extend(items)
         for name, (good, total) in (met or {}).items():
+            pending = self.unjudged.pop(name, (0, 0))
+            good, total = good + pending[0], total + pending[1]
             if total < MIN_JUDGED:
+                self.unjudged[name] = (good, total)
                 continue
             model = next((m for m in self.inv.models if m.name == name), None)
             share = model.spec.slo.share if model and model.spec.slo else DEFAULT_SHARE
