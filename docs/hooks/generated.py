@@ -5,7 +5,7 @@ A page holds a region per generated part, between `<!-- generated: NAME -->` and
 `inventory-schema` the inventory's fields (from its pydantic models, the ones `validate`
 checks against), `traces` the public traces `fleetctl traces` knows. The regions are
 committed so the pages read whole in the repository; `python docs/hooks/generated.py`
-rewrites them from the code, `--check` says which differ (tests/test_docs_reference.py runs
+rewrites them from the code, `--check` says which differ (tests/docs/test_docs_reference.py runs
 it), and as an MkDocs hook it fills them again at every build.
 """
 

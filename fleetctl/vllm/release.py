@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 # The release fleetctl targets when nothing says otherwise (the newest `vllm serve --help=all`
-# in profiles/vllm/; tests/test_vllm_release.py keeps the two the same).
+# in profiles/vllm/; tests/vllm/test_vllm_release.py keeps the two the same).
 TARGET = "0.32.0"
 
 GIB = 2**30
