@@ -196,6 +196,11 @@ class Scheduler:
             # A request that found no room rules out later ones that are no smaller and ask
             # for the same thing, so a long queue is not re-examined request by request.
             no_room: dict[tuple[object, ...], int] = {}
+            # Likewise a request that chose to wait for a warm-up: in a burst past the awake
+            # servers, thousands queue for the servers being woken or started, and weighing
+            # each of them against every backend at every event stalled a simulated hour of
+            # the dynamo burst for over fifteen minutes.
+            warming: dict[tuple[object, ...], int] = {}
             # Backends a blocked request waits for when only some of its model's backends may
             # take it (a prompt too long for the others, a strict format, a session's class):
             # later ones backfill elsewhere, never into the room it waits for, or it would
@@ -215,6 +220,10 @@ class Scheduler:
                 req = q.popleft()
                 sig = (req.model, req.adapter, req.precision, req.strict, req.session, req.exclude)
                 if req.total_tokens >= no_room.get(sig, 1 << 62):
+                    keep.append(req)
+                    continue
+                if req.total_tokens >= warming.get(sig, 1 << 62):
+                    self.held_for.setdefault(req.id, "waking")
                     keep.append(req)
                     continue
                 ok = [b for b in backends if b.name not in req.exclude] if req.exclude else backends
@@ -248,6 +257,7 @@ class Scheduler:
                     # never reaches a sleeping engine (vLLM would park it, and hold it for
                     # ever if the wake failed). Others go on: they may have awake servers.
                     self._warm_up(decision.backend, now, req)
+                    warming[sig] = min(warming.get(sig, 1 << 62), req.total_tokens)
                     keep.append(req)
                     continue
                 if not self.has_room(decision.backend, req):

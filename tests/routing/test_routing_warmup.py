@@ -120,6 +120,33 @@ def test_the_scheduler_holds_a_request_for_the_wake_it_asks_once():
     assert "after:waking" in sent[1].decision.notes
 
 
+def test_a_queue_waiting_for_a_warm_up_is_weighed_once_per_dispatch_not_per_request():
+    """Requests like one that chose to wait for a warm-up wait too, unweighed: a burst queues
+    thousands for the servers being woken, and weighing each against every backend at every
+    event stalled the simulated burst (O(queue x backends) per event)."""
+    policy = make_policy("round-robin")
+    calls = 0
+    choose = policy.choose
+
+    def counted(req, backends):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return choose(req, backends)
+
+    policy.choose = counted  # type: ignore[method-assign]
+    sched = Scheduler(policy)
+    (b,) = _fleet(a=ASLEEP)
+    b.perf = PERF  # type: ignore[assignment]
+    for i in range(50):
+        sched.submit(rq(i, arrival=10.0))
+    sched.dispatch(10.0, [b])
+    sched.dispatch(11.0, [b])
+    assert calls == 2 and len(sched) == 50
+    b.state = AWAKE
+    sent, _ = sched.dispatch(12.0, [b])
+    assert len(sent) == 50 and "after:waking" in sent[-1].decision.notes
+
+
 def test_a_model_with_only_draining_or_unwakeable_servers_is_down_not_a_bad_request():
     """Nothing of it can serve, through no fault of the request's: a 503, not a 400."""
     asleep, draining = _fleet(a=ASLEEP, d=DRAINING)
