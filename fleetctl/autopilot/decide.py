@@ -25,7 +25,7 @@ from typing import Any
 from fleetctl.autopilot.changes import Change, Costs, Resident, changes, overlaps, same_server
 from fleetctl.autopilot.forecast import Forecast, forecast
 from fleetctl.fleet.inventory import Inventory, SloSpec, WorkloadSpec
-from fleetctl.fleet.plan import Deployment
+from fleetctl.fleet.plan import Deployment, Plan
 from fleetctl.fleet.slo import DEFAULT_SHARE
 from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibration
@@ -242,15 +242,72 @@ class Autopilot:
         """The cheapest fleet for the forecasts, from what runs (state), checked by the
         simulator as `plan` checks a cost plan (whatif/slo_check.py): on each model's recent
         requests replayed at the forecast's rate, its arrivals' bursts and lengths as they
-        came; more capacity for a model whose SLO the replay misses."""
+        came; more capacity for a model whose SLO the replay misses.
+
+        Each model is planned for its forecast's band (`Forecast.high`). Where the fleet
+        cannot carry every band, each model first keeps as many servers as a plan for the
+        means gives it (its min_replicas for this plan), and the bands share the rest: left
+        to itself the solver shortchanges whom it likes, by the bands' traffic, which for a
+        quiet model is mostly Poisson scatter (a 70B at 12 requests a minute, banded to 21,
+        got one server of the three its mean needed, while the 8B got the A100s)."""
+        state = State(deployments=tuple(r.deployment for r in self.residents))
+        checked = {m.name: self.checked.get(m.name, 1.0) for m in self.inv.models}
+
+        def solve(inv: Inventory) -> Plan:
+            return plan_fleet(inv, state, self.calibration, objective="cost", headroom=checked)
+
+        inv, traces = self._planned_for(forecasts, recent, 1.0)
+        plan = solve(inv)
+        if any(s.shortfall_rps for s in plan.models):
+            means = solve(self._planned_for(forecasts, recent, 0.0)[0])
+            floors = {s.model: s.replicas for s in means.models}
+            inv = dataclasses.replace(
+                inv,
+                models=tuple(
+                    dataclasses.replace(
+                        m,
+                        spec=m.spec.model_copy(
+                            update={"min_replicas": max(m.spec.min_replicas, floors[m.name])}
+                        ),
+                    )
+                    for m in inv.models
+                ),
+            )
+            plan = solve(inv)
+        self.plans += 1
+        every = self.settings.check_every
+        if not every or (self.plans - 1) % every or not traces:
+            return list(plan.deployments)
+        plan = plan_within_slos(
+            inv,
+            lambda headroom: plan_fleet(
+                inv, state, self.calibration, objective="cost", headroom=headroom
+            ),
+            traces,
+            self.calibration,
+        )
+        for c in plan.slo_checks:
+            if c.traffic == "trace":
+                self.checked[c.model] = c.headroom
+        return list(plan.deployments)
+
+    def _planned_for(
+        self,
+        forecasts: Mapping[str, Forecast],
+        recent: Mapping[str, Sequence[WorkItem]] | None,
+        band: float,
+    ) -> tuple[Inventory, dict[str, list[WorkItem]]]:
+        """The inventory with each model's workload at `band` (0 to 1) of the way from its
+        forecast's mean to its high, times its headroom, in the shapes of its recent
+        requests; and those requests at that rate, for the simulator's check."""
         s = self.settings
         long_tokens = self.inv.spec.router.long_context_tokens
         models = []
         traces: dict[str, list[WorkItem]] = {}
         for m in self.inv.models:
             f = forecasts.get(m.name)
-            high = (f.high if f else 0.0) * self.headroom.get(m.name, 1.0)
-            rate = max(RATE_FLOOR, high / s.interval_s)
+            count = (f.mean + band * (f.high - f.mean)) if f else 0.0
+            rate = max(RATE_FLOOR, count * self.headroom.get(m.name, 1.0) / s.interval_s)
             seen = self.shapes.get(m.name, ())
             w = (
                 spec_of(list(seen), long_tokens, BUCKETS)
@@ -270,29 +327,7 @@ class Autopilot:
             mine = (recent or {}).get(m.name, ())
             if len(mine) >= MIN_SHAPE:
                 traces[m.name] = at_rate(mine, rate)
-        inv = dataclasses.replace(self.inv, models=tuple(models))
-        state = State(deployments=tuple(r.deployment for r in self.residents))
-        self.plans += 1
-        every = self.settings.check_every
-        if not every or (self.plans - 1) % every or not traces:
-            headroom = {m.name: self.checked.get(m.name, 1.0) for m in inv.models}
-            return list(
-                plan_fleet(
-                    inv, state, self.calibration, objective="cost", headroom=headroom
-                ).deployments
-            )
-        plan = plan_within_slos(
-            inv,
-            lambda headroom: plan_fleet(
-                inv, state, self.calibration, objective="cost", headroom=headroom
-            ),
-            traces,
-            self.calibration,
-        )
-        for c in plan.slo_checks:
-            if c.traffic == "trace":
-                self.checked[c.model] = c.headroom
-        return list(plan.deployments)
+        return dataclasses.replace(self.inv, models=tuple(models)), traces
 
     def _wake_first(
         self, planned: list[Deployment], forecasts: Mapping[str, Forecast]
