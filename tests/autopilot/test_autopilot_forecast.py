@@ -52,3 +52,21 @@ def test_the_band_is_above_the_forecast():
 
 def test_counts_bins_whole_intervals():
     assert counts([0.0, 0.5, 59.9, 60.0, 130.0, 179.0, 200.0], 60, 180) == [3, 1, 2]
+
+
+@pytest.mark.parametrize("rate", [12, 100, 400])
+def test_the_band_is_the_rates_error_not_a_counts_poisson_scatter(rate):
+    """At a steady rate the counts scatter by Poisson (variance the rate), which the
+    planner's queueing model already counts within an interval: the band stays within about
+    one standard deviation of a count (it was about two and a half, a quiet 70B banded 1.7x
+    its mean). A rate that itself moves keeps its band."""
+    import numpy as np
+
+    for seed in range(3):
+        steady = [float(x) for x in np.random.default_rng(seed).poisson(rate, 60)]
+        f = forecast(steady)
+        assert f.high - f.mean <= 1.2 * rate**0.5, (seed, f)
+        rng = np.random.default_rng(seed)
+        moving = [float(rng.poisson(rng.uniform(0.3, 1.7) * rate)) for _ in range(60)]
+        f = forecast(moving)
+        assert f.high - f.mean >= 0.5 * rate**0.5 + 0.3 * rate, (seed, f)
