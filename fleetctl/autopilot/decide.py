@@ -256,10 +256,10 @@ class Autopilot:
         def solve(inv: Inventory) -> Plan:
             return plan_fleet(inv, state, self.calibration, objective="cost", headroom=checked)
 
-        inv, traces = self._planned_for(forecasts, recent, 1.0)
+        inv, rates = self._planned_for(forecasts, 1.0)
         plan = solve(inv)
         if any(s.shortfall_rps for s in plan.models):
-            means = solve(self._planned_for(forecasts, recent, 0.0)[0])
+            means = solve(self._planned_for(forecasts, 0.0)[0])
             floors = {s.model: s.replicas for s in means.models}
             inv = dataclasses.replace(
                 inv,
@@ -276,7 +276,14 @@ class Autopilot:
             plan = solve(inv)
         self.plans += 1
         every = self.settings.check_every
-        if not every or (self.plans - 1) % every or not traces:
+        if not every or (self.plans - 1) % every:
+            return list(plan.deployments)
+        traces = {
+            name: at_rate(mine, rates[name])
+            for name, mine in (recent or {}).items()
+            if name in rates and len(mine) >= MIN_SHAPE
+        }
+        if not traces:
             return list(plan.deployments)
         plan = plan_within_slos(
             inv,
@@ -292,18 +299,15 @@ class Autopilot:
         return list(plan.deployments)
 
     def _planned_for(
-        self,
-        forecasts: Mapping[str, Forecast],
-        recent: Mapping[str, Sequence[WorkItem]] | None,
-        band: float,
-    ) -> tuple[Inventory, dict[str, list[WorkItem]]]:
+        self, forecasts: Mapping[str, Forecast], band: float
+    ) -> tuple[Inventory, dict[str, float]]:
         """The inventory with each model's workload at `band` (0 to 1) of the way from its
         forecast's mean to its high, times its headroom, in the shapes of its recent
-        requests; and those requests at that rate, for the simulator's check."""
+        requests; and each model's rate (req/s), at which the simulator's check replays them."""
         s = self.settings
         long_tokens = self.inv.spec.router.long_context_tokens
         models = []
-        traces: dict[str, list[WorkItem]] = {}
+        rates: dict[str, float] = {}
         for m in self.inv.models:
             f = forecasts.get(m.name)
             count = (f.mean + band * (f.high - f.mean)) if f else 0.0
@@ -324,10 +328,8 @@ class Autopilot:
             slo = m.spec.slo or self.slos.get(m.name)
             update = {"workload": spec, "slo": slo}
             models.append(dataclasses.replace(m, spec=m.spec.model_copy(update=update)))
-            mine = (recent or {}).get(m.name, ())
-            if len(mine) >= MIN_SHAPE:
-                traces[m.name] = at_rate(mine, rate)
-        return dataclasses.replace(self.inv, models=tuple(models)), traces
+            rates[m.name] = rate
+        return dataclasses.replace(self.inv, models=tuple(models)), rates
 
     def _wake_first(
         self, planned: list[Deployment], forecasts: Mapping[str, Forecast]

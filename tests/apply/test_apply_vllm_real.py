@@ -23,11 +23,11 @@ import pytest
 from harness.sshhosts import STD_PATH, TestHosts, require
 from harness.vllm_server import ensure_env, server_env
 from tests.apply.test_apply import servers_running
-from tests.conftest import REPO
+from tests.conftest import DATA
 
 pytestmark = pytest.mark.vllm_real
 
-PROFILES = REPO / "tests" / "data" / "profiles"
+PROFILES = DATA / "profiles"
 MODEL = "tiny-llama"
 API_KEY = "sk-fleet-real-test-0451"
 # What the servers need in their environment: the CPU platform, its KV size, and caches kept

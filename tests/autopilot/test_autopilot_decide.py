@@ -178,7 +178,7 @@ def test_a_fleet_short_of_every_band_is_planned_for_the_means_not_some_bands(inv
         assert capacity >= 0.9 * count / 60, (model, capacity)
     alone = {"llama-3-70b": 1.0, "llama-2-13b": 1.0, "llama-3-8b": 9000.0}
     forecasts = {m: Forecast(v, 1.5 * v, "test") for m, v in alone.items()}
-    banded = plan_fleet(pilot._planned_for(forecasts, None, 1.0)[0], objective="cost")
+    banded = plan_fleet(pilot._planned_for(forecasts, 1.0)[0], objective="cost")
     assert banded.models and any(s.shortfall_rps for s in banded.models)
     most = sum(d.capacity_rps for d in banded.deployments if d.model == "llama-3-8b")
     got = sum(d.capacity_rps for d in pilot._plan(forecasts) if d.model == "llama-3-8b")

@@ -19,9 +19,9 @@ import pytest
 
 from fleetctl.base.public_traces import BUILTIN, CACHE_ENV, REGISTRY_ENV
 from harness.procs import Proc
-from tests.conftest import REPO
+from tests.conftest import DATA, REPO
 
-SLICE = REPO / "tests" / "data" / "azure_conv_slice.csv"
+SLICE = DATA / "azure_conv_slice.csv"
 SHARED = REPO.parent / "shared" / "traces"
 SHARED_NAMES = {
     "azure-conv-2023": "AzureLLMInferenceTrace_conv.csv",

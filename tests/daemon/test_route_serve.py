@@ -18,11 +18,11 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import REPO
+from tests.conftest import DATA, REPO
 from tests.procs import NAME, Emulator, free_port, http_request, stop_process
 
 KEY = "sk-route-test-0123456789"
-CAPTURE = (REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
+CAPTURE = (DATA / "vllm-0.32.0-cpu-metrics.txt").read_text()
 
 INVENTORY = """\
 nodes:

@@ -20,14 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetctl.model.catalog import Catalog
 from fleetctl.model.perf import EnginePerf, kv_budget
-from tests.conftest import REPO
+from tests.conftest import DATA, REPO
 from tests.procs import NAME, SOURCE, Emulator
 
 CAPTURE = "vllm-0.32.0-cpu-metrics.txt"
 
 
 def _capture_path() -> Path:
-    return REPO / "tests" / "data" / CAPTURE  # a real vLLM 0.32 capture; see tests/data/README.md
+    return DATA / CAPTURE  # a real vLLM 0.32 capture; see tests/data/README.md
 
 
 @pytest.fixture(scope="module")

