@@ -26,7 +26,7 @@ from fleetctl.autopilot.changes import Change, Costs, Resident, changes, overlap
 from fleetctl.autopilot.forecast import Forecast, forecast
 from fleetctl.fleet.inventory import Inventory, SloSpec, WorkloadSpec
 from fleetctl.fleet.plan import Deployment, Plan
-from fleetctl.fleet.slo import DEFAULT_SHARE
+from fleetctl.fleet.slo import DEFAULT_SHARE, Slo
 from fleetctl.fleet.state import State
 from fleetctl.model.calibration import Calibration
 from fleetctl.planner import plan_fleet
@@ -114,6 +114,7 @@ class Autopilot:
         settings: Settings = Settings(),
         residents: Sequence[Resident] = (),
         calibration: Calibration | None = None,
+        slos: Mapping[str, Slo] | None = None,
     ) -> None:
         self.inv, self.costs, self.settings = inv, costs, settings
         self.calibration = calibration
@@ -129,10 +130,10 @@ class Autopilot:
         self.shapes: dict[str, deque[WorkItem]] = {
             m.name: deque(maxlen=SHAPE_WINDOW) for m in inv.models
         }
-        # The SLO each model is planned and judged by (the gate's what-if too): the
-        # inventory's, else the one its first plan derived (the one route-serve and the
-        # simulator judge by).
-        self.judged = plan_fleet(inv, None, calibration).slos
+        # The SLO each model is planned and judged by (the gate's what-if too): `slos` where
+        # the caller judges by them (a simulated run: the traffic's), else the inventory's,
+        # else the one its first plan derived (the one route-serve judges by).
+        self.judged = dict(slos) if slos is not None else plan_fleet(inv, None, calibration).slos
         self.slos = {
             name: SloSpec(
                 ttft_p99_s=slo.ttft_s,

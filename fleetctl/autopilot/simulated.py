@@ -35,7 +35,7 @@ from fleetctl.model.startup import wake_seconds, warmup_seconds
 from fleetctl.planner import plan_fleet
 from fleetctl.routing.goodput import Slo
 from fleetctl.routing.policy import RoutingConfig
-from fleetctl.sim.command import write_day_plot
+from fleetctl.sim.command import slo_in_force, write_day_plot
 from fleetctl.sim.compare import mean_shape
 from fleetctl.sim.controls import Control, Observation
 from fleetctl.sim.fleet import Outcome, Server, SimResult, servers_from_plan, simulate
@@ -127,11 +127,31 @@ def _merged(traffic: Mapping[str, Sequence[WorkItem]]) -> list[WorkItem]:
 
 
 def _config(
-    inv: Inventory, servers: Sequence[Server], traffic: Mapping[str, Sequence[WorkItem]]
+    inv: Inventory,
+    servers: Sequence[Server],
+    traffic: Mapping[str, Sequence[WorkItem]],
+    calibration: Calibration | None,
 ) -> RoutingConfig:
+    """The router's settings for a run, each model's objectives the ones it is judged by."""
     shapes = {m: mean_shape(ws) for m, ws in traffic.items() if ws}
     engines = [(s.model, s.perf, s.max_model_len) for s in servers]
-    return RoutingConfig.of(inv, engines, shapes)
+    config = RoutingConfig.of(inv, engines, shapes)
+    return replace(config, slo={**config.slo, **judged_slos(inv, traffic, calibration)})
+
+
+def judged_slos(
+    inv: Inventory, traffic: Mapping[str, Sequence[WorkItem]], calibration: Calibration | None
+) -> dict[str, Slo]:
+    """Each model's SLO a run plans, routes and judges by, as `simulate` judges it: the
+    inventory's, else the one `plan --workload-from` derives from this traffic on every
+    class that could serve the model (sim/command.py's slo_in_force). One derived from the
+    servers a plan happened to place would move with the placement: a model placed on its
+    fastest GPUs only would be held to their speed."""
+    out = {}
+    for m, items in traffic.items():
+        if items and (slo := slo_in_force(inv, m, list(items), {}, calibration)) is not None:
+            out[m] = slo
+    return out
 
 
 def _servers(inv: Inventory, ds: Sequence[Deployment], cal: Calibration | None) -> list[Server]:
@@ -153,7 +173,7 @@ def run_static(
     plan = plan_fleet(inv, None, calibration)
     servers = _servers(inv, plan.deployments, calibration)
     items = _merged(traffic)
-    config = _config(inv, servers, traffic)
+    config = _config(inv, servers, traffic, calibration)
     result = simulate(servers, items, policy, seed=seed, config=config)
     span = max((w.arrival for w in items), default=0.0)
     return FleetDay("static", result, dict(config.slo), span)
@@ -179,7 +199,7 @@ def run_reactive(
         owned.setdefault(d.model, []).append(sim_name(d))
     scaler = Reactive(owned, lambda n: costs.start_s(by_name[n]), floor=floor)
     items = _merged(traffic)
-    config = _config(inv, servers, traffic)
+    config = _config(inv, servers, traffic, calibration)
     result = simulate(
         servers, items, policy, seed=seed, config=config, controller=scaler, tick_s=POLL_S
     )
@@ -200,15 +220,16 @@ def run_autopilot(
     """The autopilot moving the inventory's fleet through the traffic."""
     start = plan_fleet(inv, None, calibration)
     servers = _servers(inv, start.deployments, calibration)
+    config = _config(inv, servers, traffic, calibration)
     pilot = Autopilot(
         inv,
         costs or default_costs(inv, calibration),
         settings,
         [Resident(d) for d in start.deployments],
         calibration,
+        {m: slo for m, slo in config.slo.items() if slo is not None},
     )
     items = _merged(traffic)
-    config = _config(inv, servers, traffic)
     decisions: list[Decision] = []
     seen = 0
 

@@ -390,8 +390,10 @@ class PlannerSpec(Strict):
         None,
         ge=256,
         le=MAX_TOKENS,
-        description="null: the vLLM release's default for each GPU (vllm/release.py; with "
-        "0.32, 2048 on an A100 or RTX 4090, 8192 on an H100)",
+        description="null: per candidate, the vLLM release's default for its GPU (with 0.32, "
+        "2048 on an A100 or RTX 4090, 8192 on an H100) or, under a TPOT objective, a half of "
+        "it whose full step meets the objective where that costs no capacity "
+        "(docs/concepts/planner.md, The step budget)",
     )
     enforce_eager: bool = False
     # Start every server with vLLM's sleep mode (--enable-sleep-mode, VLLM_SERVER_DEV_MODE=1),

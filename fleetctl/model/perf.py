@@ -566,10 +566,19 @@ class EnginePerf:
         compute /= self.tp * self.flops
         return "compute" if compute > mem else "bandwidth"
 
-    def prefill_time(self, tokens: int, context: int = 0) -> float:
-        """Seconds to prefill `tokens` prompt tokens on top of `context` cached tokens, alone."""
-        pairs = tokens * (context + tokens / 2)
-        return self.step_time(tokens, context + tokens, pairs, seqs=1)
+    def prefill_time(self, tokens: int, context: int = 0, chunk: int = 0) -> float:
+        """Seconds to prefill `tokens` prompt tokens on top of `context` cached tokens, alone;
+        with `chunk` (the step's token budget, --max-num-batched-tokens) in steps of at most
+        that many tokens, each step paying its weight reads and fixed cost again."""
+        if chunk <= 0 or tokens <= chunk:
+            pairs = tokens * (context + tokens / 2)
+            return self.step_time(tokens, context + tokens, pairs, seqs=1)
+        total, done = 0.0, 0
+        while done < tokens:
+            n = min(chunk, tokens - done)
+            total += self.prefill_time(n, context + done)
+            done += n
+        return total
 
     def prefill_marginal(self, tokens: int, context: int = 0) -> float:
         """Compute seconds a prompt adds riding along a batch that reads the weights anyway."""
@@ -580,12 +589,22 @@ class EnginePerf:
             own += self.lora_mix.lora_share * tokens * self.lora_costs.token_s
         return own
 
-    def capacity_rps(self, prompt: int, output: int, kv_tokens: int, max_num_seqs: int) -> float:
+    def capacity_rps(
+        self,
+        prompt: int,
+        output: int,
+        kv_tokens: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int = 0,
+    ) -> float:
         """Requests/s the engine sustains at saturation for a mean prompt and output length.
 
         Concurrency is capped by max_num_seqs and by how many whole sequences the KV cache holds;
         each request costs its share of the decode steps plus the compute of its prefill, the
-        LoRA adapters' kernels included where the engine has a `lora_mix`.
+        LoRA adapters' kernels included where the engine has a `lora_mix`. With
+        `max_num_batched_tokens` (0: unbounded), no step computes more tokens than that,
+        decodes included: a small budget pays a step's weight reads and fixed cost for fewer
+        tokens, so it caps the tokens a second the engine gets through.
         """
         batch = min(max_num_seqs, max_sequences(kv_tokens, prompt + output))
         if batch < 1:
@@ -593,4 +612,17 @@ class EnginePerf:
         mean_ctx = prompt + output / 2
         step = self.step_time(batch, batch * mean_ctx)
         per_request = output * step / batch + self.prefill_marginal(prompt)
+        if max_num_batched_tokens:
+            full = self.full_step(max_num_batched_tokens, batch, mean_ctx, prompt)
+            per_request = max(per_request, (prompt + output) * full / max_num_batched_tokens)
         return 1.0 / per_request
+
+    def full_step(self, budget: int, batch: int, context: float, prompt: int) -> float:
+        """Seconds of the longest step a --max-num-batched-tokens `budget` allows: `batch`
+        decodes of `context` tokens each, and the rest of the budget one chunk of a
+        `prompt`-token prompt (vLLM schedules the running decodes first)."""
+        batch = max(1, min(batch, budget))
+        chunk = budget - batch
+        kv = batch * context + min(prompt, chunk)
+        pairs = batch * context + chunk * prompt / 2
+        return self.step_time(budget, kv, pairs, seqs=batch + (1 if chunk else 0))

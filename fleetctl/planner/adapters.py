@@ -37,7 +37,14 @@ def lora_summary(
         gpu = k.cls.gpu.name
         if slots(model, gpu) is not None and gpu not in uses:
             uses[gpu] = use(model, gpu, k.variant.format, k.tp, k.perf.kv_token_bytes)
-        group = Group(n, k.perf, k.budget.kv_tokens, k.max_num_seqs, k.max_model_len)
+        group = Group(
+            n,
+            k.perf,
+            k.budget.kv_tokens,
+            k.max_num_seqs,
+            k.max_model_len,
+            max_num_batched_tokens=k.max_num_batched_tokens,
+        )
         groups.append(Placed(gpu, group))
     return tuple(uses.values()), adapter_uses(model, groups)
 

@@ -9,7 +9,7 @@ from fleetctl.base.names import natural_key
 from fleetctl.base.text import plural
 from fleetctl.fleet.inventory import BucketSpec, Inventory, Model, Node, Variant, WorkloadSpec
 from fleetctl.fleet.prices import node_cost_per_hour
-from fleetctl.fleet.slo import Slo, objectives
+from fleetctl.fleet.slo import MODERATE_BATCH, Slo, objectives
 from fleetctl.model.calibration import Calibrated, Calibration, calibrated
 from fleetctl.model.catalog import GpuProfile
 from fleetctl.model.perf import (
@@ -102,6 +102,9 @@ class Candidate:
     # The model's SLO the candidate is weighed by: stated, else derived before placement
     # (`candidates`); None only where no candidate of the model holds it.
     slo: Slo | None = None
+    # Why its --max-num-batched-tokens is not vLLM's default, in numbers ("": it is, or the
+    # inventory stated it).
+    budget_reason: str = ""
 
     @property
     def option(self) -> tuple[str, str, int]:
@@ -174,15 +177,99 @@ def evaluate(
     """Memory and speed of `model` in `variant` at TP=`tp` on one node of `cls` (fit or not),
     with --max-model-len `max_len` (default: the model's max_context), its capacity weighed
     by `slo` (None: saturation's); a calibration entry for the same GPU, model, format and TP
-    replaces the model's KV tokens and speed with what live servers measured."""
+    replaces the model's KV tokens and speed with what live servers measured.
+
+    Its --max-num-batched-tokens is the inventory's planner.max_num_batched_tokens where
+    stated; else, under a TPOT objective, the step budget `step_budget` chooses."""
+    max_len = max_len or model.spec.max_context
+    tokens, _ = vllm_batch_defaults(cls.gpu, inv.spec.apply.vllm_version, max_len)
+    stated = inv.spec.planner.max_num_batched_tokens
+    if stated or slo is None or slo.tpot_s is None:
+        return _at_budget(cls, model, variant, tp, inv, calibration, max_len, slo, stated or tokens)
+    tried = [
+        _at_budget(cls, model, variant, tp, inv, calibration, max_len, slo, b)
+        for b in step_budgets(tokens)
+    ]
+    return step_budget(tried, slo.tpot_s)
+
+
+# The share of the best capacity within the SLO a smaller step budget may cost (a budget
+# whose every step meets the TPOT objective, else the one whose steps stall answers least).
+BUDGET_SLACK = 0.02
+# The smallest budget weighed: below a few hundred tokens a step is bound by reading the
+# weights, so a smaller one no longer shortens it.
+MIN_BUDGET = 128
+
+
+def step_budgets(default: int) -> list[int]:
+    """The --max-num-batched-tokens the planner weighs, largest first: vLLM's default,
+    halved down to MIN_BUDGET."""
+    out = [default]
+    while out[-1] // 2 >= MIN_BUDGET:
+        out.append(out[-1] // 2)
+    return out
+
+
+def step_budget(tried: Sequence[Candidate], tpot_s: float) -> Candidate:
+    """Of one candidate at each step budget (vLLM's default first, then its halves), the one
+    to plan.
+
+    A budget bounds every step: decodes go first, and a prompt is prefilled in chunks of
+    what is left. Where a step that fills it (beside a moderate batch of decodes) meets the
+    TPOT objective, no prompt can push an answer's TPOT over it, whatever its length: the
+    largest such budget is chosen if it costs no more than BUDGET_SLACK of the best
+    capacity within the SLO (a small budget reads the weights and pays a step's fixed cost
+    for fewer tokens, and spreads a long prompt over more steps). Else the smallest budget
+    within BUDGET_SLACK of the best capacity is: its steps, if not all within the
+    objective, stall the answers beside them least."""
+    default = tried[0]
+    top = max(k.capacity_rps for k in tried)
+    near = [k for k in tried if k.capacity_rps >= top * (1 - BUDGET_SLACK)]
+    bounded = [k for k in near if _longest_step(k) <= tpot_s]
+    best = bounded[0] if bounded else near[-1]
+    if best is default:
+        return best
+    ms, objective = _longest_step(best) * 1000, tpot_s * 1000
+    if bounded:
+        how = f"a step that fills it takes {ms:.0f} ms, within the {objective:g} ms TPOT objective"
+    else:
+        how = (
+            f"none that serves as much keeps a full step within the {objective:g} ms TPOT "
+            f"objective, and this one's ({ms:.0f} ms) stalls the answers beside it least"
+        )
+    why = (
+        f"{best.max_num_batched_tokens}, not vLLM's {default.max_num_batched_tokens}: {how} "
+        f"({best.capacity_rps:.2f} req/s a server within the SLO, against "
+        f"{default.capacity_rps:.2f} at {default.max_num_batched_tokens})"
+    )
+    return replace(best, budget_reason=why)
+
+
+def _longest_step(k: Candidate) -> float:
+    """Seconds of a step that fills `k`'s budget beside a moderate batch of the mean request."""
+    prompt, output = request_shape(k.model)
+    return k.perf.full_step(k.max_num_batched_tokens, MODERATE_BATCH, prompt + output / 2, prompt)
+
+
+def _at_budget(
+    cls: NodeClass,
+    model: Model,
+    variant: Variant,
+    tp: int,
+    inv: Inventory,
+    calibration: Calibration | None,
+    max_len: int,
+    slo: Slo | None,
+    tokens: int,
+) -> Candidate:
+    """`evaluate` at one step budget (--max-num-batched-tokens `tokens`)."""
     planner = inv.spec.planner
     util = model.spec.gpu_memory_utilization or planner.gpu_memory_utilization
     # The release the servers will run: the inventory's apply.vllm_version, else fleetctl's
     # target; its memory-profiling rules and defaults size the KV cache.
     version = inv.spec.apply.vllm_version
-    max_len = max_len or model.spec.max_context
-    tokens, seqs = vllm_batch_defaults(cls.gpu, version, max_len)
-    tokens = planner.max_num_batched_tokens or tokens
+    _, seqs = vllm_batch_defaults(cls.gpu, version, max_len)
+    seqs = min(seqs, tokens)  # vLLM refuses a budget below max_num_seqs
     lora = slots(model, cls.gpu.name)
     budget = kv_budget(
         cls.gpu,
@@ -226,15 +313,15 @@ def evaluate(
         perf = replace(perf, lora_mix=lora_mix)
     seq_at_max = max_sequences(budget.kv_tokens, max_len)
     prompt, output = request_shape(model)
-    capacity = shape_capacity(perf, slo, prompt, output, budget.kv_tokens, seqs, seq_at_max)
+    capacity = shape_capacity(perf, slo, prompt, output, budget.kv_tokens, seqs, seq_at_max, tokens)
     traffic = traffic_of(model, (prompt, output))
-    tpot = tpot_rates(perf, slo, prompt, output, budget.kv_tokens, seqs)
+    tpot = tpot_rates(perf, slo, prompt, output, budget.kv_tokens, seqs, tokens)
     group = None
     if slo is not None:
         most = cls.size * (cls.gpu_count // tp)
         if model.spec.max_replicas is not None:
             most = min(most, model.spec.max_replicas)
-        group = Group(max(1, most), perf, budget.kv_tokens, seqs, max_len, tpot)
+        group = Group(max(1, most), perf, budget.kv_tokens, seqs, max_len, tpot, tokens)
     if capacity > 0 and slo is not None and group is not None:
         # Its share of what all such servers serve within the SLO, on the shapes it takes
         # (the longer ones are another class's to carry); where none holds, the old
@@ -248,7 +335,14 @@ def evaluate(
         else bucket_capacity(model, b, group, slo)
         if group is not None and slo is not None
         else shape_capacity(
-            perf, None, b.mean_prompt_tokens, b.mean_output_tokens, budget.kv_tokens, seqs, 1
+            perf,
+            None,
+            b.mean_prompt_tokens,
+            b.mean_output_tokens,
+            budget.kv_tokens,
+            seqs,
+            1,
+            tokens,
         )
         for b in (w.buckets if w else ())
     )
@@ -294,26 +388,36 @@ def bucket_capacity(model: Model, bucket: BucketSpec, group: Group, slo: Slo) ->
     traffic = traffic_of(sliced, (prompt, output))
     # The rates at which its TPOT quantiles reach the objective are the bucket's own: a
     # short request's step is shorter than the whole workload's mean request's.
-    g = Group(
-        group.servers,
+    rates = tpot_rates(
         group.perf,
+        slo,
+        prompt,
+        output,
         group.kv_tokens,
         group.max_num_seqs,
-        group.max_model_len,
-        tpot_rates(group.perf, slo, prompt, output, group.kv_tokens, group.max_num_seqs),
+        group.max_num_batched_tokens,
     )
+    g = replace(group, tpot_rates=rates)
     return goodput([g], traffic, slo.ttft_s, slo.tpot_s, slo.share) / g.servers
 
 
 def tpot_rates(
-    perf: EnginePerf, slo: Slo | None, prompt: int, output: int, kv_tokens: int, seqs: int
+    perf: EnginePerf,
+    slo: Slo | None,
+    prompt: int,
+    output: int,
+    kv_tokens: int,
+    seqs: int,
+    max_num_batched_tokens: int = 0,
 ) -> tuple[tuple[float, float], ...]:
     """Per server, the requests/s at which each TPOT quantile reaches the objective (Poisson
-    arrivals of the mean shape, prefill interference counted), with the share of requests
-    over it there; () without a TPOT objective."""
+    arrivals of the mean shape, prefill interference counted, one chunk a step at most),
+    with the share of requests over it there; () without a TPOT objective."""
     if slo is None or slo.tpot_s is None:
         return ()
-    pool = Pool(0, "", 1, perf, kv_tokens, seqs, None)
+    pool = Pool(
+        0, "", 1, perf, kv_tokens, seqs, None, max_num_batched_tokens=max_num_batched_tokens
+    )
     return tuple(
         (colocated(pool, prompt, output, slo.tpot_s, quantile=q).rate, 1 - q)
         for q in TPOT_QUANTILES
@@ -343,7 +447,15 @@ def model_attainment(model: Model, placed: Sequence[tuple[Candidate, int]], rate
 
 def _groups(placed: Sequence[tuple[Candidate, int]]) -> list[Group]:
     return [
-        Group(n, k.perf, k.budget.kv_tokens, k.max_num_seqs, k.max_model_len, k.tpot_rates)
+        Group(
+            n,
+            k.perf,
+            k.budget.kv_tokens,
+            k.max_num_seqs,
+            k.max_model_len,
+            k.tpot_rates,
+            k.max_num_batched_tokens,
+        )
         for k, n in placed
     ]
 
@@ -356,12 +468,13 @@ def shape_capacity(
     kv_tokens: int,
     max_num_seqs: int,
     seq_at_max: int,
+    max_num_batched_tokens: int = 0,
 ) -> float:
     """Requests/s at saturation for one request shape, capped by `slo`: 0 where the KV
     cache holds no sequence at max_model_len."""
     if not seq_at_max:
         return 0.0
-    capacity = perf.capacity_rps(prompt, output, kv_tokens, max_num_seqs)
+    capacity = perf.capacity_rps(prompt, output, kv_tokens, max_num_seqs, max_num_batched_tokens)
     if slo is not None and capacity:
         capacity = slo_capacity(perf, slo, prompt, output, kv_tokens, max_num_seqs, capacity)
     return capacity

@@ -115,6 +115,7 @@ class Pool:
     link: Link | None
     servers_per_node: int = 1
     max_model_len: int | None = None  # None: it holds every request
+    max_num_batched_tokens: int = 0  # a step's token budget (prefill chunks); 0: unbounded
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,8 @@ def colocated(
     p = pool.perf
     t_prefill = p.prefill_marginal(prompt)
     most = min(pool.max_num_seqs, max_sequences(pool.kv_tokens, prompt + output))
-    light = Figures(0.0, p.prefill_time(prompt), p.step_time(1, prompt + output / 2))
+    budget = pool.max_num_batched_tokens
+    light = Figures(0.0, p.prefill_time(prompt, chunk=budget), p.step_time(1, prompt + output / 2))
     if most < 1 or (ttft_s is not None and light.ttft_s > ttft_s * SLO_HEADROOM):
         return light
     ctx = prompt + output / 2
@@ -204,7 +206,9 @@ def colocated(
         high = poisson_quantile(rate * output * t, quantile)
         if high > most:
             return None
-        return p.step_time(max(1, high), max(1, high) * ctx) + high * t_prefill / output
+        tpot = p.step_time(max(1, high), max(1, high) * ctx) + high * t_prefill / output
+        # No step is longer than one that fills the budget (--max-num-batched-tokens).
+        return min(tpot, p.full_step(budget, high, ctx, prompt)) if budget else tpot
 
     lo, hi = 0.0, 1.0 / t_prefill
     for _ in range(50):  # the largest rate whose TPOT holds

@@ -77,6 +77,8 @@ def reasons(
     )
     if m.spec.min_context is not None:
         out.append(f"max_model_len {k.context_reason}")
+    if k.budget_reason:
+        out.append(f"max_num_batched_tokens {k.budget_reason}")
     if k.calibrated:
         out.append(k.calibrated)
     if len(m.variants) > 1:
@@ -90,7 +92,9 @@ def reasons(
     basis = "at saturation"
     if k.slo is not None:
         prompt, output = request_shape(m)
-        full = k.perf.capacity_rps(prompt, output, k.budget.kv_tokens, k.max_num_seqs)
+        full = k.perf.capacity_rps(
+            prompt, output, k.budget.kv_tokens, k.max_num_seqs, k.max_num_batched_tokens
+        )
         traffic = traffic_of(m, (prompt, output))
         on = (
             "the workload's length quantiles" if not traffic.assumed else "; ".join(traffic.assumed)

@@ -27,7 +27,9 @@ performance model, by a queueing model of the servers:
   the objective (planner/disaggregate.py, Poisson arrivals of the mean shape) give the share
   over it at any rate; and the prompts that arrive while a short answer decodes stall it
   (Poisson over its decode span: one whose prefill exceeds what the answer's tokens absorb,
-  or several together, push it over).
+  or several together, push it over). A step carries one prefill chunk at most (the
+  servers' --max-num-batched-tokens), so an answer whose every step absorbs a whole chunk
+  is never pushed over, and a prompt's first token waits for all of its chunks' steps.
 - Routing: the shapes every class takes fill the classes to equal utilization of what each
   serves within the TPOT objective (a router that knows the SLO).
 
@@ -173,6 +175,9 @@ class Group:
     max_model_len: int
     # Per server, (requests/s, share over the TPOT objective there), rates rising; (): none.
     tpot_rates: tuple[tuple[float, float], ...] = ()
+    # Their --max-num-batched-tokens: no step carries more tokens, decodes included (a
+    # prompt is prefilled in chunks of it); 0: unbounded.
+    max_num_batched_tokens: int = 0
 
     def tpot_misses(self, rate: float) -> float:
         """The share of requests over the TPOT objective at `rate` requests/s a server,
@@ -195,7 +200,9 @@ class Group:
 
     def seconds(self, prompt: int, output: int) -> float:
         """A request's share of one server's time at saturation (1 / capacity for its shape)."""
-        cap = self.perf.capacity_rps(prompt, output, self.kv_tokens, self.max_num_seqs)
+        cap = self.perf.capacity_rps(
+            prompt, output, self.kv_tokens, self.max_num_seqs, self.max_num_batched_tokens
+        )
         return math.inf if cap <= 0 else 1.0 / cap
 
 
@@ -209,7 +216,8 @@ class _Fixed:
     prefill: tuple[float, ...]  # marginal prefill compute
     alone: tuple[float, ...]  # the prefill of a prompt alone (its first token on an idle server)
     # Per output length: (share, its decode span (tokens x step), the stall its tokens absorb
-    # within the TPOT objective, the share of prompts whose prefill alone exceeds that).
+    # within the TPOT objective, the share of prompts whose prefill alone exceeds that); an
+    # output whose steps cannot carry more prefill than they absorb is left out.
     stalls: tuple[tuple[float, float, float, float], ...] = ()
     mean_prefill: float = 0.0
 
@@ -219,10 +227,15 @@ class _Fixed:
         prefill = tuple(g.perf.prefill_marginal(p) for _, p, _ in points)
         mean_prefill = sum(s * x for (s, _, _), x in zip(points, prefill, strict=True))
         stalls = []
+        budget = g.max_num_batched_tokens
         if tpot_s is not None:
             prompt = round(sum(s * p for s, p, _ in points))
             for share, out in traffic.outputs:
                 step = g.perf.step_time(1, prompt + out / 2)
+                # No step carries more than the budget's tokens, so an answer whose longest
+                # step meets the objective is never pushed over, however many prompts come.
+                if budget and g.perf.full_step(budget, 1, prompt + out / 2, prompt) <= tpot_s:
+                    continue
                 absorb = (tpot_s - step) * max(1, out - 1)
                 over = sum(s for (s, _, _), x in zip(points, prefill, strict=True) if x > absorb)
                 stalls.append((share, out * step, absorb, over))
@@ -231,7 +244,7 @@ class _Fixed:
             tuple(p + o <= g.max_model_len for _, p, o in points),
             tuple(g.seconds(p, o) for _, p, o in points),
             prefill,
-            tuple(g.perf.prefill_time(p) for _, p, _ in points),
+            tuple(g.perf.prefill_time(p, chunk=budget) for _, p, _ in points),
             tuple(stalls),
             mean_prefill,
         )

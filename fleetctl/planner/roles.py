@@ -110,6 +110,7 @@ def _pool(key: int, group: list[Deployment], k: Candidate, nodes: dict[str, Node
         link,
         per_node,
         k.max_model_len,
+        k.max_num_batched_tokens,
     )
 
 

@@ -104,7 +104,9 @@ def fleet_capacity(
     with `asks` (requests per adapter, adapter_asks), a LoRA-enabled server's steps count the
     kernels of the adapters it may serve, at their shares of the requests it may serve."""
     return sum(
-        lora_perf(s, asks).capacity_rps(prompt, output, s.kv_tokens, s.max_num_seqs)
+        lora_perf(s, asks).capacity_rps(
+            prompt, output, s.kv_tokens, s.max_num_seqs, s.max_num_batched_tokens
+        )
         for s in servers
     )
 

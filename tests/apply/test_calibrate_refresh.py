@@ -19,8 +19,10 @@ from tests.model.test_calibration import Load
 from tests.procs import Emulator, free_port
 
 # Nodes at 127.0.0.x where nothing listens on SSH's port: health's probe fails fast and the
-# servers' checks and the refresh still run.
+# servers' checks and the refresh still run. The step budget is the one the emulator runs
+# (vLLM's default): it sizes the KV cache the model and the emulator must agree on.
 INVENTORY = """\
+planner: {max_num_batched_tokens: 2048}
 nodes:
   - name: rtx-[1:2]
     host: 127.0.0.[1:2]

@@ -67,13 +67,14 @@ def test_plan_table_and_explain(cli):
         assert c[1] == f"0 {gpu}" and c[6] == f"{kv[gpu]:,}", c  # GPU, then its KV tokens
         per_gpu[gpu] = (float(c[-1]), n)
         assert f"= {kv[gpu]:,} tokens" in r.out  # the explain line of the KV budget
-    # The Capacity table: 12 replicas on 12 GPUs, the sum of the rows' req/s (rounded to
-    # 0.01 each, so within 12 x 0.005), against a workload of 20 req/s.
+    # The Capacity table: 12 replicas on 12 GPUs, about the sum of the rows' req/s (each
+    # class's share of its own servers' goodput; the model's pools both classes, which a
+    # router that knows the SLO balances, so it may be a little more), against 20 req/s.
     (model,) = plan["models"]
     (row,) = [ln for ln in lines if cells(ln)[:1] == ["llama-3-8b"]]
     c = cells(row)
     assert c[:3] == ["llama-3-8b", "12", "12"] and c[4] == "20", c
-    assert float(c[3]) == pytest.approx(sum(rps * n for rps, n in per_gpu.values()), abs=0.06)
+    assert float(c[3]) == pytest.approx(sum(rps * n for rps, n in per_gpu.values()), rel=0.02)
     assert float(c[3]) == pytest.approx(model["capacity_rps"], abs=0.005)
     assert "Plan: 12 to create, 0 to replace, 0 to delete, 0 unchanged." in r.out
     assert "warning:" in r.out

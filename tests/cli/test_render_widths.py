@@ -290,7 +290,7 @@ def test_the_compact_layouts_take_over_only_below_a_width() -> None:
     assert tables(render_at(plan, 100)) == 1 and tables(render_at(plan, 160)) == 1
     blocks = render_at(plan, 80)
     assert tables(blocks) == 0 and "+ a100-[1:4] llama-3-8b bf16" in blocks
-    assert "KV tokens 486,208" in blocks
+    assert "KV tokens 486,304" in blocks
     [(sim, _)] = simulate_cases()
     assert tables(render_at(sim, 160)) == 1 and tables(render_at(sim, 100)) == 2
 

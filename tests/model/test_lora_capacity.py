@@ -58,7 +58,10 @@ def test_simulate_load_is_a_share_of_the_capacity_with_the_adapters_kernels(tmp_
     c = compare(inv, plan, "llama-3-8b", items, ["round-robin"], load=0.5)
     servers = [s for s in servers_from_plan(plan.deployments, inv) if s.model == "llama-3-8b"]
     prompt, output = mean_shape(items)
-    base = sum(s.perf.capacity_rps(prompt, output, s.kv_tokens, s.max_num_seqs) for s in servers)
+    base = sum(
+        s.perf.capacity_rps(prompt, output, s.kv_tokens, s.max_num_seqs, s.max_num_batched_tokens)
+        for s in servers
+    )
     assert all(s.lora is not None for s in servers)
     assert c.capacity_rps < 0.97 * base
     assert c.offered_rps == pytest.approx(0.5 * c.capacity_rps, rel=1e-6)

@@ -186,11 +186,13 @@ def test_plan_enables_lora_with_the_adapters_each_class_may_load(tmp_path):
     assert "legal-de=org/legal-de-lora" not in rtx
     env = dict(next(d for d in plan.deployments if d.node == "rtx-1").env)
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
-    # The KV budget is the model's less the slots, per GPU type.
-    plain = _plan(tmp_path, BASE)
-    kv = {d.node: d.server.kv_budget_tokens for d in plan.deployments}
+    # The KV budget is the model's less the slots, per GPU type (at one step budget: the
+    # planner may choose another with the adapters' kernels, and it sizes the activations).
+    pin = "planner: {max_num_batched_tokens: 2048}\n"
+    plain, pinned = _plan(tmp_path, BASE + pin), _plan(tmp_path, GOOD + pin)
+    kv = {d.node: d.server.kv_budget_tokens for d in pinned.deployments}
     kv0 = {d.node: d.server.kv_budget_tokens for d in plain.deployments}
-    m = plan.models[0]
+    m = pinned.models[0]
     for u in m.lora:
         node = "a100-1" if u.gpu_type.startswith("A100") else "rtx-1"
         assert kv0[node] - kv[node] == pytest.approx(u.kv_tokens_given_up, abs=16)

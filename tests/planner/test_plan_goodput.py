@@ -92,7 +92,7 @@ def test_plan_json_capacity_falls_for_a_bursty_workload_and_says_what_it_assumed
 
 def test_a_tail_only_one_class_holds_is_bounded_by_that_class(tmp_path, catalog):
     """max_context 16K, min_sequences 8: the RTX 4090s run 6K-odd, so the prompts past that
-    (the top 20% here) go to the four A100s only, and the model's capacity is bounded by
+    (a tenth or more here) go to the four A100s only, and the model's capacity is bounded by
     what the A100s serve of that tail within the SLO."""
     tail = (
         "requests_per_s: 5, mean_prompt_tokens: 3500, mean_output_tokens: 250"
@@ -121,9 +121,16 @@ def test_a_tail_only_one_class_holds_is_bounded_by_that_class(tmp_path, catalog)
     traffic = traffic_of(inv.models[0], (3500, 250))
     long = [(s, p, o) for s, p, o in traffic.points if p + o > lens["RTX-4090"]]
     share = sum(s for s, _, _ in long)
-    assert 0.1 < share < 0.3
+    assert 0.05 < share < 0.3
     only = Traffic(tuple((s / share, p, o) for s, p, o in long), 1.0, (), traffic.outputs)
-    group = Group(4, a100.perf, a100.budget.kv_tokens, a100.max_num_seqs, a100.max_model_len)
+    group = Group(
+        4,
+        a100.perf,
+        a100.budget.kv_tokens,
+        a100.max_num_seqs,
+        a100.max_model_len,
+        max_num_batched_tokens=a100.max_num_batched_tokens,
+    )
     bound = goodput([group], only, 2.0, 0.060) / share
     # ... and the tail is carried there, not lost: the 4090s take the rest.
     assert 0.3 * bound < summary.capacity_rps <= bound * 1.01, (summary.capacity_rps, bound)

@@ -26,11 +26,14 @@ from tests.procs import free_port
 
 def inventory(tmp: Path, rtx: int, extra: str = "", name: str = "inventory.yaml") -> Path:
     """`rtx` RTX 4090 nodes serving Llama-3 8B; SSH to a loopback port nobody listens on, so
-    an apply that gets past the gate fails at once, touching nothing."""
+    an apply that gets past the gate fails at once, touching nothing. Their step budget is
+    pinned at vLLM's default: overloaded, their tokens come slower (the planner's smaller
+    budget would hold TPOT and queue the prompts instead, which these tests do not judge)."""
     return write(
         tmp,
         f"""
 ssh: {{user: nobody, port: {free_port()}, connect_timeout_s: 2}}
+planner: {{max_num_batched_tokens: 2048}}
 nodes:
   - name: rtx-[1:{rtx}]
     host: 127.0.0.[1:{rtx}]
