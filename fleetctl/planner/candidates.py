@@ -190,7 +190,16 @@ def evaluate(
         _at_budget(cls, model, variant, tp, inv, calibration, max_len, slo, b)
         for b in step_budgets(tokens)
     ]
-    return step_budget(tried, slo.tpot_s)
+    chosen = step_budget(tried, slo.tpot_s)
+    if _longest_step(chosen) <= slo.tpot_s:
+        return chosen
+    # No half both meets the objective and serves as much: the largest budget that meets it,
+    # between two halves, may.
+    exact = within_objective(tried[0], slo.tpot_s)
+    if exact is None or any(k.max_num_batched_tokens == exact for k in tried):
+        return chosen
+    k = _at_budget(cls, model, variant, tp, inv, calibration, max_len, slo, exact)
+    return step_budget(sorted([*tried, k], key=lambda k: -k.max_num_batched_tokens), slo.tpot_s)
 
 
 # The share of the best capacity within the SLO a smaller step budget may cost (a budget
@@ -210,9 +219,28 @@ def step_budgets(default: int) -> list[int]:
     return out
 
 
+# A budget found between halves is a multiple of this many tokens (four KV blocks).
+BUDGET_STEP = 64
+
+
+def within_objective(k: Candidate, tpot_s: float) -> int | None:
+    """The largest budget, a multiple of BUDGET_STEP from MIN_BUDGET up to `k`'s, whose full
+    step (`_longest_step`) meets the TPOT objective; None where not even MIN_BUDGET's does."""
+    lo, hi = MIN_BUDGET // BUDGET_STEP, k.max_num_batched_tokens // BUDGET_STEP
+    if _longest_step(replace(k, max_num_batched_tokens=lo * BUDGET_STEP)) > tpot_s:
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _longest_step(replace(k, max_num_batched_tokens=mid * BUDGET_STEP)) <= tpot_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * BUDGET_STEP
+
+
 def step_budget(tried: Sequence[Candidate], tpot_s: float) -> Candidate:
-    """Of one candidate at each step budget (vLLM's default first, then its halves), the one
-    to plan.
+    """Of one candidate at each step budget (largest first: vLLM's default and its halves,
+    and maybe the largest whose full step meets the objective), the one to plan.
 
     A budget bounds every step: decodes go first, and a prompt is prefilled in chunks of
     what is left. Where a step that fills it (beside a moderate batch of decodes) meets the

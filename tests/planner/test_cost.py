@@ -177,9 +177,13 @@ def test_bad_prices_and_slos_name_the_field(cli, tmp_path):
 
 
 def test_a_tpot_slo_caps_capacity_and_an_impossible_ttft_places_nothing(tmp_path, catalog):
-    base = plan_fleet(inventory(tmp_path, catalog), objective="throughput")
+    # At one step budget, vLLM's default: a tighter objective also chooses a smaller one,
+    # which serves more (tests/planner/test_step_budget.py).
+    pinned = "planner: {max_num_batched_tokens: 2048}\n" + FLEET
+    base = plan_fleet(inventory(tmp_path, catalog, pinned), objective="throughput")
     tight = plan_fleet(
-        inventory(tmp_path, catalog, FLEET + "    slo: {tpot_p99_ms: 40}\n"), objective="throughput"
+        inventory(tmp_path, catalog, pinned + "    slo: {tpot_p99_ms: 40}\n"),
+        objective="throughput",
     )
     rtx = {d.gpu_type: d.capacity_rps for d in base.deployments}
     capped = {d.gpu_type: d.capacity_rps for d in tight.deployments}
