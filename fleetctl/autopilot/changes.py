@@ -67,9 +67,31 @@ class Change:
         }
 
 
+# Flags the planner tunes to the traffic it plans for (the step budget, planner/candidates.py):
+# a plan for another interval's request shapes may choose another, worth far less than the
+# cold start (or a second resident server) a new command costs. `plan` and `apply` still
+# weigh such a change by the planner's change threshold.
+TUNED_FLAGS = frozenset({"--max-num-batched-tokens", "--max-num-seqs"})
+
+
 def same_server(a: Deployment, b: Deployment) -> bool:
-    """Whether `a` and `b` are one server: the same GPUs of one node and the same command."""
-    return a.key == b.key and a.vllm_args == b.vllm_args
+    """Whether `a` and `b` are one server: the same GPUs of one node and the same command,
+    but for the flags the planner tunes to the traffic (TUNED_FLAGS)."""
+    return a.key == b.key and _command(a.vllm_args) == _command(b.vllm_args)
+
+
+def _command(args: Sequence[str]) -> list[str]:
+    """`args` without TUNED_FLAGS and their values."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in TUNED_FLAGS:
+            skip = True
+        elif arg.split("=", 1)[0] not in TUNED_FLAGS:
+            out.append(arg)
+    return out
 
 
 def overlaps(a: Deployment, b: Deployment) -> bool:

@@ -97,6 +97,28 @@ def test_same_server_means_same_gpus_and_command(placed):
     assert not same_server(a, dataclasses.replace(a, gpu_indices=(7,)))
 
 
+def test_a_step_budget_alone_does_not_restart_a_server(placed):
+    """A plan for another interval's request shapes may choose another step budget (and
+    with it max_num_seqs): the running server stays, where a new command would start a
+    second one cold. (It did: the live benchmark's simulated side slept a 4090's server
+    and started the same model on its GPU three times in ten minutes.)"""
+    a = placed[0]
+    tail = list(a.server.args_tail)
+    i = tail.index("--max-num-batched-tokens")
+    tail[i + 1] = str(int(tail[i + 1]) // 2)
+    j = tail.index("--max-num-seqs")
+    tail[j + 1] = "64"
+    tuned = dataclasses.replace(a, server=dataclasses.replace(a.server, args_tail=tuple(tail)))
+    assert tuned.vllm_args != a.vllm_args
+    assert same_server(a, tuned)
+    assert changes([Resident(a)], [tuned], COSTS) == []
+    other = list(a.server.args_tail)
+    k = other.index("--max-model-len")
+    other[k + 1] = "1024"
+    longer = dataclasses.replace(a, server=dataclasses.replace(a.server, args_tail=tuple(other)))
+    assert not same_server(a, longer)
+
+
 def test_a_target_sharing_a_gpu_is_a_conflict(placed):
     now, swap = _pair(placed)
     assert conflicts([now, swap]) == [(now, swap)]
