@@ -146,10 +146,11 @@ def changes(
         if t in keep:
             continue
         sleeper = next((r for r in asleep if same_server(r.deployment, t)), None)
-        if sleeper is not None:
+        if sleeper is not None:  # the sleeper itself wakes, its command as it was started
             level = sleeper.level
-            seconds = costs.wake_s(t, level)
-            out.append(Change("wake", t, seconds, level, f"asleep at level {level} on its GPUs"))
+            d = sleeper.deployment
+            seconds = costs.wake_s(d, level)
+            out.append(Change("wake", d, seconds, level, f"asleep at level {level} on its GPUs"))
         else:
             out.append(Change("start", t, costs.start_s(t), why="no server of it on its GPUs"))
     return sorted(out, key=lambda c: (c.after, c.deployment.node, ORDER[c.kind]))
