@@ -391,8 +391,8 @@ class PlannerSpec(Strict):
         ge=256,
         le=MAX_TOKENS,
         description="null: per candidate, the vLLM release's default for its GPU (with 0.32, "
-        "2048 on an A100 or RTX 4090, 8192 on an H100) or, under a TPOT objective, a half of "
-        "it whose full step meets the objective where that costs no capacity "
+        "2048 on an A100 or RTX 4090, 8192 on an H100) or, under a TPOT objective, a smaller "
+        "one whose full step meets the objective where that costs at most 2% of its capacity "
         "(docs/concepts/planner.md, The step budget)",
     )
     enforce_eager: bool = False

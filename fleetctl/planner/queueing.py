@@ -27,9 +27,9 @@ performance model, by a queueing model of the servers:
   the objective (planner/disaggregate.py, Poisson arrivals of the mean shape) give the share
   over it at any rate; and the prompts that arrive while a short answer decodes stall it
   (Poisson over its decode span: one whose prefill exceeds what the answer's tokens absorb,
-  or several together, push it over). A step carries one prefill chunk at most (the
-  servers' --max-num-batched-tokens), so an answer whose every step absorbs a whole chunk
-  is never pushed over, and a prompt's first token waits for all of its chunks' steps.
+  or several together, push it over). No step carries more tokens than the servers'
+  --max-num-batched-tokens, so where a step that fills it meets the objective no answer is
+  pushed over, and a prompt's first token waits for all of its chunks' steps.
 - Routing: the shapes every class takes fill the classes to equal utilization of what each
   serves within the TPOT objective (a router that knows the SLO).
 
@@ -217,7 +217,7 @@ class _Fixed:
     alone: tuple[float, ...]  # the prefill of a prompt alone (its first token on an idle server)
     # Per output length: (share, its decode span (tokens x step), the stall its tokens absorb
     # within the TPOT objective, the share of prompts whose prefill alone exceeds that); an
-    # output whose steps cannot carry more prefill than they absorb is left out.
+    # output whose full step (one that fills the budget) meets the objective is left out.
     stalls: tuple[tuple[float, float, float, float], ...] = ()
     mean_prefill: float = 0.0
 
